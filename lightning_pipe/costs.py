@@ -1,0 +1,165 @@
+"""Per-layer cost records for a chain of layers: the planner's input.
+
+A model is planned as a chain of layers ``l = 0 .. L-1`` (DESIGN.md vocabulary; the papers count
+from 1). Each layer carries what Beaumont et al. (§3.1) call ``u_F``, ``u_B``, ``a_l`` and ``W_l``,
+plus what PipeDream's profiler records (activation and parameter sizes) and the bytes that autograd
+really keeps for the backward pass.
+
+All times are seconds, all sizes bytes, per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from lightning_pipe.errors import PlanningError
+
+__all__ = ["ChainCosts", "LayerCost"]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Measured (or loaded) cost of one layer for one micro-batch.
+
+    Attributes:
+        name: a human readable name (module path or description).
+        forward_seconds: forward time ``u_F``.
+        backward_seconds: backward time ``u_B``.
+        activation_bytes: bytes of the layer's output ``a_l`` (what crosses a stage boundary).
+        saved_bytes: bytes autograd keeps from this layer's forward until its backward.
+        param_bytes: bytes of the layer's parameters (one copy of the weights).
+        flops: forward + backward floating point operations, when known.
+    """
+
+    name: str
+    forward_seconds: float
+    backward_seconds: float
+    activation_bytes: float
+    saved_bytes: float
+    param_bytes: float
+    flops: float | None = None
+
+    def __post_init__(self) -> None:
+        numbers = {
+            "forward_seconds": self.forward_seconds,
+            "backward_seconds": self.backward_seconds,
+            "activation_bytes": self.activation_bytes,
+            "saved_bytes": self.saved_bytes,
+            "param_bytes": self.param_bytes,
+        }
+        if self.flops is not None:
+            numbers["flops"] = self.flops
+        for key, value in numbers.items():
+            if not isinstance(value, int | float) or math.isnan(value) or value < 0 or math.isinf(value):
+                raise PlanningError(f"layer {self.name!r}: {key} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def seconds(self) -> float:
+        """Forward plus backward time, the layer's share of a stage's time per micro-batch."""
+        return self.forward_seconds + self.backward_seconds
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """Costs of an ordered chain of layers.
+
+    Attributes:
+        layers: the layers in execution order.
+        boundary_bytes: for each cut position ``i`` (between layer ``i`` and ``i + 1``), the bytes of
+            activations that cross the cut. For a true chain this is ``layers[i].activation_bytes``;
+            for a DAG laid out in topological order it also counts skip connections that jump over
+            the cut. Defaults to the chain value.
+        name: what was profiled.
+        notes: remarks about how the costs were obtained (e.g. a DAG linearised into a chain).
+        meta: free-form provenance (batch size, device, source file ...).
+    """
+
+    layers: tuple[LayerCost, ...]
+    boundary_bytes: tuple[float, ...] = ()
+    name: str = ""
+    notes: tuple[str, ...] = ()
+    meta: dict[str, object] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise PlanningError(
+                f"{self.name or 'the model'} has no layers: nothing to partition "
+                "(give an nn.Sequential or a non-empty list of modules)"
+            )
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.boundary_bytes:
+            object.__setattr__(self, "boundary_bytes", tuple(layer.activation_bytes for layer in self.layers[:-1]))
+        object.__setattr__(self, "boundary_bytes", tuple(self.boundary_bytes))
+        object.__setattr__(self, "notes", tuple(self.notes))
+        if len(self.boundary_bytes) != len(self.layers) - 1:
+            raise PlanningError(
+                f"boundary_bytes has {len(self.boundary_bytes)} entries, expected "
+                f"{len(self.layers) - 1} (one per cut between {len(self.layers)} layers)"
+            )
+        for i, value in enumerate(self.boundary_bytes):
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise PlanningError(f"boundary_bytes[{i}] must be a finite number >= 0, got {value!r}")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @classmethod
+    def from_lists(
+        cls,
+        forward: Sequence[float],
+        backward: Sequence[float] | None = None,
+        *,
+        activation: Sequence[float] | None = None,
+        saved: Sequence[float] | None = None,
+        params: Sequence[float] | None = None,
+        flops: Sequence[float] | None = None,
+        name: str = "chain",
+    ) -> ChainCosts:
+        """Build a chain from parallel lists (missing lists mean zeros); handy for tests and papers.
+
+        ``saved`` defaults to ``activation``: a layer keeps its output for backward, the usual
+        assumption of the papers when nothing was measured.
+        """
+        n = len(forward)
+        zeros = [0.0] * n
+        backward = list(backward) if backward is not None else zeros
+        activation = list(activation) if activation is not None else zeros
+        saved = list(saved) if saved is not None else activation
+        params = list(params) if params is not None else zeros
+        for label, values in (
+            ("backward", backward),
+            ("activation", activation),
+            ("saved", saved),
+            ("params", params),
+            ("flops", flops or zeros),
+        ):
+            if len(values) != n:
+                raise PlanningError(f"{label} has {len(values)} entries, forward has {n}")
+        layers = tuple(
+            LayerCost(
+                name=f"layer{i}",
+                forward_seconds=forward[i],
+                backward_seconds=backward[i],
+                activation_bytes=activation[i],
+                saved_bytes=saved[i],
+                param_bytes=params[i],
+                flops=None if flops is None else flops[i],
+            )
+            for i in range(n)
+        )
+        return cls(layers=layers, name=name)
+
+    def with_notes(self, *notes: str) -> ChainCosts:
+        """A copy with more notes."""
+        return replace(self, notes=self.notes + tuple(notes))
+
+    def column(self, key: str) -> list[float]:
+        """One per-layer quantity as a list: ``seconds``, ``param_bytes``, ``flops``, ..."""
+        if key == "flops" and any(layer.flops is None for layer in self.layers):
+            raise PlanningError(
+                f"{self.name or 'this profile'} has no FLOP counts: profile the model with "
+                "lightning_pipe (torch.utils.flop_counter) or balance by 'time' or 'params'"
+            )
+        return [float(getattr(layer, key)) for layer in self.layers]

@@ -1,0 +1,86 @@
+"""Memory of a stage under a pipeline schedule.
+
+Beaumont et al. §3.2: a worker holding layers ``L_p`` needs ``Σ_{l∈L_p} W_l + NCA_l · a_l`` where
+``NCA_l`` (number of concurrent activations) depends on the schedule. Here ``W_l`` is the parameter
+bytes times (weight versions + extra copies for gradients and optimizer state, ZeRO's accounting:
+1 for plain SGD, 2 for SGD with momentum, 3 for Adam), and ``a_l`` is what autograd keeps for the
+backward pass (``saved_bytes``).
+
+Closed forms of NCA per schedule, for a stage followed (itself included) by ``k`` workers and
+replicated ``r`` times, with ``m`` micro-batches per step:
+
+- ``gpipe``: every micro-batch's forward runs before any backward: ``m``.
+- ``1f1b`` (PipeDream-Flush): ``min(⌈k/r⌉, m)``; for a straight pipeline stage ``s`` (0-based) of
+  ``P`` has ``k = P - s``, which is DESIGN.md's ``min(P - s, m)``; ``⌈k/r⌉`` is PipeDream's
+  NOAM for the stage's replicas under 1F1B-RR.
+- ``pipedream`` (asynchronous, weight stashing): ``⌈k/r⌉`` in flight, and as many weight versions.
+- ``2bw`` (PipeDream-2BW): ``⌈k/r⌉`` in flight, two weight versions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_pipe.errors import PlanningError
+
+__all__ = ["EXTRA_COPIES", "SCHEDULES", "MemoryModel"]
+
+#: Extra parameter-sized copies per optimizer: gradient + optimizer states (ZeRO §3).
+EXTRA_COPIES: dict[str, int] = {"sgd": 1, "momentum": 2, "adam": 3}
+SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "pipedream", "2bw")
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """How much memory a stage needs under a schedule.
+
+    Attributes:
+        schedule: one of :data:`SCHEDULES`.
+        microbatches: ``m``; ``None`` means unbounded (steady state of a long run), allowed for
+            every schedule but ``gpipe``.
+        extra_copies: parameter-sized copies besides the weights (see :data:`EXTRA_COPIES`).
+    """
+
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    extra_copies: float = EXTRA_COPIES["momentum"]
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PlanningError(
+                f"unknown schedule {self.schedule!r} for memory planning; choose one of {', '.join(SCHEDULES)}"
+            )
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise PlanningError(f"microbatches must be a whole number >= 1, got {self.microbatches!r}")
+        if self.schedule == "gpipe" and self.microbatches is None:
+            raise PlanningError("gpipe keeps all m micro-batches in flight: give the number of microbatches")
+        if not math.isfinite(self.extra_copies) or self.extra_copies < 0:
+            raise PlanningError(f"extra_copies must be a finite number >= 0, got {self.extra_copies!r}")
+
+    def in_flight(self, downstream: int, replicas: int = 1) -> int:
+        """NCA of a stage with ``downstream`` workers from it to the end, replicated ``replicas`` times."""
+        if self.schedule == "gpipe":
+            return self.microbatches  # type: ignore[return-value]
+        depth = -(-downstream // replicas)
+        if self.schedule == "1f1b" and self.microbatches is not None:
+            return min(depth, self.microbatches)
+        return depth
+
+    def weight_versions(self, downstream: int, replicas: int = 1) -> int:
+        """Copies of the weights a stage keeps: one, two (2BW) or one per in-flight batch (stashing)."""
+        if self.schedule == "pipedream":
+            return self.in_flight(downstream, replicas)
+        return 2 if self.schedule == "2bw" else 1
+
+    def stage_bytes(self, param_bytes: float, saved_bytes: float, downstream: int, replicas: int = 1) -> float:
+        """Memory of one replica of a stage (Beaumont §3.2)."""
+        per_param, per_saved = self.coefficients(downstream, replicas)
+        return per_param * param_bytes + per_saved * saved_bytes
+
+    def coefficients(self, downstream: int, replicas: int = 1) -> tuple[float, float]:
+        """``(α, β)`` with ``stage_bytes = α·param_bytes + β·saved_bytes``."""
+        return (
+            self.weight_versions(downstream, replicas) + self.extra_copies,
+            float(self.in_flight(downstream, replicas)),
+        )

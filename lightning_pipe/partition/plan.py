@@ -1,0 +1,196 @@
+"""A partition plan and its canonical evaluation.
+
+Every partitioner returns a :class:`Plan` made by :func:`evaluate`, so plans from different
+algorithms (and the exact oracle) are measured by one definition:
+
+- a stage replicated ``r`` times takes ``T = max(Σ (u_F + u_B), allreduce(Σ param bytes, r)) / r``
+  per micro-batch (PipeDream §3.1, ``T(i→j, m)``);
+- a cut after layer ``i`` costs ``2·C_i`` (activation forward, gradient backward) and is pipelined
+  like a stage of its own;
+- the bottleneck (steady-state time per micro-batch) is the largest of these;
+- the memory of a replica follows :class:`lightning_pipe.memory.MemoryModel`. A device may hold
+  several maximal runs of consecutive layers (non-contiguous plans); each run is a pipeline stage for
+  the schedule's in-flight count, with ``downstream`` = replicas of the runs from it to the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_pipe.costs import ChainCosts
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.memory import MemoryModel
+from lightning_pipe.network import Network
+
+__all__ = ["Plan", "Stage", "evaluate"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers held by one group of replicas.
+
+    Attributes:
+        layers: sorted layer indices (a contiguous range for contiguous plans).
+        replicas: data-parallel copies of the stage (PipeDream's stage replication).
+        compute_seconds: ``Σ u_F + u_B`` of the layers, per micro-batch, on one replica.
+        sync_seconds: all-reduce time of the stage's parameters among its replicas.
+        stage_seconds: ``max(compute, sync) / replicas``, the stage's time per micro-batch.
+        memory_bytes: peak memory of one replica.
+    """
+
+    layers: tuple[int, ...]
+    replicas: int
+    compute_seconds: float
+    sync_seconds: float
+    stage_seconds: float
+    memory_bytes: float
+
+    @property
+    def contiguous(self) -> bool:
+        return self.layers[-1] - self.layers[0] + 1 == len(self.layers)
+
+    def layers_json(self) -> list[int]:
+        """``[first, last]`` for a contiguous stage, else the list of layers."""
+        return [self.layers[0], self.layers[-1]] if self.contiguous else list(self.layers)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages, their costs and the predicted bottleneck of a partition."""
+
+    partitioner: str
+    stages: tuple[Stage, ...]
+    cut_seconds: tuple[float, ...]
+    bottleneck_seconds: float
+    devices: int
+    memory: MemoryModel
+    network: Network
+    memory_limit: float | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def devices_used(self) -> int:
+        return sum(stage.replicas for stage in self.stages)
+
+    @property
+    def contiguous(self) -> bool:
+        return all(stage.contiguous for stage in self.stages)
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(stage.memory_bytes for stage in self.stages)
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON document printed by ``lightning-pipe plan --json``; all times in seconds."""
+        return {
+            "partitioner": self.partitioner,
+            "devices": self.devices,
+            "devices_used": self.devices_used,
+            "contiguous": self.contiguous,
+            "schedule": self.memory.schedule,
+            "microbatches": self.memory.microbatches,
+            "memory_limit_bytes": self.memory_limit,
+            "bandwidth_bytes_per_second": None if self.network.free else self.network.bandwidth,
+            "bottleneck_seconds": self.bottleneck_seconds,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "cut_seconds": list(self.cut_seconds),
+            "stages": [
+                {
+                    "layers": stage.layers_json(),
+                    "replicas": stage.replicas,
+                    "compute_seconds": stage.compute_seconds,
+                    "sync_seconds": stage.sync_seconds,
+                    "stage_seconds": stage.stage_seconds,
+                    "memory_bytes": stage.memory_bytes,
+                }
+                for stage in self.stages
+            ],
+            "notes": list(self.notes),
+        }
+
+
+def _runs(owner: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs ``(first, last, group)`` of consecutive layers with the same owner."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(owner) + 1):
+        if i == len(owner) or owner[i] != owner[start]:
+            runs.append((start, i - 1, owner[start]))
+            start = i
+    return runs
+
+
+def evaluate(
+    costs: ChainCosts,
+    groups: Sequence[Sequence[int]],
+    replicas: Sequence[int] | None = None,
+    *,
+    partitioner: str,
+    devices: int,
+    network: Network | None = None,
+    memory: MemoryModel | None = None,
+    memory_limit: float | None = None,
+    seconds: Sequence[float] | None = None,
+    notes: Sequence[str] = (),
+) -> Plan:
+    """Measure a partition: ``groups[g]`` are the layers of stage ``g``, replicated ``replicas[g]``.
+
+    ``seconds`` overrides the per-layer time (default: measured ``u_F + u_B``); heuristics that
+    balance another quantity still report measured time by leaving it unset.
+    """
+    network = network or Network()
+    memory = memory or MemoryModel()
+    replicas = list(replicas) if replicas is not None else [1] * len(groups)
+    layer_seconds = list(seconds) if seconds is not None else [layer.seconds for layer in costs.layers]
+    owner = [-1] * len(costs)
+    for g, group in enumerate(groups):
+        if not group:
+            raise PlanningError(f"stage {g} has no layers")
+        for layer in group:
+            if owner[layer] != -1:
+                raise PlanningError(f"layer {layer} is assigned to stages {owner[layer]} and {g}")
+            owner[layer] = g
+    if -1 in owner:
+        raise PlanningError(f"layer {owner.index(-1)} is assigned to no stage")
+    if len(replicas) != len(groups) or min(replicas) < 1:
+        raise PlanningError(f"need one replica count >= 1 per stage, got {replicas}")
+
+    runs = _runs(owner)
+    memory_bytes = [0.0] * len(groups)
+    downstream = 0
+    for first, last, g in reversed(runs):
+        downstream += replicas[g]
+        params = sum(costs.layers[i].param_bytes for i in range(first, last + 1))
+        saved = sum(costs.layers[i].saved_bytes for i in range(first, last + 1))
+        per_param, per_saved = memory.coefficients(downstream, replicas[g])
+        memory_bytes[g] += per_param * params + per_saved * saved
+
+    stages = []
+    for g, group in enumerate(groups):
+        layers = tuple(sorted(group))
+        compute = sum(layer_seconds[i] for i in layers)
+        sync = network.allreduce_seconds(sum(costs.layers[i].param_bytes for i in layers), replicas[g])
+        stages.append(
+            Stage(
+                layers=layers,
+                replicas=replicas[g],
+                compute_seconds=compute,
+                sync_seconds=sync,
+                stage_seconds=max(compute, sync) / replicas[g],
+                memory_bytes=memory_bytes[g],
+            )
+        )
+    cuts = tuple(network.cut_seconds(costs.boundary_bytes[last]) for _, last, _ in runs[:-1])
+    bottleneck = max([stage.stage_seconds for stage in stages] + list(cuts))
+    return Plan(
+        partitioner=partitioner,
+        stages=tuple(stages),
+        cut_seconds=cuts,
+        bottleneck_seconds=bottleneck,
+        devices=devices,
+        memory=memory,
+        network=network,
+        memory_limit=memory_limit,
+        notes=tuple(notes),
+    )

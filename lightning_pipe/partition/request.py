@@ -1,0 +1,102 @@
+"""What a partitioner is asked: devices, memory limit, schedule memory model and network."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_pipe.costs import ChainCosts
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.memory import MemoryModel
+from lightning_pipe.network import Network
+from lightning_pipe.partition.contiguous import ChainProblem, StageSpan
+from lightning_pipe.partition.plan import Plan, evaluate
+from lightning_pipe.units import format_bytes
+
+__all__ = ["PlanRequest"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """A partitioning request.
+
+    Attributes:
+        costs: the chain to split.
+        devices: workers available.
+        memory_limit: bytes per worker, or ``None`` for no limit.
+        memory: schedule and optimizer memory model (decides activations in flight per stage).
+        network: bandwidth for cut and all-reduce costs (default: free).
+        straight: forbid stage replication (one worker per stage).
+    """
+
+    costs: ChainCosts
+    devices: int
+    memory_limit: float | None = None
+    memory: MemoryModel = field(default_factory=MemoryModel)
+    network: Network = field(default_factory=Network)
+    straight: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise PlanningError(f"devices must be a whole number >= 1, got {self.devices!r}")
+        if self.memory_limit is not None and (math.isnan(self.memory_limit) or self.memory_limit <= 0):
+            raise PlanningError(f"memory_limit must be a positive number of bytes, got {self.memory_limit!r}")
+
+    def require_layers_per_device(self, partitioner: str) -> None:
+        """Straight pipelines need at least one layer per device."""
+        if self.devices > len(self.costs):
+            raise PlanningError(
+                f"{partitioner}: {self.devices} devices but only {len(self.costs)} layers, and each device "
+                f"needs at least one layer: use --devices {len(self.costs)} or fewer, split the model into "
+                "more layers, or let the pipedream partitioner replicate stages"
+            )
+
+    def problem(self, seconds: list[float] | None = None, *, replicate: bool, with_cuts: bool = True) -> ChainProblem:
+        """The contiguous instance: ``seconds`` overrides the balanced per-layer quantity."""
+        costs = self.costs
+        cuts = [self.network.cut_seconds(b) for b in costs.boundary_bytes] if with_cuts else []
+        return ChainProblem(
+            seconds=np.asarray(seconds if seconds is not None else costs.column("seconds"), dtype=np.float64),
+            cut_seconds=np.asarray(cuts if with_cuts else [0.0] * (len(costs) - 1), dtype=np.float64),
+            param_bytes=np.asarray(costs.column("param_bytes"), dtype=np.float64),
+            saved_bytes=np.asarray(costs.column("saved_bytes"), dtype=np.float64),
+            devices=self.devices,
+            replicate=replicate,
+            network=self.network,
+            memory=self.memory,
+            memory_limit=self.memory_limit,
+        )
+
+    def plan_unchecked(
+        self, partitioner: str, groups: list[list[int]], replicas: list[int], notes: list[str] = ()
+    ) -> Plan:
+        """Evaluate a partition with measured costs."""
+        return evaluate(
+            self.costs,
+            groups,
+            replicas,
+            partitioner=partitioner,
+            devices=self.devices,
+            network=self.network,
+            memory=self.memory,
+            memory_limit=self.memory_limit,
+            notes=list(self.costs.notes) + list(notes),
+        )
+
+    def plan(self, partitioner: str, groups: list[list[int]], replicas: list[int], notes: list[str] = ()) -> Plan:
+        """Evaluate a partition and check it against the memory limit."""
+        plan = self.plan_unchecked(partitioner, groups, replicas, notes)
+        if self.memory_limit is not None and plan.peak_memory_bytes > self.memory_limit * (1 + 1e-9):
+            worst = max(range(len(plan.stages)), key=lambda s: plan.stages[s].memory_bytes)
+            raise PlanningError(
+                f"{partitioner}: stage {worst} needs {format_bytes(plan.peak_memory_bytes)}, over the limit of "
+                f"{format_bytes(self.memory_limit)}: use the memory partitioner, which plans within the limit"
+            )
+        return plan
+
+    def plan_spans(self, partitioner: str, spans: list[StageSpan], notes: list[str] = ()) -> Plan:
+        """:meth:`plan` for contiguous ``(first, last, replicas)`` spans."""
+        groups = [list(range(first, last + 1)) for first, last, _ in spans]
+        return self.plan(partitioner, groups, [replicas for _, _, replicas in spans], notes)

@@ -1,0 +1,113 @@
+"""Save and load profiles: lightning_pipe's JSON format, and PipeDream's ``graph.txt``.
+
+The JSON format (``"format": "lightning_pipe.profile"``, ``"version": 1``)::
+
+    {
+      "format": "lightning_pipe.profile",
+      "version": 1,
+      "name": "vgg19",
+      "layers": [
+        {"name": "features.0:Conv2d", "forward_seconds": 0.0123, "backward_seconds": 0.0251,
+         "activation_bytes": 25690112, "saved_bytes": 602112, "param_bytes": 7168,
+         "flops": 2774532096},
+        ...
+      ],
+      "boundary_bytes": [25690112, ...],
+      "notes": ["..."],
+      "meta": {"batch_size": 8, "device": "cpu", "warmup": 1, "repeats": 5, "torch": "2.14.1"}
+    }
+
+Times are seconds and sizes bytes, for one micro-batch of ``meta.batch_size``. ``flops`` may be
+``null``; ``boundary_bytes`` (bytes crossing the cut after each layer, ``L - 1`` entries),
+``notes`` and ``meta`` are optional.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lightning_pipe.costs import ChainCosts, LayerCost
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.pipedream_graph import parse_pipedream_graph
+
+__all__ = ["FORMAT", "load_profile", "profile_from_dict", "profile_to_dict", "save_profile"]
+
+FORMAT = "lightning_pipe.profile"
+VERSION = 1
+_LAYER_FIELDS = ("forward_seconds", "backward_seconds", "activation_bytes", "saved_bytes", "param_bytes")
+
+
+def profile_to_dict(costs: ChainCosts) -> dict[str, object]:
+    """The JSON document of a profile."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": costs.name,
+        "layers": [
+            {"name": layer.name, **{key: getattr(layer, key) for key in _LAYER_FIELDS}, "flops": layer.flops}
+            for layer in costs.layers
+        ],
+        "boundary_bytes": list(costs.boundary_bytes),
+        "notes": list(costs.notes),
+        "meta": dict(costs.meta),
+    }
+
+
+def _layer(entry: object, index: int, source: str) -> LayerCost:
+    if not isinstance(entry, dict):
+        raise PlanningError(f"{source}: layers[{index}] must be an object, got {type(entry).__name__}")
+    missing = [key for key in _LAYER_FIELDS if key not in entry]
+    if missing:
+        raise PlanningError(f"{source}: layers[{index}] lacks {', '.join(missing)}")
+    try:
+        return LayerCost(
+            name=str(entry.get("name", f"layer{index}")),
+            flops=entry.get("flops"),
+            **{key: entry[key] for key in _LAYER_FIELDS},
+        )
+    except PlanningError as error:
+        raise PlanningError(f"{source}: layers[{index}]: {error}") from None
+
+
+def profile_from_dict(document: object, source: str = "profile") -> ChainCosts:
+    """Read a JSON document written by :func:`profile_to_dict`."""
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise PlanningError(f'{source}: not a lightning_pipe profile (missing "format": "{FORMAT}")')
+    if document.get("version") != VERSION:
+        raise PlanningError(f"{source}: profile version {document.get('version')!r}; this release reads {VERSION}")
+    layers = document.get("layers")
+    if not isinstance(layers, list):
+        raise PlanningError(f'{source}: "layers" must be a list of layer objects')
+    try:
+        return ChainCosts(
+            layers=tuple(_layer(entry, i, source) for i, entry in enumerate(layers)),
+            boundary_bytes=tuple(document.get("boundary_bytes") or ()),
+            name=str(document.get("name", "")),
+            notes=tuple(document.get("notes") or ()),
+            meta=dict(document.get("meta") or {}),
+        )
+    except PlanningError as error:
+        message = str(error)
+        raise PlanningError(message if message.startswith(source) else f"{source}: {message}") from None
+
+
+def save_profile(costs: ChainCosts, path: str | Path) -> None:
+    """Write a profile as JSON."""
+    Path(path).write_text(json.dumps(profile_to_dict(costs), indent=1) + "\n")
+
+
+def load_profile(path: str | Path) -> ChainCosts:
+    """Load a JSON profile or a PipeDream ``graph.txt`` (recognised by content)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise PlanningError(f"cannot read profile {path}: {error.strerror or error}") from None
+    if text.lstrip().startswith("{"):
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise PlanningError(f"{path}: invalid JSON at line {error.lineno}: {error.msg}") from None
+        return profile_from_dict(document, source=str(path))
+    return parse_pipedream_graph(text, source=str(path))

@@ -1,0 +1,315 @@
+"""Profile a real model layer by layer into :class:`~lightning_pipe.costs.ChainCosts`.
+
+Each layer of a chain is run on its own, on a detached copy of the input it receives in the full
+model, and measured for:
+
+* forward and backward time: median of ``repeats`` timed runs after ``warmup`` untimed ones, read with
+  :func:`time.perf_counter`, the device synchronised (:func:`torch.accelerator.synchronize`) before
+  every clock read. Backward time is :func:`torch.autograd.backward` alone, with random output
+  gradients; it is 0 when no output requires grad.
+* ``activation_bytes``: bytes of every tensor in the (possibly nested) output.
+* ``param_bytes``: bytes of the layer's distinct parameters (buffers are not counted).
+* ``saved_bytes``: bytes autograd keeps for backward, seen by
+  :class:`torch.autograd.graph.saved_tensors_hooks`. Saved tensors are deduplicated by storage
+  (``untyped_storage().data_ptr()``) and each distinct storage counts its full ``nbytes()``: a saved
+  view keeps its whole storage alive. Storages of the layer's parameters and buffers are excluded
+  (Linear saves ``weight.t()``, BatchNorm its running stats: model state, not activation memory).
+  Tensors a custom ``autograd.Function`` stashes on ``ctx`` outside ``save_for_backward`` are invisible.
+* ``flops``: forward + backward FLOPs from :class:`torch.utils.flop_counter.FlopCounterMode` (only
+  ops with a registered formula, such as matmul and convolution, count).
+
+Every run feeds the layer a fresh ``clone()`` of its input, so in-place layers (``ReLU(inplace=True)``)
+work and never corrupt the input of later runs. Inputs of layers after the first require grad when
+floating point, as they would in a pipeline; the first layer's input keeps ``requires_grad`` as given.
+
+Profiling leaves the model as it found it: train/eval modes, device, buffers (BatchNorm running
+statistics), parameter ``.grad`` and the global random number generator state are restored.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_pipe.costs import ChainCosts, LayerCost
+from lightning_pipe.errors import PlanningError
+
+__all__ = ["profile_layers"]
+
+
+def profile_layers(
+    model: nn.Module | Sequence[nn.Module],
+    sample: Any,
+    *,
+    device: str | torch.device | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    count_flops: bool = True,
+    name: str | None = None,
+) -> ChainCosts:
+    """Measure every layer of a chain for one micro-batch.
+
+    Args:
+        model: an ``nn.Sequential`` (its children are the layers) or an ordered list, tuple or
+            ``nn.ModuleList`` of modules. The output of layer ``l`` is passed as-is to layer ``l + 1``
+            (a tuple is one positional argument).
+        sample: one micro-batch input for the first layer: a tensor, or a tuple/list/dict of tensors.
+        device: where to profile; default: where the first parameter lives, else the CPU.
+        warmup: untimed runs before timing.
+        repeats: timed runs; the median is kept.
+        count_flops: count FLOPs with ``torch.utils.flop_counter`` (``flops`` is None otherwise).
+        name: name of the profile; default: the model's class name.
+
+    Raises:
+        PlanningError: the model is not a non-empty chain, the sample holds no tensor, the counts
+            are invalid, the device is unusable, or a layer fails on the input it receives.
+    """
+    named = _named_layers(model)
+    if warmup < 0 or repeats < 1:
+        raise PlanningError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    target = _resolve_device(device, named)
+    batch_size = _batch_size(sample)
+    costs = []
+    with _profiling_session(model, [layer for _, layer in named], target):
+        x = _map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
+        for index, (label, layer) in enumerate(named):
+            if index > 0:
+                x = _map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
+            cost, x = _profile_layer(label, layer, x, target, warmup, repeats, count_flops)
+            costs.append(cost)
+    meta = {
+        "batch_size": batch_size,
+        "device": str(target),
+        "warmup": warmup,
+        "repeats": repeats,
+        "torch": torch.__version__,
+    }
+    return ChainCosts(layers=tuple(costs), name=name or _default_name(model), meta=meta)
+
+
+def _named_layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The layers of the chain with their labels (``"3:Conv2d"``), or a PlanningError."""
+    if isinstance(model, nn.Sequential):
+        pairs = list(model.named_children())
+    elif isinstance(model, list | tuple | nn.ModuleList):
+        pairs = [(str(i), layer) for i, layer in enumerate(model)]
+    else:
+        raise PlanningError(
+            f"cannot profile a {type(model).__name__} layer by layer: its forward is not a chain. Give the "
+            "model as an nn.Sequential or an ordered list of layers whose outputs feed the next layer "
+            "(for torchvision models use lightning_pipe.models.torchvision_chain)"
+        )
+    if not pairs:
+        raise PlanningError("the model has no layers: give a non-empty nn.Sequential or list of modules")
+    for label, layer in pairs:
+        if not isinstance(layer, nn.Module):
+            raise PlanningError(
+                f"layer {label} is a {type(layer).__name__}, not an nn.Module: wrap plain functions in "
+                "an nn.Module whose forward calls them"
+            )
+    return [(f"{label}:{type(layer).__name__}", layer) for label, layer in pairs]
+
+
+def _default_name(model: nn.Module | Sequence[nn.Module]) -> str:
+    return type(model).__name__ if isinstance(model, nn.Module) else "layers"
+
+
+def _resolve_device(device: str | torch.device | None, named: list[tuple[str, nn.Module]]) -> torch.device:
+    """The requested device, checked to be usable, or where the first parameter lives."""
+    if device is None:
+        first = next((p for _, layer in named for p in layer.parameters()), None)
+        return first.device if first is not None else torch.device("cpu")
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise PlanningError(f"unknown device {device!r}: use e.g. 'cpu' or 'cuda:0' ({exc})") from exc
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if target.type != "cpu" and (accelerator is None or accelerator.type != target.type):
+        usable = "'cpu'" + (f" or '{accelerator.type}'" if accelerator is not None else "")
+        raise PlanningError(f"device {device!r} is not available here: profile on {usable}")
+    return target
+
+
+def _batch_size(sample: Any) -> int | None:
+    """First dimension of the first tensor of the sample (None for a 0-d tensor)."""
+    first = next(_tensors(sample), None)
+    if first is None:
+        raise PlanningError(
+            f"the sample is a {type(sample).__name__} holding no tensor: give one micro-batch as a "
+            "tensor or a tuple/list/dict of tensors"
+        )
+    return first.shape[0] if first.dim() > 0 else None
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested tuple/list/dict, in order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor, keeping tuple/list/dict structure."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list | tuple):
+        items = [_map_tensors(fn, item) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return type(obj)((key, _map_tensors(fn, item)) for key, item in obj.items())
+    return obj
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested structure."""
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for queued kernels so that the clock measures them (no-op on the CPU)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+@contextmanager
+def _profiling_session(
+    model: nn.Module | Sequence[nn.Module], layers: list[nn.Module], device: torch.device
+) -> Iterator[None]:
+    """Train mode, layers on ``device``, grad enabled and forked RNG; everything restored on exit."""
+    roots = ([model] if isinstance(model, nn.Module) else []) + layers
+    modes = [(m, m.training) for root in roots for m in root.modules()]
+    rng_devices = [] if device.type == "cpu" else [device]
+    with ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=rng_devices, device_type=device.type))
+        for layer in layers:
+            stack.enter_context(_layer_state(layer, device))
+        stack.enter_context(torch.enable_grad())
+        for root in roots:
+            root.train()
+        try:
+            yield
+        finally:
+            for module, training in modes:
+                module.training = training
+
+
+@contextmanager
+def _layer_state(layer: nn.Module, device: torch.device) -> Iterator[None]:
+    """Move ``layer`` to ``device`` with no ``.grad``; on exit move it back, restore buffers and ``.grad``.
+
+    The original ``.grad`` tensors are set aside rather than accumulated into, so they stay untouched.
+    """
+    grads = {name: p.grad for name, p in layer.named_parameters()}
+    buffers = {name: b.detach().clone() for name, b in layer.named_buffers()}
+    home = next((t.device for t in (*layer.parameters(), *layer.buffers())), device)
+    layer.to(device)
+    for param in layer.parameters():
+        param.grad = None
+    try:
+        yield
+    finally:
+        layer.to(home)
+        with torch.no_grad():
+            for name, value in buffers.items():
+                layer.get_buffer(name).copy_(value)
+        for name, grad in grads.items():
+            layer.get_parameter(name).grad = grad
+
+
+def _profile_layer(
+    label: str,
+    layer: nn.Module,
+    leaf: Any,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    count_flops: bool,
+) -> tuple[LayerCost, Any]:
+    """Cost of one layer on its input ``leaf``, and the layer's detached output for the next layer."""
+    excluded = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+    counter = FlopCounterMode(display=False) if count_flops else None
+    with counter or nullcontext():
+        saved_bytes, output = _forward_saving(label, layer, leaf, excluded)
+        _timed_backward(output, device)
+    _clear_grads(leaf)
+    forward_seconds, backward_seconds = _time_layer(layer, leaf, device, warmup, repeats)
+    cost = LayerCost(
+        name=label,
+        forward_seconds=forward_seconds,
+        backward_seconds=backward_seconds,
+        activation_bytes=_nbytes(output),
+        saved_bytes=saved_bytes,
+        param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+        flops=None if counter is None else counter.get_total_flops(),
+    )
+    return cost, _map_tensors(torch.Tensor.detach, output)
+
+
+def _forward_saving(label: str, layer: nn.Module, leaf: Any, excluded: set[int]) -> tuple[int, Any]:
+    """Run the layer once; return the bytes of the distinct storages it saved for backward, and its output.
+
+    Storages in ``excluded`` (the layer's parameters and buffers) are not counted.
+    """
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        try:
+            output = layer(_map_tensors(torch.Tensor.clone, leaf))
+        except Exception as exc:
+            shapes = [tuple(t.shape) for t in _tensors(leaf)]
+            raise PlanningError(
+                f"layer {label} failed on its input (tensor shapes {shapes}): {exc}. Check that each "
+                "layer accepts the previous layer's output and that the sample is one micro-batch"
+            ) from exc
+    return sum(storages.values()), output
+
+
+def _clear_grads(leaf: Any) -> None:
+    for tensor in _tensors(leaf):
+        tensor.grad = None
+
+
+def _time_layer(layer: nn.Module, leaf: Any, device: torch.device, warmup: int, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds over ``repeats`` runs after ``warmup`` runs."""
+    forward, backward = [], []
+    for _ in range(warmup + repeats):
+        inputs = _map_tensors(torch.Tensor.clone, leaf)
+        _synchronize(device)
+        start = time.perf_counter()
+        output = layer(inputs)
+        _synchronize(device)
+        forward.append(time.perf_counter() - start)
+        backward.append(_timed_backward(output, device))
+        _clear_grads(leaf)
+    return statistics.median(forward[warmup:]), statistics.median(backward[warmup:])
+
+
+def _timed_backward(output: Any, device: torch.device) -> float:
+    """Backward from the outputs that require grad, with random output gradients; its seconds (0 if none)."""
+    outputs = [t for t in _tensors(output) if t.requires_grad]
+    if not outputs:
+        return 0.0
+    grads = [torch.randn_like(t) for t in outputs]
+    _synchronize(device)
+    start = time.perf_counter()
+    torch.autograd.backward(outputs, grads)
+    _synchronize(device)
+    return time.perf_counter() - start

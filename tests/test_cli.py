@@ -1,0 +1,161 @@
+"""``lightning-pipe plan``: JSON content, the table, the model path, and errors on bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_pipe.cli import main
+from lightning_pipe.partition import PlanRequest, partition
+from lightning_pipe.profile_file import load_profile
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_vgg16_straight_split_is_optimal(pipedream_profiles: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = pipedream_profiles / "vgg16" / "graph.txt"
+    result = _json(
+        capsys, "plan", "--profile", str(profile), "--devices", "4", "--partitioner", "pipedream", "--straight"
+    )
+    oracle = partition(PlanRequest(load_profile(profile), 4, straight=True), "exact")
+    assert result["partitioner"] == "pipedream"
+    assert math.isclose(result["bottleneck_seconds"], oracle.bottleneck_seconds, rel_tol=1e-12)
+    stages = result["stages"]
+    assert len(stages) == 4 and all(stage["replicas"] == 1 for stage in stages)
+    assert stages[0]["layers"][0] == 0 and stages[-1]["layers"][1] == result["layers"] - 1
+    for before, after in itertools.pairwise(stages):
+        assert after["layers"][0] == before["layers"][1] + 1
+    assert max(stage["stage_seconds"] for stage in stages) == result["bottleneck_seconds"]
+    # PipeDream profiles are in milliseconds: the JSON is in seconds (VGG-16 takes well under 10 s)
+    assert 0.05 < result["bottleneck_seconds"] < 1.0
+    assert all(stage["memory_bytes"] > 0 for stage in stages)
+
+
+def test_json_has_every_documented_key(pipedream_profiles: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = str(pipedream_profiles / "resnet18" / "graph.txt")
+    result = _json(
+        capsys,
+        "plan",
+        "--profile",
+        profile,
+        "--devices",
+        "4",
+        "--memory-limit",
+        "40GB",
+        "--schedule",
+        "gpipe",
+        "--microbatches",
+        "8",
+        "--bandwidth",
+        "10GB/s",
+        "--partitioner",
+        "memory",
+    )
+    for key in ("partitioner", "stages", "bottleneck_seconds", "devices", "memory_limit_bytes", "schedule"):
+        assert key in result
+    assert result["memory_limit_bytes"] == 40e9
+    assert result["bandwidth_bytes_per_second"] == 10e9
+    assert all(stage["memory_bytes"] <= 40e9 for stage in result["stages"])
+    assert set(result["stages"][0]) >= {"layers", "replicas", "compute_seconds", "memory_bytes"}
+
+
+def test_table_output(pipedream_profiles: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = str(pipedream_profiles / "alexnet" / "graph.txt")
+    assert main(["plan", "--profile", profile, "--devices", "2", "--partitioner", "noncontiguous"]) == 0
+    out = capsys.readouterr().out
+    assert "Pipeline bottleneck cost:" in out and "===== Partition (noncontiguous) =====" in out
+
+
+def test_profile_a_builtin_model_and_save_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = tmp_path / "resnet18.json"
+    result = _json(
+        capsys,
+        "plan",
+        "--model",
+        "resnet18",
+        "--input-shape",
+        "3",
+        "32",
+        "32",
+        "--batch-size",
+        "2",
+        "--repeats",
+        "1",
+        "--num-classes",
+        "10",
+        "--devices",
+        "2",
+        "--straight",
+        "--partitioner",
+        "flops",
+        "--save-profile",
+        str(saved),
+    )
+    costs = load_profile(saved)
+    assert result["layers"] == len(costs) == 15  # stem 4 + 8 blocks + pool, flatten, fc
+    assert all(layer.flops is not None for layer in costs.layers)
+    assert costs.meta["batch_size"] == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "0"], "expected a whole number >= 1"),
+        (["--devices", "4", "--memory-limit", "lots"], "cannot read 'lots' as a size"),
+        (["--devices", "4", "--bandwidth=-3GB/s"], "cannot read"),
+        (["--devices", "4", "--partitioner", "magic"], "invalid choice: 'magic'"),
+    ],
+)
+def test_bad_arguments_exit_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--profile", "x.json", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_planning_errors_exit_2_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--profile", str(tmp_path / "missing.json"), "--devices", "2"]) == 2
+    assert "cannot read profile" in capsys.readouterr().err
+    profile = tmp_path / "tiny.json"
+    profile.write_text(
+        json.dumps(
+            {
+                "format": "lightning_pipe.profile",
+                "version": 1,
+                "layers": [
+                    {
+                        "forward_seconds": 1,
+                        "backward_seconds": 1,
+                        "activation_bytes": 1,
+                        "saved_bytes": 1,
+                        "param_bytes": 1e9,
+                    }
+                ],
+            }
+        )
+    )
+    assert main(["plan", "--profile", str(profile), "--devices", "1", "--memory-limit", "1GB"]) == 2
+    err = capsys.readouterr().err
+    assert "lightning-pipe plan: error: no partition on 1 device(s) fits the memory limit of 954 MiB" in err
+    assert "Traceback" not in err
+
+
+def test_console_script_runs(pipedream_profiles: Path) -> None:
+    profile = str(pipedream_profiles / "gnmt" / "graph.txt")
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_pipe.cli", "plan", "--profile", profile, "--devices", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(done.stdout)["profile"] == "gnmt"

@@ -1,0 +1,146 @@
+"""The fast partitioners equal exhaustive oracles on hundreds of random small chains."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_pipe.costs import ChainCosts
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.memory import MemoryModel
+from lightning_pipe.network import Network
+from lightning_pipe.partition import PlanRequest, evaluate, partition
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+small = st.integers(min_value=0, max_value=9).map(float)
+
+
+@st.composite
+def chains(draw: st.DrawFn, max_layers: int = 7) -> ChainCosts:
+    n = draw(st.integers(min_value=1, max_value=max_layers))
+    lists = [draw(st.lists(small, min_size=n, max_size=n)) for _ in range(5)]
+    forward, backward, activation, saved, params = lists
+    return ChainCosts.from_lists(forward, backward, activation=activation, saved=saved, params=params)
+
+
+@st.composite
+def requests(draw: st.DrawFn, max_layers: int = 7, max_devices: int = 4) -> PlanRequest:
+    costs = draw(chains(max_layers))
+    schedule = draw(st.sampled_from(["1f1b", "gpipe", "pipedream", "2bw"]))
+    microbatches = draw(st.one_of(st.none(), st.integers(1, 6))) if schedule != "gpipe" else draw(st.integers(1, 6))
+    memory = MemoryModel(schedule, microbatches, extra_copies=draw(st.sampled_from([0, 1, 2, 3])))
+    bandwidth = draw(st.sampled_from([math.inf, 1.0, 4.0, 20.0]))
+    limit = draw(st.one_of(st.none(), st.integers(1, 120).map(float)))
+    return PlanRequest(
+        costs,
+        devices=draw(st.integers(1, max_devices)),
+        memory_limit=limit,
+        memory=memory,
+        network=Network(bandwidth),
+        straight=draw(st.booleans()),
+    )
+
+
+def _outcome(request: PlanRequest, name: str) -> float | None:
+    try:
+        return partition(request, name).bottleneck_seconds
+    except PlanningError:
+        return None
+
+
+@SETTINGS
+@given(requests())
+def test_pipedream_and_memory_equal_the_exact_oracle(request: PlanRequest) -> None:
+    if request.straight and request.devices > len(request.costs):
+        with pytest.raises(PlanningError, match="layers"):
+            partition(request, "pipedream")
+        return
+    oracle = _outcome(request, "exact")
+    found = _outcome(request, "pipedream")
+    if oracle is None:
+        assert found is None
+        return
+    assert found is not None and math.isclose(found, oracle, rel_tol=1e-9, abs_tol=1e-12)
+    plan = partition(request, "pipedream")
+    assert plan.devices_used <= request.devices
+    if request.memory_limit is not None:
+        assert plan.peak_memory_bytes <= request.memory_limit * (1 + 1e-9)
+        assert partition(request, "memory").bottleneck_seconds == plan.bottleneck_seconds
+
+
+@SETTINGS
+@given(requests(max_layers=8))
+def test_balanced_partitioners_minimise_their_quantity(request: PlanRequest) -> None:
+    costs, devices = request.costs, request.devices
+    if devices > len(costs):
+        return
+    for by, column in (("time", "seconds"), ("params", "param_bytes")):
+        values = costs.column(column)
+        best = None
+        for stages in range(1, devices + 1):
+            for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+                bounds = (0, *cuts, len(costs))
+                groups = [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
+                plan = request.plan_unchecked(by, groups, [1] * stages)
+                if request.memory_limit is not None and plan.peak_memory_bytes > request.memory_limit:
+                    continue
+                worst = max(sum(values[i] for i in group) for group in groups)
+                best = worst if best is None else min(best, worst)
+        try:
+            plan = partition(request, by)
+        except PlanningError:
+            assert best is None
+            continue
+        achieved = max(sum(values[i] for i in stage.layers) for stage in plan.stages)
+        assert best is not None and math.isclose(achieved, best, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def _brute_noncontiguous(request: PlanRequest) -> float | None:
+    best = None
+    for owner in itertools.product(range(request.devices), repeat=len(request.costs)):
+        used = sorted(set(owner))
+        groups = [[i for i, d in enumerate(owner) if d == u] for u in used]
+        plan = evaluate(
+            request.costs,
+            groups,
+            partitioner="brute",
+            devices=request.devices,
+            network=request.network,
+            memory=request.memory,
+        )
+        if request.memory_limit is not None and plan.peak_memory_bytes > request.memory_limit:
+            continue
+        best = plan.bottleneck_seconds if best is None else min(best, plan.bottleneck_seconds)
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests(max_layers=6, max_devices=3))
+def test_noncontiguous_search_equals_brute_force(request: PlanRequest) -> None:
+    if request.devices > len(request.costs):
+        return
+    oracle = _brute_noncontiguous(request)
+    found = _outcome(request, "noncontiguous")
+    if oracle is None:
+        assert found is None
+    else:
+        assert found is not None and math.isclose(found, oracle, rel_tol=1e-9, abs_tol=1e-12)
+        assert "proven optimal" in partition(request, "noncontiguous").notes[-1]
+
+
+@SETTINGS
+@given(requests(max_layers=7, max_devices=3))
+def test_noncontiguous_never_worse_than_contiguous(request: PlanRequest) -> None:
+    if request.devices > len(request.costs):
+        return
+    straight = PlanRequest(
+        request.costs, request.devices, request.memory_limit, request.memory, request.network, straight=True
+    )
+    contiguous = _outcome(straight, "pipedream")
+    found = _outcome(request, "noncontiguous")
+    if contiguous is not None:
+        assert found is not None and found <= contiguous * (1 + 1e-9) + 1e-12

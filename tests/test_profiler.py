@@ -1,0 +1,272 @@
+"""Tests for lightning_pipe.profiler: exact byte and FLOP counts, timings, nested outputs, bad inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.profiler import profile_layers
+
+
+def quick(model, sample, **kwargs):
+    """Profile with a single timed run: byte and FLOP counts do not depend on the repeats."""
+    kwargs.setdefault("warmup", 0)
+    kwargs.setdefault("repeats", 1)
+    return profile_layers(model, sample, **kwargs)
+
+
+class Split(nn.Module):
+    """Returns a tuple: the input doubled and the input's row sums."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return 2 * x, x.sum(dim=1)
+
+
+class Join(nn.Module):
+    """Consumes Split's tuple and returns a dict."""
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        doubled, sums = pair
+        return {"scaled": doubled * sums[:, None], "sums": sums}
+
+
+class Scale(nn.Module):
+    """Consumes Join's dict."""
+
+    def forward(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return parts["scaled"] + parts["sums"][:, None]
+
+
+class SquareHead(nn.Module):
+    """Squares a slice of the input: autograd saves the same view twice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head = x[:, :2]
+        return head * head
+
+
+def test_linear_first_layer_without_grad_saves_its_input():
+    torch.manual_seed(0)
+    costs = quick(nn.Sequential(nn.Linear(7, 5)), torch.randn(3, 7))
+    layer = costs.layers[0]
+    assert layer.name == "0:Linear"
+    assert layer.activation_bytes == 3 * 5 * 4
+    assert layer.param_bytes == (7 * 5 + 5) * 4
+    assert layer.saved_bytes == 3 * 7 * 4  # for the weight gradient; weight.t() is not counted
+    assert layer.flops == 2 * (2 * 3 * 7 * 5)  # forward + weight gradient, no input gradient
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["first-with-grad", "later-layer"])
+def test_linear_with_input_grad(later):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity(), nn.Linear(7, 5)) if later else nn.Sequential(nn.Linear(7, 5))
+    sample = torch.randn(3, 7, requires_grad=not later)
+    layer = quick(model, sample).layers[-1]
+    assert layer.activation_bytes == 3 * 5 * 4
+    assert layer.param_bytes == (7 * 5 + 5) * 4
+    assert layer.saved_bytes == 3 * 7 * 4
+    assert layer.flops == 3 * (2 * 3 * 7 * 5)  # forward, input gradient, weight gradient
+
+
+def test_conv2d_bytes_and_flops():
+    torch.manual_seed(0)
+    costs = quick(nn.Sequential(nn.Identity(), nn.Conv2d(3, 4, 3, padding=1)), torch.randn(2, 3, 8, 8))
+    conv = costs.layers[1]
+    assert conv.activation_bytes == 2 * 4 * 8 * 8 * 4
+    assert conv.param_bytes == (4 * 3 * 3 * 3 + 4) * 4
+    assert conv.saved_bytes == 2 * 3 * 8 * 8 * 4
+    forward = 2 * (2 * 4 * 8 * 8) * (3 * 3 * 3)  # FlopCounterMode ignores the bias
+    assert conv.flops == 3 * forward
+
+
+def test_relu_saves_its_output_only_when_grad_flows():
+    torch.manual_seed(0)
+    costs = quick(nn.Sequential(nn.ReLU(), nn.Linear(7, 5), nn.ReLU()), torch.randn(3, 7))
+    first, _, later = costs.layers
+    assert first.saved_bytes == 0  # no params, input without grad: nothing to save
+    assert first.backward_seconds == 0
+    assert first.flops == 0
+    assert later.saved_bytes == 3 * 5 * 4  # its output, for the mask of the gradient
+
+
+def test_inplace_relu_is_profiled_on_a_copy():
+    torch.manual_seed(0)
+    sample = torch.randn(3, 7)
+    before = sample.clone()
+    costs = quick(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(7, 5), nn.ReLU(inplace=True)), sample)
+    assert torch.equal(sample, before)
+    assert costs.layers[2].saved_bytes == 3 * 5 * 4
+    assert costs.layers[2].backward_seconds > 0
+
+
+def test_batchnorm_saves_input_and_batch_statistics_not_model_state():
+    torch.manual_seed(0)
+    layer = quick(nn.Sequential(nn.Identity(), nn.BatchNorm2d(3)), torch.randn(2, 3, 8, 8)).layers[1]
+    # input + save_mean + save_invstd; weight, running_mean and running_var are excluded
+    assert layer.saved_bytes == 2 * 3 * 8 * 8 * 4 + 2 * 3 * 4
+    assert layer.param_bytes == 2 * 3 * 4  # buffers are not parameters
+
+
+def test_saved_tensors_are_deduplicated_by_storage():
+    torch.manual_seed(0)
+    layer = quick(nn.Sequential(nn.Identity(), SquareHead()), torch.randn(2, 3, 8, 8)).layers[1]
+    assert layer.activation_bytes == 2 * 2 * 8 * 8 * 4
+    # the slice is saved twice but kept once; it keeps the whole input storage alive
+    assert layer.saved_bytes == 2 * 3 * 8 * 8 * 4
+
+
+@pytest.mark.parametrize(("dtype", "size"), [(torch.float64, 8), (torch.bfloat16, 2)])
+def test_element_sizes(dtype, size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity(), nn.Linear(7, 5)).to(dtype)
+    layer = quick(model, torch.randn(3, 7, dtype=dtype)).layers[1]
+    assert layer.activation_bytes == 3 * 5 * size
+    assert layer.param_bytes == (7 * 5 + 5) * size
+    assert layer.saved_bytes == 3 * 7 * size
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    features_in=st.integers(1, 9),
+    features_out=st.integers(1, 9),
+    bias=st.booleans(),
+)
+def test_linear_counts_match_formulas(batch, features_in, features_out, bias):
+    model = nn.Sequential(nn.Identity(), nn.Linear(features_in, features_out, bias=bias))
+    layer = quick(model, torch.randn(batch, features_in)).layers[1]
+    assert layer.activation_bytes == batch * features_out * 4
+    assert layer.param_bytes == (features_in * features_out + bias * features_out) * 4
+    assert layer.saved_bytes == batch * features_in * 4
+    assert layer.flops == 3 * 2 * batch * features_in * features_out
+
+
+def test_times_are_positive_and_finite_for_layers_with_work():
+    torch.manual_seed(0)
+    costs = profile_layers(
+        nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.ReLU()),
+        torch.randn(4, 3, 8, 8),
+        warmup=1,
+        repeats=3,
+    )
+    flatten, linear, relu = costs.layers
+    for layer in (linear, relu):
+        assert 0 < layer.forward_seconds < math.inf
+        assert 0 < layer.backward_seconds < math.inf
+    assert flatten.forward_seconds > 0
+    assert flatten.backward_seconds == 0
+
+
+def test_count_flops_off_gives_none():
+    costs = quick(nn.Sequential(nn.Linear(7, 5)), torch.randn(3, 7), count_flops=False)
+    assert costs.layers[0].flops is None
+
+
+def test_tuple_and_dict_outputs_flow_between_layers():
+    torch.manual_seed(0)
+    costs = quick([nn.Linear(7, 5), Split(), Join(), Scale()], torch.randn(3, 7))
+    assert [layer.name for layer in costs.layers] == ["0:Linear", "1:Split", "2:Join", "3:Scale"]
+    _, split, join, scale = costs.layers
+    assert split.activation_bytes == (3 * 5 + 3) * 4
+    assert join.activation_bytes == (3 * 5 + 3) * 4
+    assert scale.activation_bytes == 3 * 5 * 4
+    assert costs.boundary_bytes == (3 * 5 * 4, (3 * 5 + 3) * 4, (3 * 5 + 3) * 4)
+    assert all(layer.backward_seconds > 0 for layer in (split, join, scale))
+    assert costs.name == "layers"
+
+
+def test_dict_sample_and_meta():
+    class Pick(nn.Module):
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return batch["x"]
+
+    costs = quick(nn.Sequential(Pick(), nn.Linear(7, 5)), {"x": torch.randn(6, 7)}, device="cpu", name="net")
+    assert costs.name == "net"
+    assert costs.meta["batch_size"] == 6
+    assert costs.meta["device"] == "cpu"
+    assert costs.meta["repeats"] == 1
+    assert costs.meta["torch"] == torch.__version__
+
+
+def test_model_state_is_restored():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.BatchNorm1d(5), nn.Dropout(0.5), nn.Linear(5, 2))
+    model.eval()
+    model[1].train()
+    old_grad = torch.ones(5, 7)
+    model[0].weight.grad = old_grad
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    sample = torch.randn(3, 7)
+    rng = torch.get_rng_state()
+
+    quick(model, sample)
+
+    assert [m.training for m in model.modules()] == [False, False, True, False, False]
+    assert model[0].weight.grad is old_grad
+    assert torch.equal(old_grad, torch.ones(5, 7))
+    assert all(p.grad is None for name, p in model.named_parameters() if name != "0.weight")
+    assert all(torch.equal(b, buffers[name]) for name, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.is_grad_enabled()
+
+
+def test_profiles_under_no_grad():
+    with torch.no_grad():
+        layer = quick(nn.Sequential(nn.Linear(7, 5)), torch.randn(3, 7)).layers[0]
+        assert not torch.is_grad_enabled()
+    assert layer.backward_seconds > 0
+    assert layer.saved_bytes == 3 * 7 * 4
+
+
+@pytest.mark.parametrize("model", [nn.Sequential(), [], ()], ids=["Sequential", "list", "tuple"])
+def test_empty_model_is_rejected(model):
+    with pytest.raises(PlanningError, match="no layers"):
+        profile_layers(model, torch.randn(3, 7))
+
+
+def test_plain_module_is_rejected_with_a_way_out():
+    with pytest.raises(PlanningError) as info:
+        profile_layers(nn.Linear(7, 5), torch.randn(3, 7))
+    message = str(info.value)
+    assert "Linear" in message
+    assert "nn.Sequential" in message
+    assert "list" in message
+    assert "lightning_pipe.models.torchvision_chain" in message
+
+
+def test_non_module_layer_is_rejected():
+    with pytest.raises(PlanningError, match=r"layer 1 is a builtin_function_or_method, not an nn\.Module: wrap"):
+        profile_layers([nn.Linear(7, 5), torch.relu], torch.randn(3, 7))
+
+
+def test_sample_without_tensor_is_rejected():
+    with pytest.raises(PlanningError, match="holding no tensor"):
+        profile_layers(nn.Sequential(nn.Linear(7, 5)), [1.0, 2.0])
+
+
+@pytest.mark.parametrize(("warmup", "repeats"), [(-1, 5), (1, 0)])
+def test_bad_run_counts_are_rejected(warmup, repeats):
+    with pytest.raises(PlanningError, match="repeats >= 1"):
+        profile_layers(nn.Sequential(nn.Linear(7, 5)), torch.randn(3, 7), warmup=warmup, repeats=repeats)
+
+
+def test_unknown_device_is_rejected():
+    with pytest.raises(PlanningError, match="unknown device 'gpu0'"):
+        profile_layers(nn.Sequential(nn.Linear(7, 5)), torch.randn(3, 7), device="gpu0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_unavailable_device_is_rejected():
+    with pytest.raises(PlanningError, match="not available here: profile on 'cpu'"):
+        profile_layers(nn.Sequential(nn.Linear(7, 5)), torch.randn(3, 7), device="cuda")
+
+
+def test_failing_layer_is_named():
+    with pytest.raises(PlanningError, match=r"layer 1:Linear failed on its input \(tensor shapes \[\(3, 5\)\]\)"):
+        profile_layers(nn.Sequential(nn.Linear(7, 5), nn.Linear(4, 2)), torch.randn(3, 7))
