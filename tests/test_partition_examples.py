@@ -181,3 +181,12 @@ def test_exact_refuses_large_instances() -> None:
     costs = ChainCosts.from_lists([1.0] * 200)
     with pytest.raises(PlanningError, match="use the pipedream partitioner"):
         partition(PlanRequest(costs, 16), "exact")
+
+
+def test_large_noncontiguous_uses_heuristics_and_beats_contiguous() -> None:
+    costs = ChainCosts.from_lists([float((7 * i) % 11 + 1) for i in range(1500)])
+    plan = partition(PlanRequest(costs, 8), "noncontiguous")
+    contiguous = partition(PlanRequest(costs, 8, straight=True), "pipedream")
+    assert plan.bottleneck_seconds <= contiguous.bottleneck_seconds
+    assert "too many for the exact search" in plan.notes[-1]
+    assert sorted(layer for stage in plan.stages for layer in stage.layers) == list(range(1500))

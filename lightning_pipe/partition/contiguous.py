@@ -23,6 +23,7 @@ numpy; 40-odd tests reach a relative precision of 1e-12.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -38,6 +39,32 @@ StageSpan = tuple[int, int, int]
 """``(first layer, last layer, replicas)`` of a contiguous stage, layers inclusive."""
 
 _RELATIVE_PRECISION = 1e-12
+
+
+def _bisect(
+    low: float,
+    plan: list[StageSpan],
+    value: Callable[[list[StageSpan]], float],
+    cover: Callable[[float], dict[int, list[StageSpan]]],
+    best: Callable[[dict[int, list[StageSpan]]], list[StageSpan]],
+) -> list[StageSpan]:
+    """Binary search for the smallest ``value`` of a plan.
+
+    ``cover(x)`` returns the plans whose value is ``<= x``; none exist at ``low``, and ``plan`` is
+    feasible. After each success the upper end drops to the value the plan found really reaches.
+    """
+    high = value(plan)
+    while high - low > _RELATIVE_PRECISION * high:
+        middle = 0.5 * (low + high)
+        if not low < middle < high:
+            break
+        found = cover(middle)
+        if found:
+            plan = best(found)
+            high = min(middle, value(plan))
+        else:
+            low = middle
+    return plan
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:
@@ -196,37 +223,16 @@ class ChainProblem:
         if not plans:
             raise self.infeasible()
         plan = self.best(plans)
-        low = float(self._time[-1]) / self.devices
-        high = self.bottleneck(plan)
-        at_low = self.cover(low, limit) if 0 < low < high else {}
-        if at_low:
-            plan, high = self.best(at_low), low
-        while high - low > _RELATIVE_PRECISION * high:
-            middle = 0.5 * (low + high)
-            if not low < middle < high:
-                break
-            found = self.cover(middle, limit)
-            if found:
-                plan = self.best(found)
-                high = min(middle, self.bottleneck(plan))
-            else:
-                low = middle
+        low = float(self._time[-1]) / self.devices  # no plan beats the average load
+        if 0 < low < self.bottleneck(plan) and (at_low := self.cover(low, limit)):
+            plan = self.best(at_low)
+        else:
+            plan = _bisect(low, plan, self.bottleneck, lambda bound: self.cover(bound, limit), self.best)
         return self.least_memory(plan, self.bottleneck(plan))
 
     def least_memory(self, plan: list[StageSpan], bound: float) -> list[StageSpan]:
         """Among plans with bottleneck ``<= bound``, one with the smallest peak memory."""
-        low, high = 0.0, self.peak_memory(plan)
-        while high - low > _RELATIVE_PRECISION * high:
-            middle = 0.5 * (low + high)
-            if not low < middle < high:
-                break
-            found = self.cover(bound, middle)
-            if found:
-                plan = self.best(found)
-                high = min(middle, self.peak_memory(plan))
-            else:
-                low = middle
-        return plan
+        return _bisect(0.0, plan, self.peak_memory, lambda limit: self.cover(bound, limit), self.best)
 
     # -- explaining infeasibility ---------------------------------------------------------------
     def infeasible(self) -> PlanningError:

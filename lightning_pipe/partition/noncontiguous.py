@@ -25,9 +25,10 @@ from lightning_pipe.partition.plan import Plan
 from lightning_pipe.partition.request import PlanRequest
 from lightning_pipe.units import format_bytes
 
-__all__ = ["NODE_BUDGET", "next_fit", "noncontiguous"]
+__all__ = ["EXACT_LAYERS", "NODE_BUDGET", "next_fit", "noncontiguous"]
 
 NODE_BUDGET = 200_000
+EXACT_LAYERS = 40
 
 
 def next_fit(seconds: Sequence[float], devices: int, capacity: float) -> list[list[int]] | None:
@@ -121,13 +122,13 @@ class _Search:
     def run(self) -> bool:
         """Search; True when the whole tree was explored (the result is optimal)."""
         devices = self.request.devices
-        self._visit([], [0.0] * devices, [0.0] * devices, 0.0)
+        self._visit([], [0.0] * devices, [0.0] * devices, 0.0, 0)
         return self.nodes <= NODE_BUDGET
 
     def _bound(self) -> float:
         return float("inf") if self.best is None else self.best.bottleneck_seconds
 
-    def _visit(self, owner: list[int], loads: list[float], floors: list[float], period: float) -> None:
+    def _visit(self, owner: list[int], loads: list[float], floors: list[float], period: float, opened: int) -> None:
         self.nodes += 1
         if self.nodes > NODE_BUDGET:
             return
@@ -140,7 +141,6 @@ class _Search:
         devices = self.request.devices
         if (sum(loads) + self.remaining[layer]) / devices >= self._bound():
             return
-        opened = max(owner, default=-1) + 1
         for device in sorted(range(min(opened + 1, devices)), key=loads.__getitem__):
             cut = self.cuts[layer - 1] if layer and owner[-1] != device else 0.0
             load = loads[device] + self.seconds[layer]
@@ -150,7 +150,7 @@ class _Search:
                 continue
             loads[device], floors[device] = load, floor
             owner.append(device)
-            self._visit(owner, loads, floors, new_period)
+            self._visit(owner, loads, floors, new_period, max(opened, device + 1))
             owner.pop()
             loads[device] -= self.seconds[layer]
             floors[device] -= self.floor_bytes[layer]
@@ -162,22 +162,23 @@ def noncontiguous(request: PlanRequest) -> Plan:
     candidates = [owner for owner in (_contiguous(request), _list_scheduling(request)) if owner is not None]
     plans = [plan for plan in (_as_plan(request, owner, []) for owner in candidates) if _fits(request, plan)]
     search = _Search(request, min(plans, key=_key) if plans else None)
-    optimal = search.run()
+    optimal = len(request.costs) <= EXACT_LAYERS and search.run()
     if search.best is None:
-        if optimal:
-            raise PlanningError(
-                f"noncontiguous: no allocation of {len(request.costs)} layers on {request.devices} device(s) "
-                f"fits {format_bytes(request.memory_limit)} per device, even with any layer on any device: "
-                "raise the memory limit or add devices"
-            )
         raise PlanningError(
-            f"noncontiguous: no allocation within {format_bytes(request.memory_limit)} per device found in "
-            f"{NODE_BUDGET} search nodes: raise the memory limit or add devices"
+            f"noncontiguous: no allocation of {len(request.costs)} layers on {request.devices} device(s) "
+            f"fits {format_bytes(request.memory_limit)} per device"
+            + (", even with any layer on any device" if optimal else " (search not exhaustive at this size)")
+            + ": raise the memory limit or add devices"
         )
-    note = (
-        "noncontiguous: proven optimal by exhaustive branch and bound"
-        if optimal
-        else f"noncontiguous: best found within {NODE_BUDGET} search nodes (not proven optimal)"
-    )
+    if optimal:
+        note = "noncontiguous: proven optimal by exhaustive branch and bound"
+    elif len(request.costs) > EXACT_LAYERS:
+        note = (
+            f"noncontiguous: best of the optimal contiguous split and list scheduling; {len(request.costs)} "
+            f"layers is too many for the exact search (at most {EXACT_LAYERS}). Within 2x of the optimum "
+            "with free communication and no memory limit (Beaumont Thm 5)"
+        )
+    else:
+        note = f"noncontiguous: best found within {NODE_BUDGET} search nodes (not proven optimal)"
     groups = [list(stage.layers) for stage in search.best.stages]
     return request.plan_unchecked("noncontiguous", groups, [1] * len(groups), [note])
