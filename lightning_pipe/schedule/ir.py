@@ -1,0 +1,243 @@
+"""The schedule intermediate representation: per worker, an ordered list of actions.
+
+One IR expresses every family of the papers, so one validator, one simulator and one runtime serve
+them all (DESIGN.md). An :class:`Action` is a forward ``F``, a full backward ``B``, or the two halves
+of a split backward (zero bubble: ``I`` for the input gradient, ``W`` for the weight gradient) of a
+(stage, micro-batch, step), with the weight version it computes with; or an ``UPDATE`` (optimizer step)
+of a stage; or a transfer: ``SEND_F``/``RECV_F`` (activation), ``SEND_B``/``RECV_B`` (gradient),
+``FETCH`` (weights of a stage from the worker that owns them).
+
+Weight versions count optimizer steps: version ``v`` of a stage is its weights after ``v`` updates;
+the update of step ``t`` produces version ``t + 1``.
+
+Text forms: JSON (:meth:`Schedule.to_dict`) and torch.distributed.pipelining's action strings
+(``0F1``, ``2B0``, ``1W3``, ``1I0``, ``0SEND_F1``) for the single-step families both libraries run.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from lightning_pipe.errors import PlanningError
+
+__all__ = ["COMPUTE", "Action", "Kind", "Schedule"]
+
+
+class Kind(str, Enum):
+    """What an action does."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - torch.distributed.pipelining's name for the input-gradient half
+    W = "W"
+    UPDATE = "UPDATE"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    FETCH = "FETCH"
+
+
+COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+_TORCH_KINDS = {Kind.F, Kind.B, Kind.I, Kind.W, Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B}
+_TORCH_ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one worker.
+
+    Attributes:
+        kind: see :class:`Kind`.
+        stage: the pipeline stage acted on.
+        microbatch: index within the step (``None`` for ``UPDATE`` and ``FETCH``).
+        step: the optimizer step (mini-batch) the micro-batch belongs to.
+        version: weight version used (compute, ``FETCH``), ``None`` when not assigned yet.
+        peer: the worker at the other end of a transfer.
+    """
+
+    kind: Kind
+    stage: int
+    microbatch: int | None = None
+    step: int = 0
+    version: int | None = None
+    peer: int | None = None
+
+    @property
+    def key(self) -> tuple[Kind, int, int | None, int]:
+        """Identity of the action regardless of version and peer."""
+        return (self.kind, self.stage, self.microbatch, self.step)
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch is None else str(self.microbatch)
+        text = f"{self.stage}{self.kind.value}{mb}"
+        if self.step:
+            text += f"@{self.step}"
+        if self.version is not None and self.kind in COMPUTE:
+            text += f"v{self.version}"
+        return text
+
+    def to_torch(self) -> str:
+        """torch.distributed.pipelining's string, e.g. ``2B0``."""
+        if self.kind not in _TORCH_KINDS or self.step:
+            raise PlanningError(
+                f"{self} has no torch.distributed.pipelining form: only single-step F/B/I/W and SEND/RECV actions do"
+            )
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def from_torch(cls, text: str) -> Action:
+        """Parse ``0F1``-style strings."""
+        match = _TORCH_ACTION.match(text.strip())
+        if not match:
+            raise PlanningError(f"{text!r} is not a torch.distributed.pipelining action such as 0F1, 2B0 or 1W3")
+        return cls(Kind(match.group(2)), int(match.group(1)), int(match.group(3)))
+
+    def to_dict(self) -> dict[str, object]:
+        entry: dict[str, object] = {"kind": self.kind.value, "stage": self.stage}
+        for name in ("microbatch", "version", "peer"):
+            if getattr(self, name) is not None:
+                entry[name] = getattr(self, name)
+        if self.step:
+            entry["step"] = self.step
+        return entry
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, object]) -> Action:
+        try:
+            return cls(
+                kind=Kind(entry["kind"]),
+                stage=int(entry["stage"]),
+                microbatch=None if entry.get("microbatch") is None else int(entry["microbatch"]),
+                step=int(entry.get("step", 0)),
+                version=None if entry.get("version") is None else int(entry["version"]),
+                peer=None if entry.get("peer") is None else int(entry["peer"]),
+            )
+        except (KeyError, ValueError, TypeError) as error:
+            raise PlanningError(f"malformed action {entry!r}: {error}") from None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-worker action orders plus what they are about.
+
+    Attributes:
+        family: generator name (``gpipe``, ``1f1b``, ...).
+        stages: ``P``.
+        microbatches: ``m`` per step.
+        steps: optimizer steps covered.
+        orders: ``orders[w]`` is worker ``w``'s actions in execution order.
+        owners: ``owners[s]`` are the workers that hold the source of truth of stage ``s``'s weights
+            and apply its updates (several for replicated stages, DDP).
+        rule: the update rule the versions follow (``sync``, ``stash``, ``vertical``, ``2bw``,
+            ``cdp_v1``, ``cdp_v2``).
+        flush: whether consecutive steps are separated by a pipeline flush.
+        params: the generator's parameters, for the record.
+    """
+
+    family: str
+    stages: int
+    microbatches: int
+    steps: int
+    orders: tuple[tuple[Action, ...], ...]
+    owners: tuple[tuple[int, ...], ...]
+    rule: str = "sync"
+    flush: bool = True
+    params: dict[str, object] = field(default_factory=dict, compare=False)
+
+    @property
+    def workers(self) -> int:
+        return len(self.orders)
+
+    def actions(self) -> Iterator[tuple[int, int, Action]]:
+        """``(worker, position, action)`` for every action."""
+        for worker, order in enumerate(self.orders):
+            for position, action in enumerate(order):
+                yield worker, position, action
+
+    def compute_workers(self, stage: int) -> list[int]:
+        """Workers that run some compute action of ``stage``."""
+        return sorted({w for w, _, a in self.actions() if a.stage == stage and a.kind in COMPUTE})
+
+    @property
+    def split_backward(self) -> bool:
+        return any(a.kind is Kind.W for _, _, a in self.actions())
+
+    def with_orders(self, orders: Sequence[Sequence[Action]], **changes: object) -> Schedule:
+        return replace(self, orders=tuple(tuple(order) for order in orders), **changes)
+
+    # -- text exchange --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "format": "lightning_pipe.schedule",
+            "version": 1,
+            "family": self.family,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "steps": self.steps,
+            "rule": self.rule,
+            "flush": self.flush,
+            "params": dict(self.params),
+            "owners": [list(o) for o in self.owners],
+            "orders": [[a.to_dict() for a in order] for order in self.orders],
+        }
+
+    @classmethod
+    def from_dict(cls, document: dict[str, object]) -> Schedule:
+        if not isinstance(document, dict) or document.get("format") != "lightning_pipe.schedule":
+            raise PlanningError('not a lightning_pipe schedule (missing "format": "lightning_pipe.schedule")')
+        try:
+            return cls(
+                family=str(document["family"]),
+                stages=int(document["stages"]),
+                microbatches=int(document["microbatches"]),
+                steps=int(document["steps"]),
+                orders=tuple(tuple(Action.from_dict(a) for a in order) for order in document["orders"]),
+                owners=tuple(tuple(int(w) for w in owner) for owner in document["owners"]),
+                rule=str(document.get("rule", "sync")),
+                flush=bool(document.get("flush", True)),
+                params=dict(document.get("params") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise PlanningError(f"malformed schedule document: {error}") from None
+
+    def to_torch(self) -> dict[int, list[str]]:
+        """torch.distributed.pipelining's ``{rank: ["0F0", "0B0", ...]}`` (single-step families only)."""
+        if self.steps != 1:
+            raise PlanningError(
+                f"{self.family}: torch.distributed.pipelining schedules cover one step, this has {self.steps}"
+            )
+        return {
+            worker: [a.to_torch() for a in order if a.kind is not Kind.UPDATE]
+            for worker, order in enumerate(self.orders)
+        }
+
+    @classmethod
+    def from_torch(
+        cls, orders: dict[int, Sequence[str | None]] | Sequence[Sequence[str | None]], family: str = "torch"
+    ) -> Schedule:
+        """Import a torch.distributed.pipelining ``pipeline_order`` (``None`` entries are idle slots).
+
+        Each stage's owner is the worker that runs its forwards; updates are appended per worker.
+        """
+        ranks = orders if isinstance(orders, dict) else dict(enumerate(orders))
+        parsed = [[Action.from_torch(text) for text in ranks[w] if text is not None] for w in sorted(ranks)]
+        stages = 1 + max(a.stage for order in parsed for a in order)
+        microbatches = 1 + max(a.microbatch for order in parsed for a in order if a.microbatch is not None)
+        owner = {a.stage: w for w, order in enumerate(parsed) for a in order if a.kind is Kind.F}
+        if len(owner) != stages:
+            missing = sorted(set(range(stages)) - set(owner))
+            raise PlanningError(f"torch schedule has no forward for stage(s) {missing}")
+        for w, order in enumerate(parsed):
+            order.extend(Action(Kind.UPDATE, s, None, 0) for s in sorted(s for s, o in owner.items() if o == w))
+        return cls(
+            family=family,
+            stages=stages,
+            microbatches=microbatches,
+            steps=1,
+            orders=tuple(tuple(order) for order in parsed),
+            owners=tuple((owner[s],) for s in range(stages)),
+        )

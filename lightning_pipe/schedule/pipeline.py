@@ -1,0 +1,215 @@
+"""Pipeline families with one stage per worker or stages looped over workers.
+
+All of them are built from two orders of one stage's work on a stream of micro-batches:
+
+- *fill-drain* (GPipe, Huang et al. 2019): every forward, then every backward;
+- *one-forward-one-backward* with a warm-up of ``w`` forwards (PipeDream, Narayanan et al. 2019
+  §3.2): ``w`` forwards, then forward/backward pairs, then the remaining backwards. Stage ``s`` then
+  keeps ``w + 1`` activations; 1F1B uses ``w = P - s - 1`` (``min(P - s, m)`` activations), and
+  Beaumont et al.'s 1F1B*(T) (Algorithm 1) the group index of the stage minus one: a 1-periodic
+  pattern alternates one forward and one backward per period, so its only freedom is the warm-up.
+
+With a flush every step stands alone (synchronous updates); without one the stream runs across
+steps (PipeDream, 2BW, CDP) and the update of a step is placed right after the step's last backward
+on the stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.schedule.ir import Action, Kind, Schedule
+
+__all__ = [
+    "fill_drain",
+    "gpipe",
+    "interleaved",
+    "looped_bfs",
+    "one_f_one_b",
+    "one_f_one_b_order",
+    "stream",
+    "warmup_1f1b",
+    "with_updates",
+]
+
+Job = tuple[int, int]
+"""``(step, microbatch)`` of one micro-batch in a stream."""
+
+
+def check_sizes(family: str, stages: int, microbatches: int, steps: int) -> None:
+    """Every generator's basic argument check."""
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanningError(f"{family}: {name} must be a whole number >= 1, got {value!r}")
+
+
+def stream(microbatches: int, steps: int) -> list[Job]:
+    """All micro-batches of all steps in data order."""
+    return [(t, i) for t in range(steps) for i in range(microbatches)]
+
+
+def fill_drain(stage: int, jobs: Sequence[Job]) -> list[Action]:
+    """GPipe's order on one stage: all forwards, then all backwards (first in, first out)."""
+    return [Action(Kind.F, stage, i, t) for t, i in jobs] + [Action(Kind.B, stage, i, t) for t, i in jobs]
+
+
+def one_f_one_b_order(stage: int, jobs: Sequence[Job], warmup: int, split: bool = False) -> list[Action]:
+    """``warmup`` forwards, then forward/backward pairs, then the remaining backwards.
+
+    With ``split`` each backward is ``I`` immediately followed by ``W``.
+    """
+    warmup = max(0, min(warmup, len(jobs)))
+
+    def backward(job: Job) -> list[Action]:
+        t, i = job
+        if split:
+            return [Action(Kind.I, stage, i, t), Action(Kind.W, stage, i, t)]
+        return [Action(Kind.B, stage, i, t)]
+
+    order = [Action(Kind.F, stage, i, t) for t, i in jobs[:warmup]]
+    for k in range(warmup, len(jobs)):
+        t, i = jobs[k]
+        order.append(Action(Kind.F, stage, i, t))
+        order += backward(jobs[k - warmup])
+    for job in jobs[len(jobs) - warmup :]:
+        order += backward(job)
+    return order
+
+
+def with_updates(order: list[Action], stages: Sequence[int]) -> list[Action]:
+    """Insert ``UPDATE(s, t)`` right after the last backward of step ``t`` of stage ``s``."""
+    last = {}
+    for position, action in enumerate(order):
+        if action.kind in (Kind.B, Kind.W) and action.stage in stages:
+            last[(action.stage, action.step)] = position
+    result: list[Action] = []
+    placed = {position: key for key, position in last.items()}
+    for position, action in enumerate(order):
+        result.append(action)
+        if position in placed:
+            stage, step = placed[position]
+            result.append(Action(Kind.UPDATE, stage, None, step))
+    return result
+
+
+def _per_step(jobs: list[Job], flush: bool) -> list[list[Job]]:
+    if not flush:
+        return [jobs]
+    steps = sorted({t for t, _ in jobs})
+    return [[job for job in jobs if job[0] == t] for t in steps]
+
+
+def build(
+    family: str,
+    stages: int,
+    microbatches: int,
+    steps: int,
+    stage_order: Callable[[int, list[Job]], list[Action]],
+    *,
+    flush: bool = True,
+    rule: str = "sync",
+    params: dict[str, object] | None = None,
+) -> Schedule:
+    """One worker per stage, each running ``stage_order`` on every step (flush) or on the whole
+    stream (no flush), with updates after each step's last backward."""
+    check_sizes(family, stages, microbatches, steps)
+    jobs = stream(microbatches, steps)
+    orders = []
+    for stage in range(stages):
+        order = [action for part in _per_step(jobs, flush) for action in stage_order(stage, part)]
+        orders.append(tuple(with_updates(order, [stage])))
+    return Schedule(
+        family=family,
+        stages=stages,
+        microbatches=microbatches,
+        steps=steps,
+        orders=tuple(orders),
+        owners=tuple((s,) for s in range(stages)),
+        rule=rule,
+        flush=flush,
+        params=dict(params or {}),
+    )
+
+
+def gpipe(stages: int, microbatches: int, steps: int = 1) -> Schedule:
+    """GPipe: fill-drain with a flush every step."""
+    return build("gpipe", stages, microbatches, steps, fill_drain)
+
+
+def warmup_1f1b(stages: int, stage: int) -> int:
+    """1F1B's warm-up on ``stage``: ``P - s - 1`` forwards."""
+    return stages - stage - 1
+
+
+def one_f_one_b(stages: int, microbatches: int, steps: int = 1) -> Schedule:
+    """1F1B with a flush every step (PipeDream-Flush, Narayanan et al. 2021)."""
+    return build(
+        "1f1b",
+        stages,
+        microbatches,
+        steps,
+        lambda s, jobs: one_f_one_b_order(s, jobs, warmup_1f1b(stages, s)),
+    )
+
+
+def _looped(family: str, stages: int, microbatches: int, steps: int, virtual_stages: int) -> int:
+    check_sizes(family, stages, microbatches, steps)
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise PlanningError(f"{family}: virtual_stages must be a whole number >= 1, got {virtual_stages!r}")
+    if stages % virtual_stages:
+        raise PlanningError(
+            f"{family}: {stages} stages cannot be looped {virtual_stages} times over workers: stages must be a "
+            f"multiple of virtual_stages (e.g. {virtual_stages * max(1, stages // virtual_stages)} stages)"
+        )
+    return stages // virtual_stages
+
+
+def _looped_schedule(
+    family: str, stages: int, microbatches: int, steps: int, workers: int, orders: list[list[Action]], v: int
+) -> Schedule:
+    return Schedule(
+        family=family,
+        stages=stages,
+        microbatches=microbatches,
+        steps=steps,
+        orders=tuple(tuple(order) for order in orders),
+        owners=tuple((s % workers,) for s in range(stages)),
+        params={"virtual_stages": v},
+    )
+
+
+def looped_bfs(stages: int, microbatches: int, steps: int = 1, virtual_stages: int = 2) -> Schedule:
+    """Breadth-first looping (Lamy-Poirier 2023): stage ``s`` on worker ``s mod (P/v)``; a worker
+    runs every micro-batch through its first stage, then its next, then backwards in reverse."""
+    workers = _looped("looped_bfs", stages, microbatches, steps, virtual_stages)
+    orders: list[list[Action]] = [[] for _ in range(workers)]
+    for t in range(steps):
+        for w in range(workers):
+            mine = list(range(w, stages, workers))
+            order = [Action(Kind.F, s, i, t) for s in mine for i in range(microbatches)]
+            order += [Action(Kind.B, s, i, t) for s in reversed(mine) for i in range(microbatches)]
+            orders[w] += with_updates(order, mine)
+    return _looped_schedule("looped_bfs", stages, microbatches, steps, workers, orders, virtual_stages)
+
+
+def interleaved(stages: int, microbatches: int, steps: int = 1, virtual_stages: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM §2.2): stage ``s`` on worker
+    ``s mod p`` (``p = P / v``). Micro-batches go through a worker's chunks in groups of ``p``
+    (depth first); worker ``r`` warms up with ``2(p - r - 1) + (v - 1)p`` forwards, then alternates,
+    the backwards visiting chunks in reverse. A last group smaller than ``p`` handles any ``m``."""
+    workers = _looped("interleaved", stages, microbatches, steps, virtual_stages)
+    orders: list[list[Action]] = [[] for _ in range(workers)]
+    groups = [list(range(g, min(g + workers, microbatches))) for g in range(0, microbatches, workers)]
+    for t in range(steps):
+        for w in range(workers):
+            chunks = list(range(w, stages, workers))
+            forwards = [Action(Kind.F, s, i, t) for group in groups for s in chunks for i in group]
+            backwards = [Action(Kind.B, s, i, t) for group in groups for s in reversed(chunks) for i in group]
+            warm = min(len(forwards), 2 * (workers - w - 1) + (virtual_stages - 1) * workers)
+            order = forwards[:warm]
+            for k in range(warm, len(forwards)):
+                order += [forwards[k], backwards[k - warm]]
+            order += backwards[len(forwards) - warm :]
+            orders[w] += with_updates(order, chunks)
+    return _looped_schedule("interleaved", stages, microbatches, steps, workers, orders, virtual_stages)
