@@ -1,1 +1,166 @@
-"""Schedules: one IR for every pipeline family, a validator, a simulator and pictures."""
+"""Schedules: one IR for every pipeline family, a validator, a simulator and pictures.
+
+:func:`make_schedule` builds a family by name, assigns the weight versions of its update rule and
+validates it; :func:`~lightning_pipe.schedule.simulate.simulate` predicts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.schedule import asynchronous, beaumont, cyclic, master, pipeline, zero_bubble
+from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
+from lightning_pipe.schedule.simulate import Simulation, StageCosts, simulate
+from lightning_pipe.schedule.validate import validate
+from lightning_pipe.schedule.versions import RULES, assign_versions
+
+__all__ = [
+    "COMPUTE",
+    "FAMILIES",
+    "RULES",
+    "Action",
+    "Kind",
+    "Schedule",
+    "Simulation",
+    "StageCosts",
+    "assign_versions",
+    "make_schedule",
+    "simulate",
+    "validate",
+]
+
+FAMILIES: dict[str, str] = {
+    "gpipe": "fill-drain, flush every step (Huang et al. 2019)",
+    "1f1b": "one forward one backward, flush every step (PipeDream-Flush)",
+    "interleaved": "interleaved 1F1B over virtual stages (Megatron-LM)",
+    "looped_bfs": "breadth-first looped pipeline (Lamy-Poirier 2023)",
+    "1f1b_star": "memory-optimal 1-periodic pattern for a period T (Beaumont et al. 2021, Alg. 1)",
+    "kperiodic": "1F1B with every (k+1)-th slot dropped (Beaumont et al. 2021, Thm 4)",
+    "pipedream": "asynchronous 1F1B with weight stashing or vertical sync (PipeDream)",
+    "2bw": "1F1B without flush, double-buffered weights (PipeDream-2BW)",
+    "cdp": "Cyclic Data Parallelism, pipeline or pyramid form (Fournier & Oyallon 2024)",
+    "zb_h1": "zero bubble with 1F1B's memory (Qi et al. 2024)",
+    "ddp": "w(s,b,d) = (b, b) (Rahimi 2025)",
+    "fsdp": "w(s,b,d) = (s, b) (Rahimi 2025)",
+    "pp": "w(s,b,d) = (s, s): GPipe through the master schedule (Rahimi 2025)",
+    "lpp": "looped pipeline parallel, G groups of R workers (Rahimi 2025)",
+    "fslpp": "fully sharded looped pipeline parallel (Rahimi 2025)",
+}
+
+
+def _generate(
+    family: str,
+    stages: int,
+    microbatches: int,
+    steps: int,
+    *,
+    virtual_stages: int,
+    period: float | None,
+    stage_seconds: Sequence[float] | None,
+    k: int | None,
+    rule: str | None,
+    form: str,
+    groups: int,
+    replicas: int,
+    priority: str,
+    forward: float,
+    backward: float,
+) -> Schedule:
+    if family == "gpipe":
+        return pipeline.gpipe(stages, microbatches, steps)
+    if family == "1f1b":
+        return pipeline.one_f_one_b(stages, microbatches, steps)
+    if family == "interleaved":
+        return pipeline.interleaved(stages, microbatches, steps, virtual_stages)
+    if family == "looped_bfs":
+        return pipeline.looped_bfs(stages, microbatches, steps, virtual_stages)
+    if family == "1f1b_star":
+        if period is None:
+            raise PlanningError("1f1b_star needs a period T (--period), e.g. the slowest stage's forward + backward")
+        return beaumont.one_f_one_b_star(stages, microbatches, steps, period=period, stage_seconds=stage_seconds)
+    if family == "kperiodic":
+        if k is None:
+            raise PlanningError("kperiodic needs k (--k): keep k of every k + 1 slots of 1F1B")
+        return beaumont.kperiodic(stages, microbatches, steps, k=k)
+    if family == "pipedream":
+        return asynchronous.pipedream(stages, microbatches, steps, rule=rule or "stash")
+    if family == "2bw":
+        return asynchronous.two_bw(stages, microbatches, steps)
+    if family == "cdp":
+        return cyclic.cdp(stages, microbatches, steps, form=form, rule=rule or "cdp_v2")
+    if family == "zb_h1":
+        return zero_bubble.zb_h1(
+            stages, microbatches, steps, forward=forward, input_grad=backward / 2, weight_grad=backward / 2
+        )
+    options = {"priority": priority, "forward": forward, "backward": backward}
+    if family == "ddp":
+        return master.ddp(stages, microbatches, steps, **options)
+    if family == "fsdp":
+        return master.fsdp(stages, microbatches, steps, **options)
+    if family == "pp":
+        return master.pipeline_parallel(stages, microbatches, steps, **options)
+    if family == "lpp":
+        return master.lpp(stages, microbatches, steps, groups=groups, replicas=replicas, **options)
+    if family == "fslpp":
+        return master.fslpp(stages, microbatches, steps, groups=groups, replicas=replicas, **options)
+    raise PlanningError(f"unknown schedule {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def make_schedule(
+    family: str,
+    stages: int,
+    microbatches: int,
+    steps: int = 1,
+    *,
+    virtual_stages: int = 2,
+    period: float | None = None,
+    stage_seconds: Sequence[float] | None = None,
+    k: int | None = None,
+    rule: str | None = None,
+    form: str = "pipeline",
+    groups: int = 2,
+    replicas: int = 2,
+    priority: str = "backward_first",
+    forward: float = 1.0,
+    backward: float = 2.0,
+) -> Schedule:
+    """Build, version and validate the schedule ``family``.
+
+    Args:
+        family: a key of :data:`FAMILIES`.
+        stages, microbatches, steps: ``P``, ``m`` per step, and optimizer steps to cover.
+        virtual_stages: stages per worker for ``interleaved`` and ``looped_bfs``.
+        period, stage_seconds: ``T`` and the stages' ``u_F + u_B`` for ``1f1b_star``.
+        k: for ``kperiodic``.
+        rule: ``stash``/``vertical`` for ``pipedream``, ``cdp_v1``/``cdp_v2`` for ``cdp``.
+        form: ``pipeline`` or ``pyramid`` for ``cdp``.
+        groups, replicas: ``G`` and ``R`` for ``lpp``/``fslpp``.
+        priority, forward, backward: tie break and job durations of the greedy families
+            (``ddp``, ``fsdp``, ``pp``, ``lpp``, ``fslpp``; ``zb_h1`` splits ``backward`` in halves).
+    """
+    schedule = _generate(
+        family,
+        stages,
+        microbatches,
+        steps,
+        virtual_stages=virtual_stages,
+        period=period,
+        stage_seconds=stage_seconds,
+        k=k,
+        rule=rule,
+        form=form,
+        groups=groups,
+        replicas=replicas,
+        priority=priority,
+        forward=forward,
+        backward=backward,
+    )
+    if rule is not None and rule != schedule.rule:
+        raise PlanningError(
+            f"{family} runs the {schedule.rule!r} update rule; {rule!r} applies to "
+            + ("pipedream (stash, vertical) and cdp (cdp_v1, cdp_v2)")
+        )
+    versioned = assign_versions(schedule, schedule.rule)
+    validate(versioned)
+    return versioned

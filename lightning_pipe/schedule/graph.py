@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 
-__all__ = ["Graph", "Node", "build_graph"]
+__all__ = ["Graph", "Node", "build_graph", "data_dependencies"]
 
 Node = tuple[int, int]
 """``(worker, position)`` of an action."""
@@ -104,14 +104,16 @@ class Graph:
         return f"{self.schedule.family}: the schedule deadlocks: " + "; ".join(stuck)
 
 
-def _data_deps(action: Action, last_stage: int, split: dict[tuple[int, int, int], bool]) -> list[_Key]:
+def data_dependencies(action: Action, last_stage: int, split: set[tuple[int, int, int]]) -> list[_Key]:
+    """Keys of the compute actions ``action`` needs data from; ``split`` holds the (stage,
+    micro-batch, step) whose backward is split into ``I`` and ``W``."""
     s, mb, t = action.stage, action.microbatch, action.step
     if action.kind is Kind.F:
         return [(Kind.F, s - 1, mb, t)] if s > 0 else []
     if action.kind in (Kind.B, Kind.I):
         deps: list[_Key] = [(Kind.F, s, mb, t)]
         if s < last_stage:
-            later = Kind.I if split.get((s + 1, mb, t)) else Kind.B
+            later = Kind.I if (s + 1, mb, t) in split else Kind.B
             deps.append((later, s + 1, mb, t))
         return deps
     if action.kind is Kind.W:
@@ -148,7 +150,7 @@ def build_graph(schedule: Schedule) -> Graph:
         node = (worker, position)
         mine: list[Node] = []
         labels: list[str] = []
-        for key in _data_deps(action, last_stage, split):
+        for key in data_dependencies(action, last_stage, split):
             dep = where.get(key)
             if dep is None:
                 raise PlanningError(

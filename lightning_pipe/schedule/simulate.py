@@ -134,9 +134,9 @@ class Simulation:
     peak_activation_bytes: list[float]
     weight_versions: list[int]
     peak_weight_bytes: list[float]
-    bytes_sent: list[float]
-    bytes_received: list[float]
-    weight_bytes_received: list[float]
+    received_bytes: dict[str, list[float]]
+    sent_bytes: dict[str, list[float]]
+    transfers: dict[str, list[int]]
     timeline: list[Interval] = field(repr=False)
     memory_timeline: list[list[tuple[float, float]]] = field(repr=False)
 
@@ -159,23 +159,29 @@ class Simulation:
             "peak_activations": {"count": self.peak_activations, "bytes": self.peak_activation_bytes},
             "weight_versions": self.weight_versions,
             "peak_weight_bytes": self.peak_weight_bytes,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-            "weight_bytes_received": self.weight_bytes_received,
+            "received_bytes": self.received_bytes,
+            "sent_bytes": self.sent_bytes,
+            "transfers": self.transfers,
         }
 
 
-def _edge_bytes(costs: StageCosts, action: Action, dep: Action, label: str) -> float:
-    if label == "weight":
-        return costs._bytes("weight_bytes", action.stage)
+_CATEGORIES = ("activation", "gradient", "reduce", "weight")
+
+
+def _category(action: Action, label: str) -> str:
+    """What a cross-worker edge carries: activation, gradient, reduce (gradients to an update) or weight."""
     if label == "grad":
+        return "reduce"
+    if action.kind in (Kind.F, Kind.RECV_F):
+        return "activation"
+    return "gradient"
+
+
+def _edge_bytes(costs: StageCosts, action: Action, dep: Action, category: str) -> float:
+    if category == "reduce":
         return costs._bytes("weight_bytes", action.stage)
-    if dep.kind is Kind.F and action.kind is Kind.F:
+    if category == "activation":
         return costs._bytes("activation_bytes", dep.stage)
-    if action.kind in (Kind.RECV_F,):
-        return costs._bytes("activation_bytes", dep.stage)
-    if action.kind is Kind.RECV_B:
-        return costs._bytes("activation_bytes", action.stage)
     return costs._bytes("activation_bytes", action.stage)
 
 
@@ -194,79 +200,119 @@ def _sweep(events: list[tuple[float, int, float]]) -> tuple[int, float, list[tup
     return peak, peak_size, curve
 
 
+@dataclass
+class _Replay:
+    """State of one replay: times, traffic and weight copies."""
+
+    schedule: Schedule
+    costs: StageCosts
+    graph: Graph
+
+    def __post_init__(self) -> None:
+        workers = self.schedule.workers
+        self.start: dict[Node, float] = {}
+        self.end: dict[Node, float] = {}
+        self.free = [0.0] * workers
+        self.received = {c: [0.0] * workers for c in _CATEGORIES}
+        self.sent = {c: [0.0] * workers for c in _CATEGORIES}
+        self.count = {c: [0] * workers for c in _CATEGORIES}
+        self.owners = [set(o) for o in self.schedule.owners]
+        self.produced: dict[tuple[int, int], float] = {}
+        self.updated: dict[tuple[int, int, int], float] = {}
+        self.last_use: dict[tuple[int, int, int], float] = {}
+        self.copies: list[tuple[int, int, float, float]] = []  # (worker, stage, arrival, release) of fetched weights
+        self.run: list[tuple[int, int] | None] = [None] * workers
+        self.previous_start = [0.0] * workers
+
+    def transfer(self, worker: int, dep: Node, action: Action, label: str) -> float:
+        """Arrival time at ``worker`` of what ``dep`` produced."""
+        category = _category(action, label)
+        nbytes = _edge_bytes(self.costs, action, self.schedule.orders[dep[0]][dep[1]], category)
+        self.sent[category][dep[0]] += nbytes
+        self.received[category][worker] += nbytes
+        self.count[category][worker] += 1
+        seconds = self.costs.transfer(nbytes)
+        if not self.costs.overlap:
+            self.free[dep[0]] = max(self.free[dep[0]], self.end[dep] + seconds)
+        return self.end[dep] + seconds
+
+    def fetch(self, worker: int, action: Action, ready: float) -> float:
+        """Weights of a stage this worker does not own: fetched (prefetched while its previous action
+        runs) for each run of consecutive actions on the same stage and version, freed after it."""
+        version = action.version or 0
+        if self.run[worker] == (action.stage, version):
+            return ready
+        nbytes = self.costs._bytes("weight_bytes", action.stage)
+        self.received["weight"][worker] += nbytes
+        self.count["weight"][worker] += 1
+        for owner in self.owners[action.stage]:
+            self.sent["weight"][owner] += nbytes / len(self.owners[action.stage])
+        issued = max(self.produced.get((action.stage, version), 0.0), self.previous_start[worker])
+        arrival = issued + self.costs.transfer(nbytes)
+        self.copies.append((worker, action.stage, issued, -1.0))
+        return max(ready, arrival)
+
+    def execute(self, node: Node) -> None:
+        worker, position = node
+        action = self.schedule.orders[worker][position]
+        ready = self.free[worker]
+        for dep, label in zip(self.graph.deps.get(node, ()), self.graph.kinds.get(node, ()), strict=True):
+            if dep[0] != worker and label != "weight":
+                ready = max(ready, self.transfer(worker, dep, action, label))
+            else:
+                ready = max(ready, self.end[dep])
+        if action.kind in COMPUTE:
+            if worker not in self.owners[action.stage]:
+                if self.run[worker] is not None and self.run[worker] != (action.stage, action.version or 0):
+                    self._release(worker)
+                ready = self.fetch(worker, action, ready)
+            elif self.run[worker] is not None:
+                self._release(worker)
+            self.run[worker] = (action.stage, action.version or 0) if worker not in self.owners[action.stage] else None
+        self.start[node] = ready
+        self.end[node] = ready + self.costs.duration(action)
+        self.previous_start[worker] = ready
+        self.free[worker] = max(self.free[worker], self.end[node])
+        if action.kind is Kind.UPDATE:
+            self.produced.setdefault((action.stage, action.step + 1), self.end[node])
+            self.updated[(worker, action.stage, action.step + 1)] = self.end[node]
+        elif action.kind in COMPUTE:
+            key = (worker, action.stage, action.version or 0)
+            self.last_use[key] = max(self.last_use.get(key, 0.0), self.end[node])
+
+    def _release(self, worker: int) -> None:
+        """The fetched copy of the current run on ``worker`` is freed at the end of its last use."""
+        for index in range(len(self.copies) - 1, -1, -1):
+            w, stage, arrival, release = self.copies[index]
+            if w == worker and release < 0:
+                self.copies[index] = (w, stage, arrival, self.free[worker])
+                break
+        self.run[worker] = None
+
+    def finish(self) -> None:
+        for worker in range(self.schedule.workers):
+            if self.run[worker] is not None:
+                self._release(worker)
+
+
 def simulate(schedule: Schedule, costs: StageCosts, graph: Graph | None = None) -> Simulation:
     """Replay ``schedule`` with ``costs``; validates it first unless its ``graph`` is given."""
     if costs.stages != schedule.stages:
         raise PlanningError(f"costs describe {costs.stages} stages, the schedule has {schedule.stages}")
-    graph = graph or validate(schedule)
-    orders = schedule.orders
-    workers = schedule.workers
-    end: dict[Node, float] = {}
-    start: dict[Node, float] = {}
-    free = [0.0] * workers
-    sent = [0.0] * workers
-    received = [0.0] * workers
-    fetched = [0.0] * workers
-    fetch_arrival: dict[tuple[int, int, int], float] = {}
-    version_end: dict[tuple[int, int, int], float] = {}
-    production: dict[tuple[int, int], float] = {}
-    updated: dict[tuple[int, int, int], float] = {}
-    owners = [set(o) for o in schedule.owners]
-    for node in graph.order():
-        worker, position = node
-        action = orders[worker][position]
-        ready = free[worker]
-        for dep, label in zip(graph.deps.get(node, ()), graph.kinds.get(node, ()), strict=True):
-            arrival = end[dep]
-            if dep[0] != worker:
-                nbytes = _edge_bytes(costs, action, orders[dep[0]][dep[1]], label)
-                if label != "weight":
-                    sent[dep[0]] += nbytes
-                    received[worker] += nbytes
-                    arrival += costs.transfer(nbytes)
-                    if not costs.overlap:
-                        free[dep[0]] = max(free[dep[0]], end[dep] + costs.transfer(nbytes))
-                else:
-                    arrival = end[dep]  # the weight fetch below prices the copy
-            ready = max(ready, arrival)
-        if action.kind in COMPUTE and worker not in owners[action.stage]:
-            key = (worker, action.stage, action.version or 0)
-            if key not in fetch_arrival:
-                nbytes = costs._bytes("weight_bytes", action.stage)
-                fetched[worker] += nbytes
-                produced = production.get((action.stage, action.version or 0), 0.0)
-                fetch_arrival[key] = max(produced, ready - costs.transfer(nbytes)) + costs.transfer(nbytes)
-            ready = max(ready, fetch_arrival[key])
-        duration = costs.duration(action)
-        start[node] = ready
-        end[node] = ready + duration
-        free[worker] = max(free[worker], end[node])
-        if action.kind is Kind.UPDATE:
-            production.setdefault((action.stage, action.step + 1), end[node])
-            updated[(worker, action.stage, action.step + 1)] = end[node]
-        if action.kind in COMPUTE:
-            key = (worker, action.stage, action.version or 0)
-            version_end[key] = max(version_end.get(key, 0.0), end[node])
-    return _report(schedule, costs, start, end, sent, received, fetched, fetch_arrival, version_end, updated)
+    replay = _Replay(schedule, costs, graph or validate(schedule))
+    for node in replay.graph.order():
+        replay.execute(node)
+    replay.finish()
+    return _report(replay)
 
 
-def _report(
-    schedule: Schedule,
-    costs: StageCosts,
-    start: dict[Node, float],
-    end: dict[Node, float],
-    sent: list[float],
-    received: list[float],
-    fetched: list[float],
-    fetch_arrival: dict[tuple[int, int, int], float],
-    version_end: dict[tuple[int, int, int], float],
-    updated: dict[tuple[int, int, int], float],
-) -> Simulation:
+def _report(replay: _Replay) -> Simulation:
+    schedule, costs = replay.schedule, replay.costs
     workers = schedule.workers
     timeline = [
-        Interval(w, schedule.orders[w][p], start[(w, p)], end[(w, p)])
+        Interval(w, action, replay.start[(w, p)], replay.end[(w, p)])
         for w in range(workers)
-        for p in range(len(schedule.orders[w]))
+        for p, action in enumerate(schedule.orders[w])
     ]
     makespan = max((i.end for i in timeline), default=0.0)
     busy = [0.0] * workers
@@ -279,7 +325,35 @@ def _report(
         step_end[interval.action.step] = max(step_end[interval.action.step], interval.end)
     steady = _steady(step_end)
     throughput = schedule.microbatches / steady if steady > 0 else math.inf
+    nca, activations = _activations(schedule, costs, timeline)
+    versions = _weight_copies(schedule, costs, replay, makespan)
+    return Simulation(
+        schedule=schedule,
+        makespan=makespan,
+        step_end=step_end,
+        steady_step=steady,
+        throughput=throughput,
+        busy=busy,
+        idle=idle,
+        bubble_fraction=bubble,
+        nca=nca,
+        peak_activations=[a[0] for a in activations],
+        peak_activation_bytes=[a[1] for a in activations],
+        weight_versions=[v[0] for v in versions],
+        peak_weight_bytes=[v[1] for v in versions],
+        received_bytes=replay.received,
+        sent_bytes=replay.sent,
+        transfers=replay.count,
+        timeline=timeline,
+        memory_timeline=[a[2] for a in activations],
+    )
 
+
+def _activations(
+    schedule: Schedule, costs: StageCosts, timeline: list[Interval]
+) -> tuple[list[int], list[tuple[int, float, list[tuple[float, float]]]]]:
+    """NCA per stage, and per worker the peak count, peak bytes and curve of live activations (from a
+    forward's start to the end of its micro-batch's last backward half on that stage)."""
     born: dict[tuple[int, int, int], tuple[int, float]] = {}
     freed: dict[tuple[int, int, int], float] = {}
     for interval in timeline:
@@ -296,28 +370,7 @@ def _report(
         for events in (per_stage[key[0]], per_worker[worker]):
             events += [(birth, 1, nbytes), (freed[key], -1, nbytes)]
     nca = [_sweep(per_stage[s])[0] for s in range(schedule.stages)]
-    sweeps = [_sweep(per_worker[w]) for w in range(workers)]
-    versions = _weight_versions(schedule, costs, updated, version_end, fetch_arrival, makespan)
-    return Simulation(
-        schedule=schedule,
-        makespan=makespan,
-        step_end=step_end,
-        steady_step=steady,
-        throughput=throughput,
-        busy=busy,
-        idle=idle,
-        bubble_fraction=bubble,
-        nca=nca,
-        peak_activations=[s[0] for s in sweeps],
-        peak_activation_bytes=[s[1] for s in sweeps],
-        weight_versions=[v[0] for v in versions],
-        peak_weight_bytes=[v[1] for v in versions],
-        bytes_sent=sent,
-        bytes_received=received,
-        weight_bytes_received=fetched,
-        timeline=timeline,
-        memory_timeline=[s[2] for s in sweeps],
-    )
+    return nca, [_sweep(per_worker[w]) for w in range(schedule.workers)]
 
 
 def _steady(step_end: list[float]) -> float:
@@ -328,31 +381,23 @@ def _steady(step_end: list[float]) -> float:
     return (step_end[-1] - step_end[half - 1]) / (len(step_end) - half)
 
 
-def _weight_versions(
-    schedule: Schedule,
-    costs: StageCosts,
-    updated: dict[tuple[int, int, int], float],
-    version_end: dict[tuple[int, int, int], float],
-    fetch_arrival: dict[tuple[int, int, int], float],
-    makespan: float,
-) -> list[tuple[int, float]]:
-    """Peak number and bytes of (stage, version) weight copies alive on each worker.
+def _weight_copies(schedule: Schedule, costs: StageCosts, replay: _Replay, makespan: float) -> list[tuple[int, float]]:
+    """Peak number and bytes of weight copies (stage, version) held by each worker.
 
     An owner holds version ``v`` from its update (version 0: from the start) until version ``v + 1``
-    exists and the last action using ``v`` is over; a fetched copy lives from its arrival to its
-    last use.
+    exists and the last action using ``v`` is over; a fetched copy lives for its run.
     """
     events: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
     for s, owners in enumerate(schedule.owners):
         nbytes = costs._bytes("weight_bytes", s)
         for w in owners:
             for v in range(schedule.steps + 1):
-                born = 0.0 if v == 0 else updated.get((w, s, v))
+                born = 0.0 if v == 0 else replay.updated.get((w, s, v))
                 if born is None:
                     continue
-                dies = max(updated.get((w, s, v + 1), makespan), version_end.get((w, s, v), born))
+                dies = max(replay.updated.get((w, s, v + 1), makespan), replay.last_use.get((w, s, v), born))
                 events[w] += [(born, 1, nbytes), (dies, -1, nbytes)]
-    for (w, s, v), arrival in fetch_arrival.items():
+    for w, s, arrival, release in replay.copies:
         nbytes = costs._bytes("weight_bytes", s)
-        events[w] += [(arrival, 1, nbytes), (version_end[(w, s, v)], -1, nbytes)]
+        events[w] += [(arrival, 1, nbytes), (release, -1, nbytes)]
     return [_sweep(events[w])[:2] for w in range(schedule.workers)]

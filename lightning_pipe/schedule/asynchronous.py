@@ -1,0 +1,55 @@
+"""Non-flushing pipelines: PipeDream (asynchronous 1F1B) and PipeDream-2BW.
+
+Both run 1F1B over the stream of all micro-batches with no flush between steps (Narayanan et al.
+2019 §3.2; 2021 §3): stage ``s`` warms up with ``P - s - 1`` forwards and then alternates, and it
+updates its weights right after the last backward of each step (every ``m`` micro-batches; ``m = 1``
+is the original PipeDream, which updates after every micro-batch).
+
+- ``pipedream``: weight stashing (a micro-batch's backward uses the version its forward used, the
+  newest when the forward ran; a stage keeps as many versions as it has micro-batches in flight),
+  or vertical sync (``rule="vertical"``: every stage of a micro-batch uses the version its first
+  stage used).
+- ``2bw``: double-buffered weights, ``θ_{t+1} = θ_t − γ/N Σ ∇f_i(θ_{t−1})``: every micro-batch of
+  step ``t`` uses version ``t − 1`` while version ``t`` is being finished, so two versions suffice. The
+  forwards of step ``t`` must not outrun the update of step ``t − 2`` on any stage, which needs
+  ``m >= P - 1``.
+"""
+
+from __future__ import annotations
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.schedule.ir import Schedule
+from lightning_pipe.schedule.pipeline import build, check_sizes, one_f_one_b_order, warmup_1f1b
+
+__all__ = ["pipedream", "two_bw"]
+
+
+def _stream_1f1b(family: str, stages: int, microbatches: int, steps: int, rule: str) -> Schedule:
+    return build(
+        family,
+        stages,
+        microbatches,
+        steps,
+        lambda s, jobs: one_f_one_b_order(s, jobs, warmup_1f1b(stages, s)),
+        flush=False,
+        rule=rule,
+    )
+
+
+def pipedream(stages: int, microbatches: int = 1, steps: int = 4, rule: str = "stash") -> Schedule:
+    """PipeDream's asynchronous 1F1B with weight stashing (or ``rule="vertical"``)."""
+    if rule not in ("stash", "vertical"):
+        raise PlanningError(f"pipedream: rule must be 'stash' or 'vertical', got {rule!r}")
+    return _stream_1f1b("pipedream", stages, microbatches, steps, rule)
+
+
+def two_bw(stages: int, microbatches: int, steps: int = 4) -> Schedule:
+    """PipeDream-2BW: 1F1B without flush, an update every ``m`` micro-batches, two weight versions."""
+    check_sizes("2bw", stages, microbatches, steps)
+    if microbatches < stages - 1:
+        raise PlanningError(
+            f"2bw: with {microbatches} micro-batches per step the first stage would need version t-1 before "
+            f"its update of step t-2 is done; 2BW needs m >= P - 1 = {stages - 1} micro-batches per step "
+            "(Narayanan et al. 2021 use m >= P)"
+        )
+    return _stream_1f1b("2bw", stages, microbatches, steps, "2bw")

@@ -1,0 +1,157 @@
+"""Rahimi's unified master schedule: a placement ``w(s, b, d)`` and a priority ``n(s, b, d)``.
+
+``w(s, b, d) = (w_weights, w_compute)`` says which worker holds the source of truth of stage ``s``'s
+weights and which computes stage ``s`` of micro-batch ``b`` in direction ``d`` (Rahimi 2025, "Formal
+definitions of distributed schedules"). With ``W = G·R`` workers in ``G`` groups of ``R`` and
+``h(s, b) = (R·b mod W) + (s mod R)``:
+
+- DDP ``(b, b)``, FSDP ``(s, b)``, GPipe ``(s, s)``;
+- LPP ``(h(s, b), h(s, b))``: each group a looped pipeline, micro-batches dealt over groups;
+- FSLPP: compute on ``h(s, b)``, weights on ``h(s, s)`` (the text's definition; the formula in the
+  paper lists the pair the other way round).
+
+Each step is list-scheduled greedily (:mod:`lightning_pipe.schedule.greedy`) and ends with a flush
+and the update of every stage on the workers that hold its weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.schedule.greedy import list_schedule
+from lightning_pipe.schedule.ir import Action, Kind, Schedule
+from lightning_pipe.schedule.pipeline import check_sizes
+
+__all__ = ["PRIORITIES", "ddp", "fsdp", "fslpp", "lpp", "master", "pipeline_parallel"]
+
+Placement = Callable[[int, int, Kind], tuple[int, int]]
+"""``w(stage, microbatch, direction) -> (weight owner, compute worker)``."""
+
+
+def _backward_first(action: Action) -> tuple:
+    """1F1B's tie break: backwards first (oldest micro-batch first), then forwards."""
+    return (0 if action.kind is not Kind.F else 1, action.microbatch, -action.stage)
+
+
+def _forward_first(action: Action) -> tuple:
+    """GPipe's tie break (breadth first): forwards of earlier micro-batches first."""
+    return (0 if action.kind is Kind.F else 1, action.microbatch, action.stage)
+
+
+def _depth_first(action: Action) -> tuple:
+    """Whichever micro-batch entered first, deepest stage first."""
+    return (action.microbatch, 0 if action.kind is not Kind.F else 1, -action.stage)
+
+
+PRIORITIES: dict[str, Callable[[Action], tuple]] = {
+    "backward_first": _backward_first,
+    "forward_first": _forward_first,
+    "depth_first": _depth_first,
+}
+
+
+def master(
+    family: str,
+    stages: int,
+    microbatches: int,
+    workers: int,
+    placement: Placement,
+    *,
+    steps: int = 1,
+    priority: str | Callable[[Action], tuple] = "backward_first",
+    forward: float = 1.0,
+    backward: float = 2.0,
+) -> Schedule:
+    """The schedule of ``placement`` under ``priority`` (greedy, with ``forward``/``backward`` job
+    durations), one flush per step."""
+    check_sizes(family, stages, microbatches, steps)
+    rank = PRIORITIES.get(priority, priority) if isinstance(priority, str) else priority
+    if isinstance(rank, str):
+        raise PlanningError(f"{family}: unknown priority {priority!r}; choose one of {', '.join(PRIORITIES)}")
+    owners: dict[int, set[int]] = {s: set() for s in range(stages)}
+    for s in range(stages):
+        for b in range(microbatches):
+            for d in (Kind.F, Kind.B):
+                owner, compute = placement(s, b, d)
+                for w in (owner, compute):
+                    if not 0 <= w < workers:
+                        raise PlanningError(
+                            f"{family}: w({s}, {b}, {d.value}) = {(owner, compute)} names a worker outside 0..{workers - 1}"
+                        )
+                owners[s].add(owner)
+    orders: list[list[Action]] = [[] for _ in range(workers)]
+    for t in range(steps):
+        jobs = [Action(d, s, b, t) for b in range(microbatches) for s in range(stages) for d in (Kind.F, Kind.B)]
+        step_orders = list_schedule(
+            jobs,
+            workers,
+            worker_of=lambda a: placement(a.stage, a.microbatch, a.kind)[1],
+            duration=lambda a: forward if a.kind is Kind.F else backward,
+            priority=rank,
+            last_stage=stages - 1,
+        )
+        for w in range(workers):
+            orders[w] += step_orders[w]
+            orders[w] += [Action(Kind.UPDATE, s, None, t) for s in range(stages) if w in owners[s]]
+    return Schedule(
+        family=family,
+        stages=stages,
+        microbatches=microbatches,
+        steps=steps,
+        orders=tuple(tuple(order) for order in orders),
+        owners=tuple(tuple(sorted(owners[s])) for s in range(stages)),
+        params={"workers": workers, "priority": priority if isinstance(priority, str) else "custom"},
+    )
+
+
+def ddp(stages: int, microbatches: int, steps: int = 1, **options: object) -> Schedule:
+    """``w = (b, b)``: one worker per micro-batch, every worker holds every stage."""
+    return master("ddp", stages, microbatches, microbatches, lambda s, b, d: (b, b), steps=steps, **options)
+
+
+def fsdp(stages: int, microbatches: int, steps: int = 1, **options: object) -> Schedule:
+    """``w = (s, b)``: compute per micro-batch, stage ``s``'s weights sharded to worker ``s mod W``."""
+    workers = microbatches
+    return master("fsdp", stages, microbatches, workers, lambda s, b, d: (s % workers, b), steps=steps, **options)
+
+
+def pipeline_parallel(stages: int, microbatches: int, steps: int = 1, **options: object) -> Schedule:
+    """``w = (s, s)``: GPipe as an instance of the master schedule."""
+    return master("pp", stages, microbatches, stages, lambda s, b, d: (s, s), steps=steps, **options)
+
+
+def _groups(family: str, stages: int, groups: int, replicas: int) -> int:
+    for name, value in (("groups", groups), ("replicas", replicas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanningError(f"{family}: {name} must be a whole number >= 1, got {value!r}")
+    if stages % replicas:
+        raise PlanningError(
+            f"{family}: each group of {replicas} workers loops over the {stages} stages, so stages must be a "
+            f"multiple of replicas (R); try replicas in {[r for r in range(1, stages + 1) if stages % r == 0]}"
+        )
+    return groups * replicas
+
+
+def lpp(
+    stages: int, microbatches: int, steps: int = 1, groups: int = 2, replicas: int = 2, **options: object
+) -> Schedule:
+    """Looped pipeline parallelism: ``W = G·R``, ``w = (h(s, b), h(s, b))``."""
+    workers = _groups("lpp", stages, groups, replicas)
+
+    def h(s: int, b: int) -> int:
+        return (replicas * b) % workers + s % replicas
+
+    return master("lpp", stages, microbatches, workers, lambda s, b, d: (h(s, b), h(s, b)), steps=steps, **options)
+
+
+def fslpp(
+    stages: int, microbatches: int, steps: int = 1, groups: int = 2, replicas: int = 2, **options: object
+) -> Schedule:
+    """Fully sharded LPP: compute on ``h(s, b)``, weights on ``h(s, s)``."""
+    workers = _groups("fslpp", stages, groups, replicas)
+
+    def h(s: int, b: int) -> int:
+        return (replicas * b) % workers + s % replicas
+
+    return master("fslpp", stages, microbatches, workers, lambda s, b, d: (h(s, s), h(s, b)), steps=steps, **options)
