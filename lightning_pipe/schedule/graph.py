@@ -157,7 +157,7 @@ def build_graph(schedule: Schedule) -> Graph:
                     f"{schedule.family}: worker {worker} position {position} ({action}) needs "
                     f"{Action(*key)} which no worker runs"
                 )
-            if dep[0] != worker:
+            if dep[0] != worker or dep[1] > position:  # same worker, later: a cycle the order check reports
                 mine.append(dep)
                 labels.append("act")
         if action.kind in COMPUTE and action.version:

@@ -223,6 +223,15 @@ class _Replay:
         self.copies: list[tuple[int, int, float, float]] = []  # (worker, stage, arrival, release) of fetched weights
         self.run: list[tuple[int, int] | None] = [None] * workers
         self.previous_start = [0.0] * workers
+        self.sending: dict[Node, float] = defaultdict(float)  # seconds a blocking sender spends per action
+        if not self.costs.overlap:
+            for node, deps in self.graph.deps.items():
+                action = self.schedule.orders[node[0]][node[1]]
+                for dep, label in zip(deps, self.graph.kinds[node], strict=True):
+                    if dep[0] != node[0] and label != "weight":
+                        source = self.schedule.orders[dep[0]][dep[1]]
+                        nbytes = _edge_bytes(self.costs, action, source, _category(action, label))
+                        self.sending[dep] += self.costs.transfer(nbytes)
 
     def transfer(self, worker: int, dep: Node, action: Action, label: str) -> float:
         """Arrival time at ``worker`` of what ``dep`` produced."""
@@ -231,10 +240,7 @@ class _Replay:
         self.sent[category][dep[0]] += nbytes
         self.received[category][worker] += nbytes
         self.count[category][worker] += 1
-        seconds = self.costs.transfer(nbytes)
-        if not self.costs.overlap:
-            self.free[dep[0]] = max(self.free[dep[0]], self.end[dep] + seconds)
-        return self.end[dep] + seconds
+        return self.end[dep] + self.costs.transfer(nbytes)
 
     def fetch(self, worker: int, action: Action, ready: float) -> float:
         """Weights of a stage this worker does not own: fetched (prefetched while its previous action
@@ -272,7 +278,7 @@ class _Replay:
         self.start[node] = ready
         self.end[node] = ready + self.costs.duration(action)
         self.previous_start[worker] = ready
-        self.free[worker] = max(self.free[worker], self.end[node])
+        self.free[worker] = max(self.free[worker], self.end[node] + self.sending.get(node, 0.0))
         if action.kind is Kind.UPDATE:
             self.produced.setdefault((action.stage, action.step + 1), self.end[node])
             self.updated[(worker, action.stage, action.step + 1)] = self.end[node]

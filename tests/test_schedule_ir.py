@@ -1,0 +1,150 @@
+"""The IR: every family validates on a grid, text round trips, invalid schedules are pointed at."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.schedule import FAMILIES, Action, Kind, Schedule, StageCosts, make_schedule, simulate, validate
+from lightning_pipe.schedule.versions import assign_versions
+
+GRID = [(p, m, steps) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 8) for steps in (1, 2, 3)]
+
+
+def _options(family: str, stages: int) -> dict:
+    return {
+        "1f1b_star": {"period": 4.0},
+        "kperiodic": {"k": 2},
+        "lpp": {"groups": 2, "replicas": 2 if stages % 2 == 0 else 1},
+        "fslpp": {"groups": 2, "replicas": 2 if stages % 2 == 0 else 1},
+    }.get(family, {})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_validates_on_the_grid_or_says_why_not(family: str) -> None:
+    for stages, microbatches, steps in GRID:
+        try:
+            schedule = make_schedule(family, stages, microbatches, steps, **_options(family, stages))
+        except PlanningError as error:
+            message = str(error)
+            if family in ("interleaved", "looped_bfs"):
+                assert stages % 2 and "multiple of virtual_stages" in message
+            else:
+                assert family in ("2bw", "cdp") and microbatches < stages - 1 and "P - 1" in message
+            continue
+        assert schedule.family == family and schedule.stages == stages
+        validate(schedule)
+        sim = simulate(schedule, StageCosts.uniform(stages))
+        assert sim.makespan > 0 and 0 <= sim.bubble_fraction < 1
+
+
+def test_json_round_trip_keeps_everything() -> None:
+    for family in ("interleaved", "cdp", "zb_h1", "fslpp"):
+        schedule = make_schedule(family, 4, 4, 2, **_options(family, 4))
+        again = Schedule.from_dict(json.loads(json.dumps(schedule.to_dict())))
+        assert again == schedule
+        validate(again)
+
+
+def test_torch_action_strings_round_trip() -> None:
+    schedule = make_schedule("1f1b", 3, 4)
+    text = schedule.to_torch()
+    assert text[0][:4] == ["0F0", "0F1", "0F2", "0B0"]
+    assert text[2][:2] == ["2F0", "2B0"]
+    imported = Schedule.from_torch(text, family="1f1b")
+    assert assign_versions(imported, "sync") == make_schedule("1f1b", 3, 4)
+    zb = make_schedule("zb_h1", 2, 2)
+    assert {a[1] for a in zb.to_torch()[0]} == {"F", "I", "W"}
+    assert Action.from_torch("1W3") == Action(Kind.W, 1, 3)
+    assert Action.from_torch("0SEND_F1") == Action(Kind.SEND_F, 0, 1)
+    with pytest.raises(PlanningError, match="not a torch.distributed.pipelining action"):
+        Action.from_torch("F0")
+    with pytest.raises(PlanningError, match="cover one step"):
+        make_schedule("1f1b", 2, 2, 2).to_torch()
+
+
+def test_from_torch_accepts_idle_slots_and_rank_dict() -> None:
+    imported = Schedule.from_torch({0: ["0F0", None, "0B0"], 1: [None, "1F0", "1B0"]})
+    validate(assign_versions(imported, "sync"))
+
+
+def _edit(schedule: Schedule, worker: int, edit) -> Schedule:
+    orders = [list(order) for order in schedule.orders]
+    edit(orders[worker])
+    return schedule.with_orders(orders)
+
+
+def test_missing_and_repeated_work_is_named() -> None:
+    base = make_schedule("1f1b", 2, 2)
+    dropped = _edit(base, 1, lambda order: order.pop(0))
+    with pytest.raises(PlanningError, match=r"stage 1, micro-batch 0, step 0 has 0 F"):
+        validate(dropped)
+    repeated = _edit(base, 0, lambda order: order.insert(0, order[0]))
+    with pytest.raises(PlanningError, match="has 2 F"):
+        validate(repeated)
+
+
+def test_deadlock_points_at_the_waiting_workers() -> None:
+    base = make_schedule("gpipe", 2, 2)
+    # worker 1 runs its backward of micro-batch 0 before the forward it needs
+    swapped = _edit(base, 1, lambda order: order.insert(0, order.pop(2)))
+    with pytest.raises(PlanningError, match=r"deadlocks: .*worker 1 at position 0 \(1B0v0\)"):
+        validate(swapped)
+
+
+def test_update_and_version_errors() -> None:
+    base = make_schedule("1f1b", 2, 2, 2)
+    early = _edit(base, 0, lambda order: order.insert(1, order.pop(order.index(Action(Kind.UPDATE, 0, None, 0)))))
+    with pytest.raises(PlanningError, match="gradient comes after UPDATE"):
+        validate(early)
+    orders = [list(o) for o in base.orders]
+    index = next(i for i, a in enumerate(orders[0]) if a.kind is Kind.B and a.step == 1)
+    a = orders[0][index]
+    orders[0][index] = Action(a.kind, a.stage, a.microbatch, a.step, a.version - 1)
+    with pytest.raises(PlanningError, match="its forward used"):
+        validate(base.with_orders(orders))
+    unversioned = base.with_orders([[Action(a.kind, a.stage, a.microbatch, a.step) for a in o] for o in base.orders])
+    with pytest.raises(PlanningError, match="no weight version assigned"):
+        validate(unversioned)
+    with pytest.raises(PlanningError, match="worker 1 does not own stage 0"):
+        validate(_edit(base, 1, lambda order: order.append(Action(Kind.UPDATE, 0, None, 0))))
+
+
+def test_explicit_transfers_must_match() -> None:
+    base = make_schedule("gpipe", 2, 1)
+    orders = [list(o) for o in base.orders]
+    orders[1].insert(0, Action(Kind.RECV_F, 1, 0, 0, peer=0))
+    with pytest.raises(PlanningError, match="no matching SEND_F on worker 0"):
+        validate(base.with_orders(orders))
+    orders[0].insert(1, Action(Kind.SEND_F, 0, 0, 0, peer=1))
+    validate(base.with_orders(orders))
+
+
+def test_bad_arguments_are_explained() -> None:
+    with pytest.raises(PlanningError, match="unknown schedule 'zigzag'"):
+        make_schedule("zigzag", 2, 2)
+    with pytest.raises(PlanningError, match="microbatches must be a whole number >= 1"):
+        make_schedule("gpipe", 2, 0)
+    with pytest.raises(PlanningError, match="needs k"):
+        make_schedule("kperiodic", 2, 2)
+    with pytest.raises(PlanningError, match="needs a period"):
+        make_schedule("1f1b_star", 2, 2)
+    with pytest.raises(PlanningError, match="runs the 'sync' update rule"):
+        make_schedule("gpipe", 2, 2, rule="2bw")
+    with pytest.raises(PlanningError, match="stages must be a multiple of replicas"):
+        make_schedule("lpp", 3, 4, replicas=2)
+
+
+def test_transfers_cost_time_and_can_block_the_sender() -> None:
+    schedule = make_schedule("gpipe", 2, 1)
+    base = dict(forward=[1.0, 1.0], backward=[2.0, 2.0], activation_bytes=[10.0, 10.0])
+    free = simulate(schedule, StageCosts(**base))
+    slow = simulate(schedule, StageCosts(**base, bandwidth=5.0))
+    assert free.makespan == 6.0 and slow.makespan == 6.0 + 2 * 2.0
+    assert slow.received_bytes["activation"] == [0.0, 10.0] and slow.received_bytes["gradient"] == [10.0, 0.0]
+    two = make_schedule("gpipe", 2, 2)
+    overlapped = simulate(two, StageCosts(**base, bandwidth=5.0))
+    blocking = simulate(two, StageCosts(**base, bandwidth=5.0, overlap=False))
+    assert blocking.makespan > overlapped.makespan
