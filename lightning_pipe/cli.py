@@ -1,7 +1,8 @@
 """``lightning-pipe``: the command line.
 
 ``lightning-pipe plan`` profiles a built-in model (or loads a profile) and prints a partition plan
-as a table in the spirit of the Black GPipe ``dp>`` console, or as JSON.
+as a table in the spirit of the Black GPipe ``dp>`` console, or as JSON. ``lightning-pipe simulate``
+generates a schedule, validates and simulates it, and draws it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
 
 from lightning_pipe.costs import ChainCosts
 from lightning_pipe.errors import PlanningError
@@ -164,11 +167,138 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_parser(commands: argparse._SubParsersAction) -> None:
+    from lightning_pipe.schedule import FAMILIES
+    from lightning_pipe.schedule.master import PRIORITIES
+
+    parser = commands.add_parser(
+        "simulate",
+        help="generate a schedule, predict its makespan, bubble and memory, draw it",
+        description="Generate a pipeline schedule, validate it and simulate it with per-stage costs.",
+    )
+    parser.add_argument("--schedule", required=True, choices=sorted(FAMILIES), help="schedule family")
+    parser.add_argument("--stages", type=_positive_int, help="pipeline stages P (default: from --costs/--plan)")
+    parser.add_argument("--microbatches", type=_positive_int, required=True, help="micro-batches per step m")
+    parser.add_argument("--steps", type=_positive_int, default=1, help="optimizer steps to simulate")
+    parser.add_argument("--virtual-stages", type=_positive_int, default=2, help="stages per worker (interleaved)")
+    parser.add_argument("--period", type=float, help="period T of 1f1b_star")
+    parser.add_argument("--k", type=_positive_int, help="k of kperiodic")
+    parser.add_argument("--rule", help="update rule: stash|vertical (pipedream), cdp_v1|cdp_v2 (cdp)")
+    parser.add_argument("--form", default="pipeline", choices=["pipeline", "pyramid"], help="cdp form")
+    parser.add_argument("--groups", type=_positive_int, default=2, help="G of lpp/fslpp")
+    parser.add_argument("--replicas", type=_positive_int, default=2, help="R of lpp/fslpp")
+    parser.add_argument("--priority", default="backward_first", choices=sorted(PRIORITIES), help="greedy tie break")
+    parser.add_argument("--forward", type=float, default=1.0, help="forward time of every stage (unit costs)")
+    parser.add_argument("--backward", type=float, default=2.0, help="backward time of every stage (unit costs)")
+    costs = parser.add_mutually_exclusive_group()
+    costs.add_argument(
+        "--costs", metavar="FILE", help='per-stage costs JSON {"forward": [...], "backward": [...], ...}'
+    )
+    costs.add_argument("--plan", metavar="FILE", help="a plan from lightning-pipe plan --json")
+    parser.add_argument("--bandwidth", type=_argument(parse_bandwidth), help="link bandwidth, e.g. 10GB/s")
+    parser.add_argument("--no-overlap", action="store_true", help="a sender is busy while it sends")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", metavar="FILE", help="draw the timeline (.png or .svg)")
+    parser.add_argument("--memory-plot", metavar="FILE", help="draw activation memory over time (.png or .svg)")
+    parser.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
+    parser.add_argument("--save-schedule", metavar="FILE", help="write the schedule IR as JSON")
+    parser.set_defaults(run=_run_simulate)
+
+
+def _stage_costs(args: argparse.Namespace):
+    from lightning_pipe.schedule import StageCosts
+
+    if args.costs or args.plan:
+        path = args.costs or args.plan
+        try:
+            document = json.loads(Path(path).read_text())
+        except OSError as error:
+            raise PlanningError(f"cannot read {path}: {error.strerror or error}") from None
+        except json.JSONDecodeError as error:
+            raise PlanningError(f"{path}: invalid JSON at line {error.lineno}: {error.msg}") from None
+        costs = StageCosts.from_dict(document, path) if args.costs else StageCosts.from_plan(document, path)
+        if args.stages is not None and args.stages != costs.stages:
+            raise PlanningError(f"--stages {args.stages} but {path} describes {costs.stages} stages")
+    else:
+        if args.stages is None:
+            raise PlanningError("give --stages, or --costs/--plan from which the stage count is read")
+        costs = StageCosts.uniform(args.stages, args.forward, args.backward)
+    changes = {}
+    if args.bandwidth is not None:
+        changes["bandwidth"] = args.bandwidth
+    if args.no_overlap:
+        changes["overlap"] = False
+    return replace(costs, **changes) if changes else costs
+
+
+def _simulation_table(result) -> str:
+    schedule = result.schedule
+    lines = [
+        f"{schedule.family}: {schedule.stages} stages, {schedule.microbatches} micro-batches x {schedule.steps} "
+        f"step(s) on {schedule.workers} workers, rule {schedule.rule}" + ("" if schedule.flush else ", no flush"),
+        f"makespan {result.makespan:.6g}, steady step {result.steady_step:.6g}, "
+        f"throughput {result.throughput:.6g} micro-batches per time unit, bubble {result.bubble_fraction:.2%}",
+        "NCA per stage: " + " ".join(str(n) for n in result.nca),
+        f"{'worker':>6} {'busy':>10} {'idle':>10} {'activations':>11} {'act. bytes':>11} {'weights':>7}",
+    ]
+    for w in range(schedule.workers):
+        lines.append(
+            f"{w:>6} {result.busy[w]:>10.6g} {result.idle[w]:>10.6g} {result.peak_activations[w]:>11} "
+            f"{format_bytes(result.peak_activation_bytes[w]):>11} {result.weight_versions[w]:>7}"
+        )
+    return "\n".join(lines)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from lightning_pipe.schedule import make_schedule, simulate
+    from lightning_pipe.schedule.validate import validate
+
+    costs = _stage_costs(args)
+    schedule = make_schedule(
+        args.schedule,
+        costs.stages,
+        args.microbatches,
+        args.steps,
+        virtual_stages=args.virtual_stages,
+        period=args.period,
+        stage_seconds=[f + b for f, b in zip(costs.forward, costs.backward, strict=True)],
+        k=args.k,
+        rule=args.rule,
+        form=args.form,
+        groups=args.groups,
+        replicas=args.replicas,
+        priority=args.priority,
+        forward=args.forward,
+        backward=args.backward,
+    )
+    result = simulate(schedule, costs, graph=validate(schedule))
+    if args.save_schedule:
+        Path(args.save_schedule).write_text(json.dumps(schedule.to_dict()) + "\n")
+    _draw(args, result)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else _simulation_table(result))
+    return 0
+
+
+def _draw(args: argparse.Namespace, result) -> None:
+    if not (args.plot or args.memory_plot or args.trace):
+        return
+    from lightning_pipe.schedule.draw import chrome_trace, draw_memory, draw_timeline
+
+    title = f"{result.schedule.family}: P={result.schedule.stages}, m={result.schedule.microbatches}"
+    if args.plot:
+        draw_timeline(result.timeline, args.plot, title=title, workers=result.schedule.workers)
+    if args.memory_plot:
+        draw_memory(result.memory_timeline, args.memory_plot, title=title + " activation memory")
+    if args.trace:
+        chrome_trace(result.timeline, args.trace, name=title)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-pipe``."""
     parser = argparse.ArgumentParser(prog="lightning-pipe", description="Pipeline-parallel planning and training.")
     commands = parser.add_subparsers(dest="command", required=True)
     _plan_parser(commands)
+    _simulate_parser(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

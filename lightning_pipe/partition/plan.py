@@ -37,6 +37,10 @@ class Stage:
         sync_seconds: all-reduce time of the stage's parameters among its replicas.
         stage_seconds: ``max(compute, sync) / replicas``, the stage's time per micro-batch.
         memory_bytes: peak memory of one replica.
+        forward_seconds, backward_seconds: measured ``Σ u_F`` and ``Σ u_B`` (what a schedule simulates).
+        output_bytes: bytes the stage sends on (crossing the cut after its last layer; 0 at the end).
+        saved_bytes: activation bytes kept per micro-batch in flight.
+        param_bytes: one copy of the stage's parameters.
     """
 
     layers: tuple[int, ...]
@@ -45,6 +49,11 @@ class Stage:
     sync_seconds: float
     stage_seconds: float
     memory_bytes: float
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+    output_bytes: float = 0.0
+    saved_bytes: float = 0.0
+    param_bytes: float = 0.0
 
     @property
     def contiguous(self) -> bool:
@@ -103,6 +112,11 @@ class Plan:
                     "sync_seconds": stage.sync_seconds,
                     "stage_seconds": stage.stage_seconds,
                     "memory_bytes": stage.memory_bytes,
+                    "forward_seconds": stage.forward_seconds,
+                    "backward_seconds": stage.backward_seconds,
+                    "output_bytes": stage.output_bytes,
+                    "saved_bytes": stage.saved_bytes,
+                    "param_bytes": stage.param_bytes,
                 }
                 for stage in self.stages
             ],
@@ -170,7 +184,9 @@ def evaluate(
     for g, group in enumerate(groups):
         layers = tuple(sorted(group))
         compute = sum(layer_seconds[i] for i in layers)
-        sync = network.allreduce_seconds(sum(costs.layers[i].param_bytes for i in layers), replicas[g])
+        params = sum(costs.layers[i].param_bytes for i in layers)
+        sync = network.allreduce_seconds(params, replicas[g])
+        last = layers[-1]
         stages.append(
             Stage(
                 layers=layers,
@@ -179,6 +195,11 @@ def evaluate(
                 sync_seconds=sync,
                 stage_seconds=max(compute, sync) / replicas[g],
                 memory_bytes=memory_bytes[g],
+                forward_seconds=sum(costs.layers[i].forward_seconds for i in layers),
+                backward_seconds=sum(costs.layers[i].backward_seconds for i in layers),
+                output_bytes=costs.boundary_bytes[last] if last < len(costs) - 1 else 0.0,
+                saved_bytes=sum(costs.layers[i].saved_bytes for i in layers),
+                param_bytes=params,
             )
         )
     cuts = tuple(network.cut_seconds(costs.boundary_bytes[last]) for _, last, _ in runs[:-1])

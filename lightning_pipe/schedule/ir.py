@@ -43,6 +43,8 @@ class Kind(str, Enum):
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 _TORCH_KINDS = {Kind.F, Kind.B, Kind.I, Kind.W, Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B}
+_TORCH_IGNORED = re.compile(r"(UNSHARD|RESHARD|REDUCE_GRAD)")
+_TORCH_OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 _TORCH_ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
@@ -118,6 +120,16 @@ class Action:
             )
         except (KeyError, ValueError, TypeError) as error:
             raise PlanningError(f"malformed action {entry!r}: {error}") from None
+
+
+def _parse_torch(text: str | None) -> list[Action]:
+    """Actions of one torch.distributed.pipelining entry (none for idle slots and FSDP bookkeeping)."""
+    if text is None or _TORCH_IGNORED.search(text):
+        return []
+    overlap = _TORCH_OVERLAP.match(text.strip())
+    if overlap:
+        return [Action.from_torch(part) for part in overlap.group(1).split(";")]
+    return [Action.from_torch(text)]
 
 
 @dataclass(frozen=True)
@@ -222,9 +234,11 @@ class Schedule:
         """Import a torch.distributed.pipelining ``pipeline_order`` (``None`` entries are idle slots).
 
         Each stage's owner is the worker that runs its forwards; updates are appended per worker.
+        FSDP bookkeeping actions (``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) are dropped and
+        DualPipe's ``(a;b)OVERLAP_F_B`` becomes ``a`` then ``b``.
         """
         ranks = orders if isinstance(orders, dict) else dict(enumerate(orders))
-        parsed = [[Action.from_torch(text) for text in ranks[w] if text is not None] for w in sorted(ranks)]
+        parsed = [[action for text in ranks[w] for action in _parse_torch(text)] for w in sorted(ranks)]
         stages = 1 + max(a.stage for order in parsed for a in order)
         microbatches = 1 + max(a.microbatch for order in parsed for a in order if a.microbatch is not None)
         owner = {a.stage: w for w, order in enumerate(parsed) for a in order if a.kind is Kind.F}

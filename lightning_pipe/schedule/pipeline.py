@@ -181,32 +181,41 @@ def _looped_schedule(
 
 def looped_bfs(stages: int, microbatches: int, steps: int = 1, virtual_stages: int = 2) -> Schedule:
     """Breadth-first looping (Lamy-Poirier 2023): stage ``s`` on worker ``s mod (P/v)``; a worker
-    runs every micro-batch through its first stage, then its next, then backwards in reverse."""
+    runs every micro-batch through its first stage, then its next, then the backwards in reverse
+    (last stage and last micro-batch first), as torch.distributed.pipelining's ScheduleLoopedBFS."""
     workers = _looped("looped_bfs", stages, microbatches, steps, virtual_stages)
     orders: list[list[Action]] = [[] for _ in range(workers)]
     for t in range(steps):
         for w in range(workers):
             mine = list(range(w, stages, workers))
             order = [Action(Kind.F, s, i, t) for s in mine for i in range(microbatches)]
-            order += [Action(Kind.B, s, i, t) for s in reversed(mine) for i in range(microbatches)]
+            order += [Action(Kind.B, s, i, t) for s in reversed(mine) for i in reversed(range(microbatches))]
             orders[w] += with_updates(order, mine)
     return _looped_schedule("looped_bfs", stages, microbatches, steps, workers, orders, virtual_stages)
 
 
+def _round_size(microbatches: int, workers: int) -> int:
+    rounds = max(1, microbatches // workers)
+    return microbatches // rounds if microbatches % rounds == 0 else workers
+
+
 def interleaved(stages: int, microbatches: int, steps: int = 1, virtual_stages: int = 2) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM §2.2): stage ``s`` on worker
-    ``s mod p`` (``p = P / v``). Micro-batches go through a worker's chunks in groups of ``p``
-    (depth first); worker ``r`` warms up with ``2(p - r - 1) + (v - 1)p`` forwards, then alternates,
-    the backwards visiting chunks in reverse. A last group smaller than ``p`` handles any ``m``."""
+    ``s mod p`` (``p = P / v``). Micro-batches go through a worker's chunks in rounds of ``g``
+    (depth first); worker ``r`` warms up with ``2(p - r - 1) + (v - 1)g`` forwards, then alternates,
+    the backwards visiting chunks in reverse. ``g = p`` in the paper; like torch.distributed.pipelining
+    we take ``g = m / max(1, m // p)`` when that divides ``m`` (the same orders), and otherwise rounds
+    of ``p`` with a smaller last one, so that any ``m`` works."""
     workers = _looped("interleaved", stages, microbatches, steps, virtual_stages)
     orders: list[list[Action]] = [[] for _ in range(workers)]
-    groups = [list(range(g, min(g + workers, microbatches))) for g in range(0, microbatches, workers)]
+    size = _round_size(microbatches, workers)
+    groups = [list(range(g, min(g + size, microbatches))) for g in range(0, microbatches, size)]
     for t in range(steps):
         for w in range(workers):
             chunks = list(range(w, stages, workers))
             forwards = [Action(Kind.F, s, i, t) for group in groups for s in chunks for i in group]
             backwards = [Action(Kind.B, s, i, t) for group in groups for s in reversed(chunks) for i in group]
-            warm = min(len(forwards), 2 * (workers - w - 1) + (virtual_stages - 1) * workers)
+            warm = min(len(forwards), 2 * (workers - w - 1) + (virtual_stages - 1) * size)
             order = forwards[:warm]
             for k in range(warm, len(forwards)):
                 order += [forwards[k], backwards[k - warm]]

@@ -19,6 +19,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.graph import Graph, Node
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
@@ -57,6 +59,42 @@ class StageCosts:
     def uniform(cls, stages: int, forward: float = 1.0, backward: float = 2.0, **kwargs: object) -> StageCosts:
         """Identical stages (the papers' unit-cost examples)."""
         return cls(forward=[forward] * stages, backward=[backward] * stages, **kwargs)
+
+    @classmethod
+    def from_dict(cls, document: object, source: str = "costs") -> StageCosts:
+        """Costs from JSON: ``{"forward": [...], "backward": [...]}`` plus any optional per-stage list
+        (``input_grad``, ``weight_grad``, ``update``, ``activation_bytes``, ``saved_bytes``,
+        ``weight_bytes``) and ``bandwidth``/``overlap``."""
+        if not isinstance(document, dict) or "forward" not in document or "backward" not in document:
+            raise PlanningError(f'{source}: a costs file is a JSON object with "forward" and "backward" lists')
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(document) - known)
+        if unknown:
+            raise PlanningError(f"{source}: unknown keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**{key: float(v) if key == "bandwidth" else v for key, v in document.items()})
+        except (TypeError, ValueError) as error:
+            raise PlanningError(f"{source}: {error}") from None
+
+    @classmethod
+    def from_plan(cls, document: object, source: str = "plan") -> StageCosts:
+        """Per-stage costs of a ``lightning-pipe plan --json`` document (contiguous stages; a stage
+        replicated ``r`` times is simulated as one worker ``r`` times faster)."""
+        if not isinstance(document, dict) or not isinstance(document.get("stages"), list):
+            raise PlanningError(f"{source}: not a plan (run lightning-pipe plan --json to make one)")
+        stages = document["stages"]
+        if not all(isinstance(stage, dict) and "forward_seconds" in stage for stage in stages):
+            raise PlanningError(f"{source}: stages lack forward_seconds: re-create the plan with this version")
+        replicas = [stage.get("replicas", 1) for stage in stages]
+        bandwidth = document.get("bandwidth_bytes_per_second") or math.inf
+        return cls(
+            forward=[stage["forward_seconds"] / r for stage, r in zip(stages, replicas, strict=True)],
+            backward=[stage["backward_seconds"] / r for stage, r in zip(stages, replicas, strict=True)],
+            activation_bytes=[stage["output_bytes"] for stage in stages],
+            saved_bytes=[stage["saved_bytes"] for stage in stages],
+            weight_bytes=[stage["param_bytes"] for stage in stages],
+            bandwidth=float(bandwidth),
+        )
 
     def __post_init__(self) -> None:
         stages = len(self.forward)
@@ -186,18 +224,16 @@ def _edge_bytes(costs: StageCosts, action: Action, dep: Action, category: str) -
 
 
 def _sweep(events: list[tuple[float, int, float]]) -> tuple[int, float, list[tuple[float, float]]]:
-    """Peak count and peak bytes of +1/-1 events (frees before allocations at equal times)."""
-    events.sort(key=lambda e: (e[0], e[1]))
-    count = peak = 0
-    size = peak_size = 0.0
-    curve: list[tuple[float, float]] = [(0.0, 0.0)]
-    for time, delta, nbytes in events:
-        count += delta
-        size += delta * nbytes
-        peak = max(peak, count)
-        peak_size = max(peak_size, size)
-        curve.append((time, size))
-    return peak, peak_size, curve
+    """Peak count and peak bytes of +1/-1 events (frees before allocations at equal times), and
+    the bytes-over-time curve."""
+    if not events:
+        return 0, 0.0, [(0.0, 0.0)]
+    times, deltas, sizes = (np.asarray(column, dtype=np.float64) for column in zip(*events, strict=True))
+    order = np.lexsort((deltas, times))
+    counts = np.cumsum(deltas[order])
+    held = np.cumsum((deltas * sizes)[order])
+    curve = [(0.0, 0.0), *zip(times[order].tolist(), held.tolist(), strict=True)]
+    return int(max(counts.max(), 0)), float(max(held.max(), 0.0)), curve
 
 
 @dataclass
@@ -262,29 +298,44 @@ class _Replay:
         worker, position = node
         action = self.schedule.orders[worker][position]
         ready = self.free[worker]
-        for dep, label in zip(self.graph.deps.get(node, ()), self.graph.kinds.get(node, ()), strict=True):
-            if dep[0] != worker and label != "weight":
-                ready = max(ready, self.transfer(worker, dep, action, label))
-            else:
-                ready = max(ready, self.end[dep])
-        if action.kind in COMPUTE:
-            if worker not in self.owners[action.stage]:
-                if self.run[worker] is not None and self.run[worker] != (action.stage, action.version or 0):
-                    self._release(worker)
-                ready = self.fetch(worker, action, ready)
-            elif self.run[worker] is not None:
-                self._release(worker)
-            self.run[worker] = (action.stage, action.version or 0) if worker not in self.owners[action.stage] else None
+        deps = self.graph.deps.get(node)
+        if deps:
+            for dep, label in zip(deps, self.graph.kinds[node], strict=True):
+                if dep[0] != worker and label != "weight":
+                    arrival = self.transfer(worker, dep, action, label)
+                else:
+                    arrival = self.end[dep]
+                if arrival > ready:
+                    ready = arrival
+        compute = action.kind in COMPUTE
+        if compute:
+            ready = self._weights(worker, action, ready)
+        end = ready + self.costs.duration(action)
         self.start[node] = ready
-        self.end[node] = ready + self.costs.duration(action)
+        self.end[node] = end
         self.previous_start[worker] = ready
-        self.free[worker] = max(self.free[worker], self.end[node] + self.sending.get(node, 0.0))
+        self.free[worker] = max(self.free[worker], end + self.sending.get(node, 0.0))
         if action.kind is Kind.UPDATE:
-            self.produced.setdefault((action.stage, action.step + 1), self.end[node])
-            self.updated[(worker, action.stage, action.step + 1)] = self.end[node]
-        elif action.kind in COMPUTE:
+            self.produced.setdefault((action.stage, action.step + 1), end)
+            self.updated[(worker, action.stage, action.step + 1)] = end
+        elif compute:
             key = (worker, action.stage, action.version or 0)
-            self.last_use[key] = max(self.last_use.get(key, 0.0), self.end[node])
+            if end > self.last_use.get(key, 0.0):
+                self.last_use[key] = end
+
+    def _weights(self, worker: int, action: Action, ready: float) -> float:
+        """When the weights ``action`` needs are on ``worker``: owners have them; others fetch."""
+        owned = worker in self.owners[action.stage]
+        current = self.run[worker]
+        if owned:
+            if current is not None:
+                self._release(worker)
+            return ready
+        if current is not None and current != (action.stage, action.version or 0):
+            self._release(worker)
+        ready = self.fetch(worker, action, ready)
+        self.run[worker] = (action.stage, action.version or 0)
+        return ready
 
     def _release(self, worker: int) -> None:
         """The fetched copy of the current run on ``worker`` is freed at the end of its last use."""
