@@ -159,3 +159,36 @@ def test_console_script_runs(pipedream_profiles: Path) -> None:
         check=True,
     )
     assert json.loads(done.stdout)["profile"] == "gnmt"
+
+
+def test_simulate_a_plan_and_a_costs_file(pipedream_profiles: Path, tmp_path: Path, capsys) -> None:
+    profile = str(pipedream_profiles / "vgg16" / "graph.txt")
+    assert main(["plan", "--profile", profile, "--devices", "4", "--straight", "--json"]) == 0
+    plan = tmp_path / "plan.json"
+    plan.write_text(capsys.readouterr().out)
+    simulated = _json(capsys, "simulate", "--schedule", "1f1b", "--plan", str(plan), "--microbatches", "8")
+    stages = json.loads(plan.read_text())["stages"]
+    slowest = max(stage["forward_seconds"] + stage["backward_seconds"] for stage in stages)
+    assert simulated["stages"] == 4 and simulated["makespan"] >= 8 * slowest
+    assert simulated["peak_activations"]["bytes"][0] == 4 * stages[0]["saved_bytes"]
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"forward": [1, 2], "backward": [2, 4], "activation_bytes": [8, 0]}))
+    result = _json(
+        capsys, "simulate", "--schedule", "gpipe", "--costs", str(costs), "--microbatches", "2", "--bandwidth", "4B/s"
+    )
+    # stage 1: F0 at 1 + 2 (transfer), F1 after it, B0, B1 -> 15; stage 0: B1 at 15 + 2 -> 19
+    assert result["makespan"] == 19
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--schedule", "1f1b", "--microbatches", "4"], "give --stages"),
+        (["--schedule", "2bw", "--stages", "4", "--microbatches", "2"], "2BW needs m >= P - 1"),
+        (["--schedule", "kperiodic", "--stages", "4", "--microbatches", "2"], "kperiodic needs k"),
+        (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--plot", "x.gif"], "suffixes .png, .svg"),
+    ],
+)
+def test_simulate_errors(argv: list[str], message: str, capsys) -> None:
+    assert main(["simulate", *argv]) == 2
+    assert message in capsys.readouterr().err

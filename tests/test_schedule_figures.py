@@ -96,7 +96,7 @@ def test_rahimi_table_1() -> None:
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_beaumont_theorem_4_normalized_period(k: int) -> None:
     stages = k + 1
-    schedule, sim = _run("kperiodic", stages, 12 * k, forward=1.0, backward=1.0, k=k)
+    _schedule, sim = _run("kperiodic", stages, 12 * k, forward=1.0, backward=1.0, k=k)
     assert sim.nca[0] == k
     ends = sorted(i.end for i in sim.timeline if i.action.kind is Kind.B and i.action.stage == 0)
     middle = len(ends) // 2

@@ -59,7 +59,7 @@ def test_torch_action_strings_round_trip() -> None:
     assert {a[1] for a in zb.to_torch()[0]} == {"F", "I", "W"}
     assert Action.from_torch("1W3") == Action(Kind.W, 1, 3)
     assert Action.from_torch("0SEND_F1") == Action(Kind.SEND_F, 0, 1)
-    with pytest.raises(PlanningError, match="not a torch.distributed.pipelining action"):
+    with pytest.raises(PlanningError, match=r"not a torch\.distributed\.pipelining action"):
         Action.from_torch("F0")
     with pytest.raises(PlanningError, match="cover one step"):
         make_schedule("1f1b", 2, 2, 2).to_torch()

@@ -78,7 +78,8 @@ def _generate(
     if family == "1f1b_star":
         if period is None:
             raise PlanningError("1f1b_star needs a period T (--period), e.g. the slowest stage's forward + backward")
-        return beaumont.one_f_one_b_star(stages, microbatches, steps, period=period, stage_seconds=stage_seconds)
+        seconds = stage_seconds if stage_seconds is not None else [forward + backward] * stages
+        return beaumont.one_f_one_b_star(stages, microbatches, steps, period=period, stage_seconds=seconds)
     if family == "kperiodic":
         if k is None:
             raise PlanningError("kperiodic needs k (--k): keep k of every k + 1 slots of 1F1B")
@@ -131,7 +132,8 @@ def make_schedule(
         family: a key of :data:`FAMILIES`.
         stages, microbatches, steps: ``P``, ``m`` per step, and optimizer steps to cover.
         virtual_stages: stages per worker for ``interleaved`` and ``looped_bfs``.
-        period, stage_seconds: ``T`` and the stages' ``u_F + u_B`` for ``1f1b_star``.
+        period, stage_seconds: ``T`` and the stages' ``u_F + u_B`` for ``1f1b_star`` (default:
+            ``forward + backward`` each).
         k: for ``kperiodic``.
         rule: ``stash``/``vertical`` for ``pipedream``, ``cdp_v1``/``cdp_v2`` for ``cdp``.
         form: ``pipeline`` or ``pyramid`` for ``cdp``.

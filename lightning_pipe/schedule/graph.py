@@ -55,12 +55,18 @@ class Graph:
     where: dict[_Key, Node]
     deps: dict[Node, list[Node]]
     kinds: dict[Node, list[str]]
+    _order: list[Node] | None = None
 
     def action(self, node: Node) -> Action:
         return self.schedule.orders[node[0]][node[1]]
 
     def order(self) -> list[Node]:
         """All nodes in an order that respects every edge; raises a PlanningError on deadlock."""
+        if self._order is None:
+            self._order = self._topological()
+        return self._order
+
+    def _topological(self) -> list[Node]:
         orders = self.schedule.orders
         waiting: dict[Node, int] = {}
         dependents: dict[Node, list[Node]] = defaultdict(list)
@@ -121,76 +127,95 @@ def data_dependencies(action: Action, last_stage: int, split: set[tuple[int, int
     return []
 
 
+@dataclass
+class _Index:
+    """Where every action is, which backwards are split, and the gradients and updates of each
+    (stage, step)."""
+
+    where: dict[_Key, Node]
+    split: set[tuple[int, int, int]]
+    gradients: dict[tuple[int, int], list[Node]]
+    updates: dict[tuple[int, int], list[Node]]
+
+
+def _index(schedule: Schedule) -> _Index:
+    index = _Index({}, set(), defaultdict(list), defaultdict(list))
+    for worker, order in enumerate(schedule.orders):
+        for position, action in enumerate(order):
+            key = _identity(worker, action)
+            if key in index.where:
+                first = index.where[key]
+                raise PlanningError(
+                    f"{schedule.family}: {action} appears twice: worker {first[0]} position {first[1]} and worker "
+                    f"{worker} position {position}"
+                )
+            index.where[key] = (worker, position)
+            kind = action.kind
+            if kind is Kind.I:
+                index.split.add((action.stage, action.microbatch, action.step))
+            elif kind is Kind.B or kind is Kind.W:
+                index.gradients[(action.stage, action.step)].append((worker, position))
+            elif kind is Kind.UPDATE:
+                index.updates[(action.stage, action.step)].append((worker, position))
+    return index
+
+
+def _where(schedule: Schedule, node: Node, action: Action) -> str:
+    return f"{schedule.family}: worker {node[0]} position {node[1]} ({action})"
+
+
+def _weight_producer(schedule: Schedule, index: _Index, node: Node, action: Action) -> Node:
+    """The UPDATE that made the version ``action`` uses: on its own worker when it owns the stage."""
+    producers = index.updates.get((action.stage, action.version - 1))
+    if not producers:
+        raise PlanningError(
+            f"{_where(schedule, node, action)} uses version {action.version} of stage {action.stage}, but no "
+            f"UPDATE of step {action.version - 1} produces it"
+        )
+    return next((p for p in producers if p[0] == node[0]), producers[0])
+
+
+def _sender(schedule: Schedule, index: _Index, node: Node, action: Action) -> Node:
+    """The SEND a spelled-out RECV waits for."""
+    kind = Kind.SEND_F if action.kind is Kind.RECV_F else Kind.SEND_B
+    stage = action.stage - 1 if action.kind is Kind.RECV_F else action.stage + 1
+    if action.peer is None:
+        raise PlanningError(f"{_where(schedule, node, action)} names no peer")
+    dep = index.where.get((kind, stage, action.microbatch, action.step, action.peer))
+    if dep is None:
+        raise PlanningError(f"{_where(schedule, node, action)} has no matching {kind.value} on worker {action.peer}")
+    return dep
+
+
 def build_graph(schedule: Schedule) -> Graph:
     """Index the actions and derive every dependency; raises a PlanningError for an action that
-    appears twice or a dependency that never happens."""
-    where: dict[_Key, Node] = {}
-    for worker, position, action in schedule.actions():
-        key = _identity(worker, action)
-        if key in where:
-            first = where[key]
-            raise PlanningError(
-                f"{schedule.family}: {action} appears twice: worker {first[0]} position {first[1]} and worker "
-                f"{worker} position {position}"
-            )
-        where[key] = (worker, position)
-    split = {(a.stage, a.microbatch, a.step): True for _, _, a in schedule.actions() if a.kind is Kind.I}
-    gradients: dict[tuple[int, int], list[Node]] = defaultdict(list)
-    updates: dict[tuple[int, int], list[Node]] = defaultdict(list)
-    for worker, position, action in schedule.actions():
-        if action.kind in (Kind.B, Kind.W):
-            gradients[(action.stage, action.step)].append((worker, position))
-        elif action.kind is Kind.UPDATE:
-            updates[(action.stage, action.step)].append((worker, position))
-
+    appears twice or a dependency that never happens. Dependencies already implied by the worker's
+    own order are left out; one on a later action of the same worker is kept (it is a cycle)."""
+    index = _index(schedule)
     deps: dict[Node, list[Node]] = {}
     kinds: dict[Node, list[str]] = {}
     last_stage = schedule.stages - 1
-    for worker, position, action in schedule.actions():
-        node = (worker, position)
-        mine: list[Node] = []
-        labels: list[str] = []
-        for key in data_dependencies(action, last_stage, split):
-            dep = where.get(key)
-            if dep is None:
-                raise PlanningError(
-                    f"{schedule.family}: worker {worker} position {position} ({action}) needs "
-                    f"{Action(*key)} which no worker runs"
-                )
-            if dep[0] != worker or dep[1] > position:  # same worker, later: a cycle the order check reports
-                mine.append(dep)
-                labels.append("act")
-        if action.kind in COMPUTE and action.version:
-            producers = updates.get((action.stage, action.version - 1))
-            if not producers:
-                raise PlanningError(
-                    f"{schedule.family}: worker {worker} position {position} ({action}) uses version "
-                    f"{action.version} of stage {action.stage}, but no UPDATE of step {action.version - 1} produces it"
-                )
-            local = [p for p in producers if p[0] == worker]
-            producer = local[0] if local else producers[0]
-            if producer[0] != worker or producer[1] > position:
-                mine.append(producer)
-                labels.append("weight")
-        if action.kind is Kind.UPDATE:
-            for dep in gradients.get((action.stage, action.step), []):
-                if dep[0] != worker or dep[1] > position:
-                    mine.append(dep)
-                    labels.append("grad")
-        if action.kind in (Kind.RECV_F, Kind.RECV_B):
-            sender_kind = Kind.SEND_F if action.kind is Kind.RECV_F else Kind.SEND_B
-            sender_stage = action.stage - 1 if action.kind is Kind.RECV_F else action.stage + 1
-            if action.peer is None:
-                raise PlanningError(f"{schedule.family}: worker {worker} position {position} ({action}) names no peer")
-            dep = where.get((sender_kind, sender_stage, action.microbatch, action.step, action.peer))
-            if dep is None:
-                raise PlanningError(
-                    f"{schedule.family}: worker {worker} position {position} ({action}) has no matching "
-                    f"{sender_kind.value} on worker {action.peer}"
-                )
-            mine.append(dep)
-            labels.append("msg")
-        if mine:
-            deps[node] = mine
-            kinds[node] = labels
-    return Graph(schedule=schedule, where=where, deps=deps, kinds=kinds)
+    for worker, order in enumerate(schedule.orders):
+        for position, action in enumerate(order):
+            node = (worker, position)
+            edges: list[tuple[Node, str]] = []
+            kind = action.kind
+            if kind in COMPUTE:
+                for key in data_dependencies(action, last_stage, index.split):
+                    dep = index.where.get(key)
+                    if dep is None:
+                        raise PlanningError(
+                            f"{_where(schedule, node, action)} needs {Action(*key)} which no worker runs"
+                        )
+                    edges.append((dep, "act"))
+                if action.version:
+                    edges.append((_weight_producer(schedule, index, node, action), "weight"))
+            elif kind is Kind.UPDATE:
+                edges += [(dep, "grad") for dep in index.gradients.get((action.stage, action.step), ())]
+            elif kind is Kind.RECV_F or kind is Kind.RECV_B:
+                edges.append((_sender(schedule, index, node, action), "msg"))
+            edges = [(dep, label) for dep, label in edges if dep[0] != worker or dep[1] > position]
+            if edges:
+                deps[node] = [dep for dep, _ in edges]
+                kinds[node] = [label for _, label in edges]
+    return Graph(schedule=schedule, where=index.where, deps=deps, kinds=kinds)

@@ -77,7 +77,8 @@ def master(
                 for w in (owner, compute):
                     if not 0 <= w < workers:
                         raise PlanningError(
-                            f"{family}: w({s}, {b}, {d.value}) = {(owner, compute)} names a worker outside 0..{workers - 1}"
+                            f"{family}: w({s}, {b}, {d.value}) = {(owner, compute)} names a worker outside "
+                            f"0..{workers - 1}"
                         )
                 owners[s].add(owner)
     orders: list[list[Action]] = [[] for _ in range(workers)]

@@ -81,18 +81,18 @@ def _check_updates(schedule: Schedule) -> None:
     for worker, order in enumerate(schedule.orders):
         update_at = {(a.stage, a.step): p for p, a in enumerate(order) if a.kind is Kind.UPDATE}
         for position, action in enumerate(order):
-            if action.kind in (Kind.B, Kind.W) and (action.stage, action.step) in update_at:
-                if update_at[(action.stage, action.step)] < position:
-                    raise PlanningError(
-                        f"{_where(schedule, worker, position)}: its gradient comes after UPDATE of stage "
-                        f"{action.stage} step {action.step} at position {update_at[(action.stage, action.step)]}"
-                    )
-            if action.kind in COMPUTE and action.version and (action.stage, action.version - 1) in update_at:
-                if update_at[(action.stage, action.version - 1)] > position:
-                    raise PlanningError(
-                        f"{_where(schedule, worker, position)} uses version {action.version} before this worker's "
-                        f"UPDATE of step {action.version - 1} produces it"
-                    )
+            update = update_at.get((action.stage, action.step), len(order))
+            if action.kind in (Kind.B, Kind.W) and update < position:
+                raise PlanningError(
+                    f"{_where(schedule, worker, position)}: its gradient comes after UPDATE of stage "
+                    f"{action.stage} step {action.step} at position {update}"
+                )
+            producer = update_at.get((action.stage, (action.version or 0) - 1), -1)
+            if action.kind in COMPUTE and action.version and producer > position:
+                raise PlanningError(
+                    f"{_where(schedule, worker, position)} uses version {action.version} before this worker's "
+                    f"UPDATE of step {action.version - 1} produces it"
+                )
 
 
 def _check_versions(schedule: Schedule) -> None:

@@ -7,8 +7,8 @@ on stage ``s`` (forward started, ``W`` not done), 1F1B's activation memory. ``W`
 of the cool-down, and the backward chain through the stages is made of ``I`` only. Activations are
 counted until their ``W`` (the stricter accounting: ``W`` still reads the layer inputs), so ZB-H1 keeps
 exactly 1F1B's ``min(P - s, m)``; with ``u_F = u_I = u_W`` it saves ``P - 1`` of 1F1B's ``3(P - 1)``
-bubble (the paper's ``(P - 1)(u_F + u_I - u_W)`` assumes most memory is freed after ``I``). The order is recorded from a greedy run on the given durations
-(:mod:`lightning_pipe.schedule.greedy`).
+bubble (the paper's ``(P - 1)(u_F + u_I - u_W)`` assumes most memory is freed after ``I``). The
+order is recorded from a greedy run on the given durations (:mod:`lightning_pipe.schedule.greedy`).
 """
 
 from __future__ import annotations
