@@ -148,3 +148,26 @@ def test_transfers_cost_time_and_can_block_the_sender() -> None:
     overlapped = simulate(two, StageCosts(**base, bandwidth=5.0))
     blocking = simulate(two, StageCosts(**base, bandwidth=5.0, overlap=False))
     assert blocking.makespan > overlapped.makespan
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_spelled_out_transfers_validate_and_simulate_the_same(family: str) -> None:
+    from lightning_pipe.schedule.lower import with_transfers
+
+    schedule = make_schedule(family, 4, 4, 2, **_options(family, 4))
+    lowered = with_transfers(schedule)
+    validate(lowered)
+    costs = StageCosts.uniform(4, activation_bytes=[1.0] * 4, weight_bytes=[1.0] * 4, bandwidth=2.0)
+    assert simulate(lowered, costs).makespan == simulate(schedule, costs).makespan
+    kinds = [a.kind for order in lowered.orders for a in order]
+    assert kinds.count(Kind.SEND_F) == kinds.count(Kind.RECV_F)
+    assert kinds.count(Kind.SEND_B) == kinds.count(Kind.RECV_B)
+    assert (Kind.FETCH in kinds) == (family in ("fsdp", "fslpp"))
+
+
+def test_lowered_1f1b_matches_torch_conventions() -> None:
+    from lightning_pipe.schedule.lower import with_transfers
+
+    orders = with_transfers(make_schedule("1f1b", 2, 2)).to_torch()
+    assert orders[0] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
+    assert orders[1] == ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"]

@@ -32,7 +32,7 @@ _Key = tuple
 """Identity of an action: ``(kind, stage, microbatch, step)`` for compute, plus the worker for
 per-worker actions (updates, transfers)."""
 
-_PER_WORKER = frozenset({Kind.UPDATE, Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B, Kind.FETCH})
+_PER_WORKER = frozenset({Kind.UPDATE, Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B})
 
 
 def _identity(worker: int, action: Action) -> _Key:
@@ -142,6 +142,8 @@ def _index(schedule: Schedule) -> _Index:
     index = _Index({}, set(), defaultdict(list), defaultdict(list))
     for worker, order in enumerate(schedule.orders):
         for position, action in enumerate(order):
+            if action.kind is Kind.FETCH:  # nothing waits for a fetch by name; a worker may fetch a stage often
+                continue
             key = _identity(worker, action)
             if key in index.where:
                 first = index.where[key]

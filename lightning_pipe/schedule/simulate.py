@@ -313,7 +313,8 @@ class _Replay:
         end = ready + self.costs.duration(action)
         self.start[node] = ready
         self.end[node] = end
-        self.previous_start[worker] = ready
+        if compute or action.kind is Kind.UPDATE:  # prefetches start with the previous real work
+            self.previous_start[worker] = ready
         self.free[worker] = max(self.free[worker], end + self.sending.get(node, 0.0))
         if action.kind is Kind.UPDATE:
             self.produced.setdefault((action.stage, action.step + 1), end)
