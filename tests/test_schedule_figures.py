@@ -193,6 +193,14 @@ def test_update_rules_keep_the_papers_weight_versions() -> None:
     assert stash_schedule.flush is False
 
 
+def test_2bw_implementation_versions_are_cdp_v2_versions() -> None:
+    stash, sim = _run("2bw", 4, 4, 4, rule="stash")
+    cdp_v2 = make_schedule("cdp", 4, 4, 4, rule="cdp_v2")
+    used = {(a.stage, a.microbatch, a.step): a.version for _, _, a in stash.actions() if a.kind is Kind.F}
+    assert used == {(a.stage, a.microbatch, a.step): a.version for _, _, a in cdp_v2.actions() if a.kind is Kind.F}
+    assert max(sim.weight_versions) == 2
+
+
 def test_non_flushing_families_overlap_steps() -> None:
     _, flush = _run("1f1b", 4, 4, 6)
     _, two_bw = _run("2bw", 4, 4, 6)

@@ -87,7 +87,7 @@ def _generate(
     if family == "pipedream":
         return asynchronous.pipedream(stages, microbatches, steps, rule=rule or "stash")
     if family == "2bw":
-        return asynchronous.two_bw(stages, microbatches, steps)
+        return asynchronous.two_bw(stages, microbatches, steps, rule=rule or "2bw")
     if family == "cdp":
         return cyclic.cdp(stages, microbatches, steps, form=form, rule=rule or "cdp_v2")
     if family == "zb_h1":
@@ -135,7 +135,8 @@ def make_schedule(
         period, stage_seconds: ``T`` and the stages' ``u_F + u_B`` for ``1f1b_star`` (default:
             ``forward + backward`` each).
         k: for ``kperiodic``.
-        rule: ``stash``/``vertical`` for ``pipedream``, ``cdp_v1``/``cdp_v2`` for ``cdp``.
+        rule: ``stash``/``vertical`` for ``pipedream``, ``2bw``/``stash`` for ``2bw``,
+            ``cdp_v1``/``cdp_v2`` for ``cdp``.
         form: ``pipeline`` or ``pyramid`` for ``cdp``.
         groups, replicas: ``G`` and ``R`` for ``lpp``/``fslpp``.
         priority, forward, backward: tie break and job durations of the greedy families
@@ -161,7 +162,7 @@ def make_schedule(
     if rule is not None and rule != schedule.rule:
         raise PlanningError(
             f"{family} runs the {schedule.rule!r} update rule; {rule!r} applies to "
-            + ("pipedream (stash, vertical) and cdp (cdp_v1, cdp_v2)")
+            + "pipedream (stash, vertical), 2bw (2bw, stash) and cdp (cdp_v1, cdp_v2)"
         )
     versioned = assign_versions(schedule, schedule.rule)
     validate(versioned)

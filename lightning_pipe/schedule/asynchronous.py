@@ -43,8 +43,16 @@ def pipedream(stages: int, microbatches: int = 1, steps: int = 4, rule: str = "s
     return _stream_1f1b("pipedream", stages, microbatches, steps, rule)
 
 
-def two_bw(stages: int, microbatches: int, steps: int = 4) -> Schedule:
-    """PipeDream-2BW: 1F1B without flush, an update every ``m`` micro-batches, two weight versions."""
+def two_bw(stages: int, microbatches: int, steps: int = 4, rule: str = "2bw") -> Schedule:
+    """PipeDream-2BW: 1F1B without flush, an update every ``m`` micro-batches, two weight versions.
+
+    ``rule="2bw"`` is the paper's update formula (every micro-batch of step ``t`` at ``θ_{t-1}``);
+    ``rule="stash"`` is how its implementation picks versions: a forward takes the newest version its
+    stage has, so on stage ``j`` micro-batch ``i`` already sees ``θ_t`` when ``i + j >= P - 1`` (these
+    are exactly CDP-v2's versions), still never more than two versions.
+    """
+    if rule not in ("2bw", "stash"):
+        raise PlanningError(f"2bw: rule must be '2bw' or 'stash', got {rule!r}")
     check_sizes("2bw", stages, microbatches, steps)
     if microbatches < stages - 1:
         raise PlanningError(
@@ -52,4 +60,4 @@ def two_bw(stages: int, microbatches: int, steps: int = 4) -> Schedule:
             f"its update of step t-2 is done; 2BW needs m >= P - 1 = {stages - 1} micro-batches per step "
             "(Narayanan et al. 2021 use m >= P)"
         )
-    return _stream_1f1b("2bw", stages, microbatches, steps, "2bw")
+    return _stream_1f1b("2bw", stages, microbatches, steps, rule)
