@@ -7,7 +7,8 @@ Nodes are the actions of all workers. Edges:
   of stage ``s`` after ``F(s)`` (its saved activations) and after the backward of ``s+1`` (its
   output gradient); ``W(s)`` after ``I(s)``;
 - weights: an action using version ``v >= 1`` of stage ``s`` after the ``UPDATE`` of step ``v - 1``
-  of that stage; an ``UPDATE`` of step ``t`` after every backward of step ``t`` of that stage;
+  of that stage; an ``UPDATE`` of step ``t`` after every backward of step ``t`` of that stage, and,
+  when replicas update together (a collective reduce), after every other replica reached its update;
 - transfers, when the schedule spells them out: ``RECV`` after its ``SEND``.
 
 A data edge between two workers is a transfer (implicit unless spelled out); the simulator prices
@@ -214,6 +215,12 @@ def build_graph(schedule: Schedule) -> Graph:
                     edges.append((_weight_producer(schedule, index, node, action), "weight"))
             elif kind is Kind.UPDATE:
                 edges += [(dep, "grad") for dep in index.gradients.get((action.stage, action.step), ())]
+                # replicas reduce together: none finishes before every other one has reached its update
+                edges += [
+                    ((other, spot - 1), "sync")
+                    for other, spot in index.updates[(action.stage, action.step)]
+                    if other != worker and spot > 0
+                ]
             elif kind is Kind.RECV_F or kind is Kind.RECV_B:
                 edges.append((_sender(schedule, index, node, action), "msg"))
             edges = [(dep, label) for dep, label in edges if dep[0] != worker or dep[1] > position]

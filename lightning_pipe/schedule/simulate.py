@@ -264,7 +264,7 @@ class _Replay:
             for node, deps in self.graph.deps.items():
                 action = self.schedule.orders[node[0]][node[1]]
                 for dep, label in zip(deps, self.graph.kinds[node], strict=True):
-                    if dep[0] != node[0] and label != "weight":
+                    if dep[0] != node[0] and label not in ("weight", "sync"):
                         source = self.schedule.orders[dep[0]][dep[1]]
                         nbytes = _edge_bytes(self.costs, action, source, _category(action, label))
                         self.sending[dep] += self.costs.transfer(nbytes)
@@ -301,7 +301,7 @@ class _Replay:
         deps = self.graph.deps.get(node)
         if deps:
             for dep, label in zip(deps, self.graph.kinds[node], strict=True):
-                if dep[0] != worker and label != "weight":
+                if dep[0] != worker and label not in ("weight", "sync"):
                     arrival = self.transfer(worker, dep, action, label)
                 else:
                     arrival = self.end[dep]

@@ -1,0 +1,472 @@
+"""Run any schedule of the IR for real: one process per worker, point-to-point transfers.
+
+One executor runs every family (DESIGN.md): it walks its worker's actions (a
+:class:`~lightning_pipe.runtime.program.Program`, one call per mini-batch) and does what each says —
+forward ``F``, backward ``B`` or its halves ``I`` and ``W``, optimizer ``UPDATE`` — with the weight
+version the action names (:class:`~lightning_pipe.runtime.weights.StageWeights`). Receives for a call
+are posted when it starts and advanced between actions; sends are asynchronous.
+
+The loss of micro-batch ``i`` is weighted by its share of the mini-batch, ``n_i / n``, so that the
+accumulated gradient is the mini-batch mean ``1/N Σ ∇f_i`` of the update rules even when the last
+micro-batch is smaller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.failure import PipelineAborted, Watchdog
+from lightning_pipe.runtime.program import Program
+from lightning_pipe.runtime.transport import Transport, flatten, unflatten
+from lightning_pipe.runtime.weights import StageWeights
+from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
+from lightning_pipe.schedule.simulate import Interval
+from lightning_pipe.schedule.validate import validate
+
+__all__ = ["PipelineExecutor", "StepOutput"]
+
+_Key = tuple[str, int, int, int]
+"""A message: ``("F", receiving stage, micro-batch, step)`` or ``("B", ...)``."""
+
+
+@dataclass
+class StepOutput:
+    """What one call produced on this rank.
+
+    Attributes:
+        losses: loss of each step completed on this rank during the call (sum of its weighted
+            micro-batch losses), on the rank that runs the last stage.
+        microbatch_losses: ``(step, micro-batch) -> weighted loss`` computed during the call.
+        outputs: ``(step, micro-batch) -> last stage output`` when asked for.
+    """
+
+    losses: dict[int, float] = field(default_factory=dict)
+    microbatch_losses: dict[tuple[int, int], float] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    """A forward waiting for its backward (and, after an ``I``, for its ``W``)."""
+
+    inputs: Any
+    version: int
+    leaves: dict[str, torch.Tensor]
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+    saved_bytes: int = 0
+    rng: torch.Tensor | None = None
+    roots: list[torch.Tensor] = field(default_factory=list)
+    root_grads: list[torch.Tensor] | None = None
+
+
+def _split(batch: Any, parts: int) -> list[Any]:
+    """Split every tensor of a nested batch along dim 0 into ``parts`` nearly equal micro-batches."""
+    skeleton, tensors = flatten(batch)
+    if not tensors:
+        raise PlanningError("a mini-batch must hold at least one tensor to split into micro-batches")
+    size = tensors[0].shape[0]
+    if size < parts:
+        raise PlanningError(f"a mini-batch of {size} samples cannot be split into {parts} micro-batches")
+    chunks = [torch.tensor_split(t, parts) for t in tensors]
+    return [unflatten(skeleton, [c[i] for c in chunks]) for i in range(parts)]
+
+
+def _rows(batch: Any) -> int:
+    return flatten(batch)[1][0].shape[0]
+
+
+def _floating_leaves(obj: Any) -> Any:
+    skeleton, tensors = flatten(obj)
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+    return unflatten(skeleton, leaves)
+
+
+class PipelineExecutor:
+    """The runtime of one worker (this process).
+
+    Args:
+        schedule: ``make(k)`` returning the schedule of ``k`` steps (validated, versions assigned), or a
+            flushing :class:`Schedule` (one step is repeated).
+        stages: the stage modules, all of them or those this worker runs (``{stage: module}``).
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
+        optimizer: builds a stage's optimizer from its parameters, e.g.
+            ``lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)``.
+        device: where this worker computes (default: cuda:<local rank> when available, else cpu).
+        recompute: recompute activations in the backward (GPipe rematerialisation), for every stage or
+            per stage.
+        timeout_seconds: a single wait longer than this fails.
+        dead_after_seconds: a peer silent for this long is declared dead.
+    """
+
+    def __init__(
+        self,
+        schedule: Callable[[int], Schedule] | Schedule,
+        stages: Mapping[int, nn.Module] | Sequence[nn.Module],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        *,
+        device: torch.device | str | None = None,
+        recompute: bool | Sequence[bool] = False,
+        timeout_seconds: float = 300.0,
+        dead_after_seconds: float = 10.0,
+    ) -> None:
+        if not dist.is_initialized():
+            raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
+        make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)
+        self.schedule = make(1)
+        validate(self.schedule)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.world != self.schedule.workers:
+            raise PlanningError(
+                f"the schedule has {self.schedule.workers} workers but {self.world} processes run: start "
+                f"{self.schedule.workers} processes (e.g. torchrun --nproc-per-node {self.schedule.workers})"
+            )
+        self.programs = Program.build(make)
+        self.program = self.programs[self.rank]
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.loss_fn = loss_fn
+        self._placement = self._placements(make)
+        modules = dict(stages) if isinstance(stages, Mapping) else dict(enumerate(stages))
+        mine = sorted({a.stage for a in self.schedule.orders[self.rank] if a.kind in COMPUTE})
+        missing = [s for s in mine if s not in modules]
+        if missing:
+            raise PlanningError(f"rank {self.rank} runs stages {mine} but got no module for {missing}")
+        groups = self._replica_groups()
+        snapshots = not self.schedule.flush
+        self.weights = {s: StageWeights(modules[s].to(self.device), optimizer, snapshots, groups.get(s)) for s in mine}
+        flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)
+        self.recompute = {s: bool(flags[s]) for s in mine}
+        store = dist.distributed_c10d._get_default_store()
+        self.watchdog = Watchdog(store, self.rank, self.world, dead_after_seconds=dead_after_seconds)
+        self.transport = Transport(self.rank, self.device, self.watchdog, timeout_seconds=timeout_seconds)
+        self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
+        ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
+        self.needs_inputs = any(a.stage == 0 for a in ours)
+        self.needs_targets = any(a.stage == self.schedule.stages - 1 for a in ours)
+        self.targets_left: dict[int, int] = {}
+        self.calls = 0
+        self.inputs: dict[int, list[Any]] = {}
+        self.targets: dict[int, list[Any]] = {}
+        self.batch_rows: dict[int, int] = {}
+        self.in_flight: dict[tuple[int, int, int], _InFlight] = {}
+        self.local: dict[_Key, Any] = {}
+        self.expected: dict[_Key, tuple[int, int]] = {}
+        self.loss_parts: dict[int, dict[int, float]] = defaultdict(dict)
+        self.saved_bytes = 0
+        self.peak_saved_bytes = 0
+        self.timeline: list[Interval] = []
+        dist.barrier()
+        self.epoch = time.perf_counter()
+
+    # -- placement and messages -----------------------------------------------------------------
+    def _placements(self, make: Callable[[int], Schedule]) -> Callable[[Kind, int, int, int], int]:
+        span = max(p.base for p in self.programs) + 2 * max(p.period for p in self.programs) + 1
+        generated = make(span)
+        where = {a.key: w for w, _, a in generated.actions() if a.kind in COMPUTE}
+        for stage, mb, step in {
+            (a.stage, a.microbatch, a.step) for _, _, a in generated.actions() if a.kind in COMPUTE
+        }:
+            forward = where[(Kind.F, stage, mb, step)]
+            backward = where.get((Kind.B, stage, mb, step), where.get((Kind.I, stage, mb, step)))
+            if forward != backward:
+                raise PlanningError(
+                    f"{generated.family}: the forward and backward of stage {stage}, micro-batch {mb} run on "
+                    f"workers {forward} and {backward}; the runtime keeps activations where they were made"
+                )
+        base, period = self.program.base, self.program.period
+
+        def worker(kind: Kind, stage: int, mb: int, step: int) -> int:
+            if step >= span:
+                step = base + (step - base) % period + period
+            return where[(kind, stage, mb, step)]
+
+        return worker
+
+    def _consumers(self, action: Action) -> list[tuple[_Key, Kind]]:
+        """Messages ``action`` produces, with the kind of action that consumes each."""
+        s, mb, t = action.stage, action.microbatch, action.step
+        if action.kind is Kind.F and s < self.schedule.stages - 1:
+            return [(("F", s + 1, mb, t), Kind.F)]
+        if action.kind in (Kind.B, Kind.I) and s > 0:
+            return [(("B", s - 1, mb, t), Kind.I if s - 1 in self.split_stages else Kind.B)]
+        return []
+
+    def _destination(self, key: _Key, kind: Kind) -> int:
+        return self._placement(kind, key[1], key[2], key[3])
+
+    def _expect(self, actions_of: Callable[[int], list[Action]]) -> None:
+        """Post the receives of every message other workers send this one during a call."""
+        for peer in range(self.world):
+            if peer == self.rank:
+                continue
+            for action in actions_of(peer):
+                if action.kind not in COMPUTE:
+                    continue
+                for key, kind in self._consumers(action):
+                    if self._destination(key, kind) == self.rank:
+                        self.expected[key] = (peer, self.transport.expect(peer))
+
+    def _deliver(self, action: Action, obj: Any) -> None:
+        for key, kind in self._consumers(action):
+            destination = self._destination(key, kind)
+            if destination == self.rank:
+                self.local[key] = obj
+            else:
+                self.transport.send(destination, obj)
+
+    def _incoming(self, key: _Key) -> Any:
+        if key in self.local:
+            return self.local.pop(key)
+        peer, sequence = self.expected.pop(key)
+        return self.transport.receive(peer, sequence)
+
+    def _replica_groups(self) -> dict[int, dist.ProcessGroup]:
+        """A process group per replicated stage; every rank creates every group, in stage order."""
+        groups = {}
+        for stage, owners in enumerate(self.schedule.owners):
+            if len(owners) > 1:
+                group = dist.new_group(list(owners))
+                if self.rank in owners:
+                    groups[stage] = group
+        return groups
+
+    # -- the training loop's entry points --------------------------------------------------------
+    def step(self, inputs: Any = None, targets: Any = None, *, return_outputs: bool = False) -> StepOutput:
+        """Run one call: feed mini-batch ``inputs``/``targets`` (only the ranks running the first and
+        last stage need them) and run every action that can run with the data given so far."""
+        call = self.calls
+        self._store_batch(call, inputs, targets)
+        actions = self.program.call(call)
+        output = self._run(actions, lambda peer: self.programs[peer].call(call), return_outputs)
+        self.calls += 1
+        return output
+
+    def drain(self, *, return_outputs: bool = False) -> StepOutput:
+        """Finish every step in flight (end of epoch, validation, checkpoint); a no-op when flushed."""
+        if self.calls == 0:
+            return StepOutput()
+        last = self.calls - 1
+        output = self._run(self.program.finish(last), lambda peer: self.programs[peer].finish(last), return_outputs)
+        self.transport.flush()
+        return output
+
+    def close(self) -> None:
+        """Wait for pending sends, then stop the helper threads."""
+        self.transport.flush()
+        self.transport.close()
+        self.watchdog.close()
+
+    def state_dict(self) -> dict[str, object]:
+        """Weights, versions kept, gradients accumulated and optimizer states of this worker's stages."""
+        return {
+            "calls": self.calls,
+            "stages": {s: {"module": w.module.state_dict(), **w.state_dict()} for s, w in self.weights.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.calls = int(state["calls"])
+        for stage, entry in state["stages"].items():
+            self.weights[int(stage)].module.load_state_dict(entry["module"])
+            self.weights[int(stage)].load_state_dict(entry)
+
+    # -- running actions -------------------------------------------------------------------------
+    def _store_batch(self, call: int, inputs: Any, targets: Any) -> None:
+        m = self.schedule.microbatches
+        if self.needs_inputs:
+            if inputs is None:
+                raise PlanningError(f"rank {self.rank} runs the first stage: step() needs the inputs")
+            self.inputs[call] = [_to(x, self.device) for x in _split(inputs, m)]
+        if self.needs_targets:
+            if targets is None:
+                raise PlanningError(f"rank {self.rank} runs the last stage: step() needs the targets")
+            self.targets[call] = [_to(y, self.device) for y in _split(targets, m)]
+            self.batch_rows[call] = _rows(targets)
+            self.targets_left[call] = m
+
+    def _run(self, actions: list[Action], peers: Callable[[int], list[Action]], return_outputs: bool) -> StepOutput:
+        output = StepOutput()
+        try:
+            self._expect(peers)
+            for action in actions:
+                start = time.perf_counter()
+                self._execute(action, output, return_outputs)
+                self.timeline.append(Interval(self.rank, action, start - self.epoch, time.perf_counter() - self.epoch))
+        except PipelineAborted:
+            raise
+        except Exception as error:
+            self.watchdog.fail(error)
+            raise
+        return output
+
+    def _execute(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
+        if action.kind is Kind.F:
+            self._forward(action, output, return_outputs)
+        elif action.kind in (Kind.B, Kind.I):
+            self._backward(action, weights_too=action.kind is Kind.B)
+        elif action.kind is Kind.W:
+            self._weight_gradient(action)
+        elif action.kind is Kind.UPDATE:
+            self.weights[action.stage].update(action.step, self._versions_kept(action.stage))
+
+    def _forward(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
+        s, mb, t = action.stage, action.microbatch, action.step
+        inputs = self.inputs[t][mb] if s == 0 else _floating_leaves(self._incoming(("F", s, mb, t)))
+        weights = self.weights[s]
+        state = _InFlight(inputs=inputs, version=action.version, leaves=weights.leaves(action.version))
+        if self.recompute[s]:
+            state.rng = torch.get_rng_state()
+            with torch.no_grad():
+                state.outputs = functional_call(weights.module, state.leaves, (inputs,))
+        else:
+            state.outputs, state.saved_bytes = self._forward_saving(weights.module, state.leaves, inputs)
+        if s == self.schedule.stages - 1:
+            loss = self._loss(state.outputs, t, mb)
+            state.loss = None if self.recompute[s] else loss
+            self._record_loss(output, t, mb, float(loss.detach()))
+            if return_outputs:
+                output.outputs[(t, mb)] = _detach(state.outputs)
+        else:
+            self._deliver(action, _detach(state.outputs))
+        self.in_flight[(s, mb, t)] = state
+        if s == 0 and mb == self.schedule.microbatches - 1:
+            self.inputs.pop(t, None)
+
+    def _record_loss(self, output: StepOutput, step: int, mb: int, value: float) -> None:
+        output.microbatch_losses[(step, mb)] = value
+        self.loss_parts[step][mb] = value
+        if len(self.loss_parts[step]) == self.schedule.microbatches:
+            output.losses[step] = sum(self.loss_parts.pop(step).values())
+
+    def _forward_saving(self, module: nn.Module, leaves: dict[str, torch.Tensor], inputs: Any) -> tuple[Any, int]:
+        """Forward with autograd; also the bytes it saved for backward (parameters excluded)."""
+        params = {t.untyped_storage().data_ptr() for t in leaves.values()}
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            result = functional_call(module, leaves, (inputs,))
+        saved = sum(storages.values())
+        self.saved_bytes += saved
+        self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
+        return result, saved
+
+    def _loss(self, result: Any, step: int, mb: int) -> torch.Tensor:
+        target = self.targets[step][mb]
+        return self.loss_fn(result, target) * (_rows(target) / self.batch_rows[step])
+
+    def _recompute(self, action: Action, state: _InFlight) -> None:
+        """GPipe rematerialisation: the forward again, with autograd, under the forward's RNG state."""
+        weights = self.weights[action.stage]
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(state.rng)
+            state.outputs, state.saved_bytes = self._forward_saving(weights.module, state.leaves, state.inputs)
+        if action.stage == self.schedule.stages - 1:
+            state.loss = self._loss(state.outputs, action.step, action.microbatch)
+
+    def _roots(self, action: Action, state: _InFlight) -> None:
+        """The tensors to differentiate and their incoming gradients (none for the scalar loss)."""
+        s, mb, t = action.stage, action.microbatch, action.step
+        if self.recompute[s]:
+            self._recompute(action, state)
+        if s == self.schedule.stages - 1:
+            state.roots, state.root_grads = [state.loss], None
+            return
+        grads = flatten(self._incoming(("B", s, mb, t)))[1]
+        pairs = [(o, g) for o, g in zip(flatten(state.outputs)[1], grads, strict=True) if o.requires_grad]
+        state.roots, state.root_grads = [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward(self, action: Action, weights_too: bool) -> None:
+        """``B`` (input and weight gradients) or ``I`` (input gradients, the graph kept for ``W``)."""
+        s, mb, t = action.stage, action.microbatch, action.step
+        state = self.in_flight[(s, mb, t)]
+        self._roots(action, state)
+        inputs = [x for x in flatten(state.inputs)[1] if x.requires_grad] if s > 0 else []
+        params = list(state.leaves.values()) if weights_too else []
+        wanted = inputs + params
+        grads = (
+            torch.autograd.grad(state.roots, wanted, state.root_grads, allow_unused=True, retain_graph=not weights_too)
+            if wanted
+            else ()
+        )
+        if s > 0:
+            self._send_input_grads(action, state, list(grads[: len(inputs)]))
+        if weights_too:
+            self.weights[s].accumulate(t, list(grads[len(inputs) :]))
+            self._release(action)
+
+    def _weight_gradient(self, action: Action) -> None:
+        """``W``: the weight gradients of a micro-batch whose ``I`` ran."""
+        state = self.in_flight[(action.stage, action.microbatch, action.step)]
+        grads = torch.autograd.grad(state.roots, list(state.leaves.values()), state.root_grads, allow_unused=True)
+        self.weights[action.stage].accumulate(action.step, list(grads))
+        self._release(action)
+
+    def _send_input_grads(self, action: Action, state: _InFlight, grads: list[torch.Tensor | None]) -> None:
+        skeleton, tensors = flatten(state.inputs)
+        computed = iter(grads)
+        full = []
+        for tensor in tensors:
+            grad = next(computed) if tensor.requires_grad else None
+            full.append(torch.zeros_like(tensor) if grad is None else grad)
+        self._deliver(action, unflatten(skeleton, full))
+
+    def _release(self, action: Action) -> None:
+        """Forget a micro-batch once its last backward half ran."""
+        s, t = action.stage, action.step
+        state = self.in_flight.pop((s, action.microbatch, t))
+        self.saved_bytes -= state.saved_bytes
+        if s == self.schedule.stages - 1:
+            self.targets_left[t] -= 1
+            if not self.targets_left[t]:
+                for store in (self.targets, self.batch_rows, self.targets_left):
+                    store.pop(t, None)
+
+    def _versions_kept(self, stage: int) -> set[int]:
+        """Versions of ``stage`` that micro-batches in flight or the next calls of this worker use."""
+        upcoming = [
+            a for call in range(self.calls, self.calls + self.program.period + 2) for a in self.program.call(call)
+        ]
+        kept = {a.version for a in upcoming if a.stage == stage and a.kind in COMPUTE}
+        kept |= {state.version for (s, _, _), state in self.in_flight.items() if s == stage}
+        return kept
+
+
+def _repeat(schedule: Schedule) -> Callable[[int], Schedule]:
+    if not schedule.flush:
+        raise PlanningError(
+            f"{schedule.family} does not flush: give the executor a function steps -> schedule (e.g. "
+            f"lambda k: make_schedule({schedule.family!r}, P, m, k)) so it can follow the steady state"
+        )
+    return lambda steps: schedule
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    skeleton, tensors = flatten(obj)
+    return unflatten(skeleton, [t.to(device) for t in tensors])
+
+
+def _detach(obj: Any) -> Any:
+    skeleton, tensors = flatten(obj)
+    return unflatten(skeleton, [t.detach() for t in tensors])

@@ -1,0 +1,110 @@
+"""Run a function on several local processes joined by a gloo process group (tests, benchmarks).
+
+Production jobs start their processes with torchrun, SLURM or Lightning's launchers;
+:func:`run_local` is the small equivalent for one machine: it picks a free port, starts
+``world_size`` processes (``spawn``), initialises ``torch.distributed`` in each, runs
+``fn(rank, *args)`` and returns every rank's result. A deadline bounds the whole run: on timeout or
+when a process dies, the others are terminated and the error names the rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["LocalRunError", "run_local"]
+
+
+class LocalRunError(RuntimeError):
+    """A rank of :func:`run_local` failed, died or timed out."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    rank: int, world_size: int, port: int, threads: int, fn: Callable[..., Any], args: tuple, results: Any
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        buffer = io.BytesIO()
+        torch.save(fn(rank, *args), buffer)  # plain bytes: shared-memory tensors die with this process
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException as error:
+        results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1
+) -> list[Any]:
+    """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each in its own process.
+
+    Raises:
+        LocalRunError: a rank raised (its error and traceback are in the message), a process died
+            without reporting, or the run took longer than ``timeout`` seconds.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, world_size, port, threads, fn, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        while len(values) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                unfinished = sorted(set(range(world_size)) - set(values) - set(errors))
+                raise LocalRunError(f"timed out after {timeout:.0f} s; ranks {unfinished} did not finish")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:  # nothing yet: make sure nobody died without a word
+                dead = [
+                    r
+                    for r, p in enumerate(processes)
+                    if p.exitcode not in (None, 0) and r not in values and r not in errors
+                ]
+                if dead:
+                    raise LocalRunError(
+                        f"rank(s) {dead} died without reporting (exit codes {[processes[r].exitcode for r in dead]})"
+                    ) from None
+                continue
+            if status == "ok":
+                values[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = value
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+    if errors:
+        first = min(errors)
+        others = "".join(f"\n--- rank {r}: {errors[r].splitlines()[0]}" for r in sorted(errors) if r != first)
+        raise LocalRunError(f"rank {first} failed: {errors[first]}{others}")
+    return [values[rank] for rank in range(world_size)]

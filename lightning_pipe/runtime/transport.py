@@ -1,0 +1,236 @@
+"""Point-to-point transfer of nested tensor structures between pipeline workers.
+
+Each message from one worker to another is a fixed-size header (two int64: whether new metadata
+follows, and its length), the metadata when the structure, shapes or dtypes differ from the previous
+message on that channel (pickled: a skeleton of tuples, lists and dicts with tensor slots, and each
+tensor's dtype and shape), then the tensors. Shapes are thus negotiated on first use and again
+whenever they change (the last micro-batch of an uneven split, a different batch size). Receives are
+announced ahead (:meth:`Transport.expect`) and completed by background threads as the data arrives,
+so transfers overlap compute.
+
+Messages between two workers are matched in the order the sender sends them (what NCCL requires);
+on gloo the per-channel message index is also the tag. Every wait polls the
+:class:`~lightning_pipe.runtime.failure.Watchdog`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.runtime.failure import PipelineAborted, Watchdog
+
+__all__ = ["Transport", "flatten", "unflatten"]
+
+_TAG_SPACE = 1 << 30
+
+
+def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """A picklable skeleton of ``obj`` with its tensors replaced by slots, and the tensors."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            tensors.append(item)
+            return ("tensor", len(tensors) - 1)
+        if isinstance(item, tuple | list):
+            return (type(item).__name__, [walk(x) for x in item])
+        if isinstance(item, dict):
+            return ("dict", [(key, walk(value)) for key, value in item.items()])
+        return ("value", item)
+
+    return walk(obj), tensors
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten`."""
+    kind, content = skeleton
+    if kind == "tensor":
+        return tensors[content]
+    if kind == "tuple":
+        return tuple(unflatten(x, tensors) for x in content)
+    if kind == "list":
+        return [unflatten(x, tensors) for x in content]
+    if kind == "dict":
+        return {key: unflatten(value, tensors) for key, value in content}
+    return content
+
+
+@dataclass
+class _Incoming:
+    """One message being received; ``done`` is set once it arrived (or failed)."""
+
+    peer: int
+    sequence: int
+    done: threading.Event = field(default_factory=threading.Event)
+    value: Any = None
+    error: BaseException | None = None
+
+    @property
+    def tag(self) -> int:
+        return self.sequence % _TAG_SPACE
+
+
+class Transport:
+    """Sends and receives messages of one worker.
+
+    gloo completes a point-to-point request only inside ``wait()``, so one receiver thread per peer
+    walks that peer's expected messages in order (header, metadata, tensors) and blocks there, and a
+    sender thread waits for posted sends to finish; the worker itself only waits on events, polling
+    the watchdog meanwhile.
+
+    Args:
+        rank: this worker's rank in ``group``.
+        device: where received tensors are placed (and headers live; NCCL needs the GPU).
+        watchdog: failure detection polled by every wait.
+        group: the process group (default: the default group).
+        timeout_seconds: a wait longer than this raises (a deadlock or a lost peer).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        watchdog: Watchdog,
+        group: dist.ProcessGroup | None = None,
+        timeout_seconds: float = 300.0,
+    ) -> None:
+        self.rank, self.device, self.watchdog, self.group = rank, device, watchdog, group
+        self.timeout = timeout_seconds
+        self._sent_count: dict[int, int] = defaultdict(int)
+        self._expected_count: dict[int, int] = defaultdict(int)
+        self._sent_layout: dict[int, bytes] = {}
+        self._received: dict[tuple[int, int], _Incoming] = {}
+        self._queues: dict[int, queue.Queue[_Incoming | None]] = {}
+        self._threads: list[threading.Thread] = []
+        self._sends: queue.Queue[tuple[list[dist.Work], list[torch.Tensor]] | None] = queue.Queue()
+        self._send_error: BaseException | None = None
+        self._sends_pending = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._start(self._send_loop, "send")
+
+    def _start(self, target: Any, name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"lightning_pipe-{name}-{self.rank}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # -- sending ------------------------------------------------------------------------------
+    def send(self, peer: int, obj: Any) -> None:
+        """Post the sends of one message to ``peer`` (non-blocking)."""
+        if self._send_error is not None:
+            raise PipelineAborted(f"rank {self.rank}: an earlier send failed ({self._send_error})")
+        tag = self._sent_count[peer] % _TAG_SPACE
+        self._sent_count[peer] += 1
+        skeleton, tensors = flatten(obj)
+        tensors = [t.detach().contiguous() for t in tensors]
+        layout = pickle.dumps((skeleton, [(t.dtype, tuple(t.shape)) for t in tensors]))
+        fresh = self._sent_layout.get(peer) != layout
+        payload = [torch.tensor([int(fresh), len(layout)], dtype=torch.int64, device=self.device)]
+        if fresh:
+            self._sent_layout[peer] = layout
+            payload.append(torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(self.device))
+        payload += tensors
+        works = [dist.isend(t, peer, group=self.group, tag=tag) for t in payload]
+        with self._lock:
+            self._sends_pending += 1
+        self._sends.put((works, payload))
+
+    def _send_loop(self) -> None:
+        while (item := self._sends.get()) is not None:
+            works, _payload = item
+            try:
+                for work in works:
+                    work.wait()
+            except BaseException as error:
+                self._send_error = error
+            with self._lock:
+                self._sends_pending -= 1
+                self._idle.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every posted send has completed."""
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            while self._sends_pending:
+                self._idle.wait(timeout=0.02)
+                self._lock.release()
+                try:
+                    self.watchdog.check()
+                finally:
+                    self._lock.acquire()
+                if time.monotonic() > deadline:
+                    raise PipelineAborted(f"rank {self.rank}: sends did not complete within {self.timeout:.0f} s")
+        if self._send_error is not None:
+            raise PipelineAborted(f"rank {self.rank}: a send failed ({self._send_error}); the peer probably died")
+
+    # -- receiving ----------------------------------------------------------------------------
+    def expect(self, peer: int) -> int:
+        """Announce the next message from ``peer``; its receiver thread starts on it at once.
+        Returns its sequence number for :meth:`receive`."""
+        if peer not in self._queues:
+            self._queues[peer] = queue.Queue()
+            self._start(self._receive_loop, f"recv{peer}", peer)
+        sequence = self._expected_count[peer]
+        self._expected_count[peer] += 1
+        incoming = _Incoming(peer, sequence)
+        self._received[(peer, sequence)] = incoming
+        self._queues[peer].put(incoming)
+        return sequence
+
+    def _receive_loop(self, peer: int) -> None:
+        layout: Any = None
+        while (incoming := self._queues[peer].get()) is not None:
+            try:
+                layout = self._receive_one(incoming, layout)
+            except BaseException as error:
+                incoming.error = error
+            incoming.done.set()
+
+    def _receive_one(self, incoming: _Incoming, layout: Any) -> Any:
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        dist.irecv(header, incoming.peer, group=self.group, tag=incoming.tag).wait()
+        fresh, length = header.tolist()
+        if fresh:
+            metadata = torch.empty(length, dtype=torch.uint8, device=self.device)
+            dist.irecv(metadata, incoming.peer, group=self.group, tag=incoming.tag).wait()
+            layout = pickle.loads(metadata.cpu().numpy().tobytes())
+        skeleton, specs = layout
+        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
+        works = [dist.irecv(t, incoming.peer, group=self.group, tag=incoming.tag) for t in tensors]
+        for work in works:
+            work.wait()
+        incoming.value = unflatten(skeleton, tensors)
+        return layout
+
+    def receive(self, peer: int, sequence: int) -> Any:
+        """Wait for message ``sequence`` from ``peer`` (announced by :meth:`expect`) and return it."""
+        incoming = self._received.pop((peer, sequence))
+        deadline = time.monotonic() + self.timeout
+        while not incoming.done.wait(timeout=0.02):
+            self.watchdog.check()
+            if time.monotonic() > deadline:
+                raise PipelineAborted(
+                    f"rank {self.rank} waited {self.timeout:.0f} s for message {sequence} from rank {peer}: the "
+                    "schedule deadlocks or the peer hangs"
+                )
+        if incoming.error is not None:
+            self.watchdog.check(force=True)
+            raise PipelineAborted(
+                f"rank {self.rank}: receiving from rank {peer} failed ({incoming.error}); the peer probably died"
+            ) from incoming.error
+        return incoming.value
+
+    def close(self) -> None:
+        """Stop the helper threads (pending receives are abandoned)."""
+        for pending in self._queues.values():
+            pending.put(None)
+        self._sends.put(None)

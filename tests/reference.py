@@ -1,0 +1,125 @@
+"""Single-process reference implementations of the update rules (DESIGN.md), and the workers that run
+the same training through the multi-process runtime, for the runtime tests to compare.
+
+A rule is a function ``version(stage, microbatch, step) -> v``: the gradient of micro-batch ``i`` of
+step ``t`` is taken with stage ``j``'s weights after ``v`` updates, and ``θ^j_{t+1}`` is the
+optimizer step from ``θ^j_t`` with the mean of those gradients:
+
+- sync:   ``v = t``                                 θ_{t+1} = θ_t − γ/N Σ ∇f_i(θ_t)
+- 2bw / cdp_v1: ``v = t − 1``                       θ_{t+1} = θ_t − γ/N Σ ∇f_i(θ_{t−1})
+- cdp_v2: ``v = t`` if ``i + j >= N − 1`` else ``t − 1`` (0-based, Fournier & Oyallon Eq. CDP-v2)
+- stash / vertical: the versions the schedule's order gives (PipeDream), read off the IR.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.schedule import Kind, make_schedule
+
+Rule = Callable[[int, int, int], int]
+
+
+def sync(stage: int, microbatch: int, step: int) -> int:
+    return step
+
+
+def one_step_late(stage: int, microbatch: int, step: int) -> int:
+    return max(step - 1, 0)
+
+
+def cdp_v2(stages: int) -> Rule:
+    def version(stage: int, microbatch: int, step: int) -> int:
+        return step if microbatch + stage >= stages - 1 else max(step - 1, 0)
+
+    return version
+
+
+def from_schedule(family: str, stages: int, microbatches: int, steps: int, **options: object) -> Rule:
+    schedule = make_schedule(family, stages, microbatches, steps, **options)
+    used = {(a.stage, a.microbatch, a.step): a.version for _, _, a in schedule.actions() if a.kind is Kind.F}
+
+    def version(stage: int, microbatch: int, step: int) -> int:
+        return used[(stage, microbatch, step)]
+
+    return version
+
+
+def build_stages(count: int, seed: int = 0, width: int = 8) -> list[nn.Module]:
+    """A small MLP chain: tanh layers, dropout-free, deterministic given ``seed``."""
+    torch.manual_seed(seed)
+    stages: list[nn.Module] = [nn.Sequential(nn.Linear(6, width), nn.Tanh())]
+    stages += [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(count - 2)]
+    stages.append(nn.Linear(width, 3))
+    return stages
+
+
+def batches(steps: int, rows: int = 10, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(rows, 6, generator=generator), torch.randint(0, 3, (rows,), generator=generator))
+        for _ in range(steps)
+    ]
+
+
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01, weight_decay=0.01),
+}
+
+
+def reference(stages: list[nn.Module], data, microbatches: int, rule: Rule, optimizer: str) -> list[list[torch.Tensor]]:
+    """Train ``stages`` in one process following ``rule``; returns each stage's final parameters."""
+    stages = copy.deepcopy(stages)
+    optimizers = [OPTIMIZERS[optimizer](list(s.parameters())) for s in stages]
+    history = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in stages]
+    for step, (inputs, targets) in enumerate(data):
+        grads = [[torch.zeros_like(p) for p in s.parameters()] for s in stages]
+        for i, (x, y) in enumerate(
+            zip(torch.tensor_split(inputs, microbatches), torch.tensor_split(targets, microbatches), strict=True)
+        ):
+            weights = [
+                {n: t.clone().requires_grad_(True) for n, t in history[j][rule(j, i, step)].items()}
+                for j in range(len(stages))
+            ]
+            out = x
+            for j, stage in enumerate(stages):
+                out = functional_call(stage, weights[j], (out,))
+            loss = nn.functional.cross_entropy(out, y) * (len(y) / len(targets))
+            loss.backward()
+            for j in range(len(stages)):
+                for total, leaf in zip(grads[j], weights[j].values(), strict=True):
+                    total.add_(leaf.grad)
+        for j, stage in enumerate(stages):
+            for param, grad in zip(stage.parameters(), grads[j], strict=True):
+                param.grad = grad
+            optimizers[j].step()
+            history[j].append({n: p.detach().clone() for n, p in stage.named_parameters()})
+    return [[p.detach() for p in s.parameters()] for s in stages]
+
+
+def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch.Tensor]]]:
+    """Worker of :func:`lightning_pipe.runtime.launch.run_local`: train every case with the runtime;
+    returns ``{case name: {stage: parameters}}`` for the stages this rank holds."""
+    results = {}
+    for case in cases:
+        options = case.get("options", {})
+        executor = PipelineExecutor(
+            lambda k, c=case, o=options: make_schedule(c["family"], c["stages"], c["microbatches"], k, **o),
+            build_stages(case["stages"]),
+            nn.functional.cross_entropy,
+            OPTIMIZERS[case["optimizer"]],
+            recompute=case.get("recompute", False),
+        )
+        for inputs, targets in batches(case["steps"], rows=case.get("rows", 10)):
+            executor.step(inputs, targets)
+        executor.drain()
+        executor.close()
+        results[case["name"]] = {s: [p.detach().clone() for p in w.params] for s, w in executor.weights.items()}
+    return results
