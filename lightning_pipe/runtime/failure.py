@@ -76,6 +76,17 @@ class Watchdog:
         if not force and now < self._next_check:
             return
         self._next_check = now + 0.02
+        try:
+            self._check(now, force)
+        except PipelineAborted:
+            raise
+        except Exception as error:  # the store lives on rank 0's process
+            raise PipelineAborted(
+                f"pipeline stopped on rank {self.rank}: the job's store is unreachable ({error}); the rank that hosts "
+                "it (rank 0) probably died"
+            ) from error
+
+    def _check(self, now: float, force: bool) -> None:
         if self.store.check([_ABORT]):
             message = self.store.get(_ABORT).decode()
             if message:

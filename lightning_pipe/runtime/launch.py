@@ -3,8 +3,8 @@
 Production jobs start their processes with torchrun, SLURM or Lightning's launchers;
 :func:`run_local` is the small equivalent for one machine: it picks a free port, starts
 ``world_size`` processes (``spawn``), initialises ``torch.distributed`` in each, runs
-``fn(rank, *args)`` and returns every rank's result. A deadline bounds the whole run: on timeout or
-when a process dies, the others are terminated and the error names the rank.
+``fn(rank, *args)`` and returns every rank's result. A deadline bounds the whole run; a rank that
+raises or dies is reported with what every other rank said, and stragglers are terminated.
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ __all__ = ["LocalRunError", "run_local"]
 
 
 class LocalRunError(RuntimeError):
-    """A rank of :func:`run_local` failed, died or timed out."""
+    """A rank of :func:`run_local` failed, died or timed out; ``errors`` maps each such rank to its
+    error message (with traceback) or fate."""
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = errors or {}
 
 
 def _free_port() -> int:
@@ -79,19 +84,14 @@ def run_local(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 unfinished = sorted(set(range(world_size)) - set(values) - set(errors))
-                raise LocalRunError(f"timed out after {timeout:.0f} s; ranks {unfinished} did not finish")
+                errors.update({r: f"did not finish within {timeout:.0f} s" for r in unfinished})
+                break
             try:
-                rank, status, value = results.get(timeout=min(remaining, 0.5))
-            except queue.Empty:  # nothing yet: make sure nobody died without a word
-                dead = [
-                    r
-                    for r, p in enumerate(processes)
-                    if p.exitcode not in (None, 0) and r not in values and r not in errors
-                ]
-                if dead:
-                    raise LocalRunError(
-                        f"rank(s) {dead} died without reporting (exit codes {[processes[r].exitcode for r in dead]})"
-                    ) from None
+                rank, status, value = results.get(timeout=min(remaining, 0.2))
+            except queue.Empty:  # nothing yet: note who died without a word, keep waiting for the others
+                for r, process in enumerate(processes):
+                    if process.exitcode not in (None, 0) and r not in values and r not in errors:
+                        errors[r] = f"died with exit code {process.exitcode}"
                 continue
             if status == "ok":
                 values[rank] = torch.load(io.BytesIO(value), weights_only=False)
@@ -106,5 +106,5 @@ def run_local(
     if errors:
         first = min(errors)
         others = "".join(f"\n--- rank {r}: {errors[r].splitlines()[0]}" for r in sorted(errors) if r != first)
-        raise LocalRunError(f"rank {first} failed: {errors[first]}{others}")
+        raise LocalRunError(f"rank {first} failed: {errors[first]}{others}", errors)
     return [values[rank] for rank in range(world_size)]

@@ -1,0 +1,73 @@
+"""A failing or killed rank stops every other rank within seconds, with an error that names it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.runtime.failure import PipelineAborted
+from lightning_pipe.runtime.launch import LocalRunError, run_local
+from lightning_pipe.schedule import make_schedule
+from tests.reference import OPTIMIZERS, batches, build_stages
+
+
+class Trap(nn.Module):
+    """Passes its input through; at call ``when`` it raises or kills its process."""
+
+    def __init__(self, inner: nn.Module, when: int, how: str) -> None:
+        super().__init__()
+        self.inner, self.when, self.how, self.calls = inner, when, how, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.when:
+            if self.how == "raise":
+                raise ValueError("the loss exploded")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner(x)
+
+
+def _train(rank: int, victim: int, how: str, family: str) -> float:
+    stages = build_stages(2)
+    if rank == victim:
+        stages[victim] = Trap(stages[victim], when=5, how=how)
+    executor = PipelineExecutor(
+        lambda k: make_schedule(family, 2, 2, k),
+        stages,
+        nn.functional.cross_entropy,
+        OPTIMIZERS["sgd"],
+        dead_after_seconds=3.0,
+    )
+    start = time.monotonic()
+    try:
+        for inputs, targets in batches(6):
+            start = time.monotonic()
+            executor.step(inputs, targets)
+    except PipelineAborted as error:
+        raise PipelineAborted(f"{error} [after {time.monotonic() - start:.1f} s]") from None
+    return 0.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("victim", "how", "family"), [(1, "raise", "1f1b"), (0, "raise", "2bw"), (1, "kill", "1f1b"), (0, "kill", "2bw")])
+def test_every_rank_stops_naming_the_failed_one(victim: int, how: str, family: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(LocalRunError) as caught:
+        run_local(_train, 2, victim, how, family, timeout=60)
+    assert time.monotonic() - started < 45
+    survivor = caught.value.errors[1 - victim]
+    assert survivor.startswith("PipelineAborted")
+    if how == "raise":
+        assert f"rank {victim} failed with ValueError: the loss exploded" in survivor
+        assert "ValueError: the loss exploded" in caught.value.errors[victim]
+    else:
+        assert f"rank {victim}" in survivor or "rank 0" in survivor
+        assert caught.value.errors[victim].startswith("died with exit code")
+    waited = float(survivor.rsplit("[after ", 1)[1].split(" s]")[0])
+    assert waited < 12.0
