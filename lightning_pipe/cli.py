@@ -167,6 +167,16 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replica_list(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma separated whole numbers, e.g. 2,1,1; got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"every stage needs at least one worker, got {text!r}")
+    return counts
+
+
 def _simulate_parser(commands: argparse._SubParsersAction) -> None:
     from lightning_pipe.schedule import FAMILIES
     from lightning_pipe.schedule.master import PRIORITIES
@@ -187,6 +197,7 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--form", default="pipeline", choices=["pipeline", "pyramid"], help="cdp form")
     parser.add_argument("--groups", type=_positive_int, default=2, help="G of lpp/fslpp")
     parser.add_argument("--replicas", type=_positive_int, default=2, help="R of lpp/fslpp")
+    parser.add_argument("--stage-replicas", type=_replica_list, help="workers per stage of 1f1b_rr, e.g. 2,1,1")
     parser.add_argument("--priority", default="backward_first", choices=sorted(PRIORITIES), help="greedy tie break")
     parser.add_argument("--forward", type=float, default=1.0, help="forward time of every stage (unit costs)")
     parser.add_argument("--backward", type=float, default=2.0, help="backward time of every stage (unit costs)")
@@ -216,7 +227,10 @@ def _stage_costs(args: argparse.Namespace):
             raise PlanningError(f"cannot read {path}: {error.strerror or error}") from None
         except json.JSONDecodeError as error:
             raise PlanningError(f"{path}: invalid JSON at line {error.lineno}: {error.msg}") from None
-        costs = StageCosts.from_dict(document, path) if args.costs else StageCosts.from_plan(document, path)
+        if args.costs:
+            costs = StageCosts.from_dict(document, path)
+        else:
+            costs = StageCosts.from_plan(document, path, replicated=args.schedule == "1f1b_rr")
         if args.stages is not None and args.stages != costs.stages:
             raise PlanningError(f"--stages {args.stages} but {path} describes {costs.stages} stages")
     else:
@@ -229,6 +243,13 @@ def _stage_costs(args: argparse.Namespace):
     if args.no_overlap:
         changes["overlap"] = False
     return replace(costs, **changes) if changes else costs
+
+
+def _plan_replicas(args: argparse.Namespace) -> list[int] | None:
+    """The replicas of a plan's stages, for 1f1b_rr."""
+    if not args.plan:
+        return None
+    return [stage.get("replicas", 1) for stage in json.loads(Path(args.plan).read_text())["stages"]]
 
 
 def _simulation_table(result) -> str:
@@ -270,6 +291,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         priority=args.priority,
         forward=args.forward,
         backward=args.backward,
+        stage_replicas=args.stage_replicas or _plan_replicas(args),
     )
     result = simulate(schedule, costs, graph=validate(schedule))
     if args.save_schedule:

@@ -55,7 +55,9 @@ def _train(rank: int, victim: int, how: str, family: str) -> float:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("victim", "how", "family"), [(1, "raise", "1f1b"), (0, "raise", "2bw"), (1, "kill", "1f1b"), (0, "kill", "2bw")])
+@pytest.mark.parametrize(
+    ("victim", "how", "family"), [(1, "raise", "1f1b"), (0, "raise", "2bw"), (1, "kill", "1f1b"), (0, "kill", "2bw")]
+)
 def test_every_rank_stops_naming_the_failed_one(victim: int, how: str, family: str) -> None:
     started = time.monotonic()
     with pytest.raises(LocalRunError) as caught:

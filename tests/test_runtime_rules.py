@@ -97,6 +97,13 @@ def test_four_workers_equal_the_references() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_cdp_pyramid_with_replicated_stages() -> None:
+def test_replicated_stages_reduce_their_gradients() -> None:
     # stage 0 on two workers that reduce its gradient, stage 1 on one: three processes
-    _check([_case("cdp-pyramid", "cdp", 2, 2, options={"rule": "cdp_v2", "form": "pyramid"})], 3)
+    _check(
+        [
+            _case("cdp-pyramid", "cdp", 2, 2, options={"rule": "cdp_v2", "form": "pyramid"}),
+            _case("1f1b-rr", "1f1b_rr", 2, 4, options={"stage_replicas": [2, 1]}),
+            _case("1f1b-rr-adam", "1f1b_rr", 2, 5, optimizer="adam", rows=11, options={"stage_replicas": [2, 1]}),
+        ],
+        3,
+    )

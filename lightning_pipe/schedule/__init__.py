@@ -45,6 +45,7 @@ FAMILIES: dict[str, str] = {
     "fsdp": "w(s,b,d) = (s, b) (Rahimi 2025)",
     "pp": "w(s,b,d) = (s, s): GPipe through the master schedule (Rahimi 2025)",
     "lpp": "looped pipeline parallel, G groups of R workers (Rahimi 2025)",
+    "1f1b_rr": "1F1B with replicated stages, micro-batches round robin (PipeDream 1F1B-RR)",
     "fslpp": "fully sharded looped pipeline parallel (Rahimi 2025)",
 }
 
@@ -66,6 +67,7 @@ def _generate(
     priority: str,
     forward: float,
     backward: float,
+    stage_replicas: Sequence[int] | None,
 ) -> Schedule:
     if family == "gpipe":
         return pipeline.gpipe(stages, microbatches, steps)
@@ -105,6 +107,11 @@ def _generate(
         return master.lpp(stages, microbatches, steps, groups=groups, replicas=replicas, **options)
     if family == "fslpp":
         return master.fslpp(stages, microbatches, steps, groups=groups, replicas=replicas, **options)
+    if family == "1f1b_rr":
+        counts = list(stage_replicas) if stage_replicas is not None else [1] * stages
+        if len(counts) != stages:
+            raise PlanningError(f"1f1b_rr: {len(counts)} replica counts for {stages} stages")
+        return master.replicated(counts, microbatches, steps, **options)
     raise PlanningError(f"unknown schedule {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
@@ -125,6 +132,7 @@ def make_schedule(
     priority: str = "backward_first",
     forward: float = 1.0,
     backward: float = 2.0,
+    stage_replicas: Sequence[int] | None = None,
 ) -> Schedule:
     """Build, version and validate the schedule ``family``.
 
@@ -140,7 +148,8 @@ def make_schedule(
         form: ``pipeline`` or ``pyramid`` for ``cdp``.
         groups, replicas: ``G`` and ``R`` for ``lpp``/``fslpp``.
         priority, forward, backward: tie break and job durations of the greedy families
-            (``ddp``, ``fsdp``, ``pp``, ``lpp``, ``fslpp``; ``zb_h1`` splits ``backward`` in halves).
+            (``ddp``, ``fsdp``, ``pp``, ``lpp``, ``fslpp``, ``1f1b_rr``; ``zb_h1`` splits ``backward`` in halves).
+        stage_replicas: workers per stage for ``1f1b_rr`` (e.g. a pipedream plan's replicas).
     """
     schedule = _generate(
         family,
@@ -158,6 +167,7 @@ def make_schedule(
         priority=priority,
         forward=forward,
         backward=backward,
+        stage_replicas=stage_replicas,
     )
     if rule is not None and rule != schedule.rule:
         raise PlanningError(

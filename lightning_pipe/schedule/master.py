@@ -16,14 +16,16 @@ and the update of every stage on the workers that hold its weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.greedy import list_schedule
 from lightning_pipe.schedule.ir import Action, Kind, Schedule
 from lightning_pipe.schedule.pipeline import check_sizes
 
-__all__ = ["PRIORITIES", "ddp", "fsdp", "fslpp", "lpp", "master", "pipeline_parallel"]
+__all__ = ["PRIORITIES", "ddp", "fsdp", "fslpp", "lpp", "master", "pipeline_parallel", "replicated"]
 
 Placement = Callable[[int, int, Kind], tuple[int, int]]
 """``w(stage, microbatch, direction) -> (weight owner, compute worker)``."""
@@ -62,9 +64,11 @@ def master(
     priority: str | Callable[[Action], tuple] = "backward_first",
     forward: float = 1.0,
     backward: float = 2.0,
+    in_flight: Callable[[int], int] | None = None,
 ) -> Schedule:
     """The schedule of ``placement`` under ``priority`` (greedy, with ``forward``/``backward`` job
-    durations), one flush per step."""
+    durations), one flush per step; ``in_flight(stage)`` optionally caps the micro-batches a worker
+    has in flight on a stage (forward done, backward not)."""
     check_sizes(family, stages, microbatches, steps)
     rank = PRIORITIES.get(priority, priority) if isinstance(priority, str) else priority
     if isinstance(rank, str):
@@ -91,6 +95,7 @@ def master(
             duration=lambda a: forward if a.kind is Kind.F else backward,
             priority=rank,
             last_stage=stages - 1,
+            admissible=None if in_flight is None else lambda a, started: _room(a, started, in_flight),
         )
         for w in range(workers):
             orders[w] += step_orders[w]
@@ -104,6 +109,40 @@ def master(
         owners=tuple(tuple(sorted(owners[s])) for s in range(stages)),
         params={"workers": workers, "priority": priority if isinstance(priority, str) else "custom"},
     )
+
+
+def _room(action: Action, started: Counter, in_flight: Callable[[int], int]) -> bool:
+    if action.kind is not Kind.F:
+        return True
+    return started[(Kind.F, action.stage)] - started[(Kind.B, action.stage)] < in_flight(action.stage)
+
+
+def replicated(stage_replicas: Sequence[int], microbatches: int, steps: int = 1, **options: object) -> Schedule:
+    """1F1B-RR (PipeDream §3.2): stage ``s`` runs on ``r_s`` workers that deal its micro-batches round
+    robin (``i mod r_s``) and reduce its gradient; each replica keeps at most PipeDream's NOAM
+    ``⌈k/r_s⌉`` micro-batches in flight, ``k`` the workers from it to the end."""
+    replicas = list(stage_replicas)
+    if not replicas or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in replicas):
+        raise PlanningError(f"1f1b_rr: stage_replicas must be whole numbers >= 1 per stage, got {stage_replicas!r}")
+    first = [sum(replicas[:s]) for s in range(len(replicas))]
+    downstream = [sum(replicas[s:]) for s in range(len(replicas))]
+
+    def placement(s: int, b: int, d: Kind) -> tuple[int, int]:
+        worker = first[s] + b % replicas[s]
+        return worker, worker
+
+    schedule = master(
+        "1f1b_rr",
+        len(replicas),
+        microbatches,
+        sum(replicas),
+        placement,
+        steps=steps,
+        in_flight=lambda s: -(-downstream[s] // replicas[s]),
+        **options,
+    )
+    owners = tuple(tuple(range(first[s], first[s] + replicas[s])) for s in range(len(replicas)))
+    return replace(schedule, owners=owners, params={**schedule.params, "stage_replicas": replicas})
 
 
 def ddp(stages: int, microbatches: int, steps: int = 1, **options: object) -> Schedule:

@@ -77,15 +77,16 @@ class StageCosts:
             raise PlanningError(f"{source}: {error}") from None
 
     @classmethod
-    def from_plan(cls, document: object, source: str = "plan") -> StageCosts:
-        """Per-stage costs of a ``lightning-pipe plan --json`` document (contiguous stages; a stage
-        replicated ``r`` times is simulated as one worker ``r`` times faster)."""
+    def from_plan(cls, document: object, source: str = "plan", replicated: bool = False) -> StageCosts:
+        """Per-stage costs of a ``lightning-pipe plan --json`` document (contiguous stages). A stage
+        replicated ``r`` times is simulated as one worker ``r`` times faster, unless ``replicated``:
+        the schedule then places the replicas itself (``1f1b_rr``)."""
         if not isinstance(document, dict) or not isinstance(document.get("stages"), list):
             raise PlanningError(f"{source}: not a plan (run lightning-pipe plan --json to make one)")
         stages = document["stages"]
         if not all(isinstance(stage, dict) and "forward_seconds" in stage for stage in stages):
             raise PlanningError(f"{source}: stages lack forward_seconds: re-create the plan with this version")
-        replicas = [stage.get("replicas", 1) for stage in stages]
+        replicas = [1 if replicated else stage.get("replicas", 1) for stage in stages]
         bandwidth = document.get("bandwidth_bytes_per_second") or math.inf
         return cls(
             forward=[stage["forward_seconds"] / r for stage, r in zip(stages, replicas, strict=True)],
