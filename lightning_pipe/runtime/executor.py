@@ -26,7 +26,7 @@ from torch.func import functional_call
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.failure import PipelineAborted, Watchdog
-from lightning_pipe.runtime.program import Program
+from lightning_pipe.runtime.program import Program, shift
 from lightning_pipe.runtime.transport import Transport, flatten, unflatten
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
@@ -156,6 +156,7 @@ class PipelineExecutor:
         self.needs_targets = any(a.stage == self.schedule.stages - 1 for a in ours)
         self.targets_left: dict[int, int] = {}
         self.calls = 0
+        self.origin = 0
         self.inputs: dict[int, list[Any]] = {}
         self.targets: dict[int, list[Any]] = {}
         self.batch_rows: dict[int, int] = {}
@@ -242,24 +243,45 @@ class PipelineExecutor:
         return groups
 
     # -- the training loop's entry points --------------------------------------------------------
-    def step(self, inputs: Any = None, targets: Any = None, *, return_outputs: bool = False) -> StepOutput:
+    def step(
+        self, inputs: Any = None, targets: Any = None, *, return_outputs: bool = False, share_losses: bool = False
+    ) -> StepOutput:
         """Run one call: feed mini-batch ``inputs``/``targets`` (only the ranks running the first and
-        last stage need them) and run every action that can run with the data given so far."""
+        last stage need them) and run every action that can run with the data given so far.
+
+        With ``share_losses`` (a collective: every rank must ask) every rank gets the losses.
+        """
         call = self.calls
-        self._store_batch(call, inputs, targets)
-        actions = self.program.call(call)
-        output = self._run(actions, lambda peer: self.programs[peer].call(call), return_outputs)
+        self._store_batch(self.origin + call, inputs, targets)
+        output = self._run(self._actions(self.rank, call), lambda peer: self._actions(peer, call), return_outputs)
         self.calls += 1
+        return self._share(output) if share_losses else output
+
+    def _actions(self, worker: int, call: int) -> list[Action]:
+        """Worker ``worker``'s actions of call ``call`` since the last drain, in absolute steps."""
+        return [shift(a, self.origin) for a in self.programs[worker].call(call)]
+
+    def _drain_actions(self, worker: int) -> list[Action]:
+        return [shift(a, self.origin) for a in self.programs[worker].finish(self.calls - 1)]
+
+    def _share(self, output: StepOutput) -> StepOutput:
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, (output.losses, output.microbatch_losses))
+        for losses, microbatch_losses in gathered:
+            output.losses.update(losses)
+            output.microbatch_losses.update(microbatch_losses)
         return output
 
-    def drain(self, *, return_outputs: bool = False) -> StepOutput:
-        """Finish every step in flight (end of epoch, validation, checkpoint); a no-op when flushed."""
-        if self.calls == 0:
-            return StepOutput()
-        last = self.calls - 1
-        output = self._run(self.program.finish(last), lambda peer: self.programs[peer].finish(last), return_outputs)
-        self.transport.flush()
-        return output
+    def drain(self, *, return_outputs: bool = False, share_losses: bool = False) -> StepOutput:
+        """Finish every step in flight (end of epoch, validation, checkpoint); a no-op when flushed.
+        The next :meth:`step` starts a new fill."""
+        output = StepOutput()
+        if self.calls:
+            output = self._run(self._drain_actions(self.rank), self._drain_actions, return_outputs)
+            self.transport.flush()
+            self.origin += self.calls
+            self.calls = 0
+        return self._share(output) if share_losses else output
 
     def close(self) -> None:
         """Wait for pending sends, then stop the helper threads."""
@@ -271,11 +293,13 @@ class PipelineExecutor:
         """Weights, versions kept, gradients accumulated and optimizer states of this worker's stages."""
         return {
             "calls": self.calls,
+            "origin": self.origin,
             "stages": {s: {"module": w.module.state_dict(), **w.state_dict()} for s, w in self.weights.items()},
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.calls = int(state["calls"])
+        self.origin = int(state["origin"])
         for stage, entry in state["stages"].items():
             self.weights[int(stage)].module.load_state_dict(entry["module"])
             self.weights[int(stage)].load_state_dict(entry)
@@ -324,12 +348,15 @@ class PipelineExecutor:
         inputs = self.inputs[t][mb] if s == 0 else _floating_leaves(self._incoming(("F", s, mb, t)))
         weights = self.weights[s]
         state = _InFlight(inputs=inputs, version=action.version, leaves=weights.leaves(action.version))
-        if self.recompute[s]:
-            state.rng = torch.get_rng_state()
-            with torch.no_grad():
-                state.outputs = functional_call(weights.module, state.leaves, (inputs,))
-        else:
-            state.outputs, state.saved_bytes = self._forward_saving(weights.module, state.leaves, inputs)
+        try:
+            if self.recompute[s]:
+                state.rng = torch.get_rng_state()
+                with torch.no_grad():
+                    state.outputs = functional_call(weights.module, state.leaves, (inputs,))
+            else:
+                state.outputs, state.saved_bytes = self._forward_saving(weights.module, state.leaves, inputs)
+        except Exception as error:
+            raise self._mismatch(action, inputs, error) from error
         if s == self.schedule.stages - 1:
             loss = self._loss(state.outputs, t, mb)
             state.loss = None if self.recompute[s] else loss
@@ -341,6 +368,19 @@ class PipelineExecutor:
         self.in_flight[(s, mb, t)] = state
         if s == 0 and mb == self.schedule.microbatches - 1:
             self.inputs.pop(t, None)
+
+    def _mismatch(self, action: Action, inputs: Any, error: Exception) -> PlanningError:
+        """A stage that fails on its input: name it and the stage the input came from."""
+        s = action.stage
+        shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in flatten(inputs)[1]]
+        if s == 0:
+            source = "the micro-batch of the data"
+        else:
+            producer = self._placement(Kind.F, s - 1, action.microbatch, action.step)
+            source = f"the output of stage {s - 1} (rank {producer})"
+        return PlanningError(
+            f"stage {s} (rank {self.rank}) failed on {source}, tensors {shapes}: {type(error).__name__}: {error}"
+        )
 
     def _record_loss(self, output: StepOutput, step: int, mb: int, value: float) -> None:
         output.microbatch_losses[(step, mb)] = value
@@ -388,7 +428,14 @@ class PipelineExecutor:
             state.roots, state.root_grads = [state.loss], None
             return
         grads = flatten(self._incoming(("B", s, mb, t)))[1]
-        pairs = [(o, g) for o, g in zip(flatten(state.outputs)[1], grads, strict=True) if o.requires_grad]
+        outputs = flatten(state.outputs)[1]
+        if [(o.shape, o.dtype) for o in outputs] != [(g.shape, g.dtype) for g in grads]:
+            producer = self._placement(Kind.I if s + 1 in self.split_stages else Kind.B, s + 1, mb, t)
+            raise PlanningError(
+                f"stage {s + 1} (rank {producer}) sent gradients {[(tuple(g.shape), g.dtype) for g in grads]} for "
+                f"stage {s}'s outputs {[(tuple(o.shape), o.dtype) for o in outputs]} (rank {self.rank})"
+            )
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
         state.roots, state.root_grads = [o for o, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, action: Action, weights_too: bool) -> None:
@@ -439,9 +486,8 @@ class PipelineExecutor:
 
     def _versions_kept(self, stage: int) -> set[int]:
         """Versions of ``stage`` that micro-batches in flight or the next calls of this worker use."""
-        upcoming = [
-            a for call in range(self.calls, self.calls + self.program.period + 2) for a in self.program.call(call)
-        ]
+        calls = range(self.calls, self.calls + self.program.period + 2)
+        upcoming = [a for call in calls for a in self._actions(self.rank, call)]
         kept = {a.version for a in upcoming if a.stage == stage and a.kind in COMPUTE}
         kept |= {state.version for (s, _, _), state in self.in_flight.items() if s == stage}
         return kept

@@ -1,0 +1,158 @@
+"""Runtime features: nested messages and skip connections, stage mismatches, recomputation's memory,
+measured timelines, drains in the middle of training, losses on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.runtime.launch import LocalRunError, run_local
+from lightning_pipe.schedule import Kind, make_schedule
+from lightning_pipe.schedule.draw import chrome_trace
+from tests.reference import OPTIMIZERS, batches, build_stages, reference, sync
+
+
+class Head(nn.Module):
+    """Stage 0: returns a tuple (features, skip) whose second part jumps over stage 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.layer(x)), x
+
+
+class Middle(nn.Module):
+    """Stage 1: consumes the tuple, passes the skip on inside a dict with an integer tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        features, skip = pair
+        return {"h": torch.tanh(self.layer(features)), "skip": skip, "count": torch.tensor([features.shape[0]])}
+
+
+class Tail(nn.Module):
+    """Stage 2: uses the skip connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 3)
+        self.skip = nn.Linear(6, 3)
+
+    def forward(self, message: dict[str, torch.Tensor]) -> torch.Tensor:
+        assert int(message["count"]) == message["h"].shape[0]
+        return self.layer(message["h"]) + self.skip(message["skip"])
+
+
+def _skip_model() -> list[nn.Module]:
+    torch.manual_seed(3)
+    return [Head(), Middle(), Tail()]
+
+
+def _train(rank: int, family: str, stages, steps: int, microbatches: int = 3, **kwargs) -> dict:
+    executor = PipelineExecutor(
+        lambda k: make_schedule(family, len(stages), microbatches, k),
+        stages,
+        nn.functional.cross_entropy,
+        OPTIMIZERS["sgd"],
+        **kwargs,
+    )
+    for inputs, targets in batches(steps):
+        executor.step(inputs, targets)
+    executor.drain()
+    executor.close()
+    return {
+        "params": {s: [p.detach().clone() for p in w.params] for s, w in executor.weights.items()},
+        "peak_saved_bytes": executor.peak_saved_bytes,
+        "timeline": executor.timeline,
+    }
+
+
+def _skip_worker(rank: int) -> dict:
+    return _train(rank, "1f1b", _skip_model(), 3)
+
+
+@pytest.mark.timeout(120)
+def test_nested_messages_and_skip_connections() -> None:
+    results = run_local(_skip_worker, 3, timeout=90)
+    expected = reference(_skip_model(), batches(3), 3, sync, "sgd")
+    for stage in range(3):
+        for got, want in zip(results[stage]["params"][stage], expected[stage], strict=True):
+            assert torch.allclose(got, want, atol=1e-6, rtol=0)
+
+
+def _mismatch_worker(rank: int) -> dict:
+    stages = build_stages(2)
+    stages[1] = nn.Linear(5, 3)  # stage 0 sends 8 features
+    return _train(rank, "1f1b", stages, 2)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_mismatch_names_both_stages() -> None:
+    with pytest.raises(LocalRunError) as caught:
+        run_local(_mismatch_worker, 2, timeout=60)
+    message = caught.value.errors[1]
+    assert "stage 1 (rank 1) failed on the output of stage 0 (rank 0), tensors [((4, 8), 'float32')]" in message
+    assert "rank 1 failed with PlanningError: stage 1 (rank 1)" in caught.value.errors[0]
+
+
+class Wide(nn.Module):
+    """A stage whose activations dwarf its weights."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(6)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _memory_worker(rank: int, recompute: bool) -> dict:
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(6, 64), Wide(64)), nn.Sequential(Wide(64), nn.Linear(64, 3))]
+    return _train(rank, "gpipe", stages, 2, recompute=recompute, microbatches=4)
+
+
+@pytest.mark.timeout(180)
+def test_recomputation_saves_activation_memory() -> None:
+    kept = run_local(_memory_worker, 2, False, timeout=90)
+    recomputed = run_local(_memory_worker, 2, True, timeout=90)
+    for rank in range(2):
+        assert recomputed[rank]["peak_saved_bytes"] * 3 < kept[rank]["peak_saved_bytes"]
+        for got, want in zip(recomputed[rank]["params"][rank], kept[rank]["params"][rank], strict=True):
+            assert torch.allclose(got, want, atol=1e-6, rtol=0)
+
+
+def _drain_worker(rank: int) -> dict:
+    executor = PipelineExecutor(
+        lambda k: make_schedule("2bw", 2, 2, k), build_stages(2), nn.functional.cross_entropy, OPTIMIZERS["sgd"]
+    )
+    losses: dict[int, float] = {}
+    data = batches(6)
+    for inputs, targets in data[:3]:
+        losses.update(executor.step(inputs, targets, share_losses=True).losses)
+    losses.update(executor.drain(share_losses=True).losses)  # e.g. validation in the middle of an epoch
+    for inputs, targets in data[3:]:
+        losses.update(executor.step(inputs, targets, share_losses=True).losses)
+    losses.update(executor.drain(share_losses=True).losses)
+    executor.close()
+    return {"losses": losses, "timeline": executor.timeline, "calls": executor.origin}
+
+
+@pytest.mark.timeout(120)
+def test_drain_midway_shares_losses_and_records_every_action() -> None:
+    results = run_local(_drain_worker, 2, timeout=90)
+    assert results[0]["losses"] == results[1]["losses"] and sorted(results[0]["losses"]) == list(range(6))
+    assert results[0]["calls"] == 6
+    for rank, result in enumerate(results):
+        timeline = result["timeline"]
+        forwards = [i for i in timeline if i.action.kind is Kind.F]
+        assert len(forwards) == 6 * 2 and {i.action.step for i in forwards} == set(range(6))
+        assert all(i.worker == rank and i.end >= i.start >= 0 for i in timeline)
+        assert len(chrome_trace(timeline)["traceEvents"]) > len(timeline)
