@@ -216,7 +216,7 @@ class PipelineExecutor:
                     continue
                 for key, kind in self._consumers(action):
                     if self._destination(key, kind) == self.rank:
-                        self.expected[key] = (peer, self.transport.expect(peer))
+                        self.expected[key] = (peer, self.transport.expect(peer, key[:3]))
 
     def _deliver(self, action: Action, obj: Any) -> None:
         for key, kind in self._consumers(action):
@@ -224,7 +224,7 @@ class PipelineExecutor:
             if destination == self.rank:
                 self.local[key] = obj
             else:
-                self.transport.send(destination, obj)
+                self.transport.send(destination, obj, key[:3])
 
     def _incoming(self, key: _Key) -> Any:
         if key in self.local:
@@ -444,24 +444,22 @@ class PipelineExecutor:
         state = self.in_flight[(s, mb, t)]
         self._roots(action, state)
         inputs = [x for x in flatten(state.inputs)[1] if x.requires_grad] if s > 0 else []
-        params = list(state.leaves.values()) if weights_too else []
-        wanted = inputs + params
-        grads = (
-            torch.autograd.grad(state.roots, wanted, state.root_grads, allow_unused=True, retain_graph=not weights_too)
-            if wanted
-            else ()
-        )
-        if s > 0:
-            self._send_input_grads(action, state, list(grads[: len(inputs)]))
         if weights_too:
-            self.weights[s].accumulate(t, list(grads[len(inputs) :]))
+            grads = self.weights[s].backward(t, state.leaves, state.roots, state.root_grads, inputs)
+        elif inputs:
+            torch.autograd.backward(state.roots, state.root_grads, inputs=inputs, retain_graph=True)
+            grads = [x.grad for x in inputs]
+        else:
+            grads = []
+        if s > 0:
+            self._send_input_grads(action, state, grads)
+        if weights_too:
             self._release(action)
 
     def _weight_gradient(self, action: Action) -> None:
         """``W``: the weight gradients of a micro-batch whose ``I`` ran."""
         state = self.in_flight[(action.stage, action.microbatch, action.step)]
-        grads = torch.autograd.grad(state.roots, list(state.leaves.values()), state.root_grads, allow_unused=True)
-        self.weights[action.stage].accumulate(action.step, list(grads))
+        self.weights[action.stage].backward(action.step, state.leaves, state.roots, state.root_grads, [])
         self._release(action)
 
     def _send_input_grads(self, action: Action, state: _InFlight, grads: list[torch.Tensor | None]) -> None:

@@ -1,12 +1,15 @@
 """Point-to-point transfer of nested tensor structures between pipeline workers.
 
-Each message from one worker to another is a fixed-size header (two int64: whether new metadata
-follows, and its length), the metadata when the structure, shapes or dtypes differ from the previous
-message on that channel (pickled: a skeleton of tuples, lists and dicts with tensor slots, and each
-tensor's dtype and shape), then the tensors. Shapes are thus negotiated on first use and again
-whenever they change (the last micro-batch of an uneven split, a different batch size). Receives are
-announced ahead (:meth:`Transport.expect`) and completed by background threads as the data arrives,
-so transfers overlap compute.
+Each message from one worker to another is a fixed-size header (two int64: whether the layout is
+new, and the length of its description), the tensors, and, when the layout — structure (a skeleton
+of tuples, lists and dicts with tensor slots), dtypes and shapes — differs from the previous message
+of the same stream (e.g. the activations of micro-batch ``i``), the pickled layout. Shapes are thus
+negotiated on first use and again whenever they change (an uneven split, a different batch size).
+
+The receiver posts the header and the tensor receives in the stream's last layout at once, so data
+moves as soon as it is sent; on a layout change the sender first fills those receives with
+placeholders, then sends the new layout and the data under a third tag. Receives are announced ahead
+(:meth:`Transport.expect`) and completed by background threads, so transfers overlap compute.
 
 Messages between two workers are matched in the order the sender sends them (what NCCL requires);
 on gloo the per-channel message index is also the tag. Every wait polls the
@@ -20,6 +23,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +34,7 @@ from lightning_pipe.runtime.failure import PipelineAborted, Watchdog
 
 __all__ = ["Transport", "flatten", "unflatten"]
 
-_TAG_SPACE = 1 << 30
+_TAG_SPACE = 1 << 28  # a message uses tags 3k (header, metadata), 3k + 1 and 3k + 2 (data)
 
 
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -70,13 +74,10 @@ class _Incoming:
 
     peer: int
     sequence: int
+    slot: Hashable = None
     done: threading.Event = field(default_factory=threading.Event)
     value: Any = None
     error: BaseException | None = None
-
-    @property
-    def tag(self) -> int:
-        return self.sequence % _TAG_SPACE
 
 
 class Transport:
@@ -107,7 +108,7 @@ class Transport:
         self.timeout = timeout_seconds
         self._sent_count: dict[int, int] = defaultdict(int)
         self._expected_count: dict[int, int] = defaultdict(int)
-        self._sent_layout: dict[int, bytes] = {}
+        self._sent_layout: dict[tuple[int, Hashable], tuple[Any, list[tuple[torch.dtype, tuple[int, ...]]]]] = {}
         self._received: dict[tuple[int, int], _Incoming] = {}
         self._queues: dict[int, queue.Queue[_Incoming | None]] = {}
         self._threads: list[threading.Thread] = []
@@ -124,25 +125,35 @@ class Transport:
         self._threads.append(thread)
 
     # -- sending ------------------------------------------------------------------------------
-    def send(self, peer: int, obj: Any) -> None:
-        """Post the sends of one message to ``peer`` (non-blocking)."""
+    def send(self, peer: int, obj: Any, slot: Hashable = None) -> None:
+        """Post the sends of one message to ``peer`` (non-blocking).
+
+        ``slot`` names the stream the message belongs to (e.g. activations of micro-batch ``i``):
+        its previous layout is what the receiver expects, so both sides must name it alike.
+        """
         if self._send_error is not None:
             raise PipelineAborted(f"rank {self.rank}: an earlier send failed ({self._send_error})")
-        tag = self._sent_count[peer] % _TAG_SPACE
+        base = 3 * (self._sent_count[peer] % _TAG_SPACE)
         self._sent_count[peer] += 1
         skeleton, tensors = flatten(obj)
         tensors = [t.detach().contiguous() for t in tensors]
-        layout = pickle.dumps((skeleton, [(t.dtype, tuple(t.shape)) for t in tensors]))
-        fresh = self._sent_layout.get(peer) != layout
-        payload = [torch.tensor([int(fresh), len(layout)], dtype=torch.int64, device=self.device)]
+        specs = [(t.dtype, tuple(t.shape)) for t in tensors]
+        previous = self._sent_layout.get((peer, slot))
+        fresh = previous is None or previous[0] != (skeleton, specs)
+        layout = pickle.dumps((skeleton, specs)) if fresh else b""
+        posts = [(torch.tensor([int(fresh), len(layout)], dtype=torch.int64, device=self.device), base)]
         if fresh:
-            self._sent_layout[peer] = layout
-            payload.append(torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(self.device))
-        payload += tensors
-        works = [dist.isend(t, peer, group=self.group, tag=tag) for t in payload]
+            if previous is not None:  # the receiver posted receives for the old layout: fill them
+                posts += [
+                    (torch.empty(shape, dtype=dtype, device=self.device), base + 1) for dtype, shape in previous[1]
+                ]
+            posts.append((torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(self.device), base))
+            self._sent_layout[(peer, slot)] = ((skeleton, specs), specs)
+        posts += [(t, base + (2 if fresh else 1)) for t in tensors]
+        works = [dist.isend(t, peer, group=self.group, tag=tag) for t, tag in posts]
         with self._lock:
             self._sends_pending += 1
-        self._sends.put((works, payload))
+        self._sends.put((works, [t for t, _ in posts]))
 
     def _send_loop(self) -> None:
         while (item := self._sends.get()) is not None:
@@ -173,43 +184,55 @@ class Transport:
             raise PipelineAborted(f"rank {self.rank}: a send failed ({self._send_error}); the peer probably died")
 
     # -- receiving ----------------------------------------------------------------------------
-    def expect(self, peer: int) -> int:
-        """Announce the next message from ``peer``; its receiver thread starts on it at once.
+    def expect(self, peer: int, slot: Hashable = None) -> int:
+        """Announce the next message from ``peer`` (of stream ``slot``, as the sender names it); its
+        receiver thread posts the receives as soon as the previous message from ``peer`` is in.
         Returns its sequence number for :meth:`receive`."""
         if peer not in self._queues:
             self._queues[peer] = queue.Queue()
             self._start(self._receive_loop, f"recv{peer}", peer)
         sequence = self._expected_count[peer]
         self._expected_count[peer] += 1
-        incoming = _Incoming(peer, sequence)
+        incoming = _Incoming(peer, sequence, slot)
         self._received[(peer, sequence)] = incoming
         self._queues[peer].put(incoming)
         return sequence
 
     def _receive_loop(self, peer: int) -> None:
-        layout: Any = None
+        layouts: dict[Hashable, tuple[Any, list[tuple[torch.dtype, tuple[int, ...]]]]] = {}
         while (incoming := self._queues[peer].get()) is not None:
             try:
-                layout = self._receive_one(incoming, layout)
+                incoming.value = self._receive_one(incoming, layouts)
             except BaseException as error:
                 incoming.error = error
             incoming.done.set()
 
-    def _receive_one(self, incoming: _Incoming, layout: Any) -> Any:
+    def _irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        return dist.irecv(tensor, peer, group=self.group, tag=tag)
+
+    def _receive_one(self, incoming: _Incoming, layouts: dict[Hashable, Any]) -> Any:
+        """Header, then the tensors in the slot's last layout, posted at once; a new layout costs a
+        detour (the sender fills the old-layout receives, then sends metadata and the data)."""
+        peer, base = incoming.peer, 3 * (incoming.sequence % _TAG_SPACE)
         header = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.irecv(header, incoming.peer, group=self.group, tag=incoming.tag).wait()
+        header_work = self._irecv(header, peer, base)
+        predicted = layouts.get(incoming.slot)
+        guesses = [] if predicted is None else [torch.empty(s, dtype=d, device=self.device) for d, s in predicted[1]]
+        guess_works = [self._irecv(t, peer, base + 1) for t in guesses]
+        header_work.wait()
         fresh, length = header.tolist()
-        if fresh:
-            metadata = torch.empty(length, dtype=torch.uint8, device=self.device)
-            dist.irecv(metadata, incoming.peer, group=self.group, tag=incoming.tag).wait()
-            layout = pickle.loads(metadata.cpu().numpy().tobytes())
-        skeleton, specs = layout
-        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
-        works = [dist.irecv(t, incoming.peer, group=self.group, tag=incoming.tag) for t in tensors]
-        for work in works:
+        for work in guess_works:
             work.wait()
-        incoming.value = unflatten(skeleton, tensors)
-        return layout
+        if not fresh:
+            return unflatten(predicted[0], guesses)
+        metadata = torch.empty(length, dtype=torch.uint8, device=self.device)
+        self._irecv(metadata, peer, base).wait()
+        skeleton, specs = pickle.loads(metadata.cpu().numpy().tobytes())
+        layouts[incoming.slot] = (skeleton, specs)
+        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
+        for work in [self._irecv(t, peer, base + 2) for t in tensors]:
+            work.wait()
+        return unflatten(skeleton, tensors)
 
     def receive(self, peer: int, sequence: int) -> Any:
         """Wait for message ``sequence`` from ``peer`` (announced by :meth:`expect`) and return it."""

@@ -11,9 +11,10 @@ many updates happened in between (weight stashing, Narayanan et al. 2019 §3.3).
   updates the live parameters in place without disturbing pending backwards. Snapshots no future
   action needs are dropped.
 
-Gradients are accumulated per step (two steps can be in flight); an update sums them across the
-stage's replicas (all-reduce in the stage's own process group), hands them to the optimizer and
-steps it. Everything that carries over between calls is in :meth:`StageWeights.state_dict`.
+Gradients are accumulated per step (two steps can be in flight) in buffers that autograd adds into
+in place and that are reused once their update is done. An update sums them across the stage's
+replicas (all-reduce in the stage's own process group), hands them to the optimizer and steps it.
+Everything that carries over between calls is in :meth:`StageWeights.state_dict`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class StageWeights:
         self.version = 0
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.gradients: dict[int, list[torch.Tensor]] = {}
+        self._spare: list[list[torch.Tensor]] = []
 
     def leaves(self, version: int) -> dict[str, torch.Tensor]:
         """The tensors to compute with for ``version`` (the current version or a kept snapshot)."""
@@ -72,17 +74,33 @@ class StageWeights:
             }
         return self.versions[version]
 
-    def accumulate(self, step: int, grads: list[torch.Tensor | None]) -> None:
-        """Add one micro-batch's parameter gradients to those of ``step``."""
-        buffer = self.gradients.get(step)
+    def backward(
+        self,
+        step: int,
+        leaves: dict[str, torch.Tensor],
+        roots: list[torch.Tensor],
+        root_grads: list[torch.Tensor] | None,
+        inputs: list[torch.Tensor],
+        retain_graph: bool = False,
+    ) -> list[torch.Tensor | None]:
+        """Backward of one micro-batch: weight gradients accumulate in place into ``step``'s buffer
+        (lent to the leaves as their ``.grad``, so autograd adds into it without allocating), the
+        gradients of ``inputs`` are returned."""
+        buffer = self.gradients.pop(step, None)
         if buffer is None:
-            self.gradients[step] = [
-                torch.zeros_like(p) if g is None else g.clone() for p, g in zip(self.params, grads, strict=True)
-            ]
-            return
-        for total, grad in zip(buffer, grads, strict=True):
-            if grad is not None:
-                total.add_(grad)
+            buffer = self._spare.pop() if self._spare else [torch.zeros_like(p) for p in self.params]
+        weights = list(leaves.values())
+        for leaf, grad in zip(weights, buffer, strict=True):
+            leaf.grad = grad
+        del buffer  # the leaves hold the only reference: autograd accumulates in place
+        torch.autograd.backward(roots, root_grads, inputs=inputs + weights, retain_graph=retain_graph)
+        self.gradients[step] = [leaf.grad for leaf in weights]
+        for leaf in weights:
+            leaf.grad = None
+        grads = [x.grad for x in inputs]
+        for x in inputs:
+            x.grad = None
+        return grads
 
     def update(self, step: int, keep: set[int]) -> None:
         """Apply ``step``'s gradient (summed over replicas); versions outside ``keep`` are dropped."""
@@ -95,7 +113,10 @@ class StageWeights:
         for param, grad in zip(self.params, buffer, strict=True):
             param.grad = grad
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for param, grad in zip(self.params, buffer, strict=True):
+            param.grad = None
+            grad.zero_()
+        self._spare.append(buffer)  # reused by a later step: no allocation in the steady state
         self.version += 1
         self.versions = {v: leaves for v, leaves in self.versions.items() if v in keep}
 
