@@ -7,8 +7,9 @@ Every configuration trains the same balanced 2-stage MLP (``depth`` Linear+ReLU 
 per stage) on the same mini-batches, 2 processes x 1 thread over gloo (the peer: torch's
 ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe``, SGD stepped after each schedule step).
 Times are wall-clock per optimizer step over ``--steps`` steps after warm-up ones, between two
-barriers; the table reports throughput ratios. The simulator's prediction uses per-stage forward and backward
-times profiled here (lightning_pipe.profiler) and the same schedule.
+barriers; the table reports throughput ratios. The simulator's prediction uses per-stage forward, backward and update
+times profiled (lightning_pipe.profiler) in the two worker processes at once, the gloo bandwidth
+measured by a ping-pong of one activation, blocking transfers, and the same schedule.
 """
 
 from __future__ import annotations
@@ -111,19 +112,51 @@ def single_process(steps: int, width: int, depth: int, batch: int) -> float:
     return statistics.median(times[WARMUP:])
 
 
-def predicted(family: str, microbatches: int, width: int, depth: int, batch: int) -> float:
-    """Simulated steady-state time per step from profiled stage costs (one thread, like the workers)."""
-    torch.set_num_threads(1)
-    sample = torch.randn(batch // microbatches, width)
-    forward, backward = [], []
-    for stage in range(2):
-        module = stage_module(stage, width, depth)
-        costs = profile_layers([module], sample, repeats=20, count_flops=False)
-        forward.append(costs.layers[0].forward_seconds)
-        backward.append(costs.layers[0].backward_seconds)
-        sample = module(sample).detach()
-    schedule = make_schedule(family, 2, microbatches, 8)
-    return simulate(schedule, StageCosts(forward, backward)).steady_step
+def ping(rank: int, rows: int, width: int) -> float:
+    """Bytes per second of a gloo transfer of one activation between the two processes (round trips)."""
+    tensor = torch.zeros(rows, width)
+    for repeat in range(25):
+        if repeat == 5:
+            dist.barrier()
+            start = time.perf_counter()
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+        else:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
+    seconds = (time.perf_counter() - start) / 20 / 2
+    return tensor.numel() * tensor.element_size() / seconds
+
+
+def stage_costs(rank: int, microbatches: int, width: int, depth: int, batch: int) -> tuple[float, float, float]:
+    """Forward, backward and optimizer-step seconds of this rank's stage, profiled in the worker
+    process while the other worker profiles its own (the conditions the pipeline runs in)."""
+    module = stage_module(rank, width, depth)
+    sample = torch.randn(batch // microbatches, width, requires_grad=rank > 0)
+    profiled = profile_layers([module], sample, repeats=10, count_flops=False).layers[0]
+    optimizer = _sgd(list(module.parameters()))
+    for param in module.parameters():
+        param.grad = torch.zeros_like(param)
+    start = time.perf_counter()
+    for _ in range(10):
+        optimizer.step()
+    return profiled.forward_seconds, profiled.backward_seconds, (time.perf_counter() - start) / 10
+
+
+def predicted(
+    family: str, microbatches: int, costs: list[tuple[float, float, float]], nbytes: float, bandwidth: float
+) -> float:
+    """Simulated steady-state time per step of ``family`` with the profiled stage costs."""
+    stage_costs = StageCosts(
+        [c[0] for c in costs],
+        [c[1] for c in costs],
+        update=[c[2] for c in costs],
+        activation_bytes=[nbytes, 0.0],
+        bandwidth=bandwidth,
+        overlap=False,  # on 2 busy cores the copies take the senders' time
+    )
+    return simulate(make_schedule(family, 2, microbatches, 8), stage_costs).steady_step
 
 
 RUNS = (
@@ -152,6 +185,9 @@ def main() -> None:
     )
     print(f"{'run':>20} {'m':>3} {'ms/step':>8} {'speed-up':>22} {'vs 1 proc':>9} {'simulated':>9} {'error':>6}")
     for microbatches in args.microbatches:
+        bandwidth = run_local(ping, 2, args.batch // microbatches, args.width)[0]
+        costs = run_local(stage_costs, 2, microbatches, args.width, args.depth, args.batch)
+        nbytes = args.batch // microbatches * args.width * 4
         step: dict[str, float] = {}
         for label, worker, name in RUNS:
             times = run_local(worker, 2, name, microbatches, *size, timeout=600)
@@ -163,7 +199,7 @@ def main() -> None:
                 if name in ("2bw", "cdp"):
                     baseline = "ours 1f1b"
                 speedup = f"{step[baseline] / step[label]:.2f}x vs {baseline.split()[-1]}"
-                expected = predicted(name, microbatches, args.width, args.depth, args.batch)
+                expected = predicted(name, microbatches, costs, nbytes, bandwidth)
                 error = abs(step[label] - expected) / expected
                 row += f" {speedup:>22} {alone / step[label]:>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%}"
             print(row)

@@ -66,7 +66,8 @@ def test_every_rank_stops_naming_the_failed_one(victim: int, how: str, family: s
     survivor = caught.value.errors[1 - victim]
     assert survivor.startswith("PipelineAborted")
     if how == "raise":
-        assert f"rank {victim} failed with ValueError: the loss exploded" in survivor
+        assert f"rank {victim} failed with PlanningError: stage {victim} (rank {victim}) failed on " in survivor
+        assert "ValueError: the loss exploded" in survivor
         assert "ValueError: the loss exploded" in caught.value.errors[victim]
     else:
         assert f"rank {victim}" in survivor or "rank 0" in survivor

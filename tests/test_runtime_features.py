@@ -156,3 +156,35 @@ def test_drain_midway_shares_losses_and_records_every_action() -> None:
         assert len(forwards) == 6 * 2 and {i.action.step for i in forwards} == set(range(6))
         assert all(i.worker == rank and i.end >= i.start >= 0 for i in timeline)
         assert len(chrome_trace(timeline)["traceEvents"]) > len(timeline)
+
+
+def _checkpoint_worker(rank: int, restore: bool) -> dict:
+    def make() -> PipelineExecutor:
+        return PipelineExecutor(
+            lambda k: make_schedule("2bw", 2, 2, k), build_stages(2), nn.functional.cross_entropy, OPTIMIZERS["adam"]
+        )
+
+    data = batches(6)
+    executor = make()
+    for inputs, targets in data[:3]:
+        executor.step(inputs, targets)
+    executor.drain()
+    if restore:  # a checkpoint after the drain, loaded into a fresh executor (a restarted job)
+        state = executor.state_dict()
+        executor.close()
+        executor = make()
+        executor.load_state_dict(state)
+    for inputs, targets in data[3:]:
+        executor.step(inputs, targets)
+    executor.drain()
+    executor.close()
+    return {s: [p.detach().clone() for p in w.params] for s, w in executor.weights.items()}
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_after_a_drain_resumes_exactly() -> None:
+    straight = run_local(_checkpoint_worker, 2, False, timeout=90)
+    resumed = run_local(_checkpoint_worker, 2, True, timeout=90)
+    for rank in range(2):
+        for got, want in zip(resumed[rank][rank], straight[rank][rank], strict=True):
+            assert torch.equal(got, want)

@@ -13,8 +13,11 @@ memory curves as ``(time, bytes)`` points) rather than a simulation, so the same
 timelines the runtime measures and lays predicted and measured runs side by side
 (:func:`draw_comparison`). :func:`chrome_trace` writes the same intervals as a Chrome/Perfetto trace.
 
-Figures are built with :class:`matplotlib.figure.Figure` directly, leaving pyplot and any GUI alone;
-they are saved as PNG or SVG according to the path's suffix.
+Boxes are drawn with one ``broken_barh`` per worker and colour, not one patch per action; past
+:data:`DETAIL_LIMIT` boxes (64 workers x 1024 micro-batches is 131k) labels and edges are dropped and
+the boxes rasterized even in SVG, so such a picture still renders in seconds. Figures are built with
+:class:`matplotlib.figure.Figure` directly, leaving pyplot and any GUI alone; they are saved as PNG or
+SVG according to the path's suffix.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.schedule.ir import COMPUTE, Kind
+from lightning_pipe.schedule.ir import COMPUTE, Action, Kind
 from lightning_pipe.schedule.simulate import Interval
 
 __all__ = ["chrome_trace", "draw_comparison", "draw_memory", "draw_timeline"]
@@ -42,7 +45,7 @@ SUFFIXES = (".png", ".svg")
 TRANSFERS = frozenset(Kind) - COMPUTE - {Kind.UPDATE}
 PALETTE = matplotlib.colormaps["tab10"].colors
 DETAIL_LIMIT = 2048
-"""Above this many boxes the timeline is drawn without labels and box edges."""
+"""Above this many boxes the timeline is drawn without labels and box edges, rasterized."""
 ROW = 0.8
 """Height of a box, in rows."""
 UPDATE_COLOUR = (0.15, 0.15, 0.15)
@@ -151,7 +154,9 @@ def _draw_boxes(ax: Axes, boxes: Sequence[Interval], detail: bool) -> None:
     edges = {"edgecolor": "black", "linewidth": 0.4} if detail else {"edgecolor": "none", "linewidth": 0.0}
     for (worker, group), ranges in bars.items():
         hatch = {"hatch": ODD_STEP_HATCH, "hatchcolor": (0, 0, 0, 0.45)} if group[2] else {}
-        ax.broken_barh(ranges, (worker - ROW / 2, ROW), facecolors=_colour(group), **edges, **hatch)
+        ax.broken_barh(
+            ranges, (worker - ROW / 2, ROW), facecolors=_colour(group), rasterized=not detail, **edges, **hatch
+        )
     if instants:
         xs = [b.start for b in instants]
         ax.vlines(
@@ -163,17 +168,29 @@ def _draw_boxes(ax: Axes, boxes: Sequence[Interval], detail: bool) -> None:
         )
 
 
-def _label(interval: Interval, several_stages: bool) -> tuple[str, str]:
-    """Full and short label, e.g. ``("F3·s5", "F3")``."""
-    action = interval.action
-    short = action.kind.value + ("" if action.microbatch is None else str(action.microbatch))
-    return (f"{short}·s{action.stage}" if several_stages else short), short
+def _short(action: Action) -> str:
+    """Kind and micro-batch, e.g. ``F3`` (just the kind for updates and fetches)."""
+    return action.kind.value + ("" if action.microbatch is None else str(action.microbatch))
+
+
+def _labels(action: Action, several_stages: bool) -> list[str]:
+    """Labels to try, longest first: ``F3·s5``, ``F3`` over ``s5``, ``F3`` (the stage only when it varies)."""
+    short = _short(action)
+    if not several_stages:
+        return [short]
+    return [f"{short}·s{action.stage}", f"{short}\ns{action.stage}", short]
+
+
+def _fits(text: str, font: float, width_pt: float, height_pt: float) -> bool:
+    lines = text.split("\n")
+    return 0.62 * font * max(map(len, lines)) <= width_pt - 3 and 1.2 * font * len(lines) <= height_pt - 2
 
 
 def _draw_labels(ax: Axes, boxes: Sequence[Interval], workers: int, span: tuple[float, float]) -> None:
-    """A label inside every compute box it fits in (the full one, else the short one)."""
+    """A label inside every compute box one fits in (see :func:`_labels`)."""
     width_pt, height_pt = _axes_points(ax)
-    font = min(MAX_FONT, 0.55 * height_pt / workers * ROW)
+    box_height = height_pt / workers * ROW
+    font = min(MAX_FONT, 0.55 * box_height)
     if font < MIN_FONT:
         return
     stages: dict[int, set[int]] = defaultdict(set)
@@ -184,8 +201,9 @@ def _draw_labels(ax: Axes, boxes: Sequence[Interval], workers: int, span: tuple[
     for box in boxes:
         if box.action.kind not in COMPUTE:
             continue
-        room = (box.end - box.start) * per_unit - 3
-        text = next((t for t in _label(box, len(stages[box.worker]) > 1) if 0.62 * font * len(t) <= room), None)
+        box_width = (box.end - box.start) * per_unit
+        candidates = _labels(box.action, len(stages[box.worker]) > 1)
+        text = next((t for t in candidates if _fits(t, font, box_width, box_height)), None)
         if text is not None:
             colour = "white" if _dark(_colour(_group(box))) else "black"
             ax.text(
@@ -196,6 +214,7 @@ def _draw_labels(ax: Axes, boxes: Sequence[Interval], workers: int, span: tuple[
                 va="center",
                 fontsize=font,
                 color=colour,
+                linespacing=1.0,
                 clip_on=True,
             )
 
@@ -327,6 +346,15 @@ def _unit(peak: float) -> tuple[str, float]:
     return UNITS[power], 1024.0**power
 
 
+def _steps(curve: Sequence[tuple[float, float]], scale: float) -> tuple[list[float], list[float]]:
+    """Times and scaled values of a step curve, the last value kept where several share a time."""
+    last: dict[float, float] = {}
+    for time, nbytes in curve:
+        last[time] = nbytes / scale
+    times = sorted(last)
+    return times, [last[t] for t in times]
+
+
 def draw_memory(
     curves: Sequence[Sequence[tuple[float, float]]],
     path: str | Path | None = None,
@@ -351,8 +379,7 @@ def draw_memory(
         ax = Figure(figsize=(8.0, 3.5), layout="constrained").add_subplot()
     colours = matplotlib.colormaps["tab10" if len(curves) <= 10 else "viridis"]
     for worker, curve in enumerate(curves):
-        times = [t for t, _ in curve]
-        values = [b / scale for _, b in curve]
+        times, values = _steps(curve, scale)
         colour = colours(worker if len(curves) <= 10 else worker / max(1, len(curves) - 1))
         ax.step(times, values, where="post", color=colour, linewidth=1.2, label=f"worker {worker}")
     ax.set_xlabel("time")
@@ -396,7 +423,7 @@ def chrome_trace(
             args["peer"] = action.peer
         events.append(
             {
-                "name": _label(box, False)[1],
+                "name": _short(action),
                 "cat": action.kind.value,
                 "ph": "X",
                 "pid": 0,
