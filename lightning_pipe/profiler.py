@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pipe.costs import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.saved_bytes import saved_bytes
 
 __all__ = ["profile_layers"]
 
@@ -238,10 +239,9 @@ def _profile_layer(
     count_flops: bool,
 ) -> tuple[LayerCost, Any]:
     """Cost of one layer on its input ``leaf``, and the layer's detached output for the next layer."""
-    excluded = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
     counter = FlopCounterMode(display=False) if count_flops else None
     with counter or nullcontext():
-        saved_bytes, output = _forward_saving(label, layer, leaf, excluded)
+        saved, output = _forward_saving(label, layer, leaf)
         _timed_backward(output, device)
     _clear_grads(leaf)
     forward_seconds, backward_seconds = _time_layer(layer, leaf, device, warmup, repeats)
@@ -250,27 +250,17 @@ def _profile_layer(
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
         activation_bytes=_nbytes(output),
-        saved_bytes=saved_bytes,
+        saved_bytes=saved,
         param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
         flops=None if counter is None else counter.get_total_flops(),
     )
     return cost, _map_tensors(torch.Tensor.detach, output)
 
 
-def _forward_saving(label: str, layer: nn.Module, leaf: Any, excluded: set[int]) -> tuple[int, Any]:
-    """Run the layer once; return the bytes of the distinct storages it saved for backward, and its output.
-
-    Storages in ``excluded`` (the layer's parameters and buffers) are not counted.
-    """
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+def _forward_saving(label: str, layer: nn.Module, leaf: Any) -> tuple[int, Any]:
+    """Run the layer once; return the bytes it saved for backward (:mod:`lightning_pipe.saved_bytes`,
+    its parameters and buffers excluded) and its output."""
+    with saved_bytes((*layer.parameters(), *layer.buffers())) as counted:
         try:
             output = layer(_map_tensors(torch.Tensor.clone, leaf))
         except Exception as exc:
@@ -279,7 +269,7 @@ def _forward_saving(label: str, layer: nn.Module, leaf: Any, excluded: set[int])
                 f"layer {label} failed on its input (tensor shapes {shapes}): {exc}. Check that each "
                 "layer accepts the previous layer's output and that the sample is one micro-batch"
             ) from exc
-    return sum(storages.values()), output
+        return counted(), output
 
 
 def _clear_grads(leaf: Any) -> None:

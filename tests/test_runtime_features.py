@@ -135,14 +135,17 @@ def _drain_worker(rank: int) -> dict:
     )
     losses: dict[int, float] = {}
     data = batches(6)
+    outputs = {}
     for inputs, targets in data[:3]:
-        losses.update(executor.step(inputs, targets, share_losses=True).losses)
+        output = executor.step(inputs, targets, share_losses=True, return_outputs=True)
+        losses.update(output.losses)
+        outputs.update(output.outputs)
     losses.update(executor.drain(share_losses=True).losses)  # e.g. validation in the middle of an epoch
     for inputs, targets in data[3:]:
         losses.update(executor.step(inputs, targets, share_losses=True).losses)
     losses.update(executor.drain(share_losses=True).losses)
     executor.close()
-    return {"losses": losses, "timeline": executor.timeline, "calls": executor.origin}
+    return {"losses": losses, "timeline": executor.timeline, "calls": executor.origin, "outputs": outputs}
 
 
 @pytest.mark.timeout(120)
@@ -150,6 +153,9 @@ def test_drain_midway_shares_losses_and_records_every_action() -> None:
     results = run_local(_drain_worker, 2, timeout=90)
     assert results[0]["losses"] == results[1]["losses"] and sorted(results[0]["losses"]) == list(range(6))
     assert results[0]["calls"] == 6
+    for result in results:  # outputs of the micro-batches whose last stage ran during the shared calls
+        assert result["outputs"] and all(tensor.shape[1] == 3 for tensor in result["outputs"].values())
+        assert set(result["outputs"]) == set(results[0]["outputs"])
     for rank, result in enumerate(results):
         timeline = result["timeline"]
         forwards = [i for i in timeline if i.action.kind is Kind.F]

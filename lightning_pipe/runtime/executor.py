@@ -29,6 +29,7 @@ from lightning_pipe.runtime.failure import PipelineAborted, Watchdog
 from lightning_pipe.runtime.program import Program, shift
 from lightning_pipe.runtime.transport import Transport, flatten, unflatten
 from lightning_pipe.runtime.weights import StageWeights
+from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulate import Interval
 from lightning_pipe.schedule.validate import validate
@@ -249,7 +250,8 @@ class PipelineExecutor:
         """Run one call: feed mini-batch ``inputs``/``targets`` (only the ranks running the first and
         last stage need them) and run every action that can run with the data given so far.
 
-        With ``share_losses`` (a collective: every rank must ask) every rank gets the losses.
+        With ``share_losses`` (a collective: every rank must ask) every rank gets the losses, and the
+        last stage's outputs when ``return_outputs`` is set too.
         """
         call = self.calls
         self._store_batch(self.origin + call, inputs, targets)
@@ -265,11 +267,14 @@ class PipelineExecutor:
         return [shift(a, self.origin) for a in self.programs[worker].finish(self.calls - 1)]
 
     def _share(self, output: StepOutput) -> StepOutput:
+        """Every rank gets every rank's losses (and outputs, when they were asked for)."""
+        outputs = {key: _to(value, torch.device("cpu")) for key, value in output.outputs.items()}
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (output.losses, output.microbatch_losses))
-        for losses, microbatch_losses in gathered:
+        dist.all_gather_object(gathered, (output.losses, output.microbatch_losses, outputs))
+        for losses, microbatch_losses, shared_outputs in gathered:
             output.losses.update(losses)
             output.microbatch_losses.update(microbatch_losses)
+            output.outputs.update(shared_outputs)
         return output
 
     def drain(self, *, return_outputs: bool = False, share_losses: bool = False) -> StepOutput:
@@ -390,18 +395,9 @@ class PipelineExecutor:
 
     def _forward_saving(self, module: nn.Module, leaves: dict[str, torch.Tensor], inputs: Any) -> tuple[Any, int]:
         """Forward with autograd; also the bytes it saved for backward (parameters excluded)."""
-        params = {t.untyped_storage().data_ptr() for t in leaves.values()}
-        storages: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params:
-                storages[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with saved_bytes(leaves.values()) as counted:
             result = functional_call(module, leaves, (inputs,))
-        saved = sum(storages.values())
+            saved = counted()
         self.saved_bytes += saved
         self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
         return result, saved
