@@ -186,11 +186,12 @@ class PipelineExecutor:
                     f"{generated.family}: the forward and backward of stage {stage}, micro-batch {mb} run on "
                     f"workers {forward} and {backward}; the runtime keeps activations where they were made"
                 )
-        base, period = self.program.base, self.program.period
+        base, period, known = self.program.base, self.program.period, generated.steps
 
         def worker(kind: Kind, stage: int, mb: int, step: int) -> int:
-            if step >= span:
-                step = base + (step - base) % period + period
+            """The worker of an action of program step ``step`` (steps since the last drain)."""
+            if step >= known:
+                step = base + (step - base) % period
             return where[(kind, stage, mb, step)]
 
         return worker
@@ -205,7 +206,7 @@ class PipelineExecutor:
         return []
 
     def _destination(self, key: _Key, kind: Kind) -> int:
-        return self._placement(kind, key[1], key[2], key[3])
+        return self._placement(kind, key[1], key[2], key[3] - self.origin)
 
     def _expect(self, actions_of: Callable[[int], list[Action]]) -> None:
         """Post the receives of every message other workers send this one during a call."""
@@ -381,7 +382,7 @@ class PipelineExecutor:
         if s == 0:
             source = "the micro-batch of the data"
         else:
-            producer = self._placement(Kind.F, s - 1, action.microbatch, action.step)
+            producer = self._placement(Kind.F, s - 1, action.microbatch, action.step - self.origin)
             source = f"the output of stage {s - 1} (rank {producer})"
         return PlanningError(
             f"stage {s} (rank {self.rank}) failed on {source}, tensors {shapes}: {type(error).__name__}: {error}"
@@ -426,7 +427,7 @@ class PipelineExecutor:
         grads = flatten(self._incoming(("B", s, mb, t)))[1]
         outputs = flatten(state.outputs)[1]
         if [(o.shape, o.dtype) for o in outputs] != [(g.shape, g.dtype) for g in grads]:
-            producer = self._placement(Kind.I if s + 1 in self.split_stages else Kind.B, s + 1, mb, t)
+            producer = self._placement(Kind.I if s + 1 in self.split_stages else Kind.B, s + 1, mb, t - self.origin)
             raise PlanningError(
                 f"stage {s + 1} (rank {producer}) sent gradients {[(tuple(g.shape), g.dtype) for g in grads]} for "
                 f"stage {s}'s outputs {[(tuple(o.shape), o.dtype) for o in outputs]} (rank {self.rank})"
