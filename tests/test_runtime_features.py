@@ -3,6 +3,10 @@ measured timelines, drains in the middle of training, losses on every rank."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -194,3 +198,39 @@ def test_checkpoint_after_a_drain_resumes_exactly() -> None:
     for rank in range(2):
         for got, want in zip(resumed[rank][rank], straight[rank][rank], strict=True):
             assert torch.equal(got, want)
+
+
+TORCHRUN_SCRIPT = """
+import torch, torch.distributed as dist
+from torch import nn
+from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.schedule import make_schedule
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+stages = [nn.Sequential(nn.Linear(32, 64), nn.ReLU()), nn.Linear(64, 10)]
+executor = PipelineExecutor(
+    lambda k: make_schedule("cdp", 2, 2, k), stages, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.1)
+)
+losses = {}
+for _ in range(4):
+    losses.update(executor.step(torch.randn(16, 32), torch.randint(0, 10, (16,)), share_losses=True).losses)
+losses.update(executor.drain(share_losses=True).losses)
+executor.close()
+print(f"rank {dist.get_rank()} steps {sorted(losses)}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_runs_under_torchrun(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rank 0 steps [0, 1, 2, 3]" in done.stdout and "rank 1 steps [0, 1, 2, 3]" in done.stdout

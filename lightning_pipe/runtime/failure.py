@@ -62,7 +62,9 @@ class Watchdog:
                 return
 
     def close(self) -> None:
+        """Stop the heartbeat (before the process group and its store go away)."""
         self._stop.set()
+        self._thread.join()
 
     def fail(self, error: BaseException) -> None:
         """Tell every rank that this one failed (first failure wins)."""

@@ -253,7 +253,9 @@ class Transport:
         return incoming.value
 
     def close(self) -> None:
-        """Stop the helper threads (pending receives are abandoned)."""
+        """Stop the helper threads; call after :meth:`flush`, before the process group goes away."""
         for pending in self._queues.values():
             pending.put(None)
         self._sends.put(None)
+        for thread in self._threads:
+            thread.join(timeout=self.timeout)
