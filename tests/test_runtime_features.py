@@ -230,7 +230,7 @@ def test_runs_under_torchrun(tmp_path) -> None:
         capture_output=True,
         text=True,
         timeout=150,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "rank 0 steps [0, 1, 2, 3]" in done.stdout and "rank 1 steps [0, 1, 2, 3]" in done.stdout
