@@ -1,15 +1,16 @@
 """Runtime throughput: ours vs torch.distributed.pipelining, non-flushing vs flushing, pipeline vs one
 process, and measured vs simulated time per step — all in one run on this machine.
 
-Run: ``python bench/runtime_speed.py [--steps 12] [--width 512] [--depth 4]``.
+Run: ``python bench/runtime_speed.py [--steps 12] [--width 512] [--depth 4] [--batch 256] [--microbatches 2 4]``.
 
 Every configuration trains the same balanced 2-stage MLP (``depth`` Linear+ReLU blocks of ``width``
 per stage) on the same mini-batches, 2 processes x 1 thread over gloo (the peer: torch's
 ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe``, SGD stepped after each schedule step).
 Times are wall-clock per optimizer step over ``--steps`` steps after warm-up ones, between two
-barriers; the table reports throughput ratios. The simulator's prediction uses per-stage forward, backward and update
-times profiled (lightning_pipe.profiler) in the two worker processes at once, the gloo bandwidth
-measured by a ping-pong of one activation, blocking transfers, and the same schedule.
+barriers; the table reports throughput ratios. The simulator's prediction uses per-stage forward,
+backward and update times profiled (lightning_pipe.profiler) in the two worker processes at once,
+the gloo bandwidth measured by a ping-pong of one activation, blocking transfers, and the same
+schedule.
 """
 
 from __future__ import annotations
