@@ -167,6 +167,7 @@ RUNS = (
     ("torch ScheduleGPipe", peer, "gpipe"),
     ("ours 2bw", ours, "2bw"),
     ("ours cdp", ours, "cdp"),
+    ("ours zb_h1", ours, "zb_h1"),
 )
 
 
@@ -197,7 +198,7 @@ def main() -> None:
             row = f"{label:>20} {microbatches:>3} {step[label] * 1e3:>8.1f}"
             if label.startswith("ours"):
                 baseline = f"torch {'Schedule1F1B' if name == '1f1b' else 'ScheduleGPipe'}"
-                if name in ("2bw", "cdp"):
+                if name in ("2bw", "cdp", "zb_h1"):
                     baseline = "ours 1f1b"
                 speedup = f"{step[baseline] / step[label]:.2f}x vs {baseline.split()[-1]}"
                 expected = predicted(name, microbatches, costs, nbytes, bandwidth)

@@ -27,6 +27,7 @@ from torch.func import functional_call
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.failure import PipelineAborted, Watchdog
 from lightning_pipe.runtime.program import Program, shift
+from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.transport import Transport, flatten, unflatten
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.saved_bytes import saved_bytes
@@ -69,6 +70,7 @@ class _InFlight:
     rng: torch.Tensor | None = None
     roots: list[torch.Tensor] = field(default_factory=list)
     root_grads: list[torch.Tensor] | None = None
+    split: SplitBackward | None = None
 
 
 def _split(batch: Any, parts: int) -> list[Any]:
@@ -436,18 +438,17 @@ class PipelineExecutor:
         state.roots, state.root_grads = [o for o, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, action: Action, weights_too: bool) -> None:
-        """``B`` (input and weight gradients) or ``I`` (input gradients, the graph kept for ``W``)."""
+        """``B`` (input and weight gradients), or ``I``: input gradients now, the weights' at ``W``
+        (:class:`~lightning_pipe.runtime.split_backward.SplitBackward`, nothing computed twice)."""
         s, mb, t = action.stage, action.microbatch, action.step
         state = self.in_flight[(s, mb, t)]
         self._roots(action, state)
         inputs = [x for x in flatten(state.inputs)[1] if x.requires_grad] if s > 0 else []
         if weights_too:
             grads = self.weights[s].backward(t, state.leaves, state.roots, state.root_grads, inputs)
-        elif inputs:
-            torch.autograd.backward(state.roots, state.root_grads, inputs=inputs, retain_graph=True)
-            grads = [x.grad for x in inputs]
         else:
-            grads = []
+            state.split = SplitBackward(state.roots, state.root_grads, inputs, list(state.leaves.values()))
+            grads = state.split.input_gradients()
         if s > 0:
             self._send_input_grads(action, state, grads)
         if weights_too:
@@ -456,7 +457,7 @@ class PipelineExecutor:
     def _weight_gradient(self, action: Action) -> None:
         """``W``: the weight gradients of a micro-batch whose ``I`` ran."""
         state = self.in_flight[(action.stage, action.microbatch, action.step)]
-        self.weights[action.stage].backward(action.step, state.leaves, state.roots, state.root_grads, [])
+        self.weights[action.stage].add(action.step, state.split.weight_gradients())
         self._release(action)
 
     def _send_input_grads(self, action: Action, state: _InFlight, grads: list[torch.Tensor | None]) -> None:

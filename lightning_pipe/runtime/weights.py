@@ -74,6 +74,20 @@ class StageWeights:
             }
         return self.versions[version]
 
+    def _buffer(self, step: int) -> list[torch.Tensor]:
+        buffer = self.gradients.pop(step, None)
+        if buffer is None:
+            buffer = self._spare.pop() if self._spare else [torch.zeros_like(p) for p in self.params]
+        return buffer
+
+    def add(self, step: int, grads: list[torch.Tensor | None]) -> None:
+        """Add weight gradients computed elsewhere (a split backward's ``W``) to ``step``'s buffer."""
+        buffer = self._buffer(step)
+        for total, grad in zip(buffer, grads, strict=True):
+            if grad is not None:
+                total.add_(grad)
+        self.gradients[step] = buffer
+
     def backward(
         self,
         step: int,
@@ -86,9 +100,7 @@ class StageWeights:
         """Backward of one micro-batch: weight gradients accumulate in place into ``step``'s buffer
         (lent to the leaves as their ``.grad``, so autograd adds into it without allocating), the
         gradients of ``inputs`` are returned."""
-        buffer = self.gradients.pop(step, None)
-        if buffer is None:
-            buffer = self._spare.pop() if self._spare else [torch.zeros_like(p) for p in self.params]
+        buffer = self._buffer(step)
         weights = list(leaves.values())
         for leaf, grad in zip(weights, buffer, strict=True):
             leaf.grad = grad
