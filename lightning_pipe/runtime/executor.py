@@ -67,7 +67,7 @@ class _InFlight:
     outputs: Any = None
     loss: torch.Tensor | None = None
     saved_bytes: int = 0
-    rng: torch.Tensor | None = None
+    rng: tuple[torch.Tensor, ...] | None = None
     roots: list[torch.Tensor] = field(default_factory=list)
     root_grads: list[torch.Tensor] | None = None
     split: SplitBackward | None = None
@@ -313,18 +313,18 @@ class PipelineExecutor:
             self.weights[int(stage)].load_state_dict(entry)
 
     # -- running actions -------------------------------------------------------------------------
-    def _store_batch(self, call: int, inputs: Any, targets: Any) -> None:
+    def _store_batch(self, step: int, inputs: Any, targets: Any) -> None:
         m = self.schedule.microbatches
         if self.needs_inputs:
             if inputs is None:
                 raise PlanningError(f"rank {self.rank} runs the first stage: step() needs the inputs")
-            self.inputs[call] = [_to(x, self.device) for x in _split(inputs, m)]
+            self.inputs[step] = [_to(x, self.device) for x in _split(inputs, m)]
         if self.needs_targets:
             if targets is None:
                 raise PlanningError(f"rank {self.rank} runs the last stage: step() needs the targets")
-            self.targets[call] = [_to(y, self.device) for y in _split(targets, m)]
-            self.batch_rows[call] = _rows(targets)
-            self.targets_left[call] = m
+            self.targets[step] = [_to(y, self.device) for y in _split(targets, m)]
+            self.batch_rows[step] = _rows(targets)
+            self.targets_left[step] = m
 
     def _run(self, actions: list[Action], peers: Callable[[int], list[Action]], return_outputs: bool) -> StepOutput:
         output = StepOutput()
@@ -358,7 +358,7 @@ class PipelineExecutor:
         state = _InFlight(inputs=inputs, version=action.version, leaves=weights.leaves(action.version))
         try:
             if self.recompute[s]:
-                state.rng = torch.get_rng_state()
+                state.rng = self._rng_state()
                 with torch.no_grad():
                     state.outputs = functional_call(weights.module, state.leaves, (inputs,))
             else:
@@ -409,11 +409,20 @@ class PipelineExecutor:
         target = self.targets[step][mb]
         return self.loss_fn(result, target) * (_rows(target) / self.batch_rows[step])
 
+    def _rng_state(self) -> tuple[torch.Tensor, ...]:
+        """The random state a forward starts from (CPU, and the GPU's when computing there)."""
+        if self.device.type == "cuda":
+            return torch.get_rng_state(), torch.cuda.get_rng_state(self.device)
+        return (torch.get_rng_state(),)
+
     def _recompute(self, action: Action, state: _InFlight) -> None:
         """GPipe rematerialisation: the forward again, with autograd, under the forward's RNG state."""
         weights = self.weights[action.stage]
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(state.rng)
+        accelerated = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=accelerated):
+            torch.set_rng_state(state.rng[0])
+            if accelerated:
+                torch.cuda.set_rng_state(state.rng[1], self.device)
             state.outputs, state.saved_bytes = self._forward_saving(weights.module, state.leaves, state.inputs)
         if action.stage == self.schedule.stages - 1:
             state.loss = self._loss(state.outputs, action.step, action.microbatch)
