@@ -107,11 +107,14 @@ def test_a_stage_mismatch_names_both_stages() -> None:
 
 
 class Wide(nn.Module):
-    """A stage whose activations dwarf its weights."""
+    """A stage whose activations dwarf its weights, with dropout."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(6)])
+        # dropout: the recomputed forward must draw the same masks as the first one
+        self.layers = nn.Sequential(
+            *[nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.2)) for _ in range(6)]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
