@@ -161,7 +161,8 @@ def pipeline_parallel(stages: int, microbatches: int, steps: int = 1, **options:
     return master("pp", stages, microbatches, stages, lambda s, b, d: (s, s), steps=steps, **options)
 
 
-def _groups(family: str, stages: int, groups: int, replicas: int) -> int:
+def _looped(family: str, stages: int, groups: int, replicas: int) -> tuple[int, Callable[[int, int], int]]:
+    """``W = G·R`` and Rahimi's ``h(s, b) = (R·b mod W) + (s mod R)``."""
     for name, value in (("groups", groups), ("replicas", replicas)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanningError(f"{family}: {name} must be a whole number >= 1, got {value!r}")
@@ -170,18 +171,19 @@ def _groups(family: str, stages: int, groups: int, replicas: int) -> int:
             f"{family}: each group of {replicas} workers loops over the {stages} stages, so stages must be a "
             f"multiple of replicas (R); try replicas in {[r for r in range(1, stages + 1) if stages % r == 0]}"
         )
-    return groups * replicas
+    workers = groups * replicas
+
+    def h(s: int, b: int) -> int:
+        return (replicas * b) % workers + s % replicas
+
+    return workers, h
 
 
 def lpp(
     stages: int, microbatches: int, steps: int = 1, groups: int = 2, replicas: int = 2, **options: object
 ) -> Schedule:
     """Looped pipeline parallelism: ``W = G·R``, ``w = (h(s, b), h(s, b))``."""
-    workers = _groups("lpp", stages, groups, replicas)
-
-    def h(s: int, b: int) -> int:
-        return (replicas * b) % workers + s % replicas
-
+    workers, h = _looped("lpp", stages, groups, replicas)
     return master("lpp", stages, microbatches, workers, lambda s, b, d: (h(s, b), h(s, b)), steps=steps, **options)
 
 
@@ -189,9 +191,5 @@ def fslpp(
     stages: int, microbatches: int, steps: int = 1, groups: int = 2, replicas: int = 2, **options: object
 ) -> Schedule:
     """Fully sharded LPP: compute on ``h(s, b)``, weights on ``h(s, s)``."""
-    workers = _groups("fslpp", stages, groups, replicas)
-
-    def h(s: int, b: int) -> int:
-        return (replicas * b) % workers + s % replicas
-
+    workers, h = _looped("fslpp", stages, groups, replicas)
     return master("fslpp", stages, microbatches, workers, lambda s, b, d: (h(s, s), h(s, b)), steps=steps, **options)
