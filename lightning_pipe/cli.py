@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from lightning_pipe.costs import ChainCosts
 from lightning_pipe.errors import PlanningError
@@ -216,9 +217,11 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_run_simulate)
 
 
-def _stage_costs(args: argparse.Namespace):
+def _stage_costs(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
+    """The stage costs to simulate, and a plan's replicas per stage (for 1f1b_rr) when a plan is given."""
     from lightning_pipe.schedule import StageCosts
 
+    replicas = None
     if args.costs or args.plan:
         path = args.costs or args.plan
         try:
@@ -231,6 +234,7 @@ def _stage_costs(args: argparse.Namespace):
             costs = StageCosts.from_dict(document, path)
         else:
             costs = StageCosts.from_plan(document, path, replicated=args.schedule == "1f1b_rr")
+            replicas = [stage.get("replicas", 1) for stage in document["stages"]]
         if args.stages is not None and args.stages != costs.stages:
             raise PlanningError(f"--stages {args.stages} but {path} describes {costs.stages} stages")
     else:
@@ -242,14 +246,7 @@ def _stage_costs(args: argparse.Namespace):
         changes["bandwidth"] = args.bandwidth
     if args.no_overlap:
         changes["overlap"] = False
-    return replace(costs, **changes) if changes else costs
-
-
-def _plan_replicas(args: argparse.Namespace) -> list[int] | None:
-    """The replicas of a plan's stages, for 1f1b_rr."""
-    if not args.plan:
-        return None
-    return [stage.get("replicas", 1) for stage in json.loads(Path(args.plan).read_text())["stages"]]
+    return (replace(costs, **changes) if changes else costs), replicas
 
 
 def _simulation_table(result) -> str:
@@ -274,7 +271,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from lightning_pipe.schedule import make_schedule, simulate
     from lightning_pipe.schedule.validate import validate
 
-    costs = _stage_costs(args)
+    costs, plan_replicas = _stage_costs(args)
     schedule = make_schedule(
         args.schedule,
         costs.stages,
@@ -291,7 +288,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         priority=args.priority,
         forward=args.forward,
         backward=args.backward,
-        stage_replicas=args.stage_replicas or _plan_replicas(args),
+        stage_replicas=args.stage_replicas or plan_replicas,
     )
     result = simulate(schedule, costs, graph=validate(schedule))
     if args.save_schedule:

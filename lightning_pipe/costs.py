@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from lightning_pipe.errors import PlanningError
 
@@ -150,10 +150,6 @@ class ChainCosts:
             for i in range(n)
         )
         return cls(layers=layers, name=name)
-
-    def with_notes(self, *notes: str) -> ChainCosts:
-        """A copy with more notes."""
-        return replace(self, notes=self.notes + tuple(notes))
 
     def column(self, key: str) -> list[float]:
         """One per-layer quantity as a list: ``seconds``, ``param_bytes``, ``flops``, ..."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pipe.costs import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.nested import map_tensors, nbytes, tensors
 from lightning_pipe.saved_bytes import saved_bytes
 
 __all__ = ["profile_layers"]
@@ -79,10 +80,10 @@ def profile_layers(
     batch_size = _batch_size(sample)
     costs = []
     with _profiling_session(model, [layer for _, layer in named], target):
-        x = _map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
+        x = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
         for index, (label, layer) in enumerate(named):
             if index > 0:
-                x = _map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
+                x = map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
             cost, x = _profile_layer(label, layer, x, target, warmup, repeats, count_flops)
             costs.append(cost)
     meta = {
@@ -140,42 +141,13 @@ def _resolve_device(device: str | torch.device | None, named: list[tuple[str, nn
 
 def _batch_size(sample: Any) -> int | None:
     """First dimension of the first tensor of the sample (None for a 0-d tensor)."""
-    first = next(_tensors(sample), None)
+    first = next(iter(tensors(sample)), None)
     if first is None:
         raise PlanningError(
             f"the sample is a {type(sample).__name__} holding no tensor: give one micro-batch as a "
             "tensor or a tuple/list/dict of tensors"
         )
     return first.shape[0] if first.dim() > 0 else None
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a nested tuple/list/dict, in order."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, list | tuple):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """``obj`` with ``fn`` applied to every tensor, keeping tuple/list/dict structure."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, list | tuple):
-        items = [_map_tensors(fn, item) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        return type(obj)((key, _map_tensors(fn, item)) for key, item in obj.items())
-    return obj
-
-
-def _nbytes(obj: Any) -> int:
-    """Bytes of every tensor in a nested structure."""
-    return sum(t.numel() * t.element_size() for t in _tensors(obj))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -249,12 +221,12 @@ def _profile_layer(
         name=label,
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
-        activation_bytes=_nbytes(output),
+        activation_bytes=nbytes(output),
         saved_bytes=saved,
         param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
         flops=None if counter is None else counter.get_total_flops(),
     )
-    return cost, _map_tensors(torch.Tensor.detach, output)
+    return cost, map_tensors(torch.Tensor.detach, output)
 
 
 def _forward_saving(label: str, layer: nn.Module, leaf: Any) -> tuple[int, Any]:
@@ -262,9 +234,9 @@ def _forward_saving(label: str, layer: nn.Module, leaf: Any) -> tuple[int, Any]:
     its parameters and buffers excluded) and its output."""
     with saved_bytes((*layer.parameters(), *layer.buffers())) as counted:
         try:
-            output = layer(_map_tensors(torch.Tensor.clone, leaf))
+            output = layer(map_tensors(torch.Tensor.clone, leaf))
         except Exception as exc:
-            shapes = [tuple(t.shape) for t in _tensors(leaf)]
+            shapes = [tuple(t.shape) for t in tensors(leaf)]
             raise PlanningError(
                 f"layer {label} failed on its input (tensor shapes {shapes}): {exc}. Check that each "
                 "layer accepts the previous layer's output and that the sample is one micro-batch"
@@ -273,7 +245,7 @@ def _forward_saving(label: str, layer: nn.Module, leaf: Any) -> tuple[int, Any]:
 
 
 def _clear_grads(leaf: Any) -> None:
-    for tensor in _tensors(leaf):
+    for tensor in tensors(leaf):
         tensor.grad = None
 
 
@@ -281,7 +253,7 @@ def _time_layer(layer: nn.Module, leaf: Any, device: torch.device, warmup: int, 
     """Median forward and backward seconds over ``repeats`` runs after ``warmup`` runs."""
     forward, backward = [], []
     for _ in range(warmup + repeats):
-        inputs = _map_tensors(torch.Tensor.clone, leaf)
+        inputs = map_tensors(torch.Tensor.clone, leaf)
         _synchronize(device)
         start = time.perf_counter()
         output = layer(inputs)
@@ -294,7 +266,7 @@ def _time_layer(layer: nn.Module, leaf: Any, device: torch.device, warmup: int, 
 
 def _timed_backward(output: Any, device: torch.device) -> float:
     """Backward from the outputs that require grad, with random output gradients; its seconds (0 if none)."""
-    outputs = [t for t in _tensors(output) if t.requires_grad]
+    outputs = [t for t in tensors(output) if t.requires_grad]
     if not outputs:
         return 0.0
     grads = [torch.randn_like(t) for t in outputs]

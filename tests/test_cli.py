@@ -192,3 +192,12 @@ def test_simulate_a_plan_and_a_costs_file(pipedream_profiles: Path, tmp_path: Pa
 def test_simulate_errors(argv: list[str], message: str, capsys) -> None:
     assert main(["simulate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_simulate_replicated_plan_places_its_replicas(pipedream_profiles: Path, tmp_path: Path, capsys) -> None:
+    profile = str(pipedream_profiles / "resnet18" / "graph.txt")
+    plan = _json(capsys, "plan", "--profile", profile, "--devices", "4", "--bandwidth", "1GB/s")
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    result = _json(capsys, "simulate", "--schedule", "1f1b_rr", "--plan", str(path), "--microbatches", "4")
+    assert result["stages"] == len(plan["stages"]) and result["workers"] == plan["devices_used"]

@@ -25,10 +25,11 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
 from lightning_pipe.runtime.failure import PipelineAborted, Watchdog
 from lightning_pipe.runtime.program import Program, shift
 from lightning_pipe.runtime.split_backward import SplitBackward
-from lightning_pipe.runtime.transport import Transport, flatten, unflatten
+from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
@@ -75,24 +76,22 @@ class _InFlight:
 
 def _split(batch: Any, parts: int) -> list[Any]:
     """Split every tensor of a nested batch along dim 0 into ``parts`` nearly equal micro-batches."""
-    skeleton, tensors = flatten(batch)
-    if not tensors:
+    skeleton, found = flatten(batch)
+    if not found:
         raise PlanningError("a mini-batch must hold at least one tensor to split into micro-batches")
-    size = tensors[0].shape[0]
+    size = found[0].shape[0]
     if size < parts:
         raise PlanningError(f"a mini-batch of {size} samples cannot be split into {parts} micro-batches")
-    chunks = [torch.tensor_split(t, parts) for t in tensors]
+    chunks = [torch.tensor_split(t, parts) for t in found]
     return [unflatten(skeleton, [c[i] for c in chunks]) for i in range(parts)]
 
 
 def _rows(batch: Any) -> int:
-    return flatten(batch)[1][0].shape[0]
+    return tensors(batch)[0].shape[0]
 
 
 def _floating_leaves(obj: Any) -> Any:
-    skeleton, tensors = flatten(obj)
-    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
-    return unflatten(skeleton, leaves)
+    return map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), obj)
 
 
 class PipelineExecutor:
@@ -271,7 +270,7 @@ class PipelineExecutor:
 
     def _share(self, output: StepOutput) -> StepOutput:
         """Every rank gets every rank's losses (and outputs, when they were asked for)."""
-        outputs = {key: _to(value, torch.device("cpu")) for key, value in output.outputs.items()}
+        outputs = {key: map_tensors(torch.Tensor.cpu, value) for key, value in output.outputs.items()}
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, (output.losses, output.microbatch_losses, outputs))
         for losses, microbatch_losses, shared_outputs in gathered:
@@ -318,11 +317,11 @@ class PipelineExecutor:
         if self.needs_inputs:
             if inputs is None:
                 raise PlanningError(f"rank {self.rank} runs the first stage: step() needs the inputs")
-            self.inputs[step] = [_to(x, self.device) for x in _split(inputs, m)]
+            self.inputs[step] = [map_tensors(lambda t: t.to(self.device), x) for x in _split(inputs, m)]
         if self.needs_targets:
             if targets is None:
                 raise PlanningError(f"rank {self.rank} runs the last stage: step() needs the targets")
-            self.targets[step] = [_to(y, self.device) for y in _split(targets, m)]
+            self.targets[step] = [map_tensors(lambda t: t.to(self.device), y) for y in _split(targets, m)]
             self.batch_rows[step] = _rows(targets)
             self.targets_left[step] = m
 
@@ -370,9 +369,9 @@ class PipelineExecutor:
             state.loss = None if self.recompute[s] else loss
             self._record_loss(output, t, mb, float(loss.detach()))
             if return_outputs:
-                output.outputs[(t, mb)] = _detach(state.outputs)
+                output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
         else:
-            self._deliver(action, _detach(state.outputs))
+            self._deliver(action, map_tensors(torch.Tensor.detach, state.outputs))
         self.in_flight[(s, mb, t)] = state
         if s == 0 and mb == self.schedule.microbatches - 1:
             self.inputs.pop(t, None)
@@ -380,7 +379,7 @@ class PipelineExecutor:
     def _mismatch(self, action: Action, inputs: Any, error: Exception) -> PlanningError:
         """A stage that fails on its input: name it and the stage the input came from."""
         s = action.stage
-        shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in flatten(inputs)[1]]
+        shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors(inputs)]
         if s == 0:
             source = "the micro-batch of the data"
         else:
@@ -435,8 +434,8 @@ class PipelineExecutor:
         if s == self.schedule.stages - 1:
             state.roots, state.root_grads = [state.loss], None
             return
-        grads = flatten(self._incoming(("B", s, mb, t)))[1]
-        outputs = flatten(state.outputs)[1]
+        grads = tensors(self._incoming(("B", s, mb, t)))
+        outputs = tensors(state.outputs)
         if [(o.shape, o.dtype) for o in outputs] != [(g.shape, g.dtype) for g in grads]:
             producer = self._placement(Kind.I if s + 1 in self.split_stages else Kind.B, s + 1, mb, t - self.origin)
             raise PlanningError(
@@ -452,7 +451,7 @@ class PipelineExecutor:
         s, mb, t = action.stage, action.microbatch, action.step
         state = self.in_flight[(s, mb, t)]
         self._roots(action, state)
-        inputs = [x for x in flatten(state.inputs)[1] if x.requires_grad] if s > 0 else []
+        inputs = [x for x in tensors(state.inputs) if x.requires_grad] if s > 0 else []
         if weights_too:
             grads = self.weights[s].backward(t, state.leaves, state.roots, state.root_grads, inputs)
         else:
@@ -470,10 +469,10 @@ class PipelineExecutor:
         self._release(action)
 
     def _send_input_grads(self, action: Action, state: _InFlight, grads: list[torch.Tensor | None]) -> None:
-        skeleton, tensors = flatten(state.inputs)
+        skeleton, sent = flatten(state.inputs)
         computed = iter(grads)
         full = []
-        for tensor in tensors:
+        for tensor in sent:
             grad = next(computed) if tensor.requires_grad else None
             full.append(torch.zeros_like(tensor) if grad is None else grad)
         self._deliver(action, unflatten(skeleton, full))
@@ -511,13 +510,3 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _to(obj: Any, device: torch.device) -> Any:
-    skeleton, tensors = flatten(obj)
-    return unflatten(skeleton, [t.to(device) for t in tensors])
-
-
-def _detach(obj: Any) -> Any:
-    skeleton, tensors = flatten(obj)
-    return unflatten(skeleton, [t.detach() for t in tensors])

@@ -30,42 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.nested import flatten, unflatten
 from lightning_pipe.runtime.failure import PipelineAborted, Watchdog
 
-__all__ = ["Transport", "flatten", "unflatten"]
+__all__ = ["Transport"]
 
 _TAG_SPACE = 1 << 28  # a message uses tags 3k (header, metadata), 3k + 1 and 3k + 2 (data)
-
-
-def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """A picklable skeleton of ``obj`` with its tensors replaced by slots, and the tensors."""
-    tensors: list[torch.Tensor] = []
-
-    def walk(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            tensors.append(item)
-            return ("tensor", len(tensors) - 1)
-        if isinstance(item, tuple | list):
-            return (type(item).__name__, [walk(x) for x in item])
-        if isinstance(item, dict):
-            return ("dict", [(key, walk(value)) for key, value in item.items()])
-        return ("value", item)
-
-    return walk(obj), tensors
-
-
-def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of :func:`flatten`."""
-    kind, content = skeleton
-    if kind == "tensor":
-        return tensors[content]
-    if kind == "tuple":
-        return tuple(unflatten(x, tensors) for x in content)
-    if kind == "list":
-        return [unflatten(x, tensors) for x in content]
-    if kind == "dict":
-        return {key: unflatten(value, tensors) for key, value in content}
-    return content
 
 
 @dataclass

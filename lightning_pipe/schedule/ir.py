@@ -170,14 +170,6 @@ class Schedule:
             for position, action in enumerate(order):
                 yield worker, position, action
 
-    def compute_workers(self, stage: int) -> list[int]:
-        """Workers that run some compute action of ``stage``."""
-        return sorted({w for w, _, a in self.actions() if a.stage == stage and a.kind in COMPUTE})
-
-    @property
-    def split_backward(self) -> bool:
-        return any(a.kind is Kind.W for _, _, a in self.actions())
-
     def with_orders(self, orders: Sequence[Sequence[Action]], **changes: object) -> Schedule:
         return replace(self, orders=tuple(tuple(order) for order in orders), **changes)
 

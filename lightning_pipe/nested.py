@@ -1,0 +1,63 @@
+"""Nested structures of tensors: tuples (named ones included), lists and dicts with tensors inside.
+
+What a layer or a pipeline stage takes and returns. :func:`flatten` separates a picklable skeleton from
+the tensors (how the runtime sends a message), :func:`unflatten` puts them back, and
+:func:`map_tensors` / :func:`tensors` are the everyday shortcuts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["flatten", "map_tensors", "nbytes", "tensors", "unflatten"]
+
+
+def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """A picklable skeleton of ``obj`` with its tensors replaced by slots, and the tensors in order."""
+    found: list[torch.Tensor] = []
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+            return ("tensor", len(found) - 1)
+        if isinstance(item, tuple | list):
+            return ("sequence", type(item), [walk(x) for x in item])
+        if isinstance(item, dict):
+            return ("dict", type(item), [(key, walk(value)) for key, value in item.items()])
+        return ("value", item)
+
+    return walk(obj), found
+
+
+def unflatten(skeleton: Any, values: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten`, with ``values`` in the tensors' places."""
+    kind = skeleton[0]
+    if kind == "tensor":
+        return values[skeleton[1]]
+    if kind == "sequence":
+        kind, cls, children = skeleton
+        items = [unflatten(child, values) for child in children]
+        return cls(*items) if hasattr(cls, "_fields") else cls(items)
+    if kind == "dict":
+        _, cls, children = skeleton
+        return cls((key, unflatten(child, values)) for key, child in children)
+    return skeleton[1]
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj``, in order."""
+    return flatten(obj)[1]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor, its structure kept."""
+    skeleton, found = flatten(obj)
+    return unflatten(skeleton, [fn(t) for t in found])
+
+
+def nbytes(obj: Any) -> int:
+    """Bytes of every tensor in ``obj``."""
+    return sum(t.numel() * t.element_size() for t in tensors(obj))
