@@ -42,7 +42,6 @@ def _train(rank: int, victim: int, how: str, family: str) -> float:
         stages,
         nn.functional.cross_entropy,
         OPTIMIZERS["sgd"],
-        dead_after_seconds=3.0,
     )
     start = time.monotonic()
     try:

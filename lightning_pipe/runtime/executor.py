@@ -14,6 +14,7 @@ micro-batch is smaller.
 from __future__ import annotations
 
 import time
+import traceback
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from torch.func import functional_call
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
-from lightning_pipe.runtime.failure import PipelineAborted, Watchdog
+from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
 from lightning_pipe.runtime.program import Program, shift
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.transport import Transport
@@ -107,8 +108,7 @@ class PipelineExecutor:
         device: where this worker computes (default: cuda:<local rank> when available, else cpu).
         recompute: recompute activations in the backward (GPipe rematerialisation), for every stage or
             per stage.
-        timeout_seconds: a single wait longer than this fails.
-        dead_after_seconds: a peer silent for this long is declared dead.
+        timeout_seconds: a single wait longer than this fails (a deadlock, or a peer that hangs).
     """
 
     def __init__(
@@ -121,7 +121,6 @@ class PipelineExecutor:
         device: torch.device | str | None = None,
         recompute: bool | Sequence[bool] = False,
         timeout_seconds: float = 300.0,
-        dead_after_seconds: float = 10.0,
     ) -> None:
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
@@ -149,9 +148,15 @@ class PipelineExecutor:
         self.weights = {s: StageWeights(modules[s].to(self.device), optimizer, snapshots, groups.get(s)) for s in mine}
         flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)
         self.recompute = {s: bool(flags[s]) for s in mine}
-        store = dist.distributed_c10d._get_default_store()
-        self.watchdog = Watchdog(store, self.rank, self.world, dead_after_seconds=dead_after_seconds)
-        self.transport = Transport(self.rank, self.device, self.watchdog, timeout_seconds=timeout_seconds)
+        self.failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.rank)
+        self.transport = Transport(
+            self.rank,
+            self.device,
+            self.failures,
+            (dist.new_group(), dist.new_group()),
+            timeout_seconds=timeout_seconds,
+            keep_sends=2 * max(p.period for p in self.programs) + 2,
+        )
         self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
         self.needs_inputs = any(a.stage == 0 for a in ours)
@@ -291,10 +296,9 @@ class PipelineExecutor:
         return self._share(output) if share_losses else output
 
     def close(self) -> None:
-        """Wait for pending sends, then stop the helper threads."""
+        """Wait for pending sends, then release the pipeline's process groups."""
         self.transport.flush()
-        self.transport.close()
-        self.watchdog.close()
+        self.transport.abort()
 
     def state_dict(self) -> dict[str, object]:
         """Weights, versions kept, gradients accumulated and optimizer states of this worker's stages."""
@@ -328,17 +332,27 @@ class PipelineExecutor:
     def _run(self, actions: list[Action], peers: Callable[[int], list[Action]], return_outputs: bool) -> StepOutput:
         output = StepOutput()
         try:
+            self.transport.next_call()
             self._expect(peers)
             for action in actions:
                 start = time.perf_counter()
                 self._execute(action, output, return_outputs)
                 self.timeline.append(Interval(self.rank, action, start - self.epoch, time.perf_counter() - self.epoch))
-        except PipelineAborted:
-            raise
         except Exception as error:
-            self.watchdog.fail(error)
+            self._stop(error)
             raise
         return output
+
+    def _stop(self, error: Exception) -> None:
+        """Record the failure (unless another rank's caused it) and tear the pipeline's groups down so
+        every rank waiting on this one stops too; the failed frames' locals (pending transfers) go."""
+        if not isinstance(error, PipelineAborted):
+            self.failures.fail(error)
+        seen: BaseException | None = error
+        while seen is not None:
+            traceback.clear_frames(seen.__traceback__)
+            seen = seen.__cause__ or seen.__context__
+        self.transport.abort()
 
     def _execute(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
         if action.kind is Kind.F:

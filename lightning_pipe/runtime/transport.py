@@ -1,231 +1,273 @@
 """Point-to-point transfer of nested tensor structures between pipeline workers.
 
-Each message from one worker to another is a fixed-size header (two int64: whether the layout is
-new, and the length of its description), the tensors, and, when the layout — structure (a skeleton
-of tuples, lists and dicts with tensor slots), dtypes and shapes — differs from the previous message
-of the same stream (e.g. the activations of micro-batch ``i``), the pickled layout. Shapes are thus
-negotiated on first use and again whenever they change (an uneven split, a different batch size).
+A message is one byte buffer, one send: a header (whether the layout is new, the length of its
+description, the bytes that follow on the overflow group), then the bytes of each tensor. A *layout*
+is the structure (a skeleton of tuples, lists and dicts with tensor slots), dtypes and shapes of
+what is sent. Messages belong to *streams* (``slot``, e.g. the activations of micro-batch ``i``);
+the receiver posts each message's buffer, sized for the stream's last layout, ahead of time, so
+data moves while both sides compute, and hands out views of it (no copy). Shapes are thus
+negotiated on first use and again whenever they change (an uneven split, another batch size): on a
+change the sender fills the buffer the peer posted with a header saying so, then sends the new
+layout's description and the data on a second process group (the *overflow* group).
 
-The receiver posts the header and the tensor receives in the stream's last layout at once, so data
-moves as soon as it is sent; on a layout change the sender first fills those receives with
-placeholders, then sends the new layout and the data under a third tag. Receives are announced ahead
-(:meth:`Transport.expect`) and completed by background threads, so transfers overlap compute.
+Both groups see the operations of each pair of workers in the same order on both sides (what NCCL
+requires; on gloo the message index is also the tag): a receiver posts a stream's message only once
+the stream's previous message from that peer is in, and completes messages from a peer in order.
 
-Messages between two workers are matched in the order the sender sends them (what NCCL requires);
-on gloo the per-channel message index is also the tag. Every wait polls the
-:class:`~lightning_pipe.runtime.failure.Watchdog`.
+Everything runs on the caller's thread (no helper threads competing for the cores with the compute).
+A wait ends when the data is in, when the peer's connection closes (the peer died, or tore its
+groups down after a failure: :meth:`Transport.abort`), or after ``timeout_seconds``; each of these
+raises :class:`~lightning_pipe.runtime.failure.PipelineAborted` naming the rank that failed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import math
 import pickle
-import queue
-import threading
-import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_pipe.nested import flatten, unflatten
-from lightning_pipe.runtime.failure import PipelineAborted, Watchdog
+from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
 
 __all__ = ["Transport"]
 
-_TAG_SPACE = 1 << 28  # a message uses tags 3k (header, metadata), 3k + 1 and 3k + 2 (data)
+_TAG_SPACE = 1 << 28
+_Layout = tuple[Any, list[tuple[torch.dtype, tuple[int, ...]]]]
+_PENDING = object()
+
+
+_FIELDS = 24  # three int64: the layout is new, bytes of its description, bytes on the overflow group
+_HEADER = 64  # the fields, padded
+_ALIGN = 64  # packed tensors start where the allocator would put them: same kernels, bitwise-equal results
 
 
 @dataclass
 class _Incoming:
-    """One message being received; ``done`` is set once it arrived (or failed)."""
+    """One expected message: its receive is posted once its stream's layout is known."""
 
-    peer: int
     sequence: int
-    slot: Hashable = None
-    done: threading.Event = field(default_factory=threading.Event)
-    value: Any = None
-    error: BaseException | None = None
+    slot: Hashable
+    buffer: torch.Tensor | None = None
+    work: dist.Work | None = None
+    value: Any = _PENDING
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _packed_bytes(specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    return sum(_aligned(math.prod(shape) * dtype.itemsize) for dtype, shape in specs)
+
+
+def _pack(
+    header: tuple[int, int, int] | None, prefix: bytes, tensors: list[torch.Tensor], device: torch.device
+) -> torch.Tensor:
+    """One byte buffer: the header (if any), ``prefix``, then each tensor's bytes, aligned."""
+    start = _HEADER if header is not None else _aligned(len(prefix))
+    specs = [(t.dtype, tuple(t.shape)) for t in tensors]
+    buffer = torch.empty(start + _packed_bytes(specs), dtype=torch.uint8, device=device)
+    if header is not None:
+        buffer[:_FIELDS].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+    if prefix:
+        buffer[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    for tensor, view in zip(tensors, _unpack(buffer, start, specs), strict=True):
+        view.copy_(tensor.detach())
+    return buffer
+
+
+def _unpack(buffer: torch.Tensor, start: int, specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """Views of ``buffer`` (no copy) holding tensors of ``specs``, packed from byte ``start``."""
+    views, offset = [], start
+    for dtype, shape in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        views.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
+        offset += _aligned(nbytes)
+    return views
+
+
+def _placeholders(layout: _Layout | None, device: torch.device) -> list[torch.Tensor]:
+    return [] if layout is None else [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in layout[1]]
 
 
 class Transport:
     """Sends and receives messages of one worker.
 
-    gloo completes a point-to-point request only inside ``wait()``, so one receiver thread per peer
-    walks that peer's expected messages in order (header, metadata, tensors) and blocks there, and a
-    sender thread waits for posted sends to finish; the worker itself only waits on events, polling
-    the watchdog meanwhile.
-
     Args:
-        rank: this worker's rank in ``group``.
+        rank: this worker's rank.
         device: where received tensors are placed (and headers live; NCCL needs the GPU).
-        watchdog: failure detection polled by every wait.
-        group: the process group (default: the default group).
-        timeout_seconds: a wait longer than this raises (a deadlock or a lost peer).
+        failures: where failures are recorded and read (to name the rank that failed).
+        groups: the two process groups of the pipeline's traffic (data and overflow), spanning every
+            worker with the default group's ranks; :meth:`abort` destroys them.
+        timeout_seconds: a wait longer than this raises (a deadlock or a hung peer).
+        keep_sends: sends posted during the last ``keep_sends`` calls (:meth:`next_call`) may still
+            be in flight; older ones are waited for, so their buffers can be freed.
     """
 
     def __init__(
         self,
         rank: int,
         device: torch.device,
-        watchdog: Watchdog,
-        group: dist.ProcessGroup | None = None,
+        failures: FailureBoard,
+        groups: tuple[dist.ProcessGroup, dist.ProcessGroup],
         timeout_seconds: float = 300.0,
+        keep_sends: int = 2,
     ) -> None:
-        self.rank, self.device, self.watchdog, self.group = rank, device, watchdog, group
-        self.timeout = timeout_seconds
+        self.rank, self.device, self.failures = rank, device, failures
+        self.group, self.overflow = groups
+        self.timeout = timedelta(seconds=timeout_seconds)
+        self.keep_sends = keep_sends
         self._sent_count: dict[int, int] = defaultdict(int)
+        self._sent_layout: dict[tuple[int, Hashable], _Layout] = {}
+        self._sends: deque[tuple[int, int, list[dist.Work], list[torch.Tensor]]] = deque()
+        self._call = 0
         self._expected_count: dict[int, int] = defaultdict(int)
-        self._sent_layout: dict[tuple[int, Hashable], tuple[Any, list[tuple[torch.dtype, tuple[int, ...]]]]] = {}
-        self._received: dict[tuple[int, int], _Incoming] = {}
-        self._queues: dict[int, queue.Queue[_Incoming | None]] = {}
-        self._threads: list[threading.Thread] = []
-        self._sends: queue.Queue[tuple[list[dist.Work], list[torch.Tensor]] | None] = queue.Queue()
-        self._send_error: BaseException | None = None
-        self._sends_pending = 0
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._start(self._send_loop, "send")
-
-    def _start(self, target: Any, name: str, *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name=f"lightning_pipe-{name}-{self.rank}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        self._layouts: dict[tuple[int, Hashable], _Layout] = {}
+        self._inbox: dict[int, deque[_Incoming]] = defaultdict(deque)
+        self._announced: dict[tuple[int, int], _Incoming] = {}
 
     # -- sending ------------------------------------------------------------------------------
     def send(self, peer: int, obj: Any, slot: Hashable = None) -> None:
         """Post the sends of one message to ``peer`` (non-blocking).
 
-        ``slot`` names the stream the message belongs to (e.g. activations of micro-batch ``i``):
-        its previous layout is what the receiver expects, so both sides must name it alike.
+        ``slot`` names the stream the message belongs to: its previous layout is what the receiver
+        expects, so both sides must name it alike.
         """
-        if self._send_error is not None:
-            raise PipelineAborted(f"rank {self.rank}: an earlier send failed ({self._send_error})")
-        base = 3 * (self._sent_count[peer] % _TAG_SPACE)
+        tag = self._sent_count[peer] % _TAG_SPACE
         self._sent_count[peer] += 1
         skeleton, tensors = flatten(obj)
-        tensors = [t.detach().contiguous() for t in tensors]
-        specs = [(t.dtype, tuple(t.shape)) for t in tensors]
+        layout = (skeleton, [(t.dtype, tuple(t.shape)) for t in tensors])
         previous = self._sent_layout.get((peer, slot))
-        fresh = previous is None or previous[0] != (skeleton, specs)
-        layout = pickle.dumps((skeleton, specs)) if fresh else b""
-        posts = [(torch.tensor([int(fresh), len(layout)], dtype=torch.int64, device=self.device), base)]
-        if fresh:
-            if previous is not None:  # the receiver posted receives for the old layout: fill them
-                posts += [
-                    (torch.empty(shape, dtype=dtype, device=self.device), base + 1) for dtype, shape in previous[1]
-                ]
-            posts.append((torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(self.device), base))
-            self._sent_layout[(peer, slot)] = ((skeleton, specs), specs)
-        posts += [(t, base + (2 if fresh else 1)) for t in tensors]
-        works = [dist.isend(t, peer, group=self.group, tag=tag) for t, tag in posts]
-        with self._lock:
-            self._sends_pending += 1
-        self._sends.put((works, [t for t, _ in posts]))
+        if previous == layout:
+            posts = [(self.group, _pack((0, 0, 0), b"", tensors, self.device))]
+        else:  # the peer posted ``previous``: fill it, then the new layout and the data on the overflow group
+            described = pickle.dumps(layout)
+            overflow = _pack(None, described, tensors, self.device)
+            header = (1, len(described), overflow.numel())
+            posts = [(self.group, _pack(header, b"", _placeholders(previous, self.device), self.device))]
+            posts.append((self.overflow, overflow))
+            self._sent_layout[(peer, slot)] = layout
+        try:
+            works = [dist.isend(t, peer, group=group, tag=tag) for group, t in posts]
+        except RuntimeError as error:
+            raise self._lost(peer, error) from error
+        self._sends.append((self._call, peer, works, [t for _, t in posts]))
 
-    def _send_loop(self) -> None:
-        while (item := self._sends.get()) is not None:
-            works, _payload = item
-            try:
-                for work in works:
-                    work.wait()
-            except BaseException as error:
-                self._send_error = error
-            with self._lock:
-                self._sends_pending -= 1
-                self._idle.notify_all()
+    def next_call(self) -> None:
+        """A new call of the executor starts: wait for the sends of calls older than ``keep_sends``."""
+        self._call += 1
+        while self._sends and self._sends[0][0] <= self._call - self.keep_sends:
+            self._finish_send()
 
     def flush(self) -> None:
         """Wait until every posted send has completed."""
-        deadline = time.monotonic() + self.timeout
-        with self._lock:
-            while self._sends_pending:
-                self._idle.wait(timeout=0.02)
-                self._lock.release()
-                try:
-                    self.watchdog.check()
-                finally:
-                    self._lock.acquire()
-                if time.monotonic() > deadline:
-                    raise PipelineAborted(f"rank {self.rank}: sends did not complete within {self.timeout:.0f} s")
-        if self._send_error is not None:
-            raise PipelineAborted(f"rank {self.rank}: a send failed ({self._send_error}); the peer probably died")
+        while self._sends:
+            self._finish_send()
+
+    def _finish_send(self) -> None:
+        _, peer, works, _ = self._sends.popleft()
+        for work in works:
+            self._wait(work, peer, "a send to")
 
     # -- receiving ----------------------------------------------------------------------------
     def expect(self, peer: int, slot: Hashable = None) -> int:
-        """Announce the next message from ``peer`` (of stream ``slot``, as the sender names it); its
-        receiver thread posts the receives as soon as the previous message from ``peer`` is in.
-        Returns its sequence number for :meth:`receive`."""
-        if peer not in self._queues:
-            self._queues[peer] = queue.Queue()
-            self._start(self._receive_loop, f"recv{peer}", peer)
+        """Announce the next message from ``peer`` (of stream ``slot``, as the sender names it) and
+        post its receives if its stream's layout is known. Returns its number for :meth:`receive`."""
         sequence = self._expected_count[peer]
         self._expected_count[peer] += 1
-        incoming = _Incoming(peer, sequence, slot)
-        self._received[(peer, sequence)] = incoming
-        self._queues[peer].put(incoming)
+        incoming = _Incoming(sequence, slot)
+        self._announced[(peer, sequence)] = incoming
+        self._inbox[peer].append(incoming)
+        self._post(peer)
         return sequence
 
-    def _receive_loop(self, peer: int) -> None:
-        layouts: dict[Hashable, tuple[Any, list[tuple[torch.dtype, tuple[int, ...]]]]] = {}
-        while (incoming := self._queues[peer].get()) is not None:
-            try:
-                incoming.value = self._receive_one(incoming, layouts)
-            except BaseException as error:
-                incoming.error = error
-            incoming.done.set()
+    def _post(self, peer: int) -> None:
+        """Post the receives of ``peer``'s messages in order, up to the first whose stream still has
+        an earlier message in flight (its layout may change)."""
+        busy: set[Hashable] = set()
+        for incoming in self._inbox[peer]:
+            if incoming.buffer is None:
+                if incoming.slot in busy:
+                    return
+                self._post_one(peer, incoming)
+            busy.add(incoming.slot)
 
-    def _irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        return dist.irecv(tensor, peer, group=self.group, tag=tag)
+    def _post_one(self, peer: int, incoming: _Incoming) -> None:
+        layout = self._layouts.get((peer, incoming.slot))
+        size = _HEADER + (0 if layout is None else _packed_bytes(layout[1]))
+        incoming.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        incoming.work = self._irecv(incoming.buffer, peer, self.group, incoming.sequence % _TAG_SPACE)
 
-    def _receive_one(self, incoming: _Incoming, layouts: dict[Hashable, Any]) -> Any:
-        """Header, then the tensors in the slot's last layout, posted at once; a new layout costs a
-        detour (the sender fills the old-layout receives, then sends metadata and the data)."""
-        peer, base = incoming.peer, 3 * (incoming.sequence % _TAG_SPACE)
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
-        header_work = self._irecv(header, peer, base)
-        predicted = layouts.get(incoming.slot)
-        guesses = [] if predicted is None else [torch.empty(s, dtype=d, device=self.device) for d, s in predicted[1]]
-        guess_works = [self._irecv(t, peer, base + 1) for t in guesses]
-        header_work.wait()
-        fresh, length = header.tolist()
-        for work in guess_works:
-            work.wait()
-        if not fresh:
-            return unflatten(predicted[0], guesses)
-        metadata = torch.empty(length, dtype=torch.uint8, device=self.device)
-        self._irecv(metadata, peer, base).wait()
-        skeleton, specs = pickle.loads(metadata.cpu().numpy().tobytes())
-        layouts[incoming.slot] = (skeleton, specs)
-        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
-        for work in [self._irecv(t, peer, base + 2) for t in tensors]:
-            work.wait()
-        return unflatten(skeleton, tensors)
+    def _irecv(self, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, tag: int) -> dist.Work:
+        try:
+            return dist.irecv(tensor, peer, group=group, tag=tag)
+        except RuntimeError as error:
+            raise self._lost(peer, error) from error
 
     def receive(self, peer: int, sequence: int) -> Any:
-        """Wait for message ``sequence`` from ``peer`` (announced by :meth:`expect`) and return it."""
-        incoming = self._received.pop((peer, sequence))
-        deadline = time.monotonic() + self.timeout
-        while not incoming.done.wait(timeout=0.02):
-            self.watchdog.check()
-            if time.monotonic() > deadline:
-                raise PipelineAborted(
-                    f"rank {self.rank} waited {self.timeout:.0f} s for message {sequence} from rank {peer}: the "
-                    "schedule deadlocks or the peer hangs"
-                )
-        if incoming.error is not None:
-            self.watchdog.check(force=True)
-            raise PipelineAborted(
-                f"rank {self.rank}: receiving from rank {peer} failed ({incoming.error}); the peer probably died"
-            ) from incoming.error
+        """Wait for message ``sequence`` from ``peer`` (announced by :meth:`expect`) and return it;
+        earlier messages from ``peer`` are completed first (they were sent first)."""
+        incoming = self._announced.pop((peer, sequence))
+        while incoming.value is _PENDING:
+            self._complete_next(peer)
         return incoming.value
 
-    def close(self) -> None:
-        """Stop the helper threads; call after :meth:`flush`, before the process group goes away."""
-        for pending in self._queues.values():
-            pending.put(None)
-        self._sends.put(None)
-        for thread in self._threads:
-            thread.join(timeout=self.timeout)
+    def _complete_next(self, peer: int) -> None:
+        incoming = self._inbox[peer][0]
+        if incoming.buffer is None:
+            self._post_one(peer, incoming)
+        self._wait(incoming.work, peer, "a message from")
+        fresh, described, overflow_bytes = incoming.buffer[:_FIELDS].view(torch.int64).tolist()
+        if fresh:
+            overflow = torch.empty(overflow_bytes, dtype=torch.uint8, device=self.device)
+            self._wait(
+                self._irecv(overflow, peer, self.overflow, incoming.sequence % _TAG_SPACE), peer, "a message from"
+            )
+            layout = pickle.loads(overflow[:described].cpu().numpy().tobytes())
+            self._layouts[(peer, incoming.slot)] = layout
+            incoming.value = unflatten(layout[0], _unpack(overflow, _aligned(described), layout[1]))
+        else:
+            layout = self._layouts[(peer, incoming.slot)]
+            incoming.value = unflatten(layout[0], _unpack(incoming.buffer, _HEADER, layout[1]))
+        incoming.buffer = incoming.work = None
+        self._inbox[peer].popleft()
+        self._post(peer)
+
+    # -- failures -------------------------------------------------------------------------------
+    def _wait(self, work: dist.Work, peer: int, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+                self.failures.report(
+                    f"rank {self.rank} waited {self.timeout.total_seconds():.0f} s for {what} rank {peer}: the "
+                    "schedule deadlocks or that rank hangs"
+                )
+            raise self._lost(peer, error) from error
+
+    def _lost(self, peer: int, error: BaseException) -> PipelineAborted:
+        """The error to raise when the connection to ``peer`` failed: the failure the job's store
+        records, else ``peer``'s death (recorded, so ranks further along name the same rank)."""
+        self.failures.report(f"rank {peer} died (its connection to rank {self.rank} closed: {error})")
+        return self.failures.aborted()
+
+    def abort(self) -> None:
+        """Tear the pipeline's groups down: peers waiting on this worker fail at once (their
+        connections close) and stop in turn. The transport is unusable afterwards."""
+        self._sends.clear()
+        self._inbox.clear()
+        self._announced.clear()
+        for group in (self.group, self.overflow):
+            with contextlib.suppress(RuntimeError, ValueError):  # already gone
+                dist.destroy_process_group(group)
+        self.group = self.overflow = None
+        gc.collect()  # the last references go: the groups' connections close
