@@ -123,7 +123,7 @@ class Wide(nn.Module):
 def _memory_worker(rank: int, recompute: bool) -> dict:
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(6, 64), Wide(64)), nn.Sequential(Wide(64), nn.Linear(64, 3))]
-    return _train(rank, "gpipe", stages, 2, recompute=recompute, microbatches=4)
+    return _train(rank, "gpipe", stages, 2, recompute=recompute, microbatches=4, track_memory=True)
 
 
 @pytest.mark.timeout(180)

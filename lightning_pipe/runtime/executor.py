@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.func import functional_call
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
@@ -108,6 +107,8 @@ class PipelineExecutor:
         device: where this worker computes (default: cuda:<local rank> when available, else cpu).
         recompute: recompute activations in the backward (GPipe rematerialisation), for every stage or
             per stage.
+        track_memory: count the bytes autograd saves for the micro-batches in flight
+            (:attr:`saved_bytes`, :attr:`peak_saved_bytes`; saved-tensor hooks cost a little time).
         timeout_seconds: a single wait longer than this fails (a deadlock, or a peer that hangs).
     """
 
@@ -120,6 +121,7 @@ class PipelineExecutor:
         *,
         device: torch.device | str | None = None,
         recompute: bool | Sequence[bool] = False,
+        track_memory: bool = False,
         timeout_seconds: float = 300.0,
     ) -> None:
         if not dist.is_initialized():
@@ -171,8 +173,10 @@ class PipelineExecutor:
         self.local: dict[_Key, Any] = {}
         self.expected: dict[_Key, tuple[int, int]] = {}
         self.loss_parts: dict[int, dict[int, float]] = defaultdict(dict)
+        self.track_memory = track_memory
         self.saved_bytes = 0
         self.peak_saved_bytes = 0
+        self._calls_cache: dict[tuple[int, int], list[Action]] = {}
         self.timeline: list[Interval] = []
         dist.barrier()
         self.epoch = time.perf_counter()
@@ -264,11 +268,16 @@ class PipelineExecutor:
         self._store_batch(self.origin + call, inputs, targets)
         output = self._run(self._actions(self.rank, call), lambda peer: self._actions(peer, call), return_outputs)
         self.calls += 1
+        self._calls_cache = {key: actions for key, actions in self._calls_cache.items() if key[1] >= self.calls}
         return self._share(output) if share_losses else output
 
     def _actions(self, worker: int, call: int) -> list[Action]:
-        """Worker ``worker``'s actions of call ``call`` since the last drain, in absolute steps."""
-        return [shift(a, self.origin) for a in self.programs[worker].call(call)]
+        """Worker ``worker``'s actions of call ``call`` since the last drain, in absolute steps (kept
+        for the calls still looked at: this one's peers and the next few)."""
+        key = (worker, call)
+        if key not in self._calls_cache:
+            self._calls_cache[key] = [shift(a, self.origin) for a in self.programs[worker].call(call)]
+        return self._calls_cache[key]
 
     def _drain_actions(self, worker: int) -> list[Action]:
         return [shift(a, self.origin) for a in self.programs[worker].finish(self.calls - 1)]
@@ -293,6 +302,7 @@ class PipelineExecutor:
             self.transport.flush()
             self.origin += self.calls
             self.calls = 0
+            self._calls_cache.clear()
         return self._share(output) if share_losses else output
 
     def close(self) -> None:
@@ -373,9 +383,9 @@ class PipelineExecutor:
             if self.recompute[s]:
                 state.rng = self._rng_state()
                 with torch.no_grad():
-                    state.outputs = functional_call(weights.module, state.leaves, (inputs,))
+                    state.outputs = weights.forward(state.leaves, inputs)
             else:
-                state.outputs, state.saved_bytes = self._forward_saving(weights.module, state.leaves, inputs)
+                state.outputs, state.saved_bytes = self._forward_saving(weights, state.leaves, inputs)
         except Exception as error:
             raise self._mismatch(action, inputs, error) from error
         if s == self.schedule.stages - 1:
@@ -409,10 +419,13 @@ class PipelineExecutor:
         if len(self.loss_parts[step]) == self.schedule.microbatches:
             output.losses[step] = sum(self.loss_parts.pop(step).values())
 
-    def _forward_saving(self, module: nn.Module, leaves: dict[str, torch.Tensor], inputs: Any) -> tuple[Any, int]:
-        """Forward with autograd; also the bytes it saved for backward (parameters excluded)."""
+    def _forward_saving(self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any) -> tuple[Any, int]:
+        """Forward with autograd; also the bytes it saved for backward (parameters excluded) when
+        memory is tracked."""
+        if not self.track_memory:
+            return weights.forward(leaves, inputs), 0
         with saved_bytes(leaves.values()) as counted:
-            result = functional_call(module, leaves, (inputs,))
+            result = weights.forward(leaves, inputs)
             saved = counted()
         self.saved_bytes += saved
         self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
@@ -436,7 +449,7 @@ class PipelineExecutor:
             torch.set_rng_state(state.rng[0])
             if accelerated:
                 torch.cuda.set_rng_state(state.rng[1], self.device)
-            state.outputs, state.saved_bytes = self._forward_saving(weights.module, state.leaves, state.inputs)
+            state.outputs, state.saved_bytes = self._forward_saving(weights, state.leaves, state.inputs)
         if action.stage == self.schedule.stages - 1:
             state.loss = self._loss(state.outputs, action.step, action.microbatch)
 

@@ -1,9 +1,10 @@
 """Weight versions, gradient accumulation and updates of one stage on one worker.
 
 A stage computes with a *version* of its weights: version ``v`` is the weights after ``v`` updates
-(DESIGN.md, update rules). Forward passes run through :func:`torch.func.functional_call` on the leaves
-of the version they use, so a backward always differentiates the weights its forward saw, however
-many updates happened in between (weight stashing, Narayanan et al. 2019 §3.3).
+(DESIGN.md, update rules). Forward passes run on the leaves of the version they use (through
+:func:`torch.func.functional_call` for a snapshot), so a backward always differentiates the weights
+its forward saw, however many updates happened in between (weight stashing, Narayanan et al. 2019
+§3.3).
 
 - When every use of a version ends before the next update (flushing schedules), the live parameters
   are those leaves: no copy.
@@ -20,10 +21,12 @@ Everything that carries over between calls is in :meth:`StageWeights.state_dict`
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.func import functional_call
 
 __all__ = ["StageWeights"]
 
@@ -48,6 +51,7 @@ class StageWeights:
         self.module = module
         self.names = [name for name, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
+        self._live = dict(zip(self.names, self.params, strict=True))
         self.optimizer = optimizer(self.params)
         self.snapshots = snapshots
         self.group = group
@@ -61,7 +65,7 @@ class StageWeights:
         if not self.snapshots:
             if version != self.version:
                 raise RuntimeError(f"version {version} asked while the stage is at version {self.version}")
-            return dict(zip(self.names, self.params, strict=True))
+            return self._live
         if version not in self.versions:
             if version != self.version:
                 raise RuntimeError(
@@ -73,6 +77,12 @@ class StageWeights:
                 for name, p in zip(self.names, self.params, strict=True)
             }
         return self.versions[version]
+
+    def forward(self, leaves: dict[str, torch.Tensor], inputs: Any) -> Any:
+        """The stage's forward with ``leaves`` as its weights (a plain call for the live ones)."""
+        if leaves is self._live:
+            return self.module(inputs)
+        return functional_call(self.module, leaves, (inputs,))
 
     def _buffer(self, step: int) -> list[torch.Tensor]:
         buffer = self.gradients.pop(step, None)
