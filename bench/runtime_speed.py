@@ -1,23 +1,27 @@
 """Runtime throughput: ours vs torch.distributed.pipelining, non-flushing vs flushing, pipeline vs one
 process, and measured vs simulated time per step — all in one run on this machine.
 
-Run: ``python bench/runtime_speed.py [--steps 12] [--width 512] [--depth 4] [--batch 256] [--microbatches 2 4]``.
+Run: ``python bench/runtime_speed.py [--steps 10] [--rounds 5] [--width 512] [--depth 4] [--batch 1024]
+[--microbatches 2 4]``.
 
 Every configuration trains the same balanced 2-stage MLP (``depth`` Linear+ReLU blocks of ``width``
 per stage) on the same mini-batches, 2 processes x 1 thread over gloo (the peer: torch's
 ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe``, SGD stepped after each schedule step).
-Times are wall-clock per optimizer step over ``--steps`` steps after warm-up ones, between two
-barriers; the table reports throughput ratios. The simulator's prediction uses per-stage forward,
-backward and update times profiled (lightning_pipe.profiler) in the two worker processes at once,
-the gloo bandwidth measured by a ping-pong of one activation, blocking transfers, and the same
-schedule.
+The same two processes run every configuration once per round, round after round, so a slow spell of
+the machine hits them alike; a configuration's time per step is its median over the rounds, each
+round timing ``--steps`` steps after warm-up ones between two barriers. The simulator's prediction
+uses per-stage forward, backward and update times profiled (lightning_pipe.profiler) in the two
+worker processes at once, and a message latency and bandwidth fitted to ping-pongs of an empty and
+of an activation-sized message. ``spread`` is (slowest - fastest round) / median.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +33,9 @@ from lightning_pipe.runtime.launch import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 
 WARMUP = 3
+OURS = ("1f1b", "gpipe", "2bw", "cdp", "zb_h1")
+PEERS = ("1f1b", "gpipe")
+_Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def stage_module(stage: int, width: int, depth: int) -> nn.Module:
@@ -39,7 +46,7 @@ def stage_module(stage: int, width: int, depth: int) -> nn.Module:
     return nn.Sequential(*blocks)
 
 
-def data(steps: int, width: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def data(steps: int, width: int, batch: int) -> _Batches:
     generator = torch.Generator().manual_seed(0)
     return [
         (torch.randn(batch, width, generator=generator), torch.randint(0, 10, (batch,), generator=generator))
@@ -51,7 +58,7 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def _timed(run_step, batches) -> list[float]:
+def _timed(run_step: Callable[[torch.Tensor, torch.Tensor], object], batches: _Batches) -> float:
     """Seconds per step over the batches after the warm-up ones, between two barriers (no barrier
     between steps: a non-flushing pipeline keeps running across them)."""
     for inputs, targets in batches[:WARMUP]:
@@ -61,10 +68,10 @@ def _timed(run_step, batches) -> list[float]:
     for inputs, targets in batches[WARMUP:]:
         run_step(inputs, targets)
     dist.barrier()
-    return [(time.perf_counter() - start) / (len(batches) - WARMUP)]
+    return (time.perf_counter() - start) / (len(batches) - WARMUP)
 
 
-def ours(rank: int, family: str, microbatches: int, steps: int, width: int, depth: int, batch: int) -> list[float]:
+def ours(rank: int, family: str, microbatches: int, batches: _Batches, width: int, depth: int) -> float:
     executor = PipelineExecutor(
         lambda k: make_schedule(family, 2, microbatches, k),
         {rank: stage_module(rank, width, depth)},
@@ -72,13 +79,13 @@ def ours(rank: int, family: str, microbatches: int, steps: int, width: int, dept
         _sgd,
     )
     # a non-flushing schedule is timed in steady state: per call, with the pipeline kept full
-    times = _timed(lambda x, y: executor.step(x, y), data(steps + WARMUP, width, batch))
+    seconds = _timed(lambda x, y: executor.step(x, y), batches)
     executor.drain()
     executor.close()
-    return times
+    return seconds
 
 
-def peer(rank: int, name: str, microbatches: int, steps: int, width: int, depth: int, batch: int) -> list[float]:
+def peer(rank: int, name: str, microbatches: int, batches: _Batches, width: int, depth: int) -> float:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     module = stage_module(rank, width, depth)
@@ -95,7 +102,7 @@ def peer(rank: int, name: str, microbatches: int, steps: int, width: int, depth:
         optimizer.step()
         optimizer.zero_grad()
 
-    return _timed(run_step, data(steps + WARMUP, width, batch))
+    return _timed(run_step, batches)
 
 
 def single_process(steps: int, width: int, depth: int, batch: int) -> float:
@@ -113,21 +120,31 @@ def single_process(steps: int, width: int, depth: int, batch: int) -> float:
     return statistics.median(times[WARMUP:])
 
 
-def ping(rank: int, rows: int, width: int) -> float:
-    """Bytes per second of a gloo transfer of one activation between the two processes (round trips)."""
-    tensor = torch.zeros(rows, width)
-    for repeat in range(25):
-        if repeat == 5:
-            dist.barrier()
-            start = time.perf_counter()
+def _round_trip(rank: int, tensor: torch.Tensor, repeats: int = 30) -> float:
+    """Median seconds of a ping-pong of ``tensor`` between the two processes."""
+    times = []
+    dist.barrier()
+    for _ in range(repeats):
+        start = time.perf_counter()
         if rank == 0:
             dist.send(tensor, 1)
             dist.recv(tensor, 1)
         else:
             dist.recv(tensor, 0)
             dist.send(tensor, 0)
-    seconds = (time.perf_counter() - start) / 20 / 2
-    return tensor.numel() * tensor.element_size() / seconds
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def network(rank: int, rows: int, width: int) -> tuple[float, float]:
+    """Latency (seconds per message) and bandwidth (bytes per second; ``inf`` when the activation
+    goes no slower than an empty message) of gloo between the two processes, from ping-pongs of
+    one element and of one activation."""
+    empty = _round_trip(rank, torch.zeros(1)) / 2
+    activation = torch.zeros(rows, width)
+    full = _round_trip(rank, activation) / 2
+    nbytes = activation.numel() * activation.element_size()
+    return empty, nbytes / (full - empty) if full > empty else math.inf
 
 
 def stage_costs(rank: int, microbatches: int, width: int, depth: int, batch: int) -> tuple[float, float, float]:
@@ -145,8 +162,27 @@ def stage_costs(rank: int, microbatches: int, width: int, depth: int, batch: int
     return profiled.forward_seconds, profiled.backward_seconds, (time.perf_counter() - start) / 10
 
 
+def worker(rank: int, microbatches: int, steps: int, rounds: int, width: int, depth: int, batch: int) -> dict:
+    """Everything measured in the two processes: network, stage costs, and every configuration
+    once per round."""
+    batches = data(steps + WARMUP, width, batch)
+    result: dict = {
+        "network": network(rank, batch // microbatches, width),
+        "costs": stage_costs(rank, microbatches, width, depth, batch),
+        "times": {},
+    }
+    for _ in range(rounds):
+        for family in OURS:
+            seconds = ours(rank, family, microbatches, batches, width, depth)
+            result["times"].setdefault(f"ours {family}", []).append(seconds)
+        for name in PEERS:
+            seconds = peer(rank, name, microbatches, batches, width, depth)
+            result["times"].setdefault(f"torch {name}", []).append(seconds)
+    return result
+
+
 def predicted(
-    family: str, microbatches: int, costs: list[tuple[float, float, float]], nbytes: float, bandwidth: float
+    family: str, microbatches: int, costs: list[tuple[float, float, float]], nbytes: float, net: tuple[float, float]
 ) -> float:
     """Simulated steady-state time per step of ``family`` with the profiled stage costs."""
     stage_costs = StageCosts(
@@ -154,57 +190,61 @@ def predicted(
         [c[1] for c in costs],
         update=[c[2] for c in costs],
         activation_bytes=[nbytes, 0.0],
-        bandwidth=bandwidth,
-        overlap=False,  # on 2 busy cores the copies take the senders' time
+        latency=net[0],
+        bandwidth=net[1],
     )
-    return simulate(make_schedule(family, 2, microbatches, 8), stage_costs).steady_step
+    return simulate(make_schedule(family, 2, microbatches, 8), stage_costs, early_gradients=True).steady_step
 
 
-RUNS = (
-    ("ours 1f1b", ours, "1f1b"),
-    ("torch Schedule1F1B", peer, "1f1b"),
-    ("ours gpipe", ours, "gpipe"),
-    ("torch ScheduleGPipe", peer, "gpipe"),
-    ("ours 2bw", ours, "2bw"),
-    ("ours cdp", ours, "cdp"),
-    ("ours zb_h1", ours, "zb_h1"),
-)
+LABELS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    size = (args.steps, args.width, args.depth, args.batch)
-    alone = single_process(*size)
+    alone = single_process(args.steps, args.width, args.depth, args.batch)
     print(
         f"model: 2 stages x {args.depth} blocks of {args.width}, batch {args.batch}; one process, one thread: "
-        f"{alone * 1e3:.1f} ms per step"
+        f"{alone * 1e3:.1f} ms per step; {args.rounds} rounds of {args.steps} steps"
     )
-    print(f"{'run':>20} {'m':>3} {'ms/step':>8} {'speed-up':>22} {'vs 1 proc':>9} {'simulated':>9} {'error':>6}")
+    print(
+        f"{'run':>20} {'m':>3} {'ms/step':>8} {'spread':>6} {'speed-up':>22} {'vs 1 proc':>9} {'simulated':>9} "
+        f"{'error':>6}"
+    )
     for microbatches in args.microbatches:
-        bandwidth = run_local(ping, 2, args.batch // microbatches, args.width)[0]
-        costs = run_local(stage_costs, 2, microbatches, args.width, args.depth, args.batch)
+        results = run_local(
+            worker, 2, microbatches, args.steps, args.rounds, args.width, args.depth, args.batch, timeout=1800
+        )
+        net = results[0]["network"]
+        costs = [r["costs"] for r in results]
         nbytes = args.batch // microbatches * args.width * 4
-        step: dict[str, float] = {}
-        for label, worker, name in RUNS:
-            times = run_local(worker, 2, name, microbatches, *size, timeout=600)
-            step[label] = statistics.median(max(pair) for pair in zip(*times, strict=True))
-        for label, _, name in RUNS:
-            row = f"{label:>20} {microbatches:>3} {step[label] * 1e3:>8.1f}"
-            if label.startswith("ours"):
-                baseline = f"torch {'Schedule1F1B' if name == '1f1b' else 'ScheduleGPipe'}"
-                if name in ("2bw", "cdp", "zb_h1"):
-                    baseline = "ours 1f1b"
-                speedup = f"{step[baseline] / step[label]:.2f}x vs {baseline.split()[-1]}"
-                expected = predicted(name, microbatches, costs, nbytes, bandwidth)
-                error = abs(step[label] - expected) / expected
-                row += f" {speedup:>22} {alone / step[label]:>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%}"
-            print(row)
+        per_round = {
+            label: [max(pair) for pair in zip(*(r["times"][label] for r in results), strict=True)]
+            for label in results[0]["times"]
+        }
+        step = {label: statistics.median(times) for label, times in per_round.items()}
+        spread = {label: (max(times) - min(times)) / step[label] for label, times in per_round.items()}
+        for family in OURS:
+            label = f"ours {family}"
+            baseline = f"torch {family}" if family in PEERS else "ours 1f1b"
+            speedup = f"{step[baseline] / step[label]:.2f}x vs {LABELS.get(family, '1f1b')}"
+            expected = predicted(family, microbatches, costs, nbytes, net)
+            error = abs(step[label] - expected) / expected
+            print(
+                f"{label:>20} {microbatches:>3} {step[label] * 1e3:>8.1f} {spread[label]:>6.0%} {speedup:>22} "
+                f"{alone / step[label]:>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%}"
+            )
+            if family in PEERS:
+                other = f"torch {family}"
+                name = f"torch {LABELS[family]}"
+                print(f"{name:>20} {microbatches:>3} {step[other] * 1e3:>8.1f} {spread[other]:>6.0%}")
+        print(f"{'':>20} gloo: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -206,3 +207,59 @@ def test_non_flushing_families_overlap_steps() -> None:
     _, two_bw = _run("2bw", 4, 4, 6)
     assert two_bw.steady_step < flush.steady_step
     assert math.isclose(two_bw.steady_step, 4 * 3.0)  # no bubble in steady state
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    family=st.sampled_from(["gpipe", "1f1b", "interleaved"]),
+    stages=st.sampled_from([2, 4]),
+    microbatches=st.integers(1, 8),
+    forward=st.sampled_from([0.5, 1.0, 2.0]),
+    input_grad=st.sampled_from([0.5, 1.0]),
+    weight_grad=st.sampled_from([0.5, 1.0, 1.5]),
+)
+def test_early_gradients_simulate_as_a_backward_split_in_place(
+    family: str, stages: int, microbatches: int, forward: float, input_grad: float, weight_grad: float
+) -> None:
+    """Oracle: an early backward is an ``I`` followed at once by its ``W`` (the IR's own split
+    backward); with the drain idle enough (F >= W on 1F1B) the step ends (P - 1) W sooner."""
+    from lightning_pipe.schedule.early import cooldown_backwards
+
+    schedule = make_schedule(family, stages, microbatches)
+    costs = StageCosts.uniform(
+        schedule.stages,
+        forward,
+        input_grad + weight_grad,
+        input_grad=[input_grad] * schedule.stages,
+        weight_grad=[weight_grad] * schedule.stages,
+    )
+    orders = []
+    for order in schedule.orders:
+        early = cooldown_backwards(order, flush=True)
+        orders.append(
+            tuple(
+                part
+                for position, action in enumerate(order)
+                for part in (
+                    (replace(action, kind=Kind.I), replace(action, kind=Kind.W)) if position in early else (action,)
+                )
+            )
+        )
+    split = replace(schedule, orders=tuple(orders))
+    early = simulate(schedule, costs, early_gradients=True)
+    assert early.makespan == pytest.approx(simulate(split, costs).makespan)
+    plain = simulate(schedule, costs).makespan
+    assert early.makespan <= plain + 1e-9
+    if family == "1f1b" and forward >= weight_grad:
+        assert early.makespan == pytest.approx(plain - (stages - 1) * weight_grad)
+
+
+def test_early_gradients_are_the_cool_down_backwards_of_stages_after_the_first() -> None:
+    from lightning_pipe.schedule.early import cooldown_backwards
+
+    one_f_one_b = make_schedule("1f1b", 2, 3)  # worker 1: F0 B0 F1 B1 F2 B2
+    assert cooldown_backwards(one_f_one_b.orders[1], flush=True) == {5}
+    assert cooldown_backwards(one_f_one_b.orders[0], flush=True) == set()  # stage 0 sends no gradient
+    gpipe = make_schedule("gpipe", 2, 3)  # worker 1: F0 F1 F2 B0 B1 B2
+    assert cooldown_backwards(gpipe.orders[1], flush=True) == {3, 4, 5}
+    assert cooldown_backwards(gpipe.orders[1], flush=False) == set()

@@ -148,6 +148,10 @@ def test_transfers_cost_time_and_can_block_the_sender() -> None:
     overlapped = simulate(two, StageCosts(**base, bandwidth=5.0))
     blocking = simulate(two, StageCosts(**base, bandwidth=5.0, overlap=False))
     assert blocking.makespan > overlapped.makespan
+    late = simulate(schedule, StageCosts(**base, bandwidth=5.0, latency=0.25))
+    assert late.makespan == 6.0 + 2 * (2.0 + 0.25)  # one activation, one gradient message
+    with pytest.raises(PlanningError, match="latency must be"):
+        StageCosts(**base, latency=-1.0)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -32,6 +32,7 @@ from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.saved_bytes import saved_bytes
+from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulate import Interval
 from lightning_pipe.schedule.validate import validate
@@ -107,6 +108,8 @@ class PipelineExecutor:
         device: where this worker computes (default: cuda:<local rank> when available, else cpu).
         recompute: recompute activations in the backward (GPipe rematerialisation), for every stage or
             per stage.
+        early_gradients: in the cool-down of a flushing schedule, a backward sends its input gradient
+            before computing its weight gradients (:mod:`lightning_pipe.schedule.early`).
         track_memory: count the bytes autograd saves for the micro-batches in flight
             (:attr:`saved_bytes`, :attr:`peak_saved_bytes`; saved-tensor hooks cost a little time).
         timeout_seconds: a single wait longer than this fails (a deadlock, or a peer that hangs).
@@ -121,6 +124,7 @@ class PipelineExecutor:
         *,
         device: torch.device | str | None = None,
         recompute: bool | Sequence[bool] = False,
+        early_gradients: bool = True,
         track_memory: bool = False,
         timeout_seconds: float = 300.0,
     ) -> None:
@@ -174,6 +178,7 @@ class PipelineExecutor:
         self.expected: dict[_Key, tuple[int, int]] = {}
         self.loss_parts: dict[int, dict[int, float]] = defaultdict(dict)
         self.track_memory = track_memory
+        self.early_gradients = early_gradients and self.schedule.flush
         self.saved_bytes = 0
         self.peak_saved_bytes = 0
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
@@ -344,9 +349,10 @@ class PipelineExecutor:
         try:
             self.transport.next_call()
             self._expect(peers)
-            for action in actions:
+            early = cooldown_backwards(actions, self.early_gradients)
+            for position, action in enumerate(actions):
                 start = time.perf_counter()
-                self._execute(action, output, return_outputs)
+                self._execute(action, output, return_outputs, position in early)
                 self.timeline.append(Interval(self.rank, action, start - self.epoch, time.perf_counter() - self.epoch))
         except Exception as error:
             self._stop(error)
@@ -364,11 +370,11 @@ class PipelineExecutor:
             seen = seen.__cause__ or seen.__context__
         self.transport.abort()
 
-    def _execute(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
+    def _execute(self, action: Action, output: StepOutput, return_outputs: bool, early: bool) -> None:
         if action.kind is Kind.F:
             self._forward(action, output, return_outputs)
         elif action.kind in (Kind.B, Kind.I):
-            self._backward(action, weights_too=action.kind is Kind.B)
+            self._backward(action, weights_too=action.kind is Kind.B, early=early)
         elif action.kind is Kind.W:
             self._weight_gradient(action)
         elif action.kind is Kind.UPDATE:
@@ -472,21 +478,25 @@ class PipelineExecutor:
         pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
         state.roots, state.root_grads = [o for o, _ in pairs], [g for _, g in pairs]
 
-    def _backward(self, action: Action, weights_too: bool) -> None:
+    def _backward(self, action: Action, weights_too: bool, early: bool = False) -> None:
         """``B`` (input and weight gradients), or ``I``: input gradients now, the weights' at ``W``
-        (:class:`~lightning_pipe.runtime.split_backward.SplitBackward`, nothing computed twice)."""
+        (:class:`~lightning_pipe.runtime.split_backward.SplitBackward`, nothing computed twice). An
+        ``early`` ``B`` runs as ``I``, sends, then ``W``."""
         s, mb, t = action.stage, action.microbatch, action.step
         state = self.in_flight[(s, mb, t)]
         self._roots(action, state)
         inputs = [x for x in tensors(state.inputs) if x.requires_grad] if s > 0 else []
-        if weights_too:
-            grads = self.weights[s].backward(t, state.leaves, state.roots, state.root_grads, inputs)
-        else:
+        split = not weights_too or (early and bool(inputs))
+        if split:
             state.split = SplitBackward(state.roots, state.root_grads, inputs, list(state.leaves.values()))
             grads = state.split.input_gradients()
+        else:
+            grads = self.weights[s].backward(t, state.leaves, state.roots, state.root_grads, inputs)
         if s > 0:
             self._send_input_grads(action, state, grads)
-        if weights_too:
+        if weights_too and split:
+            self._weight_gradient(action)
+        elif weights_too:
             self._release(action)
 
     def _weight_gradient(self, action: Action) -> None:

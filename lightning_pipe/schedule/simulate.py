@@ -17,11 +17,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.graph import Graph, Node
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.validate import validate
@@ -41,6 +42,7 @@ class StageCosts:
         saved_bytes: activation bytes kept from a forward until its last backward half.
         weight_bytes: bytes of the stage's parameters (a fetched or reduced copy).
         bandwidth: bytes per second between workers (``inf``: transfers are free).
+        latency: seconds every message takes on top of ``bytes / bandwidth`` (wake-ups, handshakes).
         overlap: transfers overlap compute (else the sender is busy while sending).
     """
 
@@ -53,6 +55,7 @@ class StageCosts:
     saved_bytes: Sequence[float] | None = None
     weight_bytes: Sequence[float] | None = None
     bandwidth: float = math.inf
+    latency: float = 0.0
     overlap: bool = True
 
     @classmethod
@@ -64,7 +67,7 @@ class StageCosts:
     def from_dict(cls, document: object, source: str = "costs") -> StageCosts:
         """Costs from JSON: ``{"forward": [...], "backward": [...]}`` plus any optional per-stage list
         (``input_grad``, ``weight_grad``, ``update``, ``activation_bytes``, ``saved_bytes``,
-        ``weight_bytes``) and ``bandwidth``/``overlap``."""
+        ``weight_bytes``) and ``bandwidth``/``latency``/``overlap``."""
         if not isinstance(document, dict) or "forward" not in document or "backward" not in document:
             raise PlanningError(f'{source}: a costs file is a JSON object with "forward" and "backward" lists')
         known = {f for f in cls.__dataclass_fields__}
@@ -72,7 +75,7 @@ class StageCosts:
         if unknown:
             raise PlanningError(f"{source}: unknown keys {unknown}; known: {sorted(known)}")
         try:
-            return cls(**{key: float(v) if key == "bandwidth" else v for key, v in document.items()})
+            return cls(**{key: float(v) if key in ("bandwidth", "latency") else v for key, v in document.items()})
         except (TypeError, ValueError) as error:
             raise PlanningError(f"{source}: {error}") from None
 
@@ -116,6 +119,8 @@ class StageCosts:
                     raise PlanningError(f"costs: {name} must hold finite numbers >= 0, got {value!r}")
         if math.isnan(self.bandwidth) or self.bandwidth <= 0:
             raise PlanningError(f"costs: bandwidth must be > 0 (or inf), got {self.bandwidth!r}")
+        if not math.isfinite(self.latency) or self.latency < 0:
+            raise PlanningError(f"costs: latency must be a finite number of seconds >= 0, got {self.latency!r}")
 
     @property
     def stages(self) -> int:
@@ -139,7 +144,8 @@ class StageCosts:
         return 0.0
 
     def transfer(self, nbytes: float) -> float:
-        return 0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth
+        """Seconds one message of ``nbytes`` takes."""
+        return self.latency + (0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth)
 
     def _bytes(self, name: str, stage: int) -> float:
         values = getattr(self, name)
@@ -244,6 +250,7 @@ class _Replay:
     schedule: Schedule
     costs: StageCosts
     graph: Graph
+    early: set[Node] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         workers = self.schedule.workers
@@ -277,7 +284,11 @@ class _Replay:
         self.sent[category][dep[0]] += nbytes
         self.received[category][worker] += nbytes
         self.count[category][worker] += 1
-        return self.end[dep] + self.costs.transfer(nbytes)
+        sent = self.end[dep]
+        if dep in self.early:  # the input gradient leaves before the weight gradients are computed
+            source = self.schedule.orders[dep[0]][dep[1]]
+            sent = self.start[dep] + self.costs.duration(replace(source, kind=Kind.I))
+        return sent + self.costs.transfer(nbytes)
 
     def fetch(self, worker: int, action: Action, ready: float) -> float:
         """Weights of a stage this worker does not own: fetched (prefetched while its previous action
@@ -354,11 +365,19 @@ class _Replay:
                 self._release(worker)
 
 
-def simulate(schedule: Schedule, costs: StageCosts, graph: Graph | None = None) -> Simulation:
-    """Replay ``schedule`` with ``costs``; validates it first unless its ``graph`` is given."""
+def simulate(
+    schedule: Schedule, costs: StageCosts, graph: Graph | None = None, early_gradients: bool = False
+) -> Simulation:
+    """Replay ``schedule`` with ``costs``; validates it first unless its ``graph`` is given. With
+    ``early_gradients``, the cool-down backwards send their input gradient after its share of the
+    backward, as the runtime does (:mod:`lightning_pipe.schedule.early`)."""
     if costs.stages != schedule.stages:
         raise PlanningError(f"costs describe {costs.stages} stages, the schedule has {schedule.stages}")
-    replay = _Replay(schedule, costs, graph or validate(schedule))
+    early = set()
+    if early_gradients:
+        for worker, order in enumerate(schedule.orders):
+            early |= {(worker, position) for position in cooldown_backwards(order, schedule.flush)}
+    replay = _Replay(schedule, costs, graph or validate(schedule), early)
     for node in replay.graph.order():
         replay.execute(node)
     replay.finish()
