@@ -33,12 +33,12 @@ class Trap(nn.Module):
         return self.inner(x)
 
 
-def _train(rank: int, victim: int, how: str, family: str) -> float:
-    stages = build_stages(2)
+def _train(rank: int, victim: int, how: str, family: str, world: int) -> float:
+    stages = build_stages(world)
     if rank == victim:
         stages[victim] = Trap(stages[victim], when=5, how=how)
     executor = PipelineExecutor(
-        lambda k: make_schedule(family, 2, 2, k),
+        lambda k: make_schedule(family, world, 2, k),
         stages,
         nn.functional.cross_entropy,
         OPTIMIZERS["sgd"],
@@ -55,21 +55,31 @@ def _train(rank: int, victim: int, how: str, family: str) -> float:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("victim", "how", "family"), [(1, "raise", "1f1b"), (0, "raise", "2bw"), (1, "kill", "1f1b"), (0, "kill", "2bw")]
+    ("victim", "how", "family", "world"),
+    [
+        (1, "raise", "1f1b", 2),
+        (0, "raise", "2bw", 2),
+        (1, "kill", "1f1b", 2),
+        (0, "kill", "2bw", 2),
+        (2, "raise", "1f1b", 3),  # rank 0 waits on rank 1, which waits on rank 2: the stop travels
+        (1, "kill", "2bw", 3),
+    ],
 )
-def test_every_rank_stops_naming_the_failed_one(victim: int, how: str, family: str) -> None:
+def test_every_rank_stops_naming_the_failed_one(victim: int, how: str, family: str, world: int) -> None:
     started = time.monotonic()
     with pytest.raises(LocalRunError) as caught:
-        run_local(_train, 2, victim, how, family, timeout=60)
+        run_local(_train, world, victim, how, family, world, timeout=60)
     assert time.monotonic() - started < 45
-    survivor = caught.value.errors[1 - victim]
-    assert survivor.startswith("PipelineAborted")
+    for survivor in (caught.value.errors[rank] for rank in range(world) if rank != victim):
+        assert survivor.startswith("PipelineAborted")
+        if how == "raise":
+            assert f"rank {victim} failed with PlanningError: stage {victim} (rank {victim}) failed on " in survivor
+            assert "ValueError: the loss exploded" in survivor
+        else:  # by its closed connection (or, for rank 0, as the store's host)
+            assert f"rank {victim}" in survivor
+        waited = float(survivor.rsplit("[after ", 1)[1].split(" s]")[0])
+        assert waited < 12.0
     if how == "raise":
-        assert f"rank {victim} failed with PlanningError: stage {victim} (rank {victim}) failed on " in survivor
-        assert "ValueError: the loss exploded" in survivor
         assert "ValueError: the loss exploded" in caught.value.errors[victim]
     else:
-        assert f"rank {victim}" in survivor  # rank 1 by its closed connection, rank 0 as the store's host
         assert caught.value.errors[victim].startswith("died with exit code")
-    waited = float(survivor.rsplit("[after ", 1)[1].split(" s]")[0])
-    assert waited < 12.0
