@@ -29,11 +29,14 @@ class Trap(nn.Module):
         if self.calls == self.when:
             if self.how == "raise":
                 raise ValueError("the loss exploded")
-            os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "hang":
+                time.sleep(8.0)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
         return self.inner(x)
 
 
-def _train(rank: int, victim: int, how: str, family: str, world: int) -> float:
+def _train(rank: int, victim: int, how: str, family: str, world: int, timeout_seconds: float = 300.0) -> float:
     stages = build_stages(world)
     if rank == victim:
         stages[victim] = Trap(stages[victim], when=5, how=how)
@@ -42,6 +45,7 @@ def _train(rank: int, victim: int, how: str, family: str, world: int) -> float:
         stages,
         nn.functional.cross_entropy,
         OPTIMIZERS["sgd"],
+        timeout_seconds=timeout_seconds,
     )
     start = time.monotonic()
     try:
@@ -83,3 +87,13 @@ def test_every_rank_stops_naming_the_failed_one(victim: int, how: str, family: s
         assert "ValueError: the loss exploded" in caught.value.errors[victim]
     else:
         assert caught.value.errors[victim].startswith("died with exit code")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_hangs_stops_the_others_after_the_timeout() -> None:
+    with pytest.raises(LocalRunError) as caught:
+        run_local(_train, 2, 1, "hang", "1f1b", 2, 2.0, timeout=60)
+    survivor = caught.value.errors[0]
+    assert survivor.startswith("PipelineAborted")
+    assert "rank 0 waited 2 s for a message from rank 1" in survivor
+    assert float(survivor.rsplit("[after ", 1)[1].split(" s]")[0]) < 6.0
