@@ -8,7 +8,8 @@ Every configuration trains the same balanced 2-stage MLP (``depth`` Linear+ReLU 
 per stage) on the same mini-batches, 2 processes x 1 thread over gloo (the peer: torch's
 ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe``, SGD stepped after each schedule step).
 The same two processes run every configuration once per round, round after round, so a slow spell of
-the machine hits them alike; a configuration's time per step is its median over the rounds, each
+the machine hits them alike (the one-process baseline too: rank 0 trains the unsplit model with one
+thread while rank 1 waits); a configuration's time per step is its median over the rounds, each
 round timing ``--steps`` steps after warm-up ones between two barriers. The simulator's prediction
 uses per-stage forward, backward and update times profiled (lightning_pipe.profiler) in the two
 worker processes at once, and a message latency and bandwidth fitted to ping-pongs of an empty and
@@ -105,19 +106,22 @@ def peer(rank: int, name: str, microbatches: int, batches: _Batches, width: int,
     return _timed(run_step, batches)
 
 
-def single_process(steps: int, width: int, depth: int, batch: int) -> float:
-    torch.set_num_threads(1)
-    model = nn.Sequential(stage_module(0, width, depth), stage_module(1, width, depth))
-    optimizer = _sgd(list(model.parameters()))
-    times = []
-    for inputs, targets in data(steps + WARMUP, width, batch):
-        start = time.perf_counter()
-        loss = nn.functional.cross_entropy(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[WARMUP:])
+def single_process(rank: int, batches: _Batches, width: int, depth: int) -> float:
+    """Seconds per step of the unsplit model in one process with one thread (rank 0), while rank 1
+    waits idle at a barrier."""
+    if rank == 0:
+        model = nn.Sequential(stage_module(0, width, depth), stage_module(1, width, depth))
+        optimizer = _sgd(list(model.parameters()))
+        times = []
+        for inputs, targets in batches:
+            start = time.perf_counter()
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - start)
+    dist.barrier()
+    return statistics.median(times[WARMUP:]) if rank == 0 else 0.0
 
 
 def _round_trip(rank: int, tensor: torch.Tensor, repeats: int = 30) -> float:
@@ -172,6 +176,7 @@ def worker(rank: int, microbatches: int, steps: int, rounds: int, width: int, de
         "times": {},
     }
     for _ in range(rounds):
+        result["times"].setdefault("one process", []).append(single_process(rank, batches, width, depth))
         for family in OURS:
             seconds = ours(rank, family, microbatches, batches, width, depth)
             result["times"].setdefault(f"ours {family}", []).append(seconds)
@@ -208,10 +213,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    alone = single_process(args.steps, args.width, args.depth, args.batch)
     print(
-        f"model: 2 stages x {args.depth} blocks of {args.width}, batch {args.batch}; one process, one thread: "
-        f"{alone * 1e3:.1f} ms per step; {args.rounds} rounds of {args.steps} steps"
+        f"model: 2 stages x {args.depth} blocks of {args.width}, batch {args.batch}; {args.rounds} rounds of "
+        f"{args.steps} steps"
     )
     print(
         f"{'run':>20} {'m':>3} {'ms/step':>8} {'spread':>6} {'speed-up':>22} {'vs 1 proc':>9} {'simulated':>9} "
@@ -230,6 +234,7 @@ def main() -> None:
         }
         step = {label: statistics.median(times) for label, times in per_round.items()}
         spread = {label: (max(times) - min(times)) / step[label] for label, times in per_round.items()}
+        alone = step["one process"]
         for family in OURS:
             label = f"ours {family}"
             baseline = f"torch {family}" if family in PEERS else "ours 1f1b"
@@ -244,6 +249,7 @@ def main() -> None:
                 other = f"torch {family}"
                 name = f"torch {LABELS[family]}"
                 print(f"{name:>20} {microbatches:>3} {step[other] * 1e3:>8.1f} {spread[other]:>6.0%}")
+        print(f"{'one process':>20} {microbatches:>3} {alone * 1e3:>8.1f} {spread['one process']:>6.0%}")
         print(f"{'':>20} gloo: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s")
 
 

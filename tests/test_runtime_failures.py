@@ -97,3 +97,22 @@ def test_a_rank_that_hangs_stops_the_others_after_the_timeout() -> None:
     assert survivor.startswith("PipelineAborted")
     assert "rank 0 waited 2 s for a message from rank 1" in survivor
     assert float(survivor.rsplit("[after ", 1)[1].split(" s]")[0]) < 6.0
+
+
+def _forget_inputs(rank: int) -> None:
+    executor = PipelineExecutor(
+        make_schedule("1f1b", 2, 2), build_stages(2), nn.functional.cross_entropy, OPTIMIZERS["sgd"]
+    )
+    for index, (inputs, targets) in enumerate(batches(4)):
+        executor.step(None if index == 2 else inputs, targets)
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_call_on_one_rank_stops_the_others() -> None:
+    started = time.monotonic()
+    with pytest.raises(LocalRunError) as caught:
+        run_local(_forget_inputs, 2, timeout=60)
+    assert time.monotonic() - started < 30
+    assert "rank 0 runs the first stage: step() needs the inputs" in caught.value.errors[0]
+    assert caught.value.errors[1].startswith("PipelineAborted")
+    assert "rank 0 failed with PlanningError: rank 0 runs the first stage" in caught.value.errors[1]

@@ -270,7 +270,11 @@ class PipelineExecutor:
         last stage's outputs when ``return_outputs`` is set too.
         """
         call = self.calls
-        self._store_batch(self.origin + call, inputs, targets)
+        try:
+            self._store_batch(self.origin + call, inputs, targets)
+        except Exception as error:
+            self._stop(error)
+            raise
         output = self._run(self._actions(self.rank, call), lambda peer: self._actions(peer, call), return_outputs)
         self.calls += 1
         self._calls_cache = {key: actions for key, actions in self._calls_cache.items() if key[1] >= self.calls}
