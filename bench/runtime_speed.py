@@ -1,7 +1,7 @@
 """Runtime throughput: ours vs torch.distributed.pipelining, non-flushing vs flushing, pipeline vs one
 process, and measured vs simulated time per step — all in one run on this machine.
 
-Run: ``python bench/runtime_speed.py [--steps 10] [--rounds 5] [--width 512] [--depth 4] [--batch 1024]
+Run: ``python bench/runtime_speed.py [--steps 8] [--rounds 8] [--width 512] [--depth 4] [--batch 1024]
 [--microbatches 2 4]``.
 
 Every configuration trains the same balanced 2-stage MLP (``depth`` Linear+ReLU blocks of ``width``
@@ -10,7 +10,8 @@ per stage) on the same mini-batches, 2 processes x 1 thread over gloo (the peer:
 The same two processes run every configuration once per round, round after round, so a slow spell of
 the machine hits them alike (the one-process baseline too: rank 0 trains the unsplit model with one
 thread while rank 1 waits); a configuration's time per step is its median over the rounds, each
-round timing ``--steps`` steps after warm-up ones between two barriers. The simulator's prediction
+round timing ``--steps`` steps after warm-up ones between two barriers, and a speed-up is the median
+of the rounds' ratios. The simulator's prediction
 uses per-stage forward, backward and update times profiled (lightning_pipe.profiler) in the two
 worker processes at once, and a message latency and bandwidth fitted to ping-pongs of an empty and
 of an activation-sized message. ``spread`` is (slowest - fastest round) / median.
@@ -204,10 +205,16 @@ def predicted(
 LABELS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 
 
+def _paired(baseline: list[float], times: list[float]) -> float:
+    """Median over the rounds of baseline / time: each ratio compares runs made minutes apart at
+    most, under the same load."""
+    return statistics.median(b / t for b, t in zip(baseline, times, strict=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1024)
@@ -238,12 +245,12 @@ def main() -> None:
         for family in OURS:
             label = f"ours {family}"
             baseline = f"torch {family}" if family in PEERS else "ours 1f1b"
-            speedup = f"{step[baseline] / step[label]:.2f}x vs {LABELS.get(family, '1f1b')}"
+            speedup = f"{_paired(per_round[baseline], per_round[label]):.2f}x vs {LABELS.get(family, '1f1b')}"
             expected = predicted(family, microbatches, costs, nbytes, net)
             error = abs(step[label] - expected) / expected
             print(
                 f"{label:>20} {microbatches:>3} {step[label] * 1e3:>8.1f} {spread[label]:>6.0%} {speedup:>22} "
-                f"{alone / step[label]:>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%}"
+                f"{_paired(per_round['one process'], per_round[label]):>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%}"
             )
             if family in PEERS:
                 other = f"torch {family}"
