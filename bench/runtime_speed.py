@@ -11,10 +11,10 @@ The same two processes run every configuration once per round, round after round
 the machine hits them alike (the one-process baseline too: rank 0 trains the unsplit model with one
 thread while rank 1 waits); a configuration's time per step is its median over the rounds, each
 round timing ``--steps`` steps after warm-up ones between two barriers, and a speed-up is the median
-of the rounds' ratios. The simulator's prediction
-uses per-stage forward, backward and update times profiled (lightning_pipe.profiler) in the two
-worker processes at once, and a message latency and bandwidth fitted to ping-pongs of an empty and
-of an activation-sized message. ``spread`` is (slowest - fastest round) / median.
+of the rounds' ratios. The simulator's prediction uses per-stage forward, backward and update times
+profiled (lightning_pipe.profiler) in the two worker processes at once, in every round (the error is
+the median of the rounds' errors), and a message latency and bandwidth fitted to ping-pongs of an
+empty and of an activation-sized message. ``spread`` is (slowest - fastest round) / median.
 """
 
 from __future__ import annotations
@@ -173,10 +173,11 @@ def worker(rank: int, microbatches: int, steps: int, rounds: int, width: int, de
     batches = data(steps + WARMUP, width, batch)
     result: dict = {
         "network": network(rank, batch // microbatches, width),
-        "costs": stage_costs(rank, microbatches, width, depth, batch),
+        "costs": [],
         "times": {},
     }
     for _ in range(rounds):
+        result["costs"].append(stage_costs(rank, microbatches, width, depth, batch))
         result["times"].setdefault("one process", []).append(single_process(rank, batches, width, depth))
         for family in OURS:
             seconds = ours(rank, family, microbatches, batches, width, depth)
@@ -233,7 +234,7 @@ def main() -> None:
             worker, 2, microbatches, args.steps, args.rounds, args.width, args.depth, args.batch, timeout=1800
         )
         net = results[0]["network"]
-        costs = [r["costs"] for r in results]
+        costs = list(zip(*(r["costs"] for r in results), strict=True))  # per round: (rank 0's, rank 1's)
         nbytes = args.batch // microbatches * args.width * 4
         per_round = {
             label: [max(pair) for pair in zip(*(r["times"][label] for r in results), strict=True)]
@@ -246,8 +247,9 @@ def main() -> None:
             label = f"ours {family}"
             baseline = f"torch {family}" if family in PEERS else "ours 1f1b"
             speedup = f"{_paired(per_round[baseline], per_round[label]):.2f}x vs {LABELS.get(family, '1f1b')}"
-            expected = predicted(family, microbatches, costs, nbytes, net)
-            error = abs(step[label] - expected) / expected
+            expected_by_round = [predicted(family, microbatches, list(c), nbytes, net) for c in costs]
+            expected = statistics.median(expected_by_round)
+            error = statistics.median(abs(t - e) / e for t, e in zip(per_round[label], expected_by_round, strict=True))
             print(
                 f"{label:>20} {microbatches:>3} {step[label] * 1e3:>8.1f} {spread[label]:>6.0%} {speedup:>22} "
                 f"{_paired(per_round['one process'], per_round[label]):>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%}"
