@@ -244,8 +244,13 @@ class Transport:
 
     # -- failures -------------------------------------------------------------------------------
     def _wait(self, work: dist.Work, peer: int, what: str) -> None:
+        """Wait for ``work``. On gloo the wait blocks the caller for at most the timeout; on NCCL it
+        only orders the current stream after the transfer (its watchdog enforces the group's timeout)."""
         try:
-            work.wait(self.timeout)
+            if self.device.type == "cpu":
+                work.wait(self.timeout)
+            else:
+                work.wait()
         except RuntimeError as error:
             if "timed out" in str(error).lower() or "timeout" in str(error).lower():
                 self.failures.report(
