@@ -4,7 +4,7 @@ One executor runs every family (DESIGN.md): it walks its worker's actions (a
 :class:`~lightning_pipe.runtime.program.Program`, one call per mini-batch) and does what each says —
 forward ``F``, backward ``B`` or its halves ``I`` and ``W``, optimizer ``UPDATE`` — with the weight
 version the action names (:class:`~lightning_pipe.runtime.weights.StageWeights`). Receives for a call
-are posted when it starts and advanced between actions; sends are asynchronous.
+are posted when it starts, so data moves while the worker computes; sends are asynchronous.
 
 The loss of micro-batch ``i`` is weighted by its share of the mini-batch, ``n_i / n``, so that the
 accumulated gradient is the mini-batch mean ``1/N Σ ∇f_i`` of the update rules even when the last
