@@ -180,8 +180,9 @@ class Transport:
 
     # -- receiving ----------------------------------------------------------------------------
     def expect(self, peer: int, slot: Hashable = None) -> int:
-        """Announce the next message from ``peer`` (of stream ``slot``, as the sender names it) and
-        post its receives if its stream's layout is known. Returns its number for :meth:`receive`."""
+        """Announce the next message from ``peer`` (of stream ``slot``, as the sender names it) and post
+        its receive, unless an earlier message of the stream is still in flight (then it is posted once
+        that one is in). Returns its number for :meth:`receive`."""
         sequence = self._expected_count[peer]
         self._expected_count[peer] += 1
         incoming = _Incoming(sequence, slot)
