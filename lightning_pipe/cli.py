@@ -209,6 +209,12 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:
     costs.add_argument("--plan", metavar="FILE", help="a plan from lightning-pipe plan --json")
     parser.add_argument("--bandwidth", type=_argument(parse_bandwidth), help="link bandwidth, e.g. 10GB/s")
     parser.add_argument("--no-overlap", action="store_true", help="a sender is busy while it sends")
+    parser.add_argument("--latency", type=float, help="seconds every message takes on top of bytes / bandwidth")
+    parser.add_argument(
+        "--early-gradients",
+        action="store_true",
+        help="cool-down backwards send their input gradient first, as the runtime does (flushing schedules)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="FILE", help="draw the timeline (.png or .svg)")
     parser.add_argument("--memory-plot", metavar="FILE", help="draw activation memory over time (.png or .svg)")
@@ -246,6 +252,8 @@ def _stage_costs(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
         changes["bandwidth"] = args.bandwidth
     if args.no_overlap:
         changes["overlap"] = False
+    if args.latency is not None:
+        changes["latency"] = args.latency
     return (replace(costs, **changes) if changes else costs), replicas
 
 
@@ -290,7 +298,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         backward=args.backward,
         stage_replicas=args.stage_replicas or plan_replicas,
     )
-    result = simulate(schedule, costs, graph=validate(schedule))
+    result = simulate(schedule, costs, graph=validate(schedule), early_gradients=args.early_gradients)
     if args.save_schedule:
         Path(args.save_schedule).write_text(json.dumps(schedule.to_dict()) + "\n")
     _draw(args, result)

@@ -178,6 +178,12 @@ def test_simulate_a_plan_and_a_costs_file(pipedream_profiles: Path, tmp_path: Pa
     )
     # stage 1: F0 at 1 + 2 (transfer), F1 after it, B0, B1 -> 15; stage 0: B1 at 15 + 2 -> 19
     assert result["makespan"] == 19
+    gpipe = ["simulate", "--schedule", "gpipe", "--costs", str(costs), "--microbatches", "2"]
+    late = _json(capsys, *gpipe, "--latency", "1")
+    assert late["makespan"] == 19 - 4 + 2 * 1  # no bandwidth given: each message costs only its latency
+    unit = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2"]
+    assert _json(capsys, *unit)["makespan"] == 9
+    assert _json(capsys, *unit, "--early-gradients")["makespan"] == 8  # (P - 1) W sooner, W = B / 2 = 1
 
 
 @pytest.mark.parametrize(
