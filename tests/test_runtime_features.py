@@ -73,6 +73,7 @@ def _train(rank: int, family: str, stages, steps: int, microbatches: int = 3, **
     executor.close()
     return {
         "params": {s: [p.detach().clone() for p in w.params] for s, w in executor.weights.items()},
+        "buffers": {s: [b.clone() for b in w.module.buffers()] for s, w in executor.weights.items()},
         "peak_saved_bytes": executor.peak_saved_bytes,
         "timeline": executor.timeline,
     }
@@ -107,13 +108,17 @@ def test_a_stage_mismatch_names_both_stages() -> None:
 
 
 class Wide(nn.Module):
-    """A stage whose activations dwarf its weights, with dropout."""
+    """A stage whose activations dwarf its weights, with dropout and batch norm."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        # dropout: the recomputed forward must draw the same masks as the first one
+        # dropout: the recomputed forward must draw the same masks as the first one; batch norm: it must
+        # not update the running statistics a second time
         self.layers = nn.Sequential(
-            *[nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.2)) for _ in range(6)]
+            *[
+                nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Dropout(0.2))
+                for _ in range(6)
+            ]
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,6 +139,8 @@ def test_recomputation_saves_activation_memory() -> None:
         assert recomputed[rank]["peak_saved_bytes"] * 3 < kept[rank]["peak_saved_bytes"]
         for got, want in zip(recomputed[rank]["params"][rank], kept[rank]["params"][rank], strict=True):
             assert torch.allclose(got, want, atol=1e-6, rtol=0)
+        for got, want in zip(recomputed[rank]["buffers"][rank], kept[rank]["buffers"][rank], strict=True):
+            assert torch.allclose(got.double(), want.double(), atol=1e-6, rtol=0)
 
 
 def _drain_worker(rank: int) -> dict:

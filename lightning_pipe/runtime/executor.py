@@ -452,14 +452,20 @@ class PipelineExecutor:
         return (torch.get_rng_state(),)
 
     def _recompute(self, action: Action, state: _InFlight) -> None:
-        """GPipe rematerialisation: the forward again, with autograd, under the forward's RNG state."""
+        """GPipe rematerialisation: the forward again, with autograd, under the forward's RNG state (same
+        dropout masks), leaving the module's buffers as they were (batch norm's running statistics are
+        updated once per micro-batch, by the first forward)."""
         weights = self.weights[action.stage]
         accelerated = [self.device] if self.device.type == "cuda" else []
+        buffers = [(buffer, buffer.clone()) for buffer in weights.module.buffers()]
         with torch.random.fork_rng(devices=accelerated):
             torch.set_rng_state(state.rng[0])
             if accelerated:
                 torch.cuda.set_rng_state(state.rng[1], self.device)
             state.outputs, state.saved_bytes = self._forward_saving(weights, state.leaves, state.inputs)
+        with torch.no_grad():
+            for buffer, before in buffers:
+                buffer.copy_(before)
         if action.stage == self.schedule.stages - 1:
             state.loss = self._loss(state.outputs, action.step, action.microbatch)
 
