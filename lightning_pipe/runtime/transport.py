@@ -40,11 +40,9 @@ from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
 
 __all__ = ["Transport"]
 
-_TAG_SPACE = 1 << 28
+_TAG_SPACE = 1 << 28  # a message's tag is its index per pair of ranks, modulo this
 _Layout = tuple[Any, list[tuple[torch.dtype, tuple[int, ...]]]]
-_PENDING = object()
-
-
+_PENDING = object()  # a message not received yet
 _FIELDS = 24  # three int64: the layout is new, bytes of its description, bytes on the overflow group
 _HEADER = 64  # the fields, padded
 _ALIGN = 64  # packed tensors start where the allocator would put them: same kernels, bitwise-equal results
@@ -52,7 +50,7 @@ _ALIGN = 64  # packed tensors start where the allocator would put them: same ker
 
 @dataclass
 class _Incoming:
-    """One expected message: its receive is posted once its stream's layout is known."""
+    """One expected message: its receive is posted once no earlier message of its stream is in flight."""
 
     sequence: int
     slot: Hashable
