@@ -12,9 +12,10 @@ its forward saw, however many updates happened in between (weight stashing, Nara
   updates the live parameters in place without disturbing pending backwards. Snapshots no future
   action needs are dropped.
 
-Gradients are accumulated per step (two steps can be in flight) in buffers that autograd adds into
-in place and that are reused once their update is done. An update sums them across the stage's
-replicas (all-reduce in the stage's own process group), hands them to the optimizer and steps it.
+Gradients are accumulated per step (two steps can be in flight): the step's first backward keeps the
+gradients autograd made (nothing to zero), later ones are added into them in place. An update sums
+them across the stage's replicas (all-reduce in the stage's own process group), hands them to the
+optimizer and steps it.
 Everything that carries over between calls is in :meth:`StageWeights.state_dict`.
 """
 
@@ -58,7 +59,6 @@ class StageWeights:
         self.version = 0
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.gradients: dict[int, list[torch.Tensor]] = {}
-        self._spare: list[list[torch.Tensor]] = []
 
     def leaves(self, version: int) -> dict[str, torch.Tensor]:
         """The tensors to compute with for ``version`` (the current version or a kept snapshot)."""
@@ -84,18 +84,19 @@ class StageWeights:
             return self.module(inputs)
         return functional_call(self.module, leaves, (inputs,))
 
-    def _buffer(self, step: int) -> list[torch.Tensor]:
-        buffer = self.gradients.pop(step, None)
-        if buffer is None:
-            buffer = self._spare.pop() if self._spare else [torch.zeros_like(p) for p in self.params]
-        return buffer
+    def _buffer(self, step: int) -> list[torch.Tensor | None]:
+        """``step``'s gradients so far (``None`` for a weight none reached yet)."""
+        return self.gradients.pop(step, None) or [None] * len(self.params)
 
     def add(self, step: int, grads: list[torch.Tensor | None]) -> None:
-        """Add weight gradients computed elsewhere (a split backward's ``W``) to ``step``'s buffer."""
+        """Add weight gradients computed elsewhere (a split backward's ``W``, fresh tensors) to
+        ``step``'s buffer."""
         buffer = self._buffer(step)
-        for total, grad in zip(buffer, grads, strict=True):
-            if grad is not None:
-                total.add_(grad)
+        for index, grad in enumerate(grads):
+            if grad is not None and buffer[index] is None:
+                buffer[index] = grad
+            elif grad is not None:
+                buffer[index].add_(grad)
         self.gradients[step] = buffer
 
     def backward(
@@ -108,8 +109,9 @@ class StageWeights:
         retain_graph: bool = False,
     ) -> list[torch.Tensor | None]:
         """Backward of one micro-batch: weight gradients accumulate in place into ``step``'s buffer
-        (lent to the leaves as their ``.grad``, so autograd adds into it without allocating), the
-        gradients of ``inputs`` are returned."""
+        (lent to the leaves as their ``.grad``, so autograd adds into it without allocating; the
+        step's first backward keeps what autograd made, with nothing to zero), the gradients of
+        ``inputs`` are returned."""
         buffer = self._buffer(step)
         weights = list(leaves.values())
         for leaf, grad in zip(weights, buffer, strict=True):
@@ -128,17 +130,15 @@ class StageWeights:
         """Apply ``step``'s gradient (summed over replicas); versions outside ``keep`` are dropped."""
         if self.snapshots and self.version in keep:
             self.leaves(self.version)  # the outgoing version stays usable after the in-place update
-        buffer = self.gradients.pop(step, None) or [torch.zeros_like(p) for p in self.params]
+        buffer = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, self._buffer(step), strict=True)]
         if self.group is not None:
             for grad in buffer:
                 dist.all_reduce(grad, group=self.group)
         for param, grad in zip(self.params, buffer, strict=True):
             param.grad = grad
         self.optimizer.step()
-        for param, grad in zip(self.params, buffer, strict=True):
+        for param in self.params:
             param.grad = None
-            grad.zero_()
-        self._spare.append(buffer)  # reused by a later step: no allocation in the steady state
         self.version += 1
         self.versions = {v: leaves for v, leaves in self.versions.items() if v in keep}
 
@@ -147,7 +147,7 @@ class StageWeights:
         return {
             "version": self.version,
             "versions": {v: {k: t.detach().clone() for k, t in leaves.items()} for v, leaves in self.versions.items()},
-            "gradients": {s: [g.clone() for g in grads] for s, grads in self.gradients.items()},
+            "gradients": {s: [None if g is None else g.clone() for g in grads] for s, grads in self.gradients.items()},
             "optimizer": self.optimizer.state_dict(),
         }
 
@@ -157,5 +157,7 @@ class StageWeights:
             int(v): {k: t.clone().requires_grad_(True) for k, t in leaves.items()}
             for v, leaves in state["versions"].items()
         }
-        self.gradients = {int(s): [g.clone() for g in grads] for s, grads in state["gradients"].items()}
+        self.gradients = {
+            int(s): [None if g is None else g.clone() for g in grads] for s, grads in state["gradients"].items()
+        }
         self.optimizer.load_state_dict(state["optimizer"])
