@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_pipe.schedule import StageCosts, make_schedule, simulate
+from lightning_pipe.schedule import StageCosts, build_schedule, simulate
 from lightning_pipe.schedule.draw import draw_memory, draw_timeline
 
 HERE = Path(__file__).resolve().parent
@@ -45,8 +45,9 @@ def main() -> None:
     ]
     sections = []
     for family, stages, microbatches, steps, options, title in GALLERY:
-        schedule = make_schedule(family, stages, microbatches, steps, **options)
-        sim = simulate(schedule, StageCosts.uniform(stages, 1.0, 2.0, saved_bytes=[1.0] * stages))
+        graph = build_schedule(family, stages, microbatches, steps, **options)
+        schedule = graph.schedule
+        sim = simulate(schedule, StageCosts.uniform(stages, 1.0, 2.0, saved_bytes=[1.0] * stages), graph)
         name = family + ("_" + options["form"] if "form" in options else "")
         heading = f"{title} (P={stages}, m={microbatches}, steps={steps})"
         draw_timeline(sim.timeline, HERE / "schedules" / f"{name}.png", title=heading, workers=schedule.workers)

@@ -170,12 +170,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _replica_list(text: str) -> list[int]:
     try:
-        counts = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma separated whole numbers, e.g. 2,1,1; got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"every stage needs at least one worker, got {text!r}")
-    return counts
+        return [_positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{error}: give one worker count >= 1 per stage, e.g. 2,1,1") from None
 
 
 def _simulate_parser(commands: argparse._SubParsersAction) -> None:
@@ -276,11 +273,10 @@ def _simulation_table(result) -> str:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from lightning_pipe.schedule import make_schedule, simulate
-    from lightning_pipe.schedule.validate import validate
+    from lightning_pipe.schedule import build_schedule, simulate
 
     costs, plan_replicas = _stage_costs(args)
-    schedule = make_schedule(
+    graph = build_schedule(
         args.schedule,
         costs.stages,
         args.microbatches,
@@ -298,7 +294,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
         backward=args.backward,
         stage_replicas=args.stage_replicas or plan_replicas,
     )
-    result = simulate(schedule, costs, graph=validate(schedule), early_gradients=args.early_gradients)
+    schedule = graph.schedule
+    result = simulate(schedule, costs, graph=graph, early_gradients=args.early_gradients)
     if args.save_schedule:
         Path(args.save_schedule).write_text(json.dumps(schedule.to_dict()) + "\n")
     _draw(args, result)

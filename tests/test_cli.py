@@ -200,6 +200,16 @@ def test_simulate_errors(argv: list[str], message: str, capsys) -> None:
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("replicas", "message"), [("2,0", "got 0: give one worker count >= 1 per"), ("2,x", "e.g. 2,1,1")]
+)
+def test_stage_replicas_must_be_counts(replicas: str, message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--schedule", "1f1b_rr", "--microbatches", "2", "--stage-replicas", replicas])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_simulate_replicated_plan_places_its_replicas(pipedream_profiles: Path, tmp_path: Path, capsys) -> None:
     profile = str(pipedream_profiles / "resnet18" / "graph.txt")
     plan = _json(capsys, "plan", "--profile", profile, "--devices", "4", "--bandwidth", "1GB/s")
@@ -207,3 +217,17 @@ def test_simulate_replicated_plan_places_its_replicas(pipedream_profiles: Path, 
     path.write_text(json.dumps(plan))
     result = _json(capsys, "simulate", "--schedule", "1f1b_rr", "--plan", str(path), "--microbatches", "4")
     assert result["stages"] == len(plan["stages"]) and result["workers"] == plan["devices_used"]
+
+
+def test_simulate_cli_writes_every_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot, memory, trace, saved = (tmp_path / n for n in ("t.png", "m.svg", "trace.json", "schedule.json"))
+    argv = ["simulate", "--schedule", "zb_h1", "--stages", "4", "--microbatches", "6", "--json"]
+    argv += ["--plot", str(plot), "--memory-plot", str(memory), "--trace", str(trace), "--save-schedule", str(saved)]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("makespan", "throughput", "bubble_fraction", "peak_activations", "weight_versions"):
+        assert key in result
+    assert result["peak_activations"]["count"] == [4, 3, 2, 1]
+    assert plot.stat().st_size > 0 and memory.stat().st_size > 0
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert json.loads(saved.read_text())["family"] == "zb_h1"

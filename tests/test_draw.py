@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -87,7 +86,6 @@ def test_box_widths_are_durations() -> None:
             (i.start, i.end) for i in intervals if i.worker == worker and i.action.kind in (Kind.F, Kind.B)
         )
         assert drawn[worker] == expected
-    assert drawn[0][-1][1] - drawn[0][-1][0] == 2.0  # a backward is twice a forward
     assert ax.get_xlim() == (0.0, 9.0)
 
 
@@ -176,15 +174,12 @@ def test_too_few_workers_and_malformed_intervals() -> None:
         draw_timeline([interval(0, Kind.F, 0, 0, 2.0, 1.0)])
 
 
-def test_large_timeline_is_fast_and_unlabelled(tmp_path: Path) -> None:
+def test_large_timeline_is_grouped_and_unlabelled(tmp_path: Path) -> None:
     schedule = assign_versions(one_f_one_b(16, 256), "sync")
     sim = simulate(schedule, StageCosts.uniform(16, 1.0, 2.0))
-    began = time.perf_counter()
     figure = draw_timeline(sim.timeline, tmp_path / "big.png")
-    elapsed = time.perf_counter() - began
     ax = figure.axes[0]
     assert not ax.texts
     assert len(ax.collections) < 16 * 30  # grouped per (worker, colour), not one artist per box
     assert all(c.get_linewidth().max() == 0 for c in ax.collections if isinstance(c, PolyCollection))
     assert 6.0 <= figure.get_figwidth() <= 24.0
-    assert elapsed < 10.0

@@ -92,6 +92,30 @@ def test_nested_messages_and_skip_connections() -> None:
             assert torch.allclose(got, want, atol=1e-6, rtol=0)
 
 
+def _resized_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Mini-batches whose size changes from step to step: every message stream changes layout."""
+    return [batch for seed, rows in enumerate((10, 10, 7, 12)) for batch in batches(1, rows=rows, seed=seed)]
+
+
+def _resized_worker(rank: int) -> dict:
+    executor = PipelineExecutor(
+        make_schedule("1f1b", 2, 3), build_stages(2), nn.functional.cross_entropy, OPTIMIZERS["sgd"]
+    )
+    for inputs, targets in _resized_batches():
+        executor.step(inputs, targets)
+    executor.close()
+    return {s: [p.detach().clone() for p in w.params] for s, w in executor.weights.items()}
+
+
+@pytest.mark.timeout(120)
+def test_shapes_are_negotiated_again_when_the_batch_size_changes() -> None:
+    results = run_local(_resized_worker, 2, timeout=90)
+    expected = reference(build_stages(2), _resized_batches(), 3, sync, "sgd")
+    for stage in range(2):
+        for got, want in zip(results[stage][stage], expected[stage], strict=True):
+            assert torch.allclose(got, want, atol=1e-6, rtol=0)
+
+
 def _mismatch_worker(rank: int) -> dict:
     stages = build_stages(2)
     stages[1] = nn.Linear(5, 3)  # stage 0 sends 8 features
@@ -159,13 +183,21 @@ def _drain_worker(rank: int) -> dict:
         losses.update(executor.step(inputs, targets, share_losses=True).losses)
     losses.update(executor.drain(share_losses=True).losses)
     executor.close()
-    return {"losses": losses, "timeline": executor.timeline, "calls": executor.origin, "outputs": outputs}
+    snapshots = [version for weights in executor.weights.values() for version in weights.versions]
+    return {
+        "losses": losses,
+        "timeline": executor.timeline,
+        "calls": executor.origin,
+        "outputs": outputs,
+        "snapshots": snapshots,
+    }
 
 
 @pytest.mark.timeout(120)
 def test_drain_midway_shares_losses_and_records_every_action() -> None:
     results = run_local(_drain_worker, 2, timeout=90)
     assert results[0]["losses"] == results[1]["losses"] and sorted(results[0]["losses"]) == list(range(6))
+    assert results[0]["snapshots"] == results[1]["snapshots"] == []  # a drain keeps no weight copies
     assert results[0]["calls"] == 6
     for result in results:  # outputs of the micro-batches whose last stage ran during the shared calls
         assert result["outputs"] and all(tensor.shape[1] == 3 for tensor in result["outputs"].values())

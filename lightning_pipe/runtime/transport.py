@@ -75,7 +75,10 @@ def _pack(
     specs = [(t.dtype, tuple(t.shape)) for t in tensors]
     buffer = torch.empty(start + _packed_bytes(specs), dtype=torch.uint8, device=device)
     if header is not None:
-        buffer[:_FIELDS].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+        if any(header):  # a host-to-device copy (on CUDA, a synchronisation): only for a new layout
+            buffer[:_FIELDS].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+        else:
+            buffer[:_FIELDS].zero_()
     if prefix:
         buffer[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
     for tensor, view in zip(tensors, _unpack(buffer, start, specs), strict=True):

@@ -106,7 +106,6 @@ class StageWeights:
         roots: list[torch.Tensor],
         root_grads: list[torch.Tensor] | None,
         inputs: list[torch.Tensor],
-        retain_graph: bool = False,
     ) -> list[torch.Tensor | None]:
         """Backward of one micro-batch: weight gradients accumulate in place into ``step``'s buffer
         (lent to the leaves as their ``.grad``, so autograd adds into it without allocating; the
@@ -117,7 +116,7 @@ class StageWeights:
         for leaf, grad in zip(weights, buffer, strict=True):
             leaf.grad = grad
         del buffer  # the leaves hold the only reference: autograd accumulates in place
-        torch.autograd.backward(roots, root_grads, inputs=inputs + weights, retain_graph=retain_graph)
+        torch.autograd.backward(roots, root_grads, inputs=inputs + weights)
         self.gradients[step] = [leaf.grad for leaf in weights]
         for leaf in weights:
             leaf.grad = None

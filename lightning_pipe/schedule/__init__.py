@@ -1,7 +1,8 @@
 """Schedules: one IR for every pipeline family, a validator, a simulator and pictures.
 
 :func:`make_schedule` builds a family by name, assigns the weight versions of its update rule and
-validates it; :func:`~lightning_pipe.schedule.simulate.simulate` predicts it.
+validates it (:func:`build_schedule` also returns the validated dependency graph);
+:func:`~lightning_pipe.schedule.simulate.simulate` predicts it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule import asynchronous, beaumont, cyclic, master, pipeline, zero_bubble
+from lightning_pipe.schedule.graph import Graph
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulate import Simulation, StageCosts, simulate
 from lightning_pipe.schedule.validate import validate
@@ -25,6 +27,7 @@ __all__ = [
     "Simulation",
     "StageCosts",
     "assign_versions",
+    "build_schedule",
     "make_schedule",
     "simulate",
     "validate",
@@ -115,7 +118,7 @@ def _generate(
     raise PlanningError(f"unknown schedule {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
-def make_schedule(
+def build_schedule(
     family: str,
     stages: int,
     microbatches: int,
@@ -133,8 +136,9 @@ def make_schedule(
     forward: float = 1.0,
     backward: float = 2.0,
     stage_replicas: Sequence[int] | None = None,
-) -> Schedule:
-    """Build, version and validate the schedule ``family``.
+) -> Graph:
+    """Build, version and validate the schedule ``family``; returns its dependency graph (the
+    schedule is ``.schedule``), so a simulation need not validate it again.
 
     Args:
         family: a key of :data:`FAMILIES`.
@@ -174,6 +178,9 @@ def make_schedule(
             f"{family} runs the {schedule.rule!r} update rule; {rule!r} applies to "
             + "pipedream (stash, vertical), 2bw (2bw, stash) and cdp (cdp_v1, cdp_v2)"
         )
-    versioned = assign_versions(schedule, schedule.rule)
-    validate(versioned)
-    return versioned
+    return validate(assign_versions(schedule, schedule.rule))
+
+
+def make_schedule(family: str, stages: int, microbatches: int, steps: int = 1, **options: object) -> Schedule:
+    """Build, version and validate the schedule ``family`` (the options of :func:`build_schedule`)."""
+    return build_schedule(family, stages, microbatches, steps, **options).schedule

@@ -47,8 +47,6 @@ def one_f_one_b_star(
     *,
     period: float,
     stage_seconds: Sequence[float] | None = None,
-    flush: bool = True,
-    rule: str = "sync",
 ) -> Schedule:
     """1F1B*(T): warm-up ``g(s) - 1`` on stage ``s`` of group ``g(s)``; ``stage_seconds`` are the
     ``U(s) = u_F + u_B`` (default: 1 each)."""
@@ -63,8 +61,6 @@ def one_f_one_b_star(
         microbatches,
         steps,
         lambda s, jobs: one_f_one_b_order(s, jobs, groups[s] - 1),
-        flush=flush,
-        rule=rule,
         params={"period": period, "groups": groups},
     )
 
@@ -85,9 +81,7 @@ def _kperiodic_order(stage: int, jobs: list[Job], warmup: int, k: int) -> list[A
     return [a for a in one_f_one_b_order(stage, marked, warmup) if a.step >= 0]
 
 
-def kperiodic(
-    stages: int, microbatches: int, steps: int = 1, *, k: int, flush: bool = True, rule: str = "sync"
-) -> Schedule:
+def kperiodic(stages: int, microbatches: int, steps: int = 1, *, k: int) -> Schedule:
     """1F1B unrolled with every ``(k + 1)``-th slot dropped."""
     check_sizes("kperiodic", stages, microbatches, steps)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -98,7 +92,5 @@ def kperiodic(
         microbatches,
         steps,
         lambda s, jobs: _kperiodic_order(s, jobs, warmup_1f1b(stages, s), k),
-        flush=flush,
-        rule=rule,
         params={"k": k},
     )

@@ -141,7 +141,8 @@ class Schedule:
         stages: ``P``.
         microbatches: ``m`` per step.
         steps: optimizer steps covered.
-        orders: ``orders[w]`` is worker ``w``'s actions in execution order.
+        orders: ``orders[w]`` is worker ``w``'s actions in execution order (any sequences; kept as
+            tuples).
         owners: ``owners[s]`` are the workers that hold the source of truth of stage ``s``'s weights
             and apply its updates (several for replicated stages, DDP).
         rule: the update rule the versions follow (``sync``, ``stash``, ``vertical``, ``2bw``,
@@ -160,6 +161,10 @@ class Schedule:
     flush: bool = True
     params: dict[str, object] = field(default_factory=dict, compare=False)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "orders", tuple(tuple(order) for order in self.orders))
+        object.__setattr__(self, "owners", tuple(tuple(workers) for workers in self.owners))
+
     @property
     def workers(self) -> int:
         return len(self.orders)
@@ -171,7 +176,7 @@ class Schedule:
                 yield worker, position, action
 
     def with_orders(self, orders: Sequence[Sequence[Action]], **changes: object) -> Schedule:
-        return replace(self, orders=tuple(tuple(order) for order in orders), **changes)
+        return replace(self, orders=orders, **changes)
 
     # -- text exchange --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, object]:
@@ -244,6 +249,6 @@ class Schedule:
             stages=stages,
             microbatches=microbatches,
             steps=1,
-            orders=tuple(tuple(order) for order in parsed),
+            orders=parsed,
             owners=tuple((owner[s],) for s in range(stages)),
         )

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.memory import MemoryModel
 from lightning_pipe.schedule.greedy import list_schedule
 from lightning_pipe.schedule.ir import Action, Kind, Schedule
 from lightning_pipe.schedule.pipeline import check_sizes
@@ -105,8 +106,8 @@ def master(
         stages=stages,
         microbatches=microbatches,
         steps=steps,
-        orders=tuple(tuple(order) for order in orders),
-        owners=tuple(tuple(sorted(owners[s])) for s in range(stages)),
+        orders=orders,
+        owners=[sorted(owners[s]) for s in range(stages)],
         params={"workers": workers, "priority": priority if isinstance(priority, str) else "custom"},
     )
 
@@ -124,8 +125,14 @@ def replicated(stage_replicas: Sequence[int], microbatches: int, steps: int = 1,
     replicas = list(stage_replicas)
     if not replicas or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in replicas):
         raise PlanningError(f"1f1b_rr: stage_replicas must be whole numbers >= 1 per stage, got {stage_replicas!r}")
+    if microbatches < max(replicas):
+        raise PlanningError(
+            f"1f1b_rr: a stage replicated {max(replicas)} times needs at least {max(replicas)} micro-batches per "
+            f"step (one per replica), got {microbatches}"
+        )
     first = [sum(replicas[:s]) for s in range(len(replicas))]
     downstream = [sum(replicas[s:]) for s in range(len(replicas))]
+    noam = MemoryModel("1f1b")  # PipeDream's NOAM, the cap 1F1B-RR keeps per replica
 
     def placement(s: int, b: int, d: Kind) -> tuple[int, int]:
         worker = first[s] + b % replicas[s]
@@ -138,11 +145,10 @@ def replicated(stage_replicas: Sequence[int], microbatches: int, steps: int = 1,
         sum(replicas),
         placement,
         steps=steps,
-        in_flight=lambda s: -(-downstream[s] // replicas[s]),
+        in_flight=lambda s: noam.in_flight(downstream[s], replicas[s]),
         **options,
     )
-    owners = tuple(tuple(range(first[s], first[s] + replicas[s])) for s in range(len(replicas)))
-    return replace(schedule, owners=owners, params={**schedule.params, "stage_replicas": replicas})
+    return replace(schedule, params={**schedule.params, "stage_replicas": replicas})
 
 
 def ddp(stages: int, microbatches: int, steps: int = 1, **options: object) -> Schedule:

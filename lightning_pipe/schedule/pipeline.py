@@ -54,26 +54,15 @@ def fill_drain(stage: int, jobs: Sequence[Job]) -> list[Action]:
     return [Action(Kind.F, stage, i, t) for t, i in jobs] + [Action(Kind.B, stage, i, t) for t, i in jobs]
 
 
-def one_f_one_b_order(stage: int, jobs: Sequence[Job], warmup: int, split: bool = False) -> list[Action]:
-    """``warmup`` forwards, then forward/backward pairs, then the remaining backwards.
-
-    With ``split`` each backward is ``I`` immediately followed by ``W``.
-    """
+def one_f_one_b_order(stage: int, jobs: Sequence[Job], warmup: int) -> list[Action]:
+    """``warmup`` forwards, then forward/backward pairs, then the remaining backwards."""
     warmup = max(0, min(warmup, len(jobs)))
-
-    def backward(job: Job) -> list[Action]:
-        t, i = job
-        if split:
-            return [Action(Kind.I, stage, i, t), Action(Kind.W, stage, i, t)]
-        return [Action(Kind.B, stage, i, t)]
-
     order = [Action(Kind.F, stage, i, t) for t, i in jobs[:warmup]]
     for k in range(warmup, len(jobs)):
         t, i = jobs[k]
-        order.append(Action(Kind.F, stage, i, t))
-        order += backward(jobs[k - warmup])
-    for job in jobs[len(jobs) - warmup :]:
-        order += backward(job)
+        back_t, back_i = jobs[k - warmup]
+        order += [Action(Kind.F, stage, i, t), Action(Kind.B, stage, back_i, back_t)]
+    order += [Action(Kind.B, stage, i, t) for t, i in jobs[len(jobs) - warmup :]]
     return order
 
 
@@ -118,14 +107,14 @@ def build(
     orders = []
     for stage in range(stages):
         order = [action for part in _per_step(jobs, flush) for action in stage_order(stage, part)]
-        orders.append(tuple(with_updates(order, [stage])))
+        orders.append(with_updates(order, [stage]))
     return Schedule(
         family=family,
         stages=stages,
         microbatches=microbatches,
         steps=steps,
-        orders=tuple(orders),
-        owners=tuple((s,) for s in range(stages)),
+        orders=orders,
+        owners=[(s,) for s in range(stages)],
         rule=rule,
         flush=flush,
         params=dict(params or {}),
@@ -165,18 +154,11 @@ def _looped(family: str, stages: int, microbatches: int, steps: int, virtual_sta
     return stages // virtual_stages
 
 
-def _looped_schedule(
-    family: str, stages: int, microbatches: int, steps: int, workers: int, orders: list[list[Action]], v: int
-) -> Schedule:
-    return Schedule(
-        family=family,
-        stages=stages,
-        microbatches=microbatches,
-        steps=steps,
-        orders=tuple(tuple(order) for order in orders),
-        owners=tuple((s % workers,) for s in range(stages)),
-        params={"virtual_stages": v},
-    )
+def _looped_schedule(family: str, stages: int, microbatches: int, steps: int, orders: list[list[Action]]) -> Schedule:
+    """Stage ``s`` owned by worker ``s mod len(orders)``."""
+    v = stages // len(orders)
+    owners = [(s % len(orders),) for s in range(stages)]
+    return Schedule(family, stages, microbatches, steps, orders, owners, params={"virtual_stages": v})
 
 
 def looped_bfs(stages: int, microbatches: int, steps: int = 1, virtual_stages: int = 2) -> Schedule:
@@ -191,7 +173,7 @@ def looped_bfs(stages: int, microbatches: int, steps: int = 1, virtual_stages: i
             order = [Action(Kind.F, s, i, t) for s in mine for i in range(microbatches)]
             order += [Action(Kind.B, s, i, t) for s in reversed(mine) for i in reversed(range(microbatches))]
             orders[w] += with_updates(order, mine)
-    return _looped_schedule("looped_bfs", stages, microbatches, steps, workers, orders, virtual_stages)
+    return _looped_schedule("looped_bfs", stages, microbatches, steps, orders)
 
 
 def _round_size(microbatches: int, workers: int) -> int:
@@ -221,4 +203,4 @@ def interleaved(stages: int, microbatches: int, steps: int = 1, virtual_stages: 
                 order += [forwards[k], backwards[k - warm]]
             order += backwards[len(forwards) - warm :]
             orders[w] += with_updates(order, chunks)
-    return _looped_schedule("interleaved", stages, microbatches, steps, workers, orders, virtual_stages)
+    return _looped_schedule("interleaved", stages, microbatches, steps, orders)

@@ -103,6 +103,7 @@ class StageCosts:
     def __post_init__(self) -> None:
         stages = len(self.forward)
         for name in (
+            "forward",
             "backward",
             "input_grad",
             "weight_grad",

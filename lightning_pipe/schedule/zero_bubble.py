@@ -67,7 +67,7 @@ def zb_h1(
         stages=stages,
         microbatches=microbatches,
         steps=steps,
-        orders=tuple(tuple(order) for order in orders),
-        owners=tuple((s,) for s in range(stages)),
+        orders=orders,
+        owners=[(s,) for s in range(stages)],
         params={"forward": forward, "input_grad": input_grad, "weight_grad": weight_grad},
     )
