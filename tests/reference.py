@@ -51,12 +51,17 @@ def from_schedule(family: str, stages: int, microbatches: int, steps: int, **opt
     return version
 
 
-def build_stages(count: int, seed: int = 0, width: int = 8) -> list[nn.Module]:
-    """A small MLP chain: tanh layers, dropout-free, deterministic given ``seed``."""
+def build_stages(
+    count: int, seed: int = 0, width: int = 8, frozen: tuple[tuple[int, str], ...] = ()
+) -> list[nn.Module]:
+    """A small MLP chain: tanh layers, dropout-free, deterministic given ``seed``; the parameters
+    ``frozen`` names (``(stage, name)``) do not require gradients."""
     torch.manual_seed(seed)
     stages: list[nn.Module] = [nn.Sequential(nn.Linear(6, width), nn.Tanh())]
     stages += [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(count - 2)]
     stages.append(nn.Linear(width, 3))
+    for stage, name in frozen:
+        stages[stage].get_parameter(name).requires_grad_(False)
     return stages
 
 
@@ -75,17 +80,22 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
 
 
 def reference(stages: list[nn.Module], data, microbatches: int, rule: Rule, optimizer: str) -> list[list[torch.Tensor]]:
-    """Train ``stages`` in one process following ``rule``; returns each stage's final parameters."""
+    """Train ``stages`` in one process following ``rule``; returns each stage's final parameters. A
+    parameter without gradient in a step (frozen, or unused) is skipped by the optimizer, as in
+    plain PyTorch training."""
     stages = copy.deepcopy(stages)
-    optimizers = [OPTIMIZERS[optimizer](list(s.parameters())) for s in stages]
+    optimizers = [OPTIMIZERS[optimizer](list(s.parameters())) if list(s.parameters()) else None for s in stages]
     history = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in stages]
     for step, (inputs, targets) in enumerate(data):
-        grads = [[torch.zeros_like(p) for p in s.parameters()] for s in stages]
+        grads: list[list[torch.Tensor | None]] = [[None] * len(list(s.parameters())) for s in stages]
         for i, (x, y) in enumerate(
             zip(torch.tensor_split(inputs, microbatches), torch.tensor_split(targets, microbatches), strict=True)
         ):
             weights = [
-                {n: t.clone().requires_grad_(True) for n, t in history[j][rule(j, i, step)].items()}
+                {
+                    n: t.clone().requires_grad_(stages[j].get_parameter(n).requires_grad)
+                    for n, t in history[j][rule(j, i, step)].items()
+                }
                 for j in range(len(stages))
             ]
             out = x
@@ -94,12 +104,14 @@ def reference(stages: list[nn.Module], data, microbatches: int, rule: Rule, opti
             loss = nn.functional.cross_entropy(out, y) * (len(y) / len(targets))
             loss.backward()
             for j in range(len(stages)):
-                for total, leaf in zip(grads[j], weights[j].values(), strict=True):
-                    total.add_(leaf.grad)
+                for index, leaf in enumerate(weights[j].values()):
+                    if leaf.grad is not None:
+                        grads[j][index] = leaf.grad if grads[j][index] is None else grads[j][index] + leaf.grad
         for j, stage in enumerate(stages):
             for param, grad in zip(stage.parameters(), grads[j], strict=True):
                 param.grad = grad
-            optimizers[j].step()
+            if optimizers[j] is not None:
+                optimizers[j].step()
             history[j].append({n: p.detach().clone() for n, p in stage.named_parameters()})
     return [[p.detach() for p in s.parameters()] for s in stages]
 
@@ -112,7 +124,7 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
         options = case.get("options", {})
         executor = PipelineExecutor(
             lambda k, c=case, o=options: make_schedule(c["family"], c["stages"], c["microbatches"], k, **o),
-            build_stages(case["stages"]),
+            build_stages(case["stages"], frozen=case.get("frozen", ())),
             nn.functional.cross_entropy,
             OPTIMIZERS[case["optimizer"]],
             recompute=case.get("recompute", False),

@@ -92,6 +92,24 @@ def test_nested_messages_and_skip_connections() -> None:
             assert torch.allclose(got, want, atol=1e-6, rtol=0)
 
 
+def _weightless_model() -> list[nn.Module]:
+    torch.manual_seed(4)
+    return [nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Tanh(), nn.Linear(8, 3)]
+
+
+def _weightless_worker(rank: int) -> dict:
+    return _train(rank, "zb_h1", _weightless_model(), 3)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_without_weights() -> None:
+    results = run_local(_weightless_worker, 3, timeout=90)
+    expected = reference(_weightless_model(), batches(3), 3, sync, "sgd")
+    for stage in (0, 2):
+        for got, want in zip(results[stage]["params"][stage], expected[stage], strict=True):
+            assert torch.allclose(got, want, atol=1e-6, rtol=0)
+
+
 def _resized_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Mini-batches whose size changes from step to step: every message stream changes layout."""
     return [batch for seed, rows in enumerate((10, 10, 7, 12)) for batch in batches(1, rows=rows, seed=seed)]

@@ -37,7 +37,7 @@ def _check(cases: list[dict], workers: int) -> None:
     results = run_local(run_pipeline, workers, cases, timeout=240)
     for case in cases:
         expected = reference(
-            build_stages(case["stages"]),
+            build_stages(case["stages"], frozen=case.get("frozen", ())),
             batches(case["steps"], rows=case.get("rows", 10)),
             case["microbatches"],
             _rule(case),
@@ -72,6 +72,10 @@ TWO_WORKERS = [
     _case("cdp-v1", "cdp", 2, 2, options={"rule": "cdp_v1"}),
     _case("cdp-v2", "cdp", 2, 2, steps=5, options={"rule": "cdp_v2"}),
     _case("cdp-v2-adam", "cdp", 2, 3, optimizer="adam", options={"rule": "cdp_v2"}),
+    # frozen parameters: never differentiated, untouched by weight decay or momentum
+    _case("1f1b-frozen-first-stage", "1f1b", 2, 3, frozen=((0, "0.weight"), (0, "0.bias"))),
+    _case("2bw-frozen-weight", "2bw", 2, 2, frozen=((1, "weight"),)),
+    _case("zb_h1-frozen-bias", "zb_h1", 2, 3, optimizer="adam", frozen=((0, "0.bias"), (1, "bias"))),
 ]
 
 FOUR_WORKERS = [
@@ -104,6 +108,7 @@ def test_replicated_stages_reduce_their_gradients() -> None:
             _case("cdp-pyramid", "cdp", 2, 2, options={"rule": "cdp_v2", "form": "pyramid"}),
             _case("1f1b-rr", "1f1b_rr", 2, 4, options={"stage_replicas": [2, 1]}),
             _case("1f1b-rr-adam", "1f1b_rr", 2, 5, optimizer="adam", rows=11, options={"stage_replicas": [2, 1]}),
+            _case("1f1b-rr-frozen", "1f1b_rr", 2, 4, frozen=((0, "0.bias"),), options={"stage_replicas": [2, 1]}),
         ],
         3,
     )

@@ -502,7 +502,9 @@ class PipelineExecutor:
         inputs = [x for x in tensors(state.inputs) if x.requires_grad] if s > 0 else []
         split = not weights_too or (early and bool(inputs))
         if split:
-            state.split = SplitBackward(state.roots, state.root_grads, inputs, list(state.leaves.values()))
+            state.split = SplitBackward(
+                state.roots, state.root_grads, inputs, self.weights[s].differentiable(state.leaves)
+            )
             grads = state.split.input_gradients()
         else:
             grads = self.weights[s].backward(t, state.leaves, state.roots, state.root_grads, inputs)

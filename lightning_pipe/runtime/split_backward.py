@@ -54,6 +54,8 @@ class SplitBackward:
 
     def input_gradients(self) -> list[torch.Tensor | None]:
         """``I``: the input gradients; remembers what reached each node on the way."""
+        if not self.roots:  # nothing that needs a gradient came out of the stage
+            return [None] * len(self.inputs)
         if not self.inputs:
             return []
         hooks = [
@@ -70,6 +72,8 @@ class SplitBackward:
 
     def weight_gradients(self) -> list[torch.Tensor | None]:
         """``W``: the weight gradients, resumed from the nodes ``I`` ran."""
+        if not self.roots or not self.params:
+            return [None] * len(self.params)
         accumulators = {get_gradient_edge(p).node: i for i, p in enumerate(self.params)}
         self._memo: dict[Node, set[int]] = {}
         regions = {node: self._region(node, accumulators) for node in self.captured}

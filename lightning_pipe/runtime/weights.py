@@ -13,9 +13,11 @@ its forward saw, however many updates happened in between (weight stashing, Nara
   action needs are dropped.
 
 Gradients are accumulated per step (two steps can be in flight): the step's first backward keeps the
-gradients autograd made (nothing to zero), later ones are added into them in place. An update sums
-them across the stage's replicas (all-reduce in the stage's own process group), hands them to the
-optimizer and steps it.
+gradients autograd made (nothing to zero), later ones are added into them in place. Frozen
+parameters (``requires_grad=False``) are never differentiated. An update sums the gradients across
+the stage's replicas (one all-reduce per dtype in the stage's own process group), hands them to the
+optimizer and steps it; a parameter no micro-batch reached keeps ``grad = None`` and the optimizer
+skips it, as in single-process training.
 Everything that carries over between calls is in :meth:`StageWeights.state_dict`.
 """
 
@@ -53,7 +55,8 @@ class StageWeights:
         self.names = [name for name, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
         self._live = dict(zip(self.names, self.params, strict=True))
-        self.optimizer = optimizer(self.params)
+        self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        self.optimizer = optimizer(self.params) if self.params else None  # a stage without weights
         self.snapshots = snapshots
         self.group = group
         self.version = 0
@@ -78,6 +81,11 @@ class StageWeights:
             }
         return self.versions[version]
 
+    def differentiable(self, leaves: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The leaves of ``leaves`` to differentiate (the trainable ones), in parameter order."""
+        values = list(leaves.values())
+        return [values[i] for i in self.trainable]
+
     def forward(self, leaves: dict[str, torch.Tensor], inputs: Any) -> Any:
         """The stage's forward with ``leaves`` as its weights (a plain call for the live ones)."""
         if leaves is self._live:
@@ -89,10 +97,10 @@ class StageWeights:
         return self.gradients.pop(step, None) or [None] * len(self.params)
 
     def add(self, step: int, grads: list[torch.Tensor | None]) -> None:
-        """Add weight gradients computed elsewhere (a split backward's ``W``, fresh tensors) to
-        ``step``'s buffer."""
+        """Add weight gradients computed elsewhere (a split backward's ``W``, fresh tensors, one per
+        :meth:`differentiable` leaf) to ``step``'s buffer."""
         buffer = self._buffer(step)
-        for index, grad in enumerate(grads):
+        for index, grad in zip(self.trainable, grads, strict=True):
             if grad is not None and buffer[index] is None:
                 buffer[index] = grad
             elif grad is not None:
@@ -112,14 +120,15 @@ class StageWeights:
         step's first backward keeps what autograd made, with nothing to zero), the gradients of
         ``inputs`` are returned."""
         buffer = self._buffer(step)
-        weights = list(leaves.values())
-        for leaf, grad in zip(weights, buffer, strict=True):
-            leaf.grad = grad
-        del buffer  # the leaves hold the only reference: autograd accumulates in place
-        torch.autograd.backward(roots, root_grads, inputs=inputs + weights)
-        self.gradients[step] = [leaf.grad for leaf in weights]
-        for leaf in weights:
-            leaf.grad = None
+        weights = self.differentiable(leaves)
+        for leaf, index in zip(weights, self.trainable, strict=True):
+            leaf.grad = buffer[index]
+            buffer[index] = None  # the leaf holds the only reference: autograd accumulates in place
+        if roots and inputs + weights:
+            torch.autograd.backward(roots, root_grads, inputs=inputs + weights)
+        for leaf, index in zip(weights, self.trainable, strict=True):
+            buffer[index], leaf.grad = leaf.grad, None
+        self.gradients[step] = buffer
         grads = [x.grad for x in inputs]
         for x in inputs:
             x.grad = None
@@ -129,17 +138,36 @@ class StageWeights:
         """Apply ``step``'s gradient (summed over replicas); versions outside ``keep`` are dropped."""
         if self.snapshots and self.version in keep:
             self.leaves(self.version)  # the outgoing version stays usable after the in-place update
-        buffer = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, self._buffer(step), strict=True)]
+        buffer = self._buffer(step)
         if self.group is not None:
-            for grad in buffer:
-                dist.all_reduce(grad, group=self.group)
-        for param, grad in zip(self.params, buffer, strict=True):
-            param.grad = grad
-        self.optimizer.step()
-        for param in self.params:
-            param.grad = None
+            self._sum_replicas(buffer)
+        if self.optimizer is not None:
+            for param, grad in zip(self.params, buffer, strict=True):
+                param.grad = grad
+            self.optimizer.step()
+            for param in self.params:
+                param.grad = None
         self.version += 1
         self.versions = {v: leaves for v, leaves in self.versions.items() if v in keep}
+
+    def _sum_replicas(self, buffer: list[torch.Tensor | None]) -> None:
+        """Sum ``buffer`` over the stage's replicas in place: a weight some replica has a gradient
+        for gets one on all (zeros where missing), the others stay ``None``; one all-reduce per dtype."""
+        device = self.params[0].device
+        present = torch.tensor([grad is not None for grad in buffer], dtype=torch.int32, device=device)
+        dist.all_reduce(present, group=self.group)
+        for index in present.nonzero().flatten().tolist():
+            if buffer[index] is None:
+                buffer[index] = torch.zeros_like(self.params[index])
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in buffer:
+            if grad is not None:
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            dist.all_reduce(flat, group=self.group)
+            for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
+                grad.copy_(summed.view_as(grad))
 
     def state_dict(self) -> dict[str, object]:
         """What carries over between calls: version counter, kept versions, pending gradients."""
@@ -147,16 +175,17 @@ class StageWeights:
             "version": self.version,
             "versions": {v: {k: t.detach().clone() for k, t in leaves.items()} for v, leaves in self.versions.items()},
             "gradients": {s: [None if g is None else g.clone() for g in grads] for s, grads in self.gradients.items()},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.version = int(state["version"])
         self.versions = {
-            int(v): {k: t.clone().requires_grad_(True) for k, t in leaves.items()}
+            int(v): {k: t.clone().requires_grad_(self._live[k].requires_grad) for k, t in leaves.items()}
             for v, leaves in state["versions"].items()
         }
         self.gradients = {
             int(s): [None if g is None else g.clone() for g in grads] for s, grads in state["gradients"].items()
         }
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
