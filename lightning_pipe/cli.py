@@ -208,6 +208,9 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-overlap", action="store_true", help="a sender is busy while it sends")
     parser.add_argument("--latency", type=float, help="seconds every message takes on top of bytes / bandwidth")
     parser.add_argument(
+        "--overhead", type=float, help="seconds of processor time a message costs its sender and its receiver"
+    )
+    parser.add_argument(
         "--early-gradients",
         action="store_true",
         help="cool-down backwards send their input gradient first, as the runtime does (flushing schedules)",
@@ -249,8 +252,9 @@ def _stage_costs(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
         changes["bandwidth"] = args.bandwidth
     if args.no_overlap:
         changes["overlap"] = False
-    if args.latency is not None:
-        changes["latency"] = args.latency
+    for name in ("latency", "overhead"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
     return (replace(costs, **changes) if changes else costs), replicas
 
 

@@ -181,6 +181,8 @@ def test_simulate_a_plan_and_a_costs_file(pipedream_profiles: Path, tmp_path: Pa
     gpipe = ["simulate", "--schedule", "gpipe", "--costs", str(costs), "--microbatches", "2"]
     late = _json(capsys, *gpipe, "--latency", "1")
     assert late["makespan"] == 19 - 4 + 2 * 1  # no bandwidth given: each message costs only its latency
+    # each message costs 1 at both ends: stage 1 F [2,5] [5,8], B [8,13] [13,18]; stage 0's last B [18,21]
+    assert _json(capsys, *gpipe, "--overhead", "1")["makespan"] == 21
     unit = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2"]
     assert _json(capsys, *unit)["makespan"] == 9
     assert _json(capsys, *unit, "--early-gradients")["makespan"] == 8  # (P - 1) W sooner, W = B / 2 = 1

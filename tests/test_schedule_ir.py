@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule import FAMILIES, Action, Kind, Schedule, StageCosts, make_schedule, simulate, validate
@@ -152,9 +155,43 @@ def test_transfers_cost_time_and_can_block_the_sender() -> None:
     assert late.makespan == 6.0 + 2 * (2.0 + 0.25)  # one activation, one gradient message
     with pytest.raises(PlanningError, match="latency must be"):
         StageCosts(**base, latency=-1.0)
+    with pytest.raises(PlanningError, match="overhead must be"):
+        StageCosts(**base, overhead=float("inf"))
     for bad in (-1.0, float("nan")):
         with pytest.raises(PlanningError, match="forward must hold finite numbers >= 0"):
             StageCosts(forward=[1.0, bad], backward=[1.0, 1.0])
+
+
+def test_message_overhead_is_charged_to_sender_and_receiver() -> None:
+    # gpipe, 2 stages, 1 micro-batch: F0 sends (o), F1 receives (o), B1 sends (o), B0 receives (o); all
+    # four on the critical path
+    schedule = make_schedule("gpipe", 2, 1)
+    base = dict(forward=[1.0, 1.0], backward=[2.0, 2.0])
+    loaded = simulate(schedule, StageCosts(**base, overhead=0.5, latency=0.25))
+    assert loaded.makespan == 6.0 + 4 * 0.5 + 2 * 0.25
+    assert loaded.busy == [3.0 + 2 * 0.5, 3.0 + 2 * 0.5]
+
+
+@given(
+    family=st.sampled_from(["gpipe", "1f1b", "2bw", "zb_h1"]),
+    stages=st.integers(2, 4),
+    microbatches=st.integers(3, 5),
+    overhead=st.floats(0.01, 1.0),
+)
+@settings(max_examples=30, deadline=None)
+def test_overhead_adds_to_each_worker_once_per_message(
+    family: str, stages: int, microbatches: int, overhead: float
+) -> None:
+    """Property: a worker's busy time grows by the overhead times the messages it sends and receives."""
+    schedule = make_schedule(family, stages, microbatches, 2)
+    costs = StageCosts.uniform(stages)
+    plain, loaded = simulate(schedule, costs), simulate(schedule, replace(costs, overhead=overhead))
+    received = [sum(loaded.transfers[c][w] for c in loaded.transfers) for w in range(schedule.workers)]
+    for w in range(schedule.workers):
+        messages = (loaded.busy[w] - plain.busy[w]) / overhead  # those it received and those it sent
+        assert messages == pytest.approx(round(messages)) and round(messages) >= received[w]
+    assert sum(loaded.busy) - sum(plain.busy) == pytest.approx(2 * sum(received) * overhead)
+    assert loaded.makespan >= plain.makespan
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -2,8 +2,11 @@
 
 Every worker runs its actions in order, each as soon as its worker is free and its inputs have
 arrived (the dependency graph of :mod:`lightning_pipe.schedule.graph`): an input from another worker
-arrives ``bytes / bandwidth`` after its producer ends. Transfers overlap compute by default (a copy
-engine or ``isend``); with ``overlap=False`` the sender is busy while it sends. A worker that computes
+arrives ``latency + bytes / bandwidth`` after its producer ends. Transfers overlap compute by default (a
+copy engine or ``isend``); with ``overlap=False`` the sender is busy while it sends. Each message also
+costs the processors at both ends ``overhead`` seconds of their own time (packing, the transport's
+threads, unpacking: the *o* of the LogP model, Culler et al. 1993), added to the action that sends it
+and to the one that receives it. A worker that computes
 a stage it does not own fetches the version it needs from an owner once and keeps it until its last
 use (FSDP-style, Rahimi 2025). An ``UPDATE`` waits for the gradients of other workers (reduce).
 
@@ -30,6 +33,9 @@ from lightning_pipe.schedule.validate import validate
 __all__ = ["Interval", "Simulation", "StageCosts", "simulate"]
 
 
+_SCALARS = ("bandwidth", "latency", "overhead")
+
+
 @dataclass(frozen=True)
 class StageCosts:
     """Per-stage costs for one micro-batch (lists of length ``P``; scalars broadcast).
@@ -43,6 +49,7 @@ class StageCosts:
         weight_bytes: bytes of the stage's parameters (a fetched or reduced copy).
         bandwidth: bytes per second between workers (``inf``: transfers are free).
         latency: seconds every message takes on top of ``bytes / bandwidth`` (wake-ups, handshakes).
+        overhead: seconds of processor time a message costs its sender and, again, its receiver.
         overlap: transfers overlap compute (else the sender is busy while sending).
     """
 
@@ -56,6 +63,7 @@ class StageCosts:
     weight_bytes: Sequence[float] | None = None
     bandwidth: float = math.inf
     latency: float = 0.0
+    overhead: float = 0.0
     overlap: bool = True
 
     @classmethod
@@ -67,7 +75,7 @@ class StageCosts:
     def from_dict(cls, document: object, source: str = "costs") -> StageCosts:
         """Costs from JSON: ``{"forward": [...], "backward": [...]}`` plus any optional per-stage list
         (``input_grad``, ``weight_grad``, ``update``, ``activation_bytes``, ``saved_bytes``,
-        ``weight_bytes``) and ``bandwidth``/``latency``/``overlap``."""
+        ``weight_bytes``) and ``bandwidth``/``latency``/``overhead``/``overlap``."""
         if not isinstance(document, dict) or "forward" not in document or "backward" not in document:
             raise PlanningError(f'{source}: a costs file is a JSON object with "forward" and "backward" lists')
         known = {f for f in cls.__dataclass_fields__}
@@ -75,7 +83,7 @@ class StageCosts:
         if unknown:
             raise PlanningError(f"{source}: unknown keys {unknown}; known: {sorted(known)}")
         try:
-            return cls(**{key: float(v) if key in ("bandwidth", "latency") else v for key, v in document.items()})
+            return cls(**{key: float(v) if key in _SCALARS else v for key, v in document.items()})
         except (TypeError, ValueError) as error:
             raise PlanningError(f"{source}: {error}") from None
 
@@ -120,8 +128,10 @@ class StageCosts:
                     raise PlanningError(f"costs: {name} must hold finite numbers >= 0, got {value!r}")
         if math.isnan(self.bandwidth) or self.bandwidth <= 0:
             raise PlanningError(f"costs: bandwidth must be > 0 (or inf), got {self.bandwidth!r}")
-        if not math.isfinite(self.latency) or self.latency < 0:
-            raise PlanningError(f"costs: latency must be a finite number of seconds >= 0, got {self.latency!r}")
+        for name in ("latency", "overhead"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise PlanningError(f"costs: {name} must be a finite number of seconds >= 0, got {value!r}")
 
     @property
     def stages(self) -> int:
@@ -269,11 +279,14 @@ class _Replay:
         self.run: list[tuple[int, int] | None] = [None] * workers
         self.previous_start = [0.0] * workers
         self.sending: dict[Node, float] = defaultdict(float)  # seconds a blocking sender spends per action
-        if not self.costs.overlap:
-            for node, deps in self.graph.deps.items():
-                action = self.schedule.orders[node[0]][node[1]]
-                for dep, label in zip(deps, self.graph.kinds[node], strict=True):
-                    if dep[0] != node[0] and label not in ("weight", "sync"):
+        self.messages: dict[Node, int] = defaultdict(int)  # messages an action sends or receives
+        for node, deps in self.graph.deps.items():
+            action = self.schedule.orders[node[0]][node[1]]
+            for dep, label in zip(deps, self.graph.kinds[node], strict=True):
+                if dep[0] != node[0] and label not in ("weight", "sync"):
+                    self.messages[node] += 1
+                    self.messages[dep] += 1
+                    if not self.costs.overlap:
                         source = self.schedule.orders[dep[0]][dep[1]]
                         nbytes = _edge_bytes(self.costs, action, source, _category(action, label))
                         self.sending[dep] += self.costs.transfer(nbytes)
@@ -323,7 +336,7 @@ class _Replay:
         compute = action.kind in COMPUTE
         if compute:
             ready = self._weights(worker, action, ready)
-        end = ready + self.costs.duration(action)
+        end = ready + self.costs.duration(action) + self.costs.overhead * self.messages.get(node, 0)
         self.start[node] = ready
         self.end[node] = end
         if compute or action.kind is Kind.UPDATE:  # prefetches start with the previous real work
