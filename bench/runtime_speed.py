@@ -2,24 +2,32 @@
 process, and measured vs simulated time per step — all in one run on this machine.
 
 Run: ``python bench/runtime_speed.py [--steps 8] [--rounds 8] [--width 512] [--depth 4] [--batch 1024]
-[--microbatches 2 4]``.
+[--features 768] [--microbatches 2 4]``.
 
-Every configuration trains the same balanced 2-stage MLP (``depth`` Linear+ReLU blocks of ``width``
-per stage) on the same mini-batches, 2 processes x 1 thread over gloo (the peer: torch's
-``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe``, SGD stepped after each schedule step).
+Every configuration trains the same balanced 2-stage MLP on the same mini-batches, 2 processes x 1
+thread over gloo (the peer: torch's ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe``, SGD
+stepped after each schedule step). Each stage is ``depth`` Linear+ReLU blocks of ``width``; the last
+one ends with a 10-class head, the first one reads ``features`` inputs. The data need no gradient, so
+the first layer has no input-gradient half: with ``features = 1.5 width`` its forward and weight
+gradient make up for it and both stages cost the same (the profiled costs are printed).
 The same two processes run every configuration once per round, round after round, so a slow spell of
 the machine hits them alike (the one-process baseline too: rank 0 trains the unsplit model with one
 thread while rank 1 waits); a configuration's time per step is its median over the rounds, each
 round timing ``--steps`` steps after warm-up ones between two barriers, and a speed-up is the median
-of the rounds' ratios. The simulator's prediction uses per-stage forward, backward and update times
-profiled (lightning_pipe.profiler) in the two worker processes at once, in every round (the error is
-the median of the rounds' errors), and a message latency and bandwidth fitted to ping-pongs of an
-empty and of an activation-sized message. ``spread`` is (slowest - fastest round) / median.
+of the rounds' ratios. ``two stages alone`` is the ceiling of any 2-stage pipeline on this machine:
+both workers train their own stage at once, micro-batch by micro-batch, with no messages (the two
+processes slow each other down on two cores). Those runs are also the profile the simulator's
+prediction uses: each stage's median forward, backward and update seconds, measured in every round
+(the error is the median of the rounds' errors); with them a message's latency and bandwidth, fitted
+to ping-pongs of an empty and of an activation-sized message, and its processor time at each end
+(process CPU time per message of the activation-sized ping-pong, the transport's threads included).
+``spread`` is (slowest - fastest round) / median.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import time
@@ -29,7 +37,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.profiler import profile_layers
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.launch import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
@@ -40,18 +47,27 @@ PEERS = ("1f1b", "gpipe")
 _Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def stage_module(stage: int, width: int, depth: int) -> nn.Module:
+def stage_module(stage: int, model: argparse.Namespace) -> nn.Module:
     torch.manual_seed(stage)
-    blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)]
+    widths = [model.features if stage == 0 else model.width] + [model.width] * model.depth
+    blocks = [nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in itertools.pairwise(widths)]
     if stage == 1:
-        blocks.append(nn.Linear(width, 10))
+        blocks.append(nn.Linear(model.width, 10))
     return nn.Sequential(*blocks)
 
 
-def data(steps: int, width: int, batch: int) -> _Batches:
+def stage_input(stage: int, model: argparse.Namespace, rows: int) -> torch.Tensor:
+    """A micro-batch of what the stage reads (activations need a gradient, data do not)."""
+    return torch.randn(rows, model.features if stage == 0 else model.width, requires_grad=stage > 0)
+
+
+def data(steps: int, model: argparse.Namespace) -> _Batches:
     generator = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(batch, width, generator=generator), torch.randint(0, 10, (batch,), generator=generator))
+        (
+            torch.randn(model.batch, model.features, generator=generator),
+            torch.randint(0, 10, (model.batch,), generator=generator),
+        )
         for _ in range(steps)
     ]
 
@@ -73,10 +89,10 @@ def _timed(run_step: Callable[[torch.Tensor, torch.Tensor], object], batches: _B
     return (time.perf_counter() - start) / (len(batches) - WARMUP)
 
 
-def ours(rank: int, family: str, microbatches: int, batches: _Batches, width: int, depth: int) -> float:
+def ours(rank: int, family: str, microbatches: int, batches: _Batches, model: argparse.Namespace) -> float:
     executor = PipelineExecutor(
         lambda k: make_schedule(family, 2, microbatches, k),
-        {rank: stage_module(rank, width, depth)},
+        {rank: stage_module(rank, model)},
         nn.functional.cross_entropy,
         _sgd,
     )
@@ -87,10 +103,10 @@ def ours(rank: int, family: str, microbatches: int, batches: _Batches, width: in
     return seconds
 
 
-def peer(rank: int, name: str, microbatches: int, batches: _Batches, width: int, depth: int) -> float:
+def peer(rank: int, name: str, microbatches: int, batches: _Batches, model: argparse.Namespace) -> float:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    module = stage_module(rank, width, depth)
+    module = stage_module(rank, model)
     stage = PipelineStage(module, rank, 2, torch.device("cpu"))
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[name]
     schedule = kind(stage, n_microbatches=microbatches, loss_fn=nn.functional.cross_entropy)
@@ -107,16 +123,16 @@ def peer(rank: int, name: str, microbatches: int, batches: _Batches, width: int,
     return _timed(run_step, batches)
 
 
-def single_process(rank: int, batches: _Batches, width: int, depth: int) -> float:
+def single_process(rank: int, batches: _Batches, model: argparse.Namespace) -> float:
     """Seconds per step of the unsplit model in one process with one thread (rank 0), while rank 1
     waits idle at a barrier."""
     if rank == 0:
-        model = nn.Sequential(stage_module(0, width, depth), stage_module(1, width, depth))
-        optimizer = _sgd(list(model.parameters()))
+        whole = nn.Sequential(stage_module(0, model), stage_module(1, model))
+        optimizer = _sgd(list(whole.parameters()))
         times = []
         for inputs, targets in batches:
             start = time.perf_counter()
-            loss = nn.functional.cross_entropy(model(inputs), targets)
+            loss = nn.functional.cross_entropy(whole(inputs), targets)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -125,10 +141,19 @@ def single_process(rank: int, batches: _Batches, width: int, depth: int) -> floa
     return statistics.median(times[WARMUP:]) if rank == 0 else 0.0
 
 
-def _round_trip(rank: int, tensor: torch.Tensor, repeats: int = 30) -> float:
-    """Median seconds of a ping-pong of ``tensor`` between the two processes."""
+def _round_trip(rank: int, tensor: torch.Tensor, repeats: int = 30) -> tuple[float, float]:
+    """Median seconds of a ping-pong of ``tensor`` between the two processes, and this process's CPU
+    seconds (all its threads) per message sent or received."""
     times = []
     dist.barrier()
+    for _ in range(3):  # warm-up
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+        else:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
+    cpu = time.process_time()
     for _ in range(repeats):
         start = time.perf_counter()
         if rank == 0:
@@ -138,58 +163,79 @@ def _round_trip(rank: int, tensor: torch.Tensor, repeats: int = 30) -> float:
             dist.recv(tensor, 0)
             dist.send(tensor, 0)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), (time.process_time() - cpu) / (2 * repeats)
 
 
-def network(rank: int, rows: int, width: int) -> tuple[float, float]:
-    """Latency (seconds per message) and bandwidth (bytes per second; ``inf`` when the activation
-    goes no slower than an empty message) of gloo between the two processes, from ping-pongs of
-    one element and of one activation."""
-    empty = _round_trip(rank, torch.zeros(1)) / 2
+def network(rank: int, rows: int, width: int) -> tuple[float, float, float]:
+    """Latency (seconds per message), bandwidth (bytes per second; ``inf`` when the activation goes
+    no slower than an empty message) and processor seconds per activation at each end, of gloo
+    between the two processes, from ping-pongs of one element and of one activation."""
+    empty = _round_trip(rank, torch.zeros(1))[0] / 2
     activation = torch.zeros(rows, width)
-    full = _round_trip(rank, activation) / 2
+    full, overhead = _round_trip(rank, activation)
     nbytes = activation.numel() * activation.element_size()
-    return empty, nbytes / (full - empty) if full > empty else math.inf
+    return empty, nbytes / (full / 2 - empty) if full / 2 > empty else math.inf, overhead
 
 
-def stage_costs(rank: int, microbatches: int, width: int, depth: int, batch: int) -> tuple[float, float, float]:
-    """Forward, backward and optimizer-step seconds of this rank's stage, profiled in the worker
-    process while the other worker profiles its own (the conditions the pipeline runs in)."""
-    module = stage_module(rank, width, depth)
-    sample = torch.randn(batch // microbatches, width, requires_grad=rank > 0)
-    profiled = profile_layers([module], sample, repeats=10, count_flops=False).layers[0]
+def stages_alone(rank: int, microbatches: int, steps: int, model: argparse.Namespace) -> tuple[float, ...]:
+    """Each worker trains its own stage on its own, both at once, with no messages: seconds per step,
+    and the stage's median forward, backward and update seconds (the profile the simulator uses)."""
+    module = stage_module(rank, model)
     optimizer = _sgd(list(module.parameters()))
-    for param in module.parameters():
-        param.grad = torch.zeros_like(param)
-    start = time.perf_counter()
-    for _ in range(10):
+    rows = model.batch // microbatches
+    inputs = [stage_input(rank, model, rows) for _ in range(microbatches)]
+    targets = torch.randint(0, 10, (rows,))
+    forward, backward, update, per_step = [], [], [], []
+    dist.barrier()
+    for _ in range(WARMUP + steps):
+        begin = time.perf_counter()
+        for x in inputs:
+            start = time.perf_counter()
+            out = module(x)
+            if rank == 1:
+                out = nn.functional.cross_entropy(out, targets)
+            middle = time.perf_counter()
+            out.backward(None if rank == 1 else torch.ones_like(out))
+            x.grad = None
+            forward.append(middle - start)
+            backward.append(time.perf_counter() - middle)
+        start = time.perf_counter()
         optimizer.step()
-    return profiled.forward_seconds, profiled.backward_seconds, (time.perf_counter() - start) / 10
+        optimizer.zero_grad()
+        update.append(time.perf_counter() - start)
+        per_step.append(time.perf_counter() - begin)
+    dist.barrier()
+    skip = WARMUP * microbatches
+    return (
+        statistics.median(per_step[WARMUP:]),
+        statistics.median(forward[skip:]),
+        statistics.median(backward[skip:]),
+        statistics.median(update[WARMUP:]),
+    )
 
 
-def worker(rank: int, microbatches: int, steps: int, rounds: int, width: int, depth: int, batch: int) -> dict:
-    """Everything measured in the two processes: network, stage costs, and every configuration
-    once per round."""
-    batches = data(steps + WARMUP, width, batch)
-    result: dict = {
-        "network": network(rank, batch // microbatches, width),
-        "costs": [],
-        "times": {},
-    }
-    for _ in range(rounds):
-        result["costs"].append(stage_costs(rank, microbatches, width, depth, batch))
-        result["times"].setdefault("one process", []).append(single_process(rank, batches, width, depth))
+def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
+    """Everything measured in the two processes: network, and every configuration once per round
+    (the stages alone giving the round's profile)."""
+    batches = data(model.steps + WARMUP, model)
+    result: dict = {"network": [], "costs": [], "times": {}}
+    for _ in range(model.rounds):
+        result["network"].append(network(rank, model.batch // microbatches, model.width))
+        seconds, *costs = stages_alone(rank, microbatches, model.steps, model)
+        result["costs"].append(tuple(costs))
+        result["times"].setdefault("two stages alone", []).append(seconds)
+        result["times"].setdefault("one process", []).append(single_process(rank, batches, model))
         for family in OURS:
-            seconds = ours(rank, family, microbatches, batches, width, depth)
+            seconds = ours(rank, family, microbatches, batches, model)
             result["times"].setdefault(f"ours {family}", []).append(seconds)
         for name in PEERS:
-            seconds = peer(rank, name, microbatches, batches, width, depth)
+            seconds = peer(rank, name, microbatches, batches, model)
             result["times"].setdefault(f"torch {name}", []).append(seconds)
     return result
 
 
 def predicted(
-    family: str, microbatches: int, costs: list[tuple[float, float, float]], nbytes: float, net: tuple[float, float]
+    family: str, microbatches: int, costs: list[tuple[float, ...]], nbytes: float, net: tuple[float, ...]
 ) -> float:
     """Simulated steady-state time per step of ``family`` with the profiled stage costs."""
     stage_costs = StageCosts(
@@ -199,6 +245,7 @@ def predicted(
         activation_bytes=[nbytes, 0.0],
         latency=net[0],
         bandwidth=net[1],
+        overhead=net[2],
     )
     return simulate(make_schedule(family, 2, microbatches, 8), stage_costs, early_gradients=True).steady_step
 
@@ -219,21 +266,22 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--features", type=int, help="inputs of the first layer (default: 1.5 width, balanced)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
+    args.features = args.features or args.width * 3 // 2
     print(
-        f"model: 2 stages x {args.depth} blocks of {args.width}, batch {args.batch}; {args.rounds} rounds of "
-        f"{args.steps} steps"
+        f"model: 2 stages x {args.depth} blocks of {args.width} ({args.features} inputs), batch {args.batch}; "
+        f"{args.rounds} rounds of {args.steps} steps"
     )
     print(
         f"{'run':>20} {'m':>3} {'ms/step':>8} {'spread':>6} {'speed-up':>22} {'vs 1 proc':>9} {'simulated':>9} "
         f"{'error':>6}"
     )
     for microbatches in args.microbatches:
-        results = run_local(
-            worker, 2, microbatches, args.steps, args.rounds, args.width, args.depth, args.batch, timeout=1800
-        )
-        net = results[0]["network"]
+        results = run_local(worker, 2, microbatches, args, timeout=1800)
+        networks = results[0]["network"]  # per round
+        net = [statistics.median(column) for column in zip(*networks, strict=True)]
         costs = list(zip(*(r["costs"] for r in results), strict=True))  # per round: (rank 0's, rank 1's)
         nbytes = args.batch // microbatches * args.width * 4
         per_round = {
@@ -247,7 +295,9 @@ def main() -> None:
             label = f"ours {family}"
             baseline = f"torch {family}" if family in PEERS else "ours 1f1b"
             speedup = f"{_paired(per_round[baseline], per_round[label]):.2f}x vs {LABELS.get(family, '1f1b')}"
-            expected_by_round = [predicted(family, microbatches, list(c), nbytes, net) for c in costs]
+            expected_by_round = [
+                predicted(family, microbatches, list(c), nbytes, n) for c, n in zip(costs, networks, strict=True)
+            ]
             expected = statistics.median(expected_by_round)
             error = statistics.median(abs(t - e) / e for t, e in zip(per_round[label], expected_by_round, strict=True))
             print(
@@ -258,8 +308,20 @@ def main() -> None:
                 other = f"torch {family}"
                 name = f"torch {LABELS[family]}"
                 print(f"{name:>20} {microbatches:>3} {step[other] * 1e3:>8.1f} {spread[other]:>6.0%}")
+        ceiling = "two stages alone"
+        print(
+            f"{ceiling:>20} {microbatches:>3} {step[ceiling] * 1e3:>8.1f} {spread[ceiling]:>6.0%} {'':>22} "
+            f"{_paired(per_round['one process'], per_round[ceiling]):>8.2f}x"
+        )
         print(f"{'one process':>20} {microbatches:>3} {alone * 1e3:>8.1f} {spread['one process']:>6.0%}")
-        print(f"{'':>20} gloo: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s")
+        for stage in range(2):
+            rounds = [round_costs[stage] for round_costs in costs]
+            forward, backward, update = (statistics.median(column) * 1e3 for column in zip(*rounds, strict=True))
+            print(f"{'':>20} stage {stage}: F {forward:.2f} ms, B {backward:.2f} ms, update {update:.2f} ms (median)")
+        print(
+            f"{'':>20} gloo: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s, "
+            f"{net[2] * 1e6:.0f} us of processor per activation at each end (medians of the rounds)"
+        )
 
 
 if __name__ == "__main__":
