@@ -39,7 +39,7 @@ from torch import nn
 
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.launch import run_local
-from lightning_pipe.schedule import StageCosts, make_schedule, simulate
+from lightning_pipe.schedule import Kind, StageCosts, make_schedule, simulate
 
 WARMUP = 3
 OURS = ("1f1b", "gpipe", "2bw", "cdp", "zb_h1")
@@ -100,7 +100,19 @@ def ours(rank: int, family: str, microbatches: int, batches: _Batches, model: ar
     seconds = _timed(lambda x, y: executor.step(x, y), batches)
     executor.drain()
     executor.close()
-    return seconds
+    return seconds, _in_run_costs(executor.timeline)
+
+
+def _in_run_costs(timeline: list) -> tuple[float, float, float]:
+    """This stage's median forward, backward (input plus weight halves when split) and update
+    seconds as the pipeline ran them, waits for messages excluded (the timed steps only)."""
+    own: dict[Kind, list[float]] = {}
+    for interval in timeline:
+        if interval.action.step >= WARMUP:
+            own.setdefault(interval.action.kind, []).append(interval.end - interval.start - interval.waited)
+    median = {kind: statistics.median(seconds) for kind, seconds in own.items()}
+    backward = median[Kind.B] if Kind.B in median else median[Kind.I] + median[Kind.W]
+    return median[Kind.F], backward, median[Kind.UPDATE]
 
 
 def peer(rank: int, name: str, microbatches: int, batches: _Batches, model: argparse.Namespace) -> float:
@@ -226,8 +238,9 @@ def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
         result["times"].setdefault("two stages alone", []).append(seconds)
         result["times"].setdefault("one process", []).append(single_process(rank, batches, model))
         for family in OURS:
-            seconds = ours(rank, family, microbatches, batches, model)
+            seconds, in_run = ours(rank, family, microbatches, batches, model)
             result["times"].setdefault(f"ours {family}", []).append(seconds)
+            result.setdefault("in-run costs", {}).setdefault(family, []).append(in_run)
         for name in PEERS:
             seconds = peer(rank, name, microbatches, batches, model)
             result["times"].setdefault(f"torch {name}", []).append(seconds)
@@ -248,6 +261,21 @@ def predicted(
         overhead=net[2],
     )
     return simulate(make_schedule(family, 2, microbatches, 8), stage_costs, early_gradients=True).steady_step
+
+
+def _prediction(
+    family: str,
+    microbatches: int,
+    costs: list[tuple[tuple[float, ...], ...]],
+    networks: list[tuple[float, ...]],
+    nbytes: float,
+    measured: list[float],
+) -> tuple[float, float]:
+    """Median over the rounds of the simulated step (each round with its own stage costs and network)
+    and of its relative error against the measured step."""
+    expected = [predicted(family, microbatches, list(c), nbytes, n) for c, n in zip(costs, networks, strict=True)]
+    errors = [abs(t - e) / e for t, e in zip(measured, expected, strict=True)]
+    return statistics.median(expected), statistics.median(errors)
 
 
 LABELS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
@@ -276,7 +304,7 @@ def main() -> None:
     )
     print(
         f"{'run':>20} {'m':>3} {'ms/step':>8} {'spread':>6} {'speed-up':>22} {'vs 1 proc':>9} {'simulated':>9} "
-        f"{'error':>6}"
+        f"{'error':>6} {'in-run sim':>10} {'error':>6}"
     )
     for microbatches in args.microbatches:
         results = run_local(worker, 2, microbatches, args, timeout=1800)
@@ -295,14 +323,13 @@ def main() -> None:
             label = f"ours {family}"
             baseline = f"torch {family}" if family in PEERS else "ours 1f1b"
             speedup = f"{_paired(per_round[baseline], per_round[label]):.2f}x vs {LABELS.get(family, '1f1b')}"
-            expected_by_round = [
-                predicted(family, microbatches, list(c), nbytes, n) for c, n in zip(costs, networks, strict=True)
-            ]
-            expected = statistics.median(expected_by_round)
-            error = statistics.median(abs(t - e) / e for t, e in zip(per_round[label], expected_by_round, strict=True))
+            expected, error = _prediction(family, microbatches, costs, networks, nbytes, per_round[label])
+            in_run = list(zip(*(r["in-run costs"][family] for r in results), strict=True))
+            replayed, replay_error = _prediction(family, microbatches, in_run, networks, nbytes, per_round[label])
             print(
                 f"{label:>20} {microbatches:>3} {step[label] * 1e3:>8.1f} {spread[label]:>6.0%} {speedup:>22} "
-                f"{_paired(per_round['one process'], per_round[label]):>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%}"
+                f"{_paired(per_round['one process'], per_round[label]):>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%} "
+                f"{replayed * 1e3:>7.1f}ms {replay_error:>5.0%}"
             )
             if family in PEERS:
                 other = f"torch {family}"

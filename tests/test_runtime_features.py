@@ -225,6 +225,11 @@ def test_drain_midway_shares_losses_and_records_every_action() -> None:
         forwards = [i for i in timeline if i.action.kind is Kind.F]
         assert len(forwards) == 6 * 2 and {i.action.step for i in forwards} == set(range(6))
         assert all(i.worker == rank and i.end >= i.start >= 0 for i in timeline)
+        assert all(0 <= i.waited <= i.end - i.start for i in timeline)
+        # what waits for messages: stage 1's forwards (activations), stage 0's backwards (gradients)
+        receiving = Kind.F if rank == 1 else Kind.B
+        assert all(i.waited > 0 for i in timeline if i.action.kind is receiving)
+        assert all(i.waited == 0 for i in timeline if i.action.kind not in (Kind.F, Kind.B))
         assert len(chrome_trace(timeline)["traceEvents"]) > len(timeline)
 
 

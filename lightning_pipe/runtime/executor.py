@@ -113,6 +113,9 @@ class PipelineExecutor:
         track_memory: count the bytes autograd saves for the micro-batches in flight
             (:attr:`saved_bytes`, :attr:`peak_saved_bytes`; saved-tensor hooks cost a little time).
         timeout_seconds: a single wait longer than this fails (a deadlock, or a peer that hangs).
+
+    :attr:`timeline` holds every action run: its start and end (seconds since the executor was made)
+    and the seconds it waited for messages; the rest is its own compute.
     """
 
     def __init__(
@@ -358,9 +361,12 @@ class PipelineExecutor:
             self._expect(peers)
             early = cooldown_backwards(actions, self.early_gradients)
             for position, action in enumerate(actions):
-                start = time.perf_counter()
+                start, waited = time.perf_counter(), self.transport.waited
                 self._execute(action, output, return_outputs, position in early)
-                self.timeline.append(Interval(self.rank, action, start - self.epoch, time.perf_counter() - self.epoch))
+                end = time.perf_counter()
+                self.timeline.append(
+                    Interval(self.rank, action, start - self.epoch, end - self.epoch, self.transport.waited - waited)
+                )
         except Exception as error:
             self._stop(error)
             raise

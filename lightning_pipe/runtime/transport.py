@@ -26,6 +26,7 @@ import contextlib
 import gc
 import math
 import pickle
+import time
 from collections import defaultdict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -135,6 +136,7 @@ class Transport:
         self._layouts: dict[tuple[int, Hashable], _Layout] = {}
         self._inbox: dict[int, deque[_Incoming]] = defaultdict(deque)
         self._announced: dict[tuple[int, int], _Incoming] = {}
+        self.waited = 0.0  # seconds spent in waits so far
 
     # -- sending ------------------------------------------------------------------------------
     def send(self, peer: int, obj: Any, slot: Hashable = None) -> None:
@@ -248,6 +250,7 @@ class Transport:
     def _wait(self, work: dist.Work, peer: int, what: str) -> None:
         """Wait for ``work``. On gloo the wait blocks the caller for at most the timeout; on NCCL it
         only orders the current stream after the transfer (its watchdog enforces the group's timeout)."""
+        start = time.perf_counter()
         try:
             if self.device.type == "cpu":
                 work.wait(self.timeout)
@@ -260,6 +263,8 @@ class Transport:
                     "schedule deadlocks or that rank hangs"
                 )
             raise self._lost(peer, error) from error
+        finally:
+            self.waited += time.perf_counter() - start
 
     def _lost(self, peer: int, error: BaseException) -> PipelineAborted:
         """The error to raise when the connection to ``peer`` failed: the failure the job's store

@@ -165,12 +165,13 @@ class StageCosts:
 
 @dataclass(frozen=True)
 class Interval:
-    """One executed action."""
+    """One executed action; ``waited``: seconds of it spent waiting for messages (measured timelines)."""
 
     worker: int
     action: Action
     start: float
     end: float
+    waited: float = 0.0
 
 
 @dataclass
