@@ -230,7 +230,10 @@ def test_drain_midway_shares_losses_and_records_every_action() -> None:
         receiving = Kind.F if rank == 1 else Kind.B
         assert all(i.waited > 0 for i in timeline if i.action.kind is receiving)
         assert all(i.waited == 0 for i in timeline if i.action.kind not in (Kind.F, Kind.B))
-        assert len(chrome_trace(timeline)["traceEvents"]) > len(timeline)
+        events = chrome_trace(timeline)["traceEvents"]
+        assert len(events) > len(timeline)
+        waits = [e["args"]["waited_us"] for e in events if "waited_us" in e.get("args", {})]
+        assert waits and sum(waits) == pytest.approx(sum(i.waited for i in timeline) * 1e6)
 
 
 def _checkpoint_worker(rank: int, restore: bool) -> dict:

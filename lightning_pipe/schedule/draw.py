@@ -407,7 +407,8 @@ def chrome_trace(
 
     One complete (``"X"``) event per drawn action on process 0, thread = worker, ``ts``/``dur`` in
     microseconds (times times ``time_unit_seconds`` times 1e6), plus ``thread_name`` metadata
-    ``"worker N"``. Written as JSON to ``path`` when given.
+    ``"worker N"``; a measured action that waited for messages carries ``args.waited_us``. Written as
+    JSON to ``path`` when given.
     """
     if not (math.isfinite(time_unit_seconds) and time_unit_seconds > 0):
         raise PlanningError(f"time_unit_seconds must be a finite number > 0, got {time_unit_seconds!r}")
@@ -421,6 +422,8 @@ def chrome_trace(
         args = {"stage": action.stage, "microbatch": action.microbatch, "step": action.step, "version": action.version}
         if action.peer is not None:
             args["peer"] = action.peer
+        if box.waited > 0:
+            args["waited_us"] = box.waited * scale
         events.append(
             {
                 "name": _short(action),
