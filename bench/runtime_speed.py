@@ -31,7 +31,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,7 @@ def ours(rank: int, family: str, microbatches: int, batches: _Batches, model: ar
     return seconds, _in_run_costs(executor.timeline)
 
 
-def _in_run_costs(timeline: list) -> tuple[float, float, float]:
+def _in_run_costs(timeline: Iterable) -> tuple[float, float, float]:
     """This stage's median forward, backward (input plus weight halves when split) and update
     seconds as the pipeline ran them, waits for messages excluded (the timed steps only)."""
     own: dict[Kind, list[float]] = {}

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.launch import LocalRunError, run_local
 from lightning_pipe.schedule import Kind, make_schedule
@@ -108,6 +109,21 @@ def test_a_stage_without_weights() -> None:
     for stage in (0, 2):
         for got, want in zip(results[stage]["params"][stage], expected[stage], strict=True):
             assert torch.allclose(got, want, atol=1e-6, rtol=0)
+
+
+def _short_timeline_worker(rank: int) -> dict:
+    with pytest.raises(PlanningError, match="timeline_length must be >= 0"):
+        stages, loss = build_stages(2), nn.functional.cross_entropy
+        PipelineExecutor(make_schedule("1f1b", 2, 2), stages, loss, OPTIMIZERS["sgd"], timeline_length=-1)
+    return _train(rank, "1f1b", build_stages(2), 3, timeline_length=4)
+
+
+@pytest.mark.timeout(120)
+def test_the_timeline_keeps_the_latest_actions() -> None:
+    for rank, result in enumerate(run_local(_short_timeline_worker, 2, timeout=90)):
+        timeline = list(result["timeline"])
+        assert len(timeline) == 4 and all(i.action.step == 2 for i in timeline)
+        assert timeline[-1].action.kind is Kind.UPDATE and timeline[-1].worker == rank
 
 
 def _resized_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -271,6 +287,7 @@ def test_checkpoint_after_a_drain_resumes_exactly() -> None:
 TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist
 from torch import nn
+from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.schedule import make_schedule
 dist.init_process_group("gloo")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,9 +113,11 @@ class PipelineExecutor:
         track_memory: count the bytes autograd saves for the micro-batches in flight
             (:attr:`saved_bytes`, :attr:`peak_saved_bytes`; saved-tensor hooks cost a little time).
         timeout_seconds: a single wait longer than this fails (a deadlock, or a peer that hangs).
+        timeline_length: how many of the latest actions :attr:`timeline` keeps (``None``: all of them,
+            which grows without bound over a long training run).
 
-    :attr:`timeline` holds every action run: its start and end (seconds since the executor was made)
-    and the seconds it waited for messages; the rest is its own compute.
+    :attr:`timeline` holds the actions run: each one's start and end (seconds since the executor was
+    made) and the seconds it waited for messages; the rest is its own compute.
     """
 
     def __init__(
@@ -130,7 +132,10 @@ class PipelineExecutor:
         early_gradients: bool = True,
         track_memory: bool = False,
         timeout_seconds: float = 300.0,
+        timeline_length: int | None = 100_000,
     ) -> None:
+        if timeline_length is not None and timeline_length < 0:
+            raise PlanningError(f"timeline_length must be >= 0 or None, got {timeline_length}")
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
         make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)
@@ -185,7 +190,7 @@ class PipelineExecutor:
         self.saved_bytes = 0
         self.peak_saved_bytes = 0
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
-        self.timeline: list[Interval] = []
+        self.timeline: deque[Interval] = deque(maxlen=timeline_length)
         dist.barrier()
         self.epoch = time.perf_counter()
 
