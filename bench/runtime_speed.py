@@ -153,27 +153,27 @@ def single_process(rank: int, batches: _Batches, model: argparse.Namespace) -> f
     return statistics.median(times[WARMUP:]) if rank == 0 else 0.0
 
 
+def _ping_pong(rank: int, tensor: torch.Tensor) -> None:
+    """Rank 0 sends ``tensor`` to rank 1, which sends it back."""
+    if rank == 0:
+        dist.send(tensor, 1)
+        dist.recv(tensor, 1)
+    else:
+        dist.recv(tensor, 0)
+        dist.send(tensor, 0)
+
+
 def _round_trip(rank: int, tensor: torch.Tensor, repeats: int = 30) -> tuple[float, float]:
     """Median seconds of a ping-pong of ``tensor`` between the two processes, and this process's CPU
     seconds (all its threads) per message sent or received."""
     times = []
     dist.barrier()
     for _ in range(3):  # warm-up
-        if rank == 0:
-            dist.send(tensor, 1)
-            dist.recv(tensor, 1)
-        else:
-            dist.recv(tensor, 0)
-            dist.send(tensor, 0)
+        _ping_pong(rank, tensor)
     cpu = time.process_time()
     for _ in range(repeats):
         start = time.perf_counter()
-        if rank == 0:
-            dist.send(tensor, 1)
-            dist.recv(tensor, 1)
-        else:
-            dist.recv(tensor, 0)
-            dist.send(tensor, 0)
+        _ping_pong(rank, tensor)
         times.append(time.perf_counter() - start)
     return statistics.median(times), (time.process_time() - cpu) / (2 * repeats)
 

@@ -51,13 +51,28 @@ def from_schedule(family: str, stages: int, microbatches: int, steps: int, **opt
     return version
 
 
+class GatedLinear(nn.Linear):
+    """A linear layer with an ``extra`` bias used only on micro-batches of fewer than 3 rows: some
+    micro-batches (and replicas) give ``extra`` no gradient."""
+
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__(inputs, outputs)
+        self.extra = nn.Parameter(torch.randn(outputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y + self.extra if x.shape[0] < 3 else y
+
+
 def build_stages(
-    count: int, seed: int = 0, width: int = 8, frozen: tuple[tuple[int, str], ...] = ()
+    count: int, seed: int = 0, width: int = 8, frozen: tuple[tuple[int, str], ...] = (), gated: bool = False
 ) -> list[nn.Module]:
     """A small MLP chain: tanh layers, dropout-free, deterministic given ``seed``; the parameters
-    ``frozen`` names (``(stage, name)``) do not require gradients."""
+    ``frozen`` names (``(stage, name)``) do not require gradients; with ``gated`` the first layer is a
+    :class:`GatedLinear`."""
     torch.manual_seed(seed)
-    stages: list[nn.Module] = [nn.Sequential(nn.Linear(6, width), nn.Tanh())]
+    first = GatedLinear(6, width) if gated else nn.Linear(6, width)
+    stages: list[nn.Module] = [nn.Sequential(first, nn.Tanh())]
     stages += [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(count - 2)]
     stages.append(nn.Linear(width, 3))
     for stage, name in frozen:
@@ -124,7 +139,7 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
         options = case.get("options", {})
         executor = PipelineExecutor(
             lambda k, c=case, o=options: make_schedule(c["family"], c["stages"], c["microbatches"], k, **o),
-            build_stages(case["stages"], frozen=case.get("frozen", ())),
+            build_stages(case["stages"], frozen=case.get("frozen", ()), gated=case.get("gated", False)),
             nn.functional.cross_entropy,
             OPTIMIZERS[case["optimizer"]],
             recompute=case.get("recompute", False),

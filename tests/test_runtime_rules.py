@@ -37,7 +37,7 @@ def _check(cases: list[dict], workers: int) -> None:
     results = run_local(run_pipeline, workers, cases, timeout=240)
     for case in cases:
         expected = reference(
-            build_stages(case["stages"], frozen=case.get("frozen", ())),
+            build_stages(case["stages"], frozen=case.get("frozen", ()), gated=case.get("gated", False)),
             batches(case["steps"], rows=case.get("rows", 10)),
             case["microbatches"],
             _rule(case),
@@ -109,6 +109,8 @@ def test_replicated_stages_reduce_their_gradients() -> None:
             _case("1f1b-rr", "1f1b_rr", 2, 4, options={"stage_replicas": [2, 1]}),
             _case("1f1b-rr-adam", "1f1b_rr", 2, 5, optimizer="adam", rows=11, options={"stage_replicas": [2, 1]}),
             _case("1f1b-rr-frozen", "1f1b_rr", 2, 4, frozen=((0, "0.bias"),), options={"stage_replicas": [2, 1]}),
+            # 11 rows in 4 micro-batches: only the last (2 rows, on replica 1) reaches the gated weight
+            _case("1f1b-rr-gated", "1f1b_rr", 2, 4, rows=11, gated=True, options={"stage_replicas": [2, 1]}),
         ],
         3,
     )

@@ -54,10 +54,8 @@ class SplitBackward:
 
     def input_gradients(self) -> list[torch.Tensor | None]:
         """``I``: the input gradients; remembers what reached each node on the way."""
-        if not self.roots:  # nothing that needs a gradient came out of the stage
+        if not self.roots or not self.inputs:  # no output needs a gradient, or no input takes one
             return [None] * len(self.inputs)
-        if not self.inputs:
-            return []
         hooks = [
             node.register_prehook(lambda grads, node=node: self.captured.__setitem__(node, grads))
             for node in _nodes(self.roots)

@@ -124,8 +124,9 @@ class StageWeights:
         for leaf, index in zip(weights, self.trainable, strict=True):
             leaf.grad = buffer[index]
             buffer[index] = None  # the leaf holds the only reference: autograd accumulates in place
-        if roots and inputs + weights:
-            torch.autograd.backward(roots, root_grads, inputs=inputs + weights)
+        differentiated = inputs + weights
+        if roots and differentiated:
+            torch.autograd.backward(roots, root_grads, inputs=differentiated)
         for leaf, index in zip(weights, self.trainable, strict=True):
             buffer[index], leaf.grad = leaf.grad, None
         self.gradients[step] = buffer
@@ -139,7 +140,7 @@ class StageWeights:
         if self.snapshots and self.version in keep:
             self.leaves(self.version)  # the outgoing version stays usable after the in-place update
         buffer = self._buffer(step)
-        if self.group is not None:
+        if self.group is not None and self.params:
             self._sum_replicas(buffer)
         if self.optimizer is not None:
             for param, grad in zip(self.params, buffer, strict=True):
