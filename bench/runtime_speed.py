@@ -17,7 +17,7 @@ round timing ``--steps`` steps after warm-up ones between two barriers, and a sp
 of the rounds' ratios. ``two stages alone`` is the ceiling of any 2-stage pipeline on this machine:
 both workers train their own stage at once, micro-batch by micro-batch, with no messages (the two
 processes slow each other down on two cores). Those runs are also the profile the simulator's
-prediction uses: each stage's median forward, backward and update seconds, measured in every round
+prediction uses: each stage's mean forward, backward and update seconds, measured in every round
 (the error is the median of the rounds' errors); with them a message's latency and bandwidth, fitted
 to ping-pongs of an empty and of an activation-sized message, and its processor time at each end
 (process CPU time per message of the activation-sized ping-pong, the transport's threads included).
@@ -27,6 +27,7 @@ to ping-pongs of an empty and of an activation-sized message, and its processor 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import math
 import statistics
@@ -81,6 +82,7 @@ def _timed(run_step: Callable[[torch.Tensor, torch.Tensor], object], batches: _B
     between steps: a non-flushing pipeline keeps running across them)."""
     for inputs, targets in batches[:WARMUP]:
         run_step(inputs, targets)
+    gc.collect()
     dist.barrier()
     start = time.perf_counter()
     for inputs, targets in batches[WARMUP:]:
@@ -104,15 +106,15 @@ def ours(rank: int, family: str, microbatches: int, batches: _Batches, model: ar
 
 
 def _in_run_costs(timeline: Iterable) -> tuple[float, float, float]:
-    """This stage's median forward, backward (input plus weight halves when split) and update
-    seconds as the pipeline ran them, waits for messages excluded (the timed steps only)."""
+    """This stage's mean forward, backward (input plus weight halves when split) and update seconds
+    as the pipeline ran them, waits for messages excluded (the timed steps only)."""
     own: dict[Kind, list[float]] = {}
     for interval in timeline:
         if interval.action.step >= WARMUP:
             own.setdefault(interval.action.kind, []).append(interval.end - interval.start - interval.waited)
-    median = {kind: statistics.median(seconds) for kind, seconds in own.items()}
-    backward = median[Kind.B] if Kind.B in median else median[Kind.I] + median[Kind.W]
-    return median[Kind.F], backward, median[Kind.UPDATE]
+    mean = {kind: statistics.fmean(seconds) for kind, seconds in own.items()}
+    backward = mean[Kind.B] if Kind.B in mean else mean[Kind.I] + mean[Kind.W]
+    return mean[Kind.F], backward, mean[Kind.UPDATE]
 
 
 def peer(rank: int, name: str, microbatches: int, batches: _Batches, model: argparse.Namespace) -> float:
@@ -150,7 +152,7 @@ def single_process(rank: int, batches: _Batches, model: argparse.Namespace) -> f
             optimizer.zero_grad()
             times.append(time.perf_counter() - start)
     dist.barrier()
-    return statistics.median(times[WARMUP:]) if rank == 0 else 0.0
+    return statistics.fmean(times[WARMUP:]) if rank == 0 else 0.0
 
 
 def _ping_pong(rank: int, tensor: torch.Tensor) -> None:
@@ -191,7 +193,8 @@ def network(rank: int, rows: int, width: int) -> tuple[float, float, float]:
 
 def stages_alone(rank: int, microbatches: int, steps: int, model: argparse.Namespace) -> tuple[float, ...]:
     """Each worker trains its own stage on its own, both at once, with no messages: seconds per step,
-    and the stage's median forward, backward and update seconds (the profile the simulator uses)."""
+    and the stage's mean forward, backward and update seconds (the profile the simulator uses: the
+    time per step it predicts is a mean over steps, as the one measured is)."""
     module = stage_module(rank, model)
     optimizer = _sgd(list(module.parameters()))
     rows = model.batch // microbatches
@@ -219,23 +222,30 @@ def stages_alone(rank: int, microbatches: int, steps: int, model: argparse.Names
     dist.barrier()
     skip = WARMUP * microbatches
     return (
-        statistics.median(per_step[WARMUP:]),
-        statistics.median(forward[skip:]),
-        statistics.median(backward[skip:]),
-        statistics.median(update[WARMUP:]),
+        statistics.fmean(per_step[WARMUP:]),
+        statistics.fmean(forward[skip:]),
+        statistics.fmean(backward[skip:]),
+        statistics.fmean(update[WARMUP:]),
     )
 
 
 def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
     """Everything measured in the two processes: network, and every configuration once per round
     (the stages alone giving the round's profile)."""
+    # every configuration runs as our executor runs by default (runtime/garbage.py): the heap of imports
+    # frozen, automatic collection off, a full collection before each timed part (torch's peer alike)
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     batches = data(model.steps + WARMUP, model)
     result: dict = {"network": [], "costs": [], "times": {}}
     for _ in range(model.rounds):
         result["network"].append(network(rank, model.batch // microbatches, model.width))
+        gc.collect()
         seconds, *costs = stages_alone(rank, microbatches, model.steps, model)
         result["costs"].append(tuple(costs))
         result["times"].setdefault("two stages alone", []).append(seconds)
+        gc.collect()
         result["times"].setdefault("one process", []).append(single_process(rank, batches, model))
         for family in OURS:
             seconds, in_run = ours(rank, family, microbatches, batches, model)
@@ -344,7 +354,7 @@ def main() -> None:
         for stage in range(2):
             rounds = [round_costs[stage] for round_costs in costs]
             forward, backward, update = (statistics.median(column) * 1e3 for column in zip(*rounds, strict=True))
-            print(f"{'':>20} stage {stage}: F {forward:.2f} ms, B {backward:.2f} ms, update {update:.2f} ms (median)")
+            print(f"{'':>20} stage {stage}: F {forward:.2f} ms, B {backward:.2f} ms, update {update:.2f} ms (means)")
         print(
             f"{'':>20} gloo: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s, "
             f"{net[2] * 1e6:.0f} us of processor per activation at each end (medians of the rounds)"

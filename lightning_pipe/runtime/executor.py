@@ -27,6 +27,7 @@ from torch import nn
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
 from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
+from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.program import Program, shift
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.transport import Transport
@@ -115,6 +116,10 @@ class PipelineExecutor:
         timeout_seconds: a single wait longer than this fails (a deadlock, or a peer that hangs).
         timeline_length: how many of the latest actions :attr:`timeline` keeps (``None``: all of them,
             which grows without bound over a long training run).
+        gc_every: Python's automatic garbage collection is off while the executor is open; every rank
+            collects at the start of every ``gc_every``-th call instead, and fully on a drain, so the
+            pauses coincide rather than stall the pipeline one rank after another
+            (:mod:`lightning_pipe.runtime.garbage`). ``None`` leaves Python's collector alone.
 
     :attr:`timeline` holds the actions run: each one's start and end (seconds since the executor was
     made) and the seconds it waited for messages; the rest is its own compute.
@@ -133,9 +138,11 @@ class PipelineExecutor:
         track_memory: bool = False,
         timeout_seconds: float = 300.0,
         timeline_length: int | None = 100_000,
+        gc_every: int | None = 50,
     ) -> None:
         if timeline_length is not None and timeline_length < 0:
             raise PlanningError(f"timeline_length must be >= 0 or None, got {timeline_length}")
+        AlignedCollection.check(gc_every)
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
         make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)
@@ -191,6 +198,7 @@ class PipelineExecutor:
         self.peak_saved_bytes = 0
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
         self.timeline: deque[Interval] = deque(maxlen=timeline_length)
+        self.garbage = AlignedCollection(gc_every)
         dist.barrier()
         self.epoch = time.perf_counter()
 
@@ -278,6 +286,7 @@ class PipelineExecutor:
         last stage's outputs when ``return_outputs`` is set too.
         """
         call = self.calls
+        self.garbage.call()
         try:
             self._store_batch(self.origin + call, inputs, targets)
         except Exception as error:
@@ -322,12 +331,14 @@ class PipelineExecutor:
             self._calls_cache.clear()
             for weights in self.weights.values():  # the next fill starts from the live weights
                 weights.versions.clear()
+            self.garbage.full()
         return self._share(output) if share_losses else output
 
     def close(self) -> None:
         """Wait for pending sends, then release the pipeline's process groups."""
         self.transport.flush()
         self.transport.abort()
+        self.garbage.close()
 
     def state_dict(self) -> dict[str, object]:
         """Weights, versions kept, gradients accumulated and optimizer states of this worker's stages."""
@@ -387,6 +398,7 @@ class PipelineExecutor:
             traceback.clear_frames(seen.__traceback__)
             seen = seen.__cause__ or seen.__context__
         self.transport.abort()
+        self.garbage.close()
 
     def _execute(self, action: Action, output: StepOutput, return_outputs: bool, early: bool) -> None:
         if action.kind is Kind.F:

@@ -1,0 +1,164 @@
+"""Garbage collection aligned across ranks: automatic collection off while an executor runs, the
+young generations collected at the same calls on every rank, everything on a drain, Python's
+collector given back on close."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.runtime.garbage import AlignedCollection
+from lightning_pipe.runtime.launch import run_local
+from lightning_pipe.schedule import make_schedule
+from tests.reference import batches, build_stages
+
+
+class _Cycle:
+    """Garbage only the cyclic collector frees: it refers to itself."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture(autouse=True)
+def _restore_gc() -> Iterator[None]:
+    enabled = gc.isenabled()
+    yield
+    assert AlignedCollection._holders == 0, "a test left an AlignedCollection open"
+    if enabled:
+        gc.enable()
+
+
+def _collections() -> tuple[list[int], object]:
+    """A list filled with the generation of every collection from now on, and its callback."""
+    seen: list[int] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(record)
+    return seen, record
+
+
+@settings(max_examples=25, deadline=None)
+@given(every=st.integers(1, 6), calls=st.integers(0, 20))
+def test_collects_young_generations_every_n_calls_and_nothing_else(every: int, calls: int) -> None:
+    gc.enable()
+    collection = AlignedCollection(every)
+    assert not gc.isenabled()
+    seen, record = _collections()
+    try:
+        for _ in range(calls):
+            collection.call()
+            [_Cycle() for _ in range(2000)]  # enough allocations to start automatic collections
+    finally:
+        gc.callbacks.remove(record)
+        collection.close()
+    assert seen == [1] * (calls // every)
+    assert gc.isenabled()
+
+
+def test_cycles_are_freed_at_the_aligned_call_not_before() -> None:
+    collection = AlignedCollection(3)
+    try:
+        collection.call()
+        garbage = _Cycle()
+        alive = weakref.ref(garbage)
+        del garbage
+        collection.call()
+        assert alive() is not None  # no automatic collection
+        collection.call()
+        assert alive() is None
+    finally:
+        collection.close()
+
+
+def test_full_collection_and_none_leaves_python_alone() -> None:
+    gc.enable()
+    untouched = AlignedCollection(None)
+    assert gc.isenabled()
+    seen, record = _collections()
+    try:
+        untouched.call()
+        untouched.full()
+        assert seen == []
+        collection = AlignedCollection(100)
+        seen.clear()
+        collection.full()
+        assert seen == [2]
+        collection.close()
+    finally:
+        gc.callbacks.remove(record)
+        untouched.close()
+
+
+def test_collection_comes_back_when_the_last_holder_closes() -> None:
+    gc.enable()
+    first, second = AlignedCollection(5), AlignedCollection(7)
+    first.close()
+    assert not gc.isenabled()
+    first.close()  # closing twice lets go once
+    assert not gc.isenabled()
+    second.close()
+    assert gc.isenabled()
+    gc.disable()  # a process that had it off keeps it off
+    AlignedCollection(2).close()
+    assert not gc.isenabled()
+
+
+@pytest.mark.parametrize("every", [0, -3, True, 2.5, "10"])
+def test_bad_interval_is_refused(every: object) -> None:
+    with pytest.raises(PlanningError, match="gc_every must be a positive number of calls or None"):
+        AlignedCollection(every)
+
+
+def _train_recording(rank: int, family: str, every: int | None) -> tuple[list[tuple[int, int]], bool, bool]:
+    """Train 7 steps and a drain; the (call, generation) of every collection seen, whether automatic
+    collection was on during training and after close."""
+    seen: list[tuple[int, int]] = []
+    call = [0]
+    gc.callbacks.append(lambda phase, info: seen.append((call[0], info["generation"])) if phase == "start" else None)
+    executor = PipelineExecutor(
+        lambda k: make_schedule(family, 2, 2, k),
+        build_stages(2),
+        nn.functional.cross_entropy,
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        gc_every=every,
+    )
+    seen.clear()
+    during = gc.isenabled()
+    for call[0], (x, y) in enumerate(batches(7), start=1):
+        executor.step(x, y)
+        [_Cycle() for _ in range(3000)]
+    call[0] = "drain"
+    executor.drain()
+    call[0] = "close"  # tearing the process groups down collects them (transport)
+    executor.close()
+    return [entry for entry in seen if entry[0] != "close"], during, gc.isenabled()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["1f1b", "2bw"])
+def test_ranks_collect_at_the_same_calls(family: str) -> None:
+    results = run_local(_train_recording, 2, family, 3, timeout=90)
+    expected = [(3, 1), (6, 1), ("drain", 2)]
+    for seen, during, after in results:
+        assert seen == expected
+        assert not during and after
+
+
+@pytest.mark.timeout(120)
+def test_none_keeps_automatic_collection() -> None:
+    for seen, during, after in run_local(_train_recording, 2, "1f1b", None, timeout=90):
+        assert during and after
+        assert any(generation == 0 for _, generation in seen)  # Python collected by itself
