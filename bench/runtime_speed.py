@@ -21,7 +21,14 @@ prediction uses: each stage's mean forward, backward and update seconds, measure
 (the error is the median of the rounds' errors); with them a message's latency and bandwidth, fitted
 to ping-pongs of an empty and of an activation-sized message, and its processor time at each end
 (process CPU time per message of the activation-sized ping-pong, the transport's threads included).
-``spread`` is (slowest - fastest round) / median.
+Two more predictions use costs measured inside a pipeline (``PipelineExecutor.measured_costs``: each
+stage's mean compute per action in the timed steps, waits for messages excluded): ``in-run sim`` from
+the configuration's own run, ``from 1f1b`` from our 1F1B's run of the same round (a calibration run
+of one schedule predicting the others), with the same latency and bandwidth but no processor time per
+message on top (the measured actions include it).
+``spread`` is (slowest - fastest round) / median. Every configuration, torch's peer and the baselines
+included, runs under our executor's garbage-collection policy (``lightning_pipe/runtime/garbage.py``):
+the heap of imports frozen, automatic collection off, a full collection before each timed part.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,7 +47,7 @@ from torch import nn
 
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.launch import run_local
-from lightning_pipe.schedule import Kind, StageCosts, make_schedule, simulate
+from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 
 WARMUP = 3
 OURS = ("1f1b", "gpipe", "2bw", "cdp", "zb_h1")
@@ -91,7 +98,11 @@ def _timed(run_step: Callable[[torch.Tensor, torch.Tensor], object], batches: _B
     return (time.perf_counter() - start) / (len(batches) - WARMUP)
 
 
-def ours(rank: int, family: str, microbatches: int, batches: _Batches, model: argparse.Namespace) -> float:
+def ours(
+    rank: int, family: str, microbatches: int, batches: _Batches, model: argparse.Namespace
+) -> tuple[float, tuple[float, ...]]:
+    """Seconds per step, and every stage's mean forward, backward and update seconds as the pipeline
+    ran them in the timed steps, waits for messages excluded (``PipelineExecutor.measured_costs``)."""
     executor = PipelineExecutor(
         lambda k: make_schedule(family, 2, microbatches, k),
         {rank: stage_module(rank, model)},
@@ -101,20 +112,9 @@ def ours(rank: int, family: str, microbatches: int, batches: _Batches, model: ar
     # a non-flushing schedule is timed in steady state: per call, with the pipeline kept full
     seconds = _timed(lambda x, y: executor.step(x, y), batches)
     executor.drain()
+    measured = executor.measured_costs(since_step=WARMUP)
     executor.close()
-    return seconds, _in_run_costs(executor.timeline)
-
-
-def _in_run_costs(timeline: Iterable) -> tuple[float, float, float]:
-    """This stage's mean forward, backward (input plus weight halves when split) and update seconds
-    as the pipeline ran them, waits for messages excluded (the timed steps only)."""
-    own: dict[Kind, list[float]] = {}
-    for interval in timeline:
-        if interval.action.step >= WARMUP:
-            own.setdefault(interval.action.kind, []).append(interval.end - interval.start - interval.waited)
-    mean = {kind: statistics.fmean(seconds) for kind, seconds in own.items()}
-    backward = mean[Kind.B] if Kind.B in mean else mean[Kind.I] + mean[Kind.W]
-    return mean[Kind.F], backward, mean[Kind.UPDATE]
+    return seconds, tuple(zip(measured.forward, measured.backward, measured.update, strict=True))
 
 
 def peer(rank: int, name: str, microbatches: int, batches: _Batches, model: argparse.Namespace) -> float:
@@ -314,7 +314,7 @@ def main() -> None:
     )
     print(
         f"{'run':>20} {'m':>3} {'ms/step':>8} {'spread':>6} {'speed-up':>22} {'vs 1 proc':>9} {'simulated':>9} "
-        f"{'error':>6} {'in-run sim':>10} {'error':>6}"
+        f"{'error':>6} {'in-run sim':>10} {'error':>6} {'from 1f1b':>9} {'error':>6}"
     )
     for microbatches in args.microbatches:
         results = run_local(worker, 2, microbatches, args, timeout=1800)
@@ -334,12 +334,17 @@ def main() -> None:
             baseline = f"torch {family}" if family in PEERS else "ours 1f1b"
             speedup = f"{_paired(per_round[baseline], per_round[label]):.2f}x vs {LABELS.get(family, '1f1b')}"
             expected, error = _prediction(family, microbatches, costs, networks, nbytes, per_round[label])
-            in_run = list(zip(*(r["in-run costs"][family] for r in results), strict=True))
-            replayed, replay_error = _prediction(family, microbatches, in_run, networks, nbytes, per_round[label])
+            in_run = results[0]["in-run costs"]  # per family and round: every stage's costs (alike on both ranks)
+            # measured actions already hold the processor time of their messages: no overhead on top
+            wires = [(latency, bandwidth, 0.0) for latency, bandwidth, _ in networks]
+            replayed, replay_error = _prediction(family, microbatches, in_run[family], wires, nbytes, per_round[label])
+            calibrated, calibrated_error = _prediction(
+                family, microbatches, in_run["1f1b"], wires, nbytes, per_round[label]
+            )
             print(
                 f"{label:>20} {microbatches:>3} {step[label] * 1e3:>8.1f} {spread[label]:>6.0%} {speedup:>22} "
                 f"{_paired(per_round['one process'], per_round[label]):>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%} "
-                f"{replayed * 1e3:>7.1f}ms {replay_error:>5.0%}"
+                f"{replayed * 1e3:>8.1f}ms {replay_error:>5.0%} {calibrated * 1e3:>7.1f}ms {calibrated_error:>5.0%}"
             )
             if family in PEERS:
                 other = f"torch {family}"
@@ -354,7 +359,10 @@ def main() -> None:
         for stage in range(2):
             rounds = [round_costs[stage] for round_costs in costs]
             forward, backward, update = (statistics.median(column) * 1e3 for column in zip(*rounds, strict=True))
-            print(f"{'':>20} stage {stage}: F {forward:.2f} ms, B {backward:.2f} ms, update {update:.2f} ms (means)")
+            print(
+                f"{'':>20} stage {stage}: F {forward:.2f} ms, B {backward:.2f} ms, update {update:.2f} ms "
+                "(median of the rounds' means)"
+            )
         print(
             f"{'':>20} gloo: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s, "
             f"{net[2] * 1e6:.0f} us of processor per activation at each end (medians of the rounds)"

@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
+from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
 from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.program import Program, shift
@@ -35,7 +36,7 @@ from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
-from lightning_pipe.schedule.simulate import Interval
+from lightning_pipe.schedule.simulate import Interval, StageCosts
 from lightning_pipe.schedule.validate import validate
 
 __all__ = ["PipelineExecutor", "StepOutput"]
@@ -339,6 +340,16 @@ class PipelineExecutor:
         self.transport.flush()
         self.transport.abort()
         self.garbage.close()
+
+    def measured_costs(self, since_step: int = 0, **network: object) -> StageCosts:
+        """Every stage's mean forward, backward (and halves) and update seconds as this pipeline ran
+        them, waits for messages excluded, over the steps ``>= since_step`` the timelines still hold
+        (:mod:`lightning_pipe.runtime.calibration`): costs to simulate any other schedule with.
+        ``network`` sets the other fields of :class:`StageCosts` (``bandwidth``, ``latency``,
+        ``overhead``, ``activation_bytes``, ...). A collective: every rank must call it."""
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, measured_seconds(self.timeline, since_step))
+        return stage_costs(gathered, self.schedule.stages, **network)
 
     def state_dict(self) -> dict[str, object]:
         """Weights, versions kept, gradients accumulated and optimizer states of this worker's stages."""

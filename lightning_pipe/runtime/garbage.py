@@ -1,14 +1,15 @@
 """Python's garbage collector in a pipeline: collections at the same call on every rank.
 
-A collection of Python's oldest generation walks every object it tracks: with torch imported a few
-hundred thousand, 0.1-0.2 s on a CPU here. Python starts one whenever enough objects have survived,
-at a moment of its own on each rank, and in a pipeline a pause on one rank stalls the ranks that wait
-for its messages: the pipeline loses the pauses of every rank, one after the other. As Megatron-LM
-(``--manual-gc``) and torchtitan (``gc_freq``) do for the same reason, the executor turns automatic
-collection off while it runs and collects the young generations on every rank at the start of every
-``every``-th call, so the pauses coincide; :meth:`AlignedCollection.full` collects everything (on a
-drain, which every rank reaches together). The objects alive when the executor starts (imports, the
-model, the programs) are frozen (:func:`gc.freeze`): no collection walks them again.
+A collection of Python's oldest generation walks every object it tracks: with torch imported, some
+two hundred thousand, about 0.1 s on a CPU here (``bench/gc_pause.py``). Python starts one whenever
+enough objects have survived, at a moment of its own on each rank, and in a pipeline a pause on one
+rank stalls the ranks that wait for its messages: the pipeline loses the pauses of every rank, one
+after the other. As Megatron-LM (``--manual-gc``) and torchtitan (``gc_freq``) do for the same
+reason, the executor turns automatic collection off while it runs and collects the young generations
+on every rank at the start of every ``every``-th call, so the pauses coincide;
+:meth:`AlignedCollection.full` collects everything (on a drain, which every rank reaches together).
+The objects alive when the executor starts (imports, the model, the programs) are frozen
+(:func:`gc.freeze`): no collection walks them again.
 """
 
 from __future__ import annotations

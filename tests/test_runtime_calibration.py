@@ -1,0 +1,118 @@
+"""Stage costs measured in a running pipeline: means per stage and kind, waits excluded, pooled over
+ranks, against a direct computation; the executor's collective; clear errors when nothing was
+measured."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
+from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.runtime.launch import run_local
+from lightning_pipe.schedule import Kind, make_schedule, simulate
+from lightning_pipe.schedule.ir import Action
+from lightning_pipe.schedule.simulate import Interval
+from tests.reference import batches, build_stages
+
+_KINDS = {False: (Kind.F, Kind.B, Kind.UPDATE), True: (Kind.F, Kind.I, Kind.W, Kind.UPDATE)}
+
+
+@st.composite
+def _timelines(draw: st.DrawFn) -> tuple[int, bool, list[list[Interval]]]:
+    """2-3 stages, 1-3 ranks, each rank's intervals covering every stage and kind at least once."""
+    stages, split = draw(st.integers(2, 3)), draw(st.booleans())
+    timelines = []
+    for rank in range(draw(st.integers(1, 3))):
+        intervals, clock = [], 0.0
+        keys = [(s, k) for s in range(stages) for k in _KINDS[split]]
+        keys += draw(st.lists(st.sampled_from(keys), max_size=12))
+        for stage, kind in keys:
+            duration = draw(st.floats(1e-4, 0.1))
+            waited = draw(st.floats(0.0, 1.0)) * duration
+            step = draw(st.integers(0, 4))
+            action = Action(kind, stage, None if kind is Kind.UPDATE else 0, step)
+            intervals.append(Interval(rank, action, clock, clock + duration, waited))
+            clock += duration
+        timelines.append(intervals)
+    return stages, split, timelines
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_timelines(), since=st.integers(0, 2))
+def test_means_pooled_over_ranks_equal_a_direct_computation(case: tuple, since: int) -> None:
+    stages, split, timelines = case
+    every = [i for timeline in timelines for i in timeline if i.action.step >= since]
+
+    def mean(stage: int, kind: Kind) -> float:
+        own = [i for i in every if i.action.stage == stage and i.action.kind is kind]
+        return statistics.fmean(max(i.end - i.start - i.waited, 0.0) for i in own)  # rounding: never < 0
+
+    present = {(i.action.stage, i.action.kind) for i in every}
+    complete = all((s, Kind.F) in present for s in range(stages)) and all(
+        {(s, k) for k in _KINDS[split][1:-1]} <= present for s in range(stages)
+    )
+    ranks = [measured_seconds(timeline, since) for timeline in timelines]
+    if not complete:
+        with pytest.raises(PlanningError, match="no forward and backward of stage"):
+            stage_costs(ranks, stages)
+        return
+    costs = stage_costs(ranks, stages, latency=1e-5)
+    for s in range(stages):
+        assert math.isclose(costs.forward[s], mean(s, Kind.F), rel_tol=1e-9, abs_tol=1e-15)
+        update = mean(s, Kind.UPDATE) if (s, Kind.UPDATE) in present else 0.0
+        assert math.isclose(costs.update[s], update, rel_tol=1e-9, abs_tol=1e-15)
+        if split:
+            assert math.isclose(costs.input_grad[s], mean(s, Kind.I), rel_tol=1e-9, abs_tol=1e-15)
+            assert math.isclose(costs.weight_grad[s], mean(s, Kind.W), rel_tol=1e-9, abs_tol=1e-15)
+            assert math.isclose(costs.backward[s], mean(s, Kind.I) + mean(s, Kind.W), rel_tol=1e-9, abs_tol=1e-15)
+        else:
+            assert costs.input_grad is None and costs.weight_grad is None
+            assert math.isclose(costs.backward[s], mean(s, Kind.B), rel_tol=1e-9, abs_tol=1e-15)
+    assert costs.latency == 1e-5
+
+
+def test_a_stage_never_measured_is_named_with_what_to_do() -> None:
+    forward = Interval(0, Action(Kind.F, 0, 0, 0), 0.0, 1.0)
+    backward = Interval(0, Action(Kind.B, 0, 0, 0), 1.0, 3.0)
+    with pytest.raises(PlanningError, match=r"stage\(s\) \[1\].*since_step.*timeline_length"):
+        stage_costs([measured_seconds([forward, backward])], 2)
+    with pytest.raises(PlanningError, match=r"stage\(s\) \[0\]"):
+        stage_costs([measured_seconds([forward, backward], since_step=1)], 1)
+
+
+def _measure(rank: int, family: str) -> tuple[object, list[list[Interval]]]:
+    executor = PipelineExecutor(
+        lambda k: make_schedule(family, 2, 3, k),
+        build_stages(2),
+        nn.functional.cross_entropy,
+        lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    for inputs, targets in batches(5):
+        executor.step(inputs, targets)
+    executor.drain()
+    costs = executor.measured_costs(since_step=2, bandwidth=1e9)
+    timelines: list[list[Interval]] = [None] * 2
+    dist.all_gather_object(timelines, list(executor.timeline))
+    executor.close()
+    return costs, timelines
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["1f1b", "zb_h1", "2bw"])
+def test_executor_measures_the_same_costs_on_every_rank(family: str) -> None:
+    (costs, timelines), (other, _) = run_local(_measure, 2, family, timeout=90)
+    assert costs == other
+    expected = stage_costs([measured_seconds(t, since_step=2) for t in timelines], 2, bandwidth=1e9)
+    assert costs == expected
+    assert all(f > 0 for f in costs.forward) and all(u > 0 for u in costs.update)
+    assert (costs.input_grad is not None) == (family == "zb_h1")
+    assert simulate(make_schedule("gpipe", 2, 4, 2), costs).steady_step > 0
