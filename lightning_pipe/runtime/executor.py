@@ -118,8 +118,8 @@ class PipelineExecutor:
         timeline_length: how many of the latest actions :attr:`timeline` keeps (``None``: all of them,
             which grows without bound over a long training run).
         gc_every: Python's automatic garbage collection is off while the executor is open; every rank
-            collects at the start of every ``gc_every``-th call instead, and fully on a drain, so the
-            pauses coincide rather than stall the pipeline one rank after another
+            collects at the start of every ``gc_every``-th call instead, and on a drain, so the pauses
+            coincide rather than stall the pipeline one rank after another
             (:mod:`lightning_pipe.runtime.garbage`). ``None`` leaves Python's collector alone.
 
     :attr:`timeline` holds the actions run: each one's start and end (seconds since the executor was

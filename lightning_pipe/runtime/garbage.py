@@ -5,11 +5,11 @@ two hundred thousand, about 0.1 s on a CPU here (``bench/gc_pause.py``). Python 
 enough objects have survived, at a moment of its own on each rank, and in a pipeline a pause on one
 rank stalls the ranks that wait for its messages: the pipeline loses the pauses of every rank, one
 after the other. As Megatron-LM (``--manual-gc``) and torchtitan (``gc_freq``) do for the same
-reason, the executor turns automatic collection off while it runs and collects the young generations
-on every rank at the start of every ``every``-th call, so the pauses coincide;
-:meth:`AlignedCollection.full` collects everything (on a drain, which every rank reaches together).
-The objects alive when the executor starts (imports, the model, the programs) are frozen
-(:func:`gc.freeze`): no collection walks them again.
+reason, the executor turns automatic collection off while it runs and collects on every rank at the
+start of every ``every``-th call, so the pauses coincide (and on a drain, which every rank reaches
+together). The objects alive when the executor starts (imports, the model, the programs) are frozen
+(:func:`gc.freeze`): no collection walks them again, so a full collection, which frees every cycle
+however old, costs only what was made since.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ class AlignedCollection:
             raise PlanningError(f"gc_every must be a positive number of calls or None, got {every!r}")
 
     def call(self) -> None:
-        """A call starts: every ``every`` calls, collect the young generations."""
+        """A call starts: every ``every`` calls, collect."""
         if self.every is not None:
             self.calls += 1
             if self.calls % self.every == 0:
-                gc.collect(1)
+                gc.collect()
 
     def full(self) -> None:
         """Collect every generation (at a point every rank reaches together, e.g. a drain)."""
