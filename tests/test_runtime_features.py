@@ -113,9 +113,12 @@ def test_a_stage_without_weights() -> None:
 
 
 def _short_timeline_worker(rank: int) -> dict:
+    stages, loss = build_stages(2), nn.functional.cross_entropy
     with pytest.raises(PlanningError, match="timeline_length must be >= 0"):
-        stages, loss = build_stages(2), nn.functional.cross_entropy
         PipelineExecutor(make_schedule("1f1b", 2, 2), stages, loss, OPTIMIZERS["sgd"], timeline_length=-1)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(PlanningError, match="post_ahead_bytes must be a number of bytes >= 0"):
+            PipelineExecutor(make_schedule("1f1b", 2, 2), stages, loss, OPTIMIZERS["sgd"], post_ahead_bytes=bad)
     return _train(rank, "1f1b", build_stages(2), 3, timeline_length=4)
 
 

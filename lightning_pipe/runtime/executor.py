@@ -3,8 +3,9 @@
 One executor runs every family (DESIGN.md): it walks its worker's actions (a
 :class:`~lightning_pipe.runtime.program.Program`, one call per mini-batch) and does what each says —
 forward ``F``, backward ``B`` or its halves ``I`` and ``W``, optimizer ``UPDATE`` — with the weight
-version the action names (:class:`~lightning_pipe.runtime.weights.StageWeights`). Receives for a call
-are posted when it starts, so data moves while the worker computes; sends are asynchronous.
+version the action names (:class:`~lightning_pipe.runtime.weights.StageWeights`). Receives of a call's
+large messages are posted when it starts, so data moves while the worker computes (small ones when
+they are needed); sends are asynchronous.
 
 The loss of micro-batch ``i`` is weighted by its share of the mini-batch, ``n_i / n``, so that the
 accumulated gradient is the mini-batch mean ``1/N Σ ∇f_i`` of the update rules even when the last
@@ -121,6 +122,10 @@ class PipelineExecutor:
             collects at the start of every ``gc_every``-th call instead, and on a drain, so the pauses
             coincide rather than stall the pipeline one rank after another
             (:mod:`lightning_pipe.runtime.garbage`). ``None`` leaves Python's collector alone.
+        post_ahead_bytes: the receives of a call's messages of at least this many bytes are posted
+            when the call starts, so their transfers overlap compute; smaller ones when they are
+            needed (0: all ahead). On gloo here each receive posted ahead cost more than a small
+            transfer saves (``bench/runtime_speed.py --width 256 --batch 256 --microbatches 8``).
 
     :attr:`timeline` holds the actions run: each one's start and end (seconds since the executor was
     made) and the seconds it waited for messages; the rest is its own compute.
@@ -140,10 +145,13 @@ class PipelineExecutor:
         timeout_seconds: float = 300.0,
         timeline_length: int | None = 100_000,
         gc_every: int | None = 50,
+        post_ahead_bytes: int = 256 * 1024,
     ) -> None:
         if timeline_length is not None and timeline_length < 0:
             raise PlanningError(f"timeline_length must be >= 0 or None, got {timeline_length}")
         AlignedCollection.check(gc_every)
+        if isinstance(post_ahead_bytes, bool) or not isinstance(post_ahead_bytes, int) or post_ahead_bytes < 0:
+            raise PlanningError(f"post_ahead_bytes must be a number of bytes >= 0, got {post_ahead_bytes!r}")
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
         make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)
@@ -178,6 +186,7 @@ class PipelineExecutor:
             (dist.new_group(), dist.new_group()),
             timeout_seconds=timeout_seconds,
             keep_sends=2 * max(p.period for p in self.programs) + 2,
+            post_ahead_bytes=post_ahead_bytes,
         )
         self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]

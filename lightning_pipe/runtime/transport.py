@@ -4,8 +4,10 @@ A message is one byte buffer, one send: a header (whether the layout is new, the
 description, the bytes that follow on the overflow group), then the bytes of each tensor. A *layout*
 is the structure (a skeleton of tuples, lists and dicts with tensor slots), dtypes and shapes of
 what is sent. Messages belong to *streams* (``slot``, e.g. the activations of micro-batch ``i``);
-the receiver posts each message's buffer, sized for the stream's last layout, ahead of time, so
-data moves while both sides compute, and hands out views of it (no copy). Shapes are thus
+the receiver posts the buffer of each message of at least ``post_ahead_bytes``, sized for the
+stream's last layout, ahead of time, so data moves while both sides compute (a smaller message's
+receive is posted when it is waited for: its transfer is short, and each receive posted ahead cost
+gloo more here), and hands out views of the buffer (no copy). Shapes are thus
 negotiated on first use and again whenever they change (an uneven split, another batch size): on a
 change the sender fills the buffer the peer posted with a header saying so, then sends the new
 layout's description and the data on a second process group (the *overflow* group).
@@ -113,6 +115,8 @@ class Transport:
         timeout_seconds: a wait longer than this raises (a deadlock or a hung peer).
         keep_sends: sends posted during the last ``keep_sends`` calls (:meth:`next_call`) may still
             be in flight; older ones are waited for, so their buffers can be freed.
+        post_ahead_bytes: receives of messages at least this large (by their stream's last layout)
+            are posted as soon as they are expected; smaller ones when they are waited for.
     """
 
     def __init__(
@@ -123,8 +127,10 @@ class Transport:
         groups: tuple[dist.ProcessGroup, dist.ProcessGroup],
         timeout_seconds: float = 300.0,
         keep_sends: int = 2,
+        post_ahead_bytes: int = 0,
     ) -> None:
         self.rank, self.device, self.failures = rank, device, failures
+        self.post_ahead_bytes = post_ahead_bytes
         self.group, self.overflow = groups
         self.timeout = timedelta(seconds=timeout_seconds)
         self.keep_sends = keep_sends
@@ -184,8 +190,7 @@ class Transport:
     # -- receiving ----------------------------------------------------------------------------
     def expect(self, peer: int, slot: Hashable = None) -> int:
         """Announce the next message from ``peer`` (of stream ``slot``, as the sender names it) and post
-        its receive, unless an earlier message of the stream is still in flight (then it is posted once
-        that one is in). Returns its number for :meth:`receive`."""
+        its receive ahead (:meth:`_post`). Returns its number for :meth:`receive`."""
         sequence = self._expected_count[peer]
         self._expected_count[peer] += 1
         incoming = _Incoming(sequence, slot)
@@ -195,19 +200,24 @@ class Transport:
         return sequence
 
     def _post(self, peer: int) -> None:
-        """Post the receives of ``peer``'s messages in order, up to the first whose stream still has
-        an earlier message in flight (its layout may change)."""
+        """Post the receives of ``peer``'s messages ahead, in order, up to the first whose stream still
+        has an earlier message in flight (its layout may change) or that is smaller than
+        ``post_ahead_bytes`` (posted when it is waited for, the later ones after it)."""
         busy: set[Hashable] = set()
         for incoming in self._inbox[peer]:
             if incoming.buffer is None:
-                if incoming.slot in busy:
+                if incoming.slot in busy or self._size(peer, incoming.slot) < self.post_ahead_bytes:
                     return
                 self._post_one(peer, incoming)
             busy.add(incoming.slot)
 
+    def _size(self, peer: int, slot: Hashable) -> int:
+        """Bytes of the next message of a stream, by its last layout (a header alone before the first)."""
+        layout = self._layouts.get((peer, slot))
+        return _HEADER + (0 if layout is None else _packed_bytes(layout[1]))
+
     def _post_one(self, peer: int, incoming: _Incoming) -> None:
-        layout = self._layouts.get((peer, incoming.slot))
-        size = _HEADER + (0 if layout is None else _packed_bytes(layout[1]))
+        size = self._size(peer, incoming.slot)
         incoming.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         incoming.work = self._irecv(incoming.buffer, peer, self.group, incoming.sequence % _TAG_SPACE)
 
