@@ -143,7 +143,7 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
             nn.functional.cross_entropy,
             OPTIMIZERS[case["optimizer"]],
             recompute=case.get("recompute", False),
-            post_ahead_bytes=case.get("post_ahead_bytes", 256 * 1024),
+            post_ahead_bytes=case.get("post_ahead_bytes"),
         )
         for inputs, targets in batches(case["steps"], rows=case.get("rows", 10)):
             executor.step(inputs, targets)

@@ -117,7 +117,7 @@ def _short_timeline_worker(rank: int) -> dict:
     with pytest.raises(PlanningError, match="timeline_length must be >= 0"):
         PipelineExecutor(make_schedule("1f1b", 2, 2), stages, loss, OPTIMIZERS["sgd"], timeline_length=-1)
     for bad in (-1, 2.5, True):
-        with pytest.raises(PlanningError, match="post_ahead_bytes must be a number of bytes >= 0"):
+        with pytest.raises(PlanningError, match="post_ahead_bytes must be a number of bytes >= 0 or None"):
             PipelineExecutor(make_schedule("1f1b", 2, 2), stages, loss, OPTIMIZERS["sgd"], post_ahead_bytes=bad)
     return _train(rank, "1f1b", build_stages(2), 3, timeline_length=4)
 
@@ -323,3 +323,12 @@ def test_runs_under_torchrun(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "rank 0 steps [0, 1, 2, 3]" in done.stdout and "rank 1 steps [0, 1, 2, 3]" in done.stdout
+
+
+def test_small_receives_wait_until_needed_on_cpus_only_by_default() -> None:
+    from lightning_pipe.runtime.executor import _post_ahead
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert _post_ahead(None, cpu) == 256 * 1024
+    assert _post_ahead(None, gpu) == 0  # NCCL: a pending send waits for its receive, so post them all
+    assert _post_ahead(0, cpu) == 0 and _post_ahead(4096, gpu) == 4096

@@ -124,8 +124,10 @@ class PipelineExecutor:
             (:mod:`lightning_pipe.runtime.garbage`). ``None`` leaves Python's collector alone.
         post_ahead_bytes: the receives of a call's messages of at least this many bytes are posted
             when the call starts, so their transfers overlap compute; smaller ones when they are
-            needed (0: all ahead). On gloo here each receive posted ahead cost more than a small
-            transfer saves (``bench/runtime_speed.py --width 256 --batch 256 --microbatches 8``).
+            needed (0: all ahead). Default: 256 KiB on the CPU, where each receive gloo posts ahead
+            cost more than a small transfer saves (``bench/runtime_speed.py --width 256 --batch 256
+            --microbatches 8``); 0 on GPUs, where NCCL's pending sends would otherwise wait for
+            their receives.
 
     :attr:`timeline` holds the actions run: each one's start and end (seconds since the executor was
     made) and the seconds it waited for messages; the rest is its own compute.
@@ -145,13 +147,15 @@ class PipelineExecutor:
         timeout_seconds: float = 300.0,
         timeline_length: int | None = 100_000,
         gc_every: int | None = 50,
-        post_ahead_bytes: int = 256 * 1024,
+        post_ahead_bytes: int | None = None,
     ) -> None:
         if timeline_length is not None and timeline_length < 0:
             raise PlanningError(f"timeline_length must be >= 0 or None, got {timeline_length}")
         AlignedCollection.check(gc_every)
-        if isinstance(post_ahead_bytes, bool) or not isinstance(post_ahead_bytes, int) or post_ahead_bytes < 0:
-            raise PlanningError(f"post_ahead_bytes must be a number of bytes >= 0, got {post_ahead_bytes!r}")
+        if post_ahead_bytes is not None and (
+            isinstance(post_ahead_bytes, bool) or not isinstance(post_ahead_bytes, int) or post_ahead_bytes < 0
+        ):
+            raise PlanningError(f"post_ahead_bytes must be a number of bytes >= 0 or None, got {post_ahead_bytes!r}")
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
         make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)
@@ -186,7 +190,7 @@ class PipelineExecutor:
             (dist.new_group(), dist.new_group()),
             timeout_seconds=timeout_seconds,
             keep_sends=2 * max(p.period for p in self.programs) + 2,
-            post_ahead_bytes=post_ahead_bytes,
+            post_ahead_bytes=_post_ahead(post_ahead_bytes, self.device),
         )
         self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
@@ -600,6 +604,13 @@ def _repeat(schedule: Schedule) -> Callable[[int], Schedule]:
             f"lambda k: make_schedule({schedule.family!r}, P, m, k)) so it can follow the steady state"
         )
     return lambda steps: schedule
+
+
+def _post_ahead(requested: int | None, device: torch.device) -> int:
+    """The message size from which receives are posted ahead (see ``post_ahead_bytes``)."""
+    if requested is not None:
+        return requested
+    return 256 * 1024 if device.type == "cpu" else 0
 
 
 def _default_device() -> torch.device:
