@@ -35,7 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    programs = Program.build(lambda k: make_schedule("2bw", 2, 2, k))  # a worker's own objects
+    _programs = Program.build(lambda k: make_schedule("2bw", 2, 2, k))  # kept alive: a worker's own objects
     print(f"{'heap':>10} {'tracked objects':>16} {'median ms':>10} {'fastest':>8} {'slowest':>8}")
     for label in ("as is", "frozen"):
         if label == "frozen":
@@ -45,7 +45,6 @@ def main() -> None:
             f"{label:>10} {len(gc.get_objects()):>16} {statistics.median(seconds) * 1e3:>10.1f} "
             f"{min(seconds) * 1e3:>8.1f} {max(seconds) * 1e3:>8.1f}"
         )
-    del programs
 
 
 if __name__ == "__main__":

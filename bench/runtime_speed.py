@@ -2,7 +2,8 @@
 process, and measured vs simulated time per step — all in one run on this machine.
 
 Run: ``python bench/runtime_speed.py [--steps 8] [--rounds 8] [--width 512] [--depth 4] [--batch 1024]
-[--features 768] [--microbatches 2 4]``.
+[--features 768] [--microbatches 2 4] [--post-ahead-bytes N]`` (the last: our executor's
+``post_ahead_bytes``, default its own).
 
 Every configuration trains the same balanced 2-stage MLP on the same mini-batches, 2 processes x 1
 thread over gloo (the peer: torch's ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe``, SGD
@@ -34,6 +35,7 @@ the heap of imports frozen, automatic collection off, a full collection before e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import math
@@ -100,21 +102,22 @@ def _timed(run_step: Callable[[torch.Tensor, torch.Tensor], object], batches: _B
 
 def ours(
     rank: int, family: str, microbatches: int, batches: _Batches, model: argparse.Namespace
-) -> tuple[float, tuple[float, ...]]:
-    """Seconds per step, and every stage's mean forward, backward and update seconds as the pipeline
-    ran them in the timed steps, waits for messages excluded (``PipelineExecutor.measured_costs``)."""
+) -> tuple[float, StageCosts]:
+    """Seconds per step, and every stage's mean compute per action as the pipeline ran them in the
+    timed steps, waits for messages excluded (``PipelineExecutor.measured_costs``)."""
     executor = PipelineExecutor(
         lambda k: make_schedule(family, 2, microbatches, k),
         {rank: stage_module(rank, model)},
         nn.functional.cross_entropy,
         _sgd,
+        post_ahead_bytes=model.post_ahead_bytes,
     )
     # a non-flushing schedule is timed in steady state: per call, with the pipeline kept full
     seconds = _timed(lambda x, y: executor.step(x, y), batches)
     executor.drain()
     measured = executor.measured_costs(since_step=WARMUP)
     executor.close()
-    return seconds, tuple(zip(measured.forward, measured.backward, measured.update, strict=True))
+    return seconds, measured
 
 
 def peer(rank: int, name: str, microbatches: int, batches: _Batches, model: argparse.Namespace) -> float:
@@ -257,33 +260,32 @@ def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
     return result
 
 
-def predicted(
-    family: str, microbatches: int, costs: list[tuple[float, ...]], nbytes: float, net: tuple[float, ...]
-) -> float:
-    """Simulated steady-state time per step of ``family`` with the profiled stage costs."""
-    stage_costs = StageCosts(
-        [c[0] for c in costs],
-        [c[1] for c in costs],
-        update=[c[2] for c in costs],
-        activation_bytes=[nbytes, 0.0],
-        latency=net[0],
-        bandwidth=net[1],
-        overhead=net[2],
+def _profile(per_rank: tuple[tuple[float, float, float], ...]) -> StageCosts:
+    """A round's stage costs from the two-stages-alone run: each rank's (forward, backward, update)."""
+    forward, backward, update = (list(column) for column in zip(*per_rank, strict=True))
+    return StageCosts(forward, backward, update=update)
+
+
+def predicted(family: str, microbatches: int, costs: StageCosts, nbytes: float, net: tuple[float, ...]) -> float:
+    """Simulated steady-state time per step of ``family`` with ``costs`` and the network ``net``
+    (latency, bandwidth, processor time per message)."""
+    priced = dataclasses.replace(
+        costs, activation_bytes=[nbytes, 0.0], latency=net[0], bandwidth=net[1], overhead=net[2]
     )
-    return simulate(make_schedule(family, 2, microbatches, 8), stage_costs, early_gradients=True).steady_step
+    return simulate(make_schedule(family, 2, microbatches, 8), priced, early_gradients=True).steady_step
 
 
 def _prediction(
     family: str,
     microbatches: int,
-    costs: list[tuple[tuple[float, ...], ...]],
+    costs: list[StageCosts],
     networks: list[tuple[float, ...]],
     nbytes: float,
     measured: list[float],
 ) -> tuple[float, float]:
     """Median over the rounds of the simulated step (each round with its own stage costs and network)
     and of its relative error against the measured step."""
-    expected = [predicted(family, microbatches, list(c), nbytes, n) for c, n in zip(costs, networks, strict=True)]
+    expected = [predicted(family, microbatches, c, nbytes, n) for c, n in zip(costs, networks, strict=True)]
     errors = [abs(t - e) / e for t, e in zip(measured, expected, strict=True)]
     return statistics.median(expected), statistics.median(errors)
 
@@ -306,6 +308,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--features", type=int, help="inputs of the first layer (default: 1.5 width, balanced)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--post-ahead-bytes", type=int, help="our executor's post_ahead_bytes (default: its own)")
     args = parser.parse_args()
     args.features = args.features or args.width * 3 // 2
     print(
@@ -320,7 +323,7 @@ def main() -> None:
         results = run_local(worker, 2, microbatches, args, timeout=1800)
         networks = results[0]["network"]  # per round
         net = [statistics.median(column) for column in zip(*networks, strict=True)]
-        costs = list(zip(*(r["costs"] for r in results), strict=True))  # per round: (rank 0's, rank 1's)
+        costs = [_profile(pair) for pair in zip(*(r["costs"] for r in results), strict=True)]  # per round
         nbytes = args.batch // microbatches * args.width * 4
         per_round = {
             label: [max(pair) for pair in zip(*(r["times"][label] for r in results), strict=True)]
@@ -329,14 +332,14 @@ def main() -> None:
         step = {label: statistics.median(times) for label, times in per_round.items()}
         spread = {label: (max(times) - min(times)) / step[label] for label, times in per_round.items()}
         alone = step["one process"]
+        in_run = results[0]["in-run costs"]  # per family and round: every stage's costs (alike on both ranks)
+        # measured actions already hold the processor time of their messages: no overhead on top
+        wires = [(latency, bandwidth, 0.0) for latency, bandwidth, _ in networks]
         for family in OURS:
             label = f"ours {family}"
             baseline = f"torch {family}" if family in PEERS else "ours 1f1b"
             speedup = f"{_paired(per_round[baseline], per_round[label]):.2f}x vs {LABELS.get(family, '1f1b')}"
             expected, error = _prediction(family, microbatches, costs, networks, nbytes, per_round[label])
-            in_run = results[0]["in-run costs"]  # per family and round: every stage's costs (alike on both ranks)
-            # measured actions already hold the processor time of their messages: no overhead on top
-            wires = [(latency, bandwidth, 0.0) for latency, bandwidth, _ in networks]
             replayed, replay_error = _prediction(family, microbatches, in_run[family], wires, nbytes, per_round[label])
             calibrated, calibrated_error = _prediction(
                 family, microbatches, in_run["1f1b"], wires, nbytes, per_round[label]
@@ -357,8 +360,10 @@ def main() -> None:
         )
         print(f"{'one process':>20} {microbatches:>3} {alone * 1e3:>8.1f} {spread['one process']:>6.0%}")
         for stage in range(2):
-            rounds = [round_costs[stage] for round_costs in costs]
-            forward, backward, update = (statistics.median(column) * 1e3 for column in zip(*rounds, strict=True))
+            forward, backward, update = (
+                statistics.median(getattr(c, name)[stage] for c in costs) * 1e3
+                for name in ("forward", "backward", "update")
+            )
             print(
                 f"{'':>20} stage {stage}: F {forward:.2f} ms, B {backward:.2f} ms, update {update:.2f} ms "
                 "(median of the rounds' means)"

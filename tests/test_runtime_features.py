@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead
 from lightning_pipe.runtime.launch import LocalRunError, run_local
 from lightning_pipe.schedule import Kind, make_schedule
 from lightning_pipe.schedule.draw import chrome_trace
@@ -114,11 +114,10 @@ def test_a_stage_without_weights() -> None:
 
 def _short_timeline_worker(rank: int) -> dict:
     stages, loss = build_stages(2), nn.functional.cross_entropy
-    with pytest.raises(PlanningError, match="timeline_length must be >= 0"):
-        PipelineExecutor(make_schedule("1f1b", 2, 2), stages, loss, OPTIMIZERS["sgd"], timeline_length=-1)
-    for bad in (-1, 2.5, True):
-        with pytest.raises(PlanningError, match="post_ahead_bytes must be a number of bytes >= 0 or None"):
-            PipelineExecutor(make_schedule("1f1b", 2, 2), stages, loss, OPTIMIZERS["sgd"], post_ahead_bytes=bad)
+    for option, unit in (("timeline_length", "actions"), ("post_ahead_bytes", "bytes")):
+        for bad in (-1, 2.5, True):
+            with pytest.raises(PlanningError, match=rf"{option} must be a whole number of {unit} >= 0, or None"):
+                PipelineExecutor(make_schedule("1f1b", 2, 2), stages, loss, OPTIMIZERS["sgd"], **{option: bad})
     return _train(rank, "1f1b", build_stages(2), 3, timeline_length=4)
 
 
@@ -292,7 +291,7 @@ TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist
 from torch import nn
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead
 from lightning_pipe.schedule import make_schedule
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -326,8 +325,6 @@ def test_runs_under_torchrun(tmp_path) -> None:
 
 
 def test_small_receives_wait_until_needed_on_cpus_only_by_default() -> None:
-    from lightning_pipe.runtime.executor import _post_ahead
-
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert _post_ahead(None, cpu) == 256 * 1024
     assert _post_ahead(None, gpu) == 0  # NCCL: a pending send waits for its receive, so post them all

@@ -119,7 +119,7 @@ def test_collection_comes_back_when_the_last_holder_closes() -> None:
 
 @pytest.mark.parametrize("every", [0, -3, True, 2.5, "10"])
 def test_bad_interval_is_refused(every: object) -> None:
-    with pytest.raises(PlanningError, match="gc_every must be a positive number of calls or None"):
+    with pytest.raises(PlanningError, match=r"gc_every must be a whole number of calls >= 1, or None; got"):
         AlignedCollection(every)
 
 

@@ -11,6 +11,7 @@ measure a few steps of one schedule, then predict the others.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 from lightning_pipe.errors import PlanningError
@@ -19,8 +20,8 @@ from lightning_pipe.schedule.simulate import Interval, StageCosts
 
 __all__ = ["measured_seconds", "stage_costs"]
 
-Totals = dict[tuple[int, str], tuple[float, int]]
-"""``(stage, kind name) -> (seconds of compute, actions)`` of one rank."""
+Totals = dict[tuple[int, Kind], tuple[float, int]]
+"""``(stage, kind) -> (seconds of compute, actions)`` of one rank."""
 
 _MEASURED = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.UPDATE)
 
@@ -32,7 +33,7 @@ def measured_seconds(timeline: Iterable[Interval], since_step: int = 0) -> Total
     for interval in timeline:
         action = interval.action
         if action.kind in _MEASURED and action.step >= since_step:
-            key = (action.stage, action.kind.name)
+            key = (action.stage, action.kind)
             seconds, count = totals.get(key, (0.0, 0))
             totals[key] = (seconds + max(interval.end - interval.start - interval.waited, 0.0), count + 1)
     return totals
@@ -46,36 +47,35 @@ def stage_costs(ranks: Sequence[Totals], stages: int, **network: object) -> Stag
     A backward measured as input and weight halves (zero bubble) gives ``input_grad`` and
     ``weight_grad``, and ``backward`` is their sum; a stage without an update (none ran) costs 0 there.
     """
-    pooled: dict[tuple[int, str], list[float]] = {}
+    seconds: dict[tuple[int, Kind], float] = defaultdict(float)
+    counts: dict[tuple[int, Kind], int] = defaultdict(int)
     for totals in ranks:
-        for key, (seconds, count) in totals.items():
-            entry = pooled.setdefault(key, [0.0, 0])
-            entry[0] += seconds
-            entry[1] += count
-    mean = {key: seconds / count for key, (seconds, count) in pooled.items() if count}
-    missing = [s for s in range(stages) if (s, "F") not in mean or not _has_backward(mean, s)]
+        for key, (spent, count) in totals.items():
+            seconds[key] += spent
+            counts[key] += count
+    mean = {key: seconds[key] / count for key, count in counts.items() if count}
+    backward = [_backward(mean, s) for s in range(stages)]
+    missing = [s for s in range(stages) if (s, Kind.F) not in mean or backward[s] is None]
     if missing:
         raise PlanningError(
             f"no forward and backward of stage(s) {missing} in the measured timelines: run more steps, measure "
             "from an earlier step (since_step), or keep more of the timeline (timeline_length)"
         )
-    split = all((s, "I") in mean and (s, "W") in mean for s in range(stages))
+    split = all((s, Kind.I) in mean and (s, Kind.W) in mean for s in range(stages))
     return StageCosts(
-        forward=[mean[(s, "F")] for s in range(stages)],
-        backward=[_backward(mean, s) for s in range(stages)],
-        input_grad=[mean[(s, "I")] for s in range(stages)] if split else None,
-        weight_grad=[mean[(s, "W")] for s in range(stages)] if split else None,
-        update=[mean.get((s, "UPDATE"), 0.0) for s in range(stages)],
+        forward=[mean[(s, Kind.F)] for s in range(stages)],
+        backward=backward,
+        input_grad=[mean[(s, Kind.I)] for s in range(stages)] if split else None,
+        weight_grad=[mean[(s, Kind.W)] for s in range(stages)] if split else None,
+        update=[mean.get((s, Kind.UPDATE), 0.0) for s in range(stages)],
         **network,
     )
 
 
-def _has_backward(mean: Mapping[tuple[int, str], float], stage: int) -> bool:
-    return (stage, "B") in mean or ((stage, "I") in mean and (stage, "W") in mean)
-
-
-def _backward(mean: Mapping[tuple[int, str], float], stage: int) -> float:
-    """A whole backward: measured as one, or as its two halves."""
-    if (stage, "B") in mean:
-        return mean[(stage, "B")]
-    return mean[(stage, "I")] + mean[(stage, "W")]
+def _backward(mean: Mapping[tuple[int, Kind], float], stage: int) -> float | None:
+    """A whole backward: measured as one, or as its two halves (``None``: neither was measured)."""
+    if (stage, Kind.B) in mean:
+        return mean[(stage, Kind.B)]
+    if (stage, Kind.I) in mean and (stage, Kind.W) in mean:
+        return mean[(stage, Kind.I)] + mean[(stage, Kind.W)]
+    return None

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
 from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
 from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
@@ -149,13 +149,9 @@ class PipelineExecutor:
         gc_every: int | None = 50,
         post_ahead_bytes: int | None = None,
     ) -> None:
-        if timeline_length is not None and timeline_length < 0:
-            raise PlanningError(f"timeline_length must be >= 0 or None, got {timeline_length}")
-        AlignedCollection.check(gc_every)
-        if post_ahead_bytes is not None and (
-            isinstance(post_ahead_bytes, bool) or not isinstance(post_ahead_bytes, int) or post_ahead_bytes < 0
-        ):
-            raise PlanningError(f"post_ahead_bytes must be a number of bytes >= 0 or None, got {post_ahead_bytes!r}")
+        check_whole("timeline_length", timeline_length, 0, "actions")
+        check_whole("gc_every", gc_every, 1, "calls")
+        check_whole("post_ahead_bytes", post_ahead_bytes, 0, "bytes")
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
         make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import check_whole
 
 __all__ = ["AlignedCollection"]
 
@@ -35,7 +35,7 @@ class AlignedCollection:
     _resume = False
 
     def __init__(self, every: int | None) -> None:
-        self.check(every)
+        check_whole("gc_every", every, 1, "calls")
         self.every = every
         self.calls = 0
         self._holding = every is not None
@@ -47,18 +47,12 @@ class AlignedCollection:
             gc.freeze()
             gc.disable()
 
-    @staticmethod
-    def check(every: int | None) -> None:
-        """Refuse anything but a positive number of calls or ``None``."""
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise PlanningError(f"gc_every must be a positive number of calls or None, got {every!r}")
-
     def call(self) -> None:
         """A call starts: every ``every`` calls, collect."""
         if self.every is not None:
             self.calls += 1
             if self.calls % self.every == 0:
-                gc.collect()
+                self.full()
 
     def full(self) -> None:
         """Collect every generation (at a point every rank reaches together, e.g. a drain)."""

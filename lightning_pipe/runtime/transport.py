@@ -206,9 +206,10 @@ class Transport:
         busy: set[Hashable] = set()
         for incoming in self._inbox[peer]:
             if incoming.buffer is None:
-                if incoming.slot in busy or self._size(peer, incoming.slot) < self.post_ahead_bytes:
+                size = self._size(peer, incoming.slot)
+                if incoming.slot in busy or size < self.post_ahead_bytes:
                     return
-                self._post_one(peer, incoming)
+                self._post_one(peer, incoming, size)
             busy.add(incoming.slot)
 
     def _size(self, peer: int, slot: Hashable) -> int:
@@ -216,8 +217,7 @@ class Transport:
         layout = self._layouts.get((peer, slot))
         return _HEADER + (0 if layout is None else _packed_bytes(layout[1]))
 
-    def _post_one(self, peer: int, incoming: _Incoming) -> None:
-        size = self._size(peer, incoming.slot)
+    def _post_one(self, peer: int, incoming: _Incoming, size: int) -> None:
         incoming.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         incoming.work = self._irecv(incoming.buffer, peer, self.group, incoming.sequence % _TAG_SPACE)
 
@@ -238,7 +238,7 @@ class Transport:
     def _complete_next(self, peer: int) -> None:
         incoming = self._inbox[peer][0]
         if incoming.buffer is None:
-            self._post_one(peer, incoming)
+            self._post_one(peer, incoming, self._size(peer, incoming.slot))
         self._wait(incoming.work, peer, "a message from")
         fresh, described, overflow_bytes = incoming.buffer[:_FIELDS].view(torch.int64).tolist()
         if fresh:
