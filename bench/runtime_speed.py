@@ -17,11 +17,14 @@ thread while rank 1 waits); a configuration's time per step is its median over t
 round timing ``--steps`` steps after warm-up ones between two barriers, and a speed-up is the median
 of the rounds' ratios. ``two stages alone`` is the ceiling of any 2-stage pipeline on this machine:
 both workers train their own stage at once, micro-batch by micro-batch, with no messages (the two
-processes slow each other down on two cores). Those runs are also the profile the simulator's
-prediction uses: each stage's mean forward, backward and update seconds, measured in every round
-(the error is the median of the rounds' errors); with them a message's latency and bandwidth, fitted
-to ping-pongs of an empty and of an activation-sized message, and its processor time at each end
-(process CPU time per message of the activation-sized ping-pong, the transport's threads included).
+processes slow each other down on two cores). ``bare loop`` is the least a pipeline does here: a
+hand-written non-flushing 1F1B (``_Bare``: blocking receives where needed, no schedule, versions or
+timeline), what 2BW and CDP do minus everything that makes them correct. The two-stages-alone runs
+are also the profile the simulator's prediction uses: each stage's mean forward, backward and update
+seconds, measured in every round (the error is the median of the rounds' errors); with them a
+message's latency and bandwidth, fitted to ping-pongs of an empty and of an activation-sized message,
+and its processor time at each end (process CPU time per message of the activation-sized ping-pong,
+the transport's threads included).
 Two more predictions use costs measured inside a pipeline (``PipelineExecutor.measured_costs``: each
 stage's mean compute per action in the timed steps, waits for messages excluded): ``in-run sim`` from
 the configuration's own run, ``from 1f1b`` from our 1F1B's run of the same round (a calibration run
@@ -140,6 +143,66 @@ def peer(rank: int, name: str, microbatches: int, batches: _Batches, model: argp
     return _timed(run_step, batches)
 
 
+class _Bare:
+    """A hand-written non-flushing 1F1B on two ranks, the least a pipeline can do per step on this
+    machine: blocking receives at the point of need, sends of the tensors themselves, no schedule,
+    no weight versions, no timeline. Rank 0 runs F(i+1) before B(i), rank 1 F(i) then B(i), across
+    steps. It is a timing reference, not training: the optimizer steps a copy of the weights (the
+    same work as a real update, which would need the weight versions this loop has none of)."""
+
+    def __init__(self, rank: int, microbatches: int, model: argparse.Namespace) -> None:
+        self.rank, self.microbatches = rank, microbatches
+        self.module = stage_module(rank, model)
+        self.params = list(self.module.parameters())
+        self.copies = [p.detach().clone() for p in self.params]
+        self.optimizer = _sgd(self.copies)
+        self.pending: torch.Tensor | None = None  # rank 0: the output whose backward is still to run
+        self.sends: list[dist.Work] = []
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        parts = zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches), strict=True)
+        for x, y in parts:
+            if self.rank == 0:
+                out = self.module(x)
+                self.sends.append(dist.isend(out.detach(), 1))
+                self.finish()
+                self.pending = out
+            else:
+                x = torch.empty(x.shape[0], self.params[0].shape[1])
+                dist.recv(x, 0)
+                x.requires_grad_()
+                nn.functional.cross_entropy(self.module(x), y).backward()
+                self.sends.append(dist.isend(x.grad, 0))
+        self.update()
+
+    def finish(self) -> None:
+        """Rank 0: the backward of the micro-batch in flight, with the gradient rank 1 sent."""
+        if self.pending is not None:
+            grad = torch.empty_like(self.pending)
+            dist.recv(grad, 1)
+            self.pending.backward(grad)
+            self.pending = None
+
+    def update(self) -> None:
+        for copy, param in zip(self.copies, self.params, strict=True):
+            copy.grad, param.grad = param.grad, None
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        for work in self.sends[:-1]:
+            work.wait()
+        self.sends = self.sends[-1:]
+
+
+def bare(rank: int, microbatches: int, batches: _Batches, model: argparse.Namespace) -> float:
+    """Seconds per step of :class:`_Bare` (rank 0's last backward after the timed steps)."""
+    loop = _Bare(rank, microbatches, model)
+    seconds = _timed(loop.step, batches)
+    loop.finish()
+    for work in loop.sends:
+        work.wait()
+    return seconds
+
+
 def single_process(rank: int, batches: _Batches, model: argparse.Namespace) -> float:
     """Seconds per step of the unsplit model in one process with one thread (rank 0), while rank 1
     waits idle at a barrier."""
@@ -250,6 +313,8 @@ def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
         result["times"].setdefault("two stages alone", []).append(seconds)
         gc.collect()
         result["times"].setdefault("one process", []).append(single_process(rank, batches, model))
+        gc.collect()
+        result["times"].setdefault("bare loop", []).append(bare(rank, microbatches, batches, model))
         for family in OURS:
             seconds, in_run = ours(rank, family, microbatches, batches, model)
             result["times"].setdefault(f"ours {family}", []).append(seconds)
@@ -353,11 +418,11 @@ def main() -> None:
                 other = f"torch {family}"
                 name = f"torch {LABELS[family]}"
                 print(f"{name:>20} {microbatches:>3} {step[other] * 1e3:>8.1f} {spread[other]:>6.0%}")
-        ceiling = "two stages alone"
-        print(
-            f"{ceiling:>20} {microbatches:>3} {step[ceiling] * 1e3:>8.1f} {spread[ceiling]:>6.0%} {'':>22} "
-            f"{_paired(per_round['one process'], per_round[ceiling]):>8.2f}x"
-        )
+        for reference in ("bare loop", "two stages alone"):
+            print(
+                f"{reference:>20} {microbatches:>3} {step[reference] * 1e3:>8.1f} {spread[reference]:>6.0%} "
+                f"{'':>22} {_paired(per_round['one process'], per_round[reference]):>8.2f}x"
+            )
         print(f"{'one process':>20} {microbatches:>3} {alone * 1e3:>8.1f} {spread['one process']:>6.0%}")
         for stage in range(2):
             forward, backward, update = (
