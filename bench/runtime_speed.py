@@ -19,12 +19,13 @@ of the rounds' ratios. ``two stages alone`` is the ceiling of any 2-stage pipeli
 both workers train their own stage at once, micro-batch by micro-batch, with no messages (the two
 processes slow each other down on two cores). ``bare loop`` is the least a pipeline does here: a
 hand-written non-flushing 1F1B (``_Bare``: blocking receives where needed, no schedule, versions or
-timeline), what 2BW and CDP do minus everything that makes them correct. The two-stages-alone runs
-are also the profile the simulator's prediction uses: each stage's mean forward, backward and update
-seconds, measured in every round (the error is the median of the rounds' errors); with them a
-message's latency and bandwidth, fitted to ping-pongs of an empty and of an activation-sized message,
-and its processor time at each end (process CPU time per message of the activation-sized ping-pong,
-the transport's threads included).
+timeline), what 2BW and CDP do minus everything that makes them correct. ``2bw slack 1`` is 2BW with
+one more warm-up forward on stage 0 (``slack=1``), so each message has a forward and a backward to
+cross in. The two-stages-alone runs are also the profile the simulator's prediction uses: each
+stage's mean forward, backward and update seconds, measured in every round (the error is the median
+of the rounds' errors); with them a message's latency and bandwidth, fitted to ping-pongs of an
+empty and of an activation-sized message, and its processor time at each end (process CPU time per
+message of the activation-sized ping-pong, the transport's threads included).
 Two more predictions use costs measured inside a pipeline (``PipelineExecutor.measured_costs``: each
 stage's mean compute per action in the timed steps, waits for messages excluded): ``in-run sim`` from
 the configuration's own run, ``from 1f1b`` from our 1F1B's run of the same round (a calibration run
@@ -52,12 +53,19 @@ from torch import nn
 
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.launch import run_local
-from lightning_pipe.schedule import StageCosts, make_schedule, simulate
+from lightning_pipe.schedule import Schedule, StageCosts, make_schedule, simulate
 
 WARMUP = 3
-OURS = ("1f1b", "gpipe", "2bw", "cdp", "zb_h1")
+OURS = ("1f1b", "gpipe", "2bw", "2bw slack 1", "cdp", "zb_h1")
+VARIANTS = {"2bw slack 1": ("2bw", {"slack": 1})}  # a family with options
 PEERS = ("1f1b", "gpipe")
 _Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def schedule(name: str, microbatches: int, steps: int) -> Schedule:
+    """The 2-stage schedule of ``name``: a family, or a family with options (:data:`VARIANTS`)."""
+    family, options = VARIANTS.get(name, (name, {}))
+    return make_schedule(family, 2, microbatches, steps, **options)
 
 
 def stage_module(stage: int, model: argparse.Namespace) -> nn.Module:
@@ -109,7 +117,7 @@ def ours(
     """Seconds per step, and every stage's mean compute per action as the pipeline ran them in the
     timed steps, waits for messages excluded (``PipelineExecutor.measured_costs``)."""
     executor = PipelineExecutor(
-        lambda k: make_schedule(family, 2, microbatches, k),
+        lambda k: schedule(family, microbatches, k),
         {rank: stage_module(rank, model)},
         nn.functional.cross_entropy,
         _sgd,
@@ -337,7 +345,7 @@ def predicted(family: str, microbatches: int, costs: StageCosts, nbytes: float, 
     priced = dataclasses.replace(
         costs, activation_bytes=[nbytes, 0.0], latency=net[0], bandwidth=net[1], overhead=net[2]
     )
-    return simulate(make_schedule(family, 2, microbatches, 8), priced, early_gradients=True).steady_step
+    return simulate(schedule(family, microbatches, 8), priced, early_gradients=True).steady_step
 
 
 def _prediction(

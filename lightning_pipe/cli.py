@@ -26,14 +26,21 @@ from lightning_pipe.units import format_bytes, format_seconds, parse_bandwidth, 
 __all__ = ["main"]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
+def _whole_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _whole_at_least(1)
+_whole = _whole_at_least(0)
 
 
 def _argument(parse: Callable[[str], float]) -> Callable[[str], float]:
@@ -191,6 +198,9 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--virtual-stages", type=_positive_int, default=2, help="stages per worker (interleaved)")
     parser.add_argument("--period", type=float, help="period T of 1f1b_star")
     parser.add_argument("--k", type=_positive_int, help="k of kperiodic")
+    parser.add_argument(
+        "--slack", type=_whole, default=0, help="extra warm-up forwards per link (1f1b, pipedream, 2bw; default 0)"
+    )
     parser.add_argument("--rule", help="update rule: stash|vertical (pipedream), cdp_v1|cdp_v2 (cdp)")
     parser.add_argument("--form", default="pipeline", choices=["pipeline", "pyramid"], help="cdp form")
     parser.add_argument("--groups", type=_positive_int, default=2, help="G of lpp/fslpp")
@@ -297,6 +307,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         forward=args.forward,
         backward=args.backward,
         stage_replicas=args.stage_replicas or plan_replicas,
+        slack=args.slack,
     )
     schedule = graph.schedule
     result = simulate(schedule, costs, graph=graph, early_gradients=args.early_gradients)

@@ -82,6 +82,11 @@ TWO_WORKERS = [
     _case("interleaved-all-ahead", "interleaved", 4, 4, options={"virtual_stages": 2}, post_ahead_bytes=0),
     _case("1f1b-uneven-mixed-posting", "1f1b", 2, 4, rows=10, post_ahead_bytes=150),
     _case("cdp-v2-mixed-posting", "cdp", 2, 4, rows=10, options={"rule": "cdp_v2"}, post_ahead_bytes=150),
+    # slack: extra warm-up forwards per link (more micro-batches and, for pipedream, versions in flight)
+    _case("1f1b-slack", "1f1b", 2, 4, options={"slack": 1}),
+    _case("2bw-slack", "2bw", 2, 2, steps=5, options={"slack": 1}),
+    _case("2bw-stash-slack", "2bw", 2, 3, optimizer="adam", options={"rule": "stash", "slack": 2}),
+    _case("pipedream-stash-slack", "pipedream", 2, 1, steps=6, options={"rule": "stash", "slack": 2}),
 ]
 
 FOUR_WORKERS = [
@@ -94,6 +99,7 @@ FOUR_WORKERS = [
     _case("cdp-v2", "cdp", 4, 4, options={"rule": "cdp_v2"}),
     _case("1f1b_star", "1f1b_star", 4, 4, options={"period": 6.0}),
     _case("gpipe-uneven-all-ahead", "gpipe", 4, 3, rows=11, post_ahead_bytes=0),
+    _case("2bw-slack", "2bw", 4, 6, options={"slack": 1}),
 ]
 
 

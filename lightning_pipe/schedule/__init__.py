@@ -21,6 +21,7 @@ __all__ = [
     "COMPUTE",
     "FAMILIES",
     "RULES",
+    "SLACK_FAMILIES",
     "Action",
     "Kind",
     "Schedule",
@@ -51,6 +52,7 @@ FAMILIES: dict[str, str] = {
     "1f1b_rr": "1F1B with replicated stages, micro-batches round robin (PipeDream 1F1B-RR)",
     "fslpp": "fully sharded looped pipeline parallel (Rahimi 2025)",
 }
+SLACK_FAMILIES = ("1f1b", "pipedream", "2bw")
 
 
 def _generate(
@@ -71,11 +73,16 @@ def _generate(
     forward: float,
     backward: float,
     stage_replicas: Sequence[int] | None,
+    slack: int,
 ) -> Schedule:
+    if slack and family not in SLACK_FAMILIES:
+        raise PlanningError(
+            f"{family} takes no slack: slack (extra warm-up forwards per link) applies to {', '.join(SLACK_FAMILIES)}"
+        )
     if family == "gpipe":
         return pipeline.gpipe(stages, microbatches, steps)
     if family == "1f1b":
-        return pipeline.one_f_one_b(stages, microbatches, steps)
+        return pipeline.one_f_one_b(stages, microbatches, steps, slack)
     if family == "interleaved":
         return pipeline.interleaved(stages, microbatches, steps, virtual_stages)
     if family == "looped_bfs":
@@ -90,9 +97,9 @@ def _generate(
             raise PlanningError("kperiodic needs k (--k): keep k of every k + 1 slots of 1F1B")
         return beaumont.kperiodic(stages, microbatches, steps, k=k)
     if family == "pipedream":
-        return asynchronous.pipedream(stages, microbatches, steps, rule=rule or "stash")
+        return asynchronous.pipedream(stages, microbatches, steps, rule=rule or "stash", slack=slack)
     if family == "2bw":
-        return asynchronous.two_bw(stages, microbatches, steps, rule=rule or "2bw")
+        return asynchronous.two_bw(stages, microbatches, steps, rule=rule or "2bw", slack=slack)
     if family == "cdp":
         return cyclic.cdp(stages, microbatches, steps, form=form, rule=rule or "cdp_v2")
     if family == "zb_h1":
@@ -136,6 +143,7 @@ def build_schedule(
     forward: float = 1.0,
     backward: float = 2.0,
     stage_replicas: Sequence[int] | None = None,
+    slack: int = 0,
 ) -> Graph:
     """Build, version and validate the schedule ``family``; returns its dependency graph (the
     schedule is ``.schedule``), so a simulation need not validate it again.
@@ -154,6 +162,8 @@ def build_schedule(
         priority, forward, backward: tie break and job durations of the greedy families
             (``ddp``, ``fsdp``, ``pp``, ``lpp``, ``fslpp``, ``1f1b_rr``; ``zb_h1`` splits ``backward`` in halves).
         stage_replicas: workers per stage for ``1f1b_rr`` (e.g. a pipedream plan's replicas).
+        slack: extra warm-up forwards per link for ``1f1b``, ``pipedream`` and ``2bw``, so messages cross
+            while the sender computes (:mod:`~lightning_pipe.schedule.pipeline`; 0: plain 1F1B).
     """
     schedule = _generate(
         family,
@@ -172,6 +182,7 @@ def build_schedule(
         forward=forward,
         backward=backward,
         stage_replicas=stage_replicas,
+        slack=slack,
     )
     if rule is not None and rule != schedule.rule:
         raise PlanningError(

@@ -19,45 +19,54 @@ from __future__ import annotations
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import Schedule
-from lightning_pipe.schedule.pipeline import build, check_sizes, one_f_one_b_order, warmup_1f1b
+from lightning_pipe.schedule.pipeline import build, check_sizes, check_slack, one_f_one_b_order, warmup_1f1b
 
 __all__ = ["pipedream", "two_bw"]
 
 
-def _stream_1f1b(family: str, stages: int, microbatches: int, steps: int, rule: str) -> Schedule:
+def _stream_1f1b(family: str, stages: int, microbatches: int, steps: int, rule: str, slack: int) -> Schedule:
     return build(
         family,
         stages,
         microbatches,
         steps,
-        lambda s, jobs: one_f_one_b_order(s, jobs, warmup_1f1b(stages, s)),
+        lambda s, jobs: one_f_one_b_order(s, jobs, warmup_1f1b(stages, s, slack)),
         flush=False,
         rule=rule,
+        params={"slack": slack} if slack else None,
     )
 
 
-def pipedream(stages: int, microbatches: int = 1, steps: int = 4, rule: str = "stash") -> Schedule:
-    """PipeDream's asynchronous 1F1B with weight stashing (or ``rule="vertical"``)."""
+def pipedream(stages: int, microbatches: int = 1, steps: int = 4, rule: str = "stash", slack: int = 0) -> Schedule:
+    """PipeDream's asynchronous 1F1B with weight stashing (or ``rule="vertical"``); ``slack``: extra
+    warm-up forwards per link (:mod:`~lightning_pipe.schedule.pipeline`), one more version each."""
     if rule not in ("stash", "vertical"):
         raise PlanningError(f"pipedream: rule must be 'stash' or 'vertical', got {rule!r}")
-    return _stream_1f1b("pipedream", stages, microbatches, steps, rule)
+    check_slack("pipedream", slack)
+    return _stream_1f1b("pipedream", stages, microbatches, steps, rule, slack)
 
 
-def two_bw(stages: int, microbatches: int, steps: int = 4, rule: str = "2bw") -> Schedule:
+def two_bw(stages: int, microbatches: int, steps: int = 4, rule: str = "2bw", slack: int = 0) -> Schedule:
     """PipeDream-2BW: 1F1B without flush, an update every ``m`` micro-batches, two weight versions.
 
     ``rule="2bw"`` is the paper's update formula (every micro-batch of step ``t`` at ``θ_{t-1}``);
     ``rule="stash"`` is how its implementation picks versions: a forward takes the newest version its
     stage has, so on stage ``j`` micro-batch ``i`` already sees ``θ_t`` when ``i + j >= P - 1`` (these
-    are exactly CDP-v2's versions), still never more than two versions.
+    are exactly CDP-v2's versions), still never more than two versions. ``slack``: extra warm-up
+    forwards per link (:mod:`~lightning_pipe.schedule.pipeline`); the first stage's warm-up
+    ``(P - 1)(1 + slack)`` must fit in a step.
     """
     if rule not in ("2bw", "stash"):
         raise PlanningError(f"2bw: rule must be '2bw' or 'stash', got {rule!r}")
     check_sizes("2bw", stages, microbatches, steps)
-    if microbatches < stages - 1:
+    check_slack("2bw", slack)
+    warmup = warmup_1f1b(stages, 0, slack)
+    if microbatches < warmup:
+        needed = f"m >= (P - 1)(1 + slack) = {warmup}" if slack else f"m >= P - 1 = {warmup}"
+        fewer = f", or less slack (at most {microbatches // (stages - 1) - 1})" if microbatches >= stages - 1 else ""
         raise PlanningError(
             f"2bw: with {microbatches} micro-batches per step the first stage would need version t-1 before "
-            f"its update of step t-2 is done; 2BW needs m >= P - 1 = {stages - 1} micro-batches per step "
+            f"its update of step t-2 is done; 2BW needs {needed} micro-batches per step{fewer} "
             "(Narayanan et al. 2021 use m >= P)"
         )
-    return _stream_1f1b("2bw", stages, microbatches, steps, rule)
+    return _stream_1f1b("2bw", stages, microbatches, steps, rule, slack)

@@ -9,6 +9,14 @@ All of them are built from two orders of one stage's work on a stream of micro-b
   Beaumont et al.'s 1F1B*(T) (Algorithm 1) the group index of the stage minus one: a 1-periodic
   pattern alternates one forward and one backward per period, so its only freedom is the warm-up.
 
+1F1B's warm-up leaves no time for messages: in steady state a micro-batch's activation and gradient
+cross every link on the critical path, so each micro-batch costs a stage ``F + B`` plus a round trip
+per link downstream. With ``slack`` ``k`` a stage warms up with ``(P - s - 1)(1 + k)`` forwards:
+adjacent stages' warm-ups differ by ``1 + k``, so each link has ``k`` forward/backward pairs of the
+sender to hide its round trip behind, at the price of ``(P - s - 1) k`` more activations on stage
+``s`` (the same idea as the extra warm-up micro-batch Megatron-LM's interleaved schedule takes when
+it overlaps its point-to-point messages).
+
 With a flush every step stands alone (synchronous updates); without one the stream runs across
 steps (PipeDream, 2BW, CDP) and the update of a step is placed right after the step's last backward
 on the stage.
@@ -22,6 +30,7 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import Action, Kind, Schedule
 
 __all__ = [
+    "check_slack",
     "fill_drain",
     "gpipe",
     "interleaved",
@@ -126,19 +135,29 @@ def gpipe(stages: int, microbatches: int, steps: int = 1) -> Schedule:
     return build("gpipe", stages, microbatches, steps, fill_drain)
 
 
-def warmup_1f1b(stages: int, stage: int) -> int:
-    """1F1B's warm-up on ``stage``: ``P - s - 1`` forwards."""
-    return stages - stage - 1
+def check_slack(family: str, slack: int) -> None:
+    """``slack`` must be a whole number of micro-batches >= 0."""
+    if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
+        raise PlanningError(
+            f"{family}: slack must be a whole number of micro-batches >= 0 (0 is plain 1F1B), got {slack!r}"
+        )
 
 
-def one_f_one_b(stages: int, microbatches: int, steps: int = 1) -> Schedule:
-    """1F1B with a flush every step (PipeDream-Flush, Narayanan et al. 2021)."""
+def warmup_1f1b(stages: int, stage: int, slack: int = 0) -> int:
+    """1F1B's warm-up on ``stage``: ``P - s - 1`` forwards, ``(P - s - 1)(1 + slack)`` with slack."""
+    return (stages - stage - 1) * (1 + slack)
+
+
+def one_f_one_b(stages: int, microbatches: int, steps: int = 1, slack: int = 0) -> Schedule:
+    """1F1B with a flush every step (PipeDream-Flush, Narayanan et al. 2021); ``slack``: see the module."""
+    check_slack("1f1b", slack)
     return build(
         "1f1b",
         stages,
         microbatches,
         steps,
-        lambda s, jobs: one_f_one_b_order(s, jobs, warmup_1f1b(stages, s)),
+        lambda s, jobs: one_f_one_b_order(s, jobs, warmup_1f1b(stages, s, slack)),
+        params={"slack": slack} if slack else None,
     )
 
 
