@@ -45,7 +45,7 @@ def copy_bandwidth(megabytes: int = 64, repeats: int = 30) -> float:
 
 
 def _both(fn: Callable, *args: object) -> list:
-    """``fn(*args)`` in two processes at once, one per core."""
+    """``fn(*args)`` in two processes at once (two cores: the kernel gives each its own)."""
     with mp.get_context("spawn").Pool(2) as pool:
         return pool.starmap(fn, [args, args])
 

@@ -17,7 +17,7 @@ thread while rank 1 waits); a configuration's time per step is its median over t
 round timing ``--steps`` steps after warm-up ones between two barriers, and a speed-up is the median
 of the rounds' ratios. ``two stages alone`` is the ceiling of any 2-stage pipeline on this machine:
 both workers train their own stage at once, micro-batch by micro-batch, with no messages (the two
-processes slow each other down on two cores). ``bare loop`` is the least a pipeline does here: a
+processes slow each other down on two cores). ``bare loop`` is a plain reference: a
 hand-written non-flushing 1F1B (``_Bare``: blocking receives where needed, no schedule, versions or
 timeline), what 2BW and CDP do minus everything that makes them correct. ``2bw slack 1`` is 2BW with
 one more warm-up forward on stage 0 (``slack=1``), so each message has a forward and a backward to
@@ -112,12 +112,12 @@ def _timed(run_step: Callable[[torch.Tensor, torch.Tensor], object], batches: _B
 
 
 def ours(
-    rank: int, family: str, microbatches: int, batches: _Batches, model: argparse.Namespace
+    rank: int, name: str, microbatches: int, batches: _Batches, model: argparse.Namespace
 ) -> tuple[float, StageCosts]:
     """Seconds per step, and every stage's mean compute per action as the pipeline ran them in the
     timed steps, waits for messages excluded (``PipelineExecutor.measured_costs``)."""
     executor = PipelineExecutor(
-        lambda k: schedule(family, microbatches, k),
+        lambda k: schedule(name, microbatches, k),
         {rank: stage_module(rank, model)},
         nn.functional.cross_entropy,
         _sgd,
@@ -137,14 +137,14 @@ def peer(rank: int, name: str, microbatches: int, batches: _Batches, model: argp
     module = stage_module(rank, model)
     stage = PipelineStage(module, rank, 2, torch.device("cpu"))
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[name]
-    schedule = kind(stage, n_microbatches=microbatches, loss_fn=nn.functional.cross_entropy)
+    pipe = kind(stage, n_microbatches=microbatches, loss_fn=nn.functional.cross_entropy)
     optimizer = _sgd(list(module.parameters()))
 
     def run_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
         if rank == 0:
-            schedule.step(inputs)
+            pipe.step(inputs)
         else:
-            schedule.step(target=targets)
+            pipe.step(target=targets)
         optimizer.step()
         optimizer.zero_grad()
 
@@ -152,14 +152,14 @@ def peer(rank: int, name: str, microbatches: int, batches: _Batches, model: argp
 
 
 class _Bare:
-    """A hand-written non-flushing 1F1B on two ranks, the least a pipeline can do per step on this
-    machine: blocking receives at the point of need, sends of the tensors themselves, no schedule,
+    """A hand-written non-flushing 1F1B on two ranks, nothing but the compute and the messages:
+    blocking receives at the point of need, sends of the tensors themselves, no schedule,
     no weight versions, no timeline. Rank 0 runs F(i+1) before B(i), rank 1 F(i) then B(i), across
     steps. It is a timing reference, not training: the optimizer steps a copy of the weights (the
     same work as a real update, which would need the weight versions this loop has none of)."""
 
     def __init__(self, rank: int, microbatches: int, model: argparse.Namespace) -> None:
-        self.rank, self.microbatches = rank, microbatches
+        self.rank, self.microbatches, self.width = rank, microbatches, model.width
         self.module = stage_module(rank, model)
         self.params = list(self.module.parameters())
         self.copies = [p.detach().clone() for p in self.params]
@@ -176,7 +176,7 @@ class _Bare:
                 self.finish()
                 self.pending = out
             else:
-                x = torch.empty(x.shape[0], self.params[0].shape[1])
+                x = torch.empty(x.shape[0], self.width)
                 dist.recv(x, 0)
                 x.requires_grad_()
                 nn.functional.cross_entropy(self.module(x), y).backward()

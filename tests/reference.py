@@ -21,7 +21,7 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_pipe.runtime.executor import PipelineExecutor
-from lightning_pipe.schedule import Kind, make_schedule
+from lightning_pipe.schedule import Action, Kind, make_schedule
 
 Rule = Callable[[int, int, int], int]
 
@@ -131,10 +131,16 @@ def reference(stages: list[nn.Module], data, microbatches: int, rule: Rule, opti
     return [[p.detach() for p in s.parameters()] for s in stages]
 
 
+def leading_forwards(actions: list[Action]) -> int:
+    """How many forwards come before the first backward (or its input half)."""
+    return next((n for n, a in enumerate(actions) if a.kind is not Kind.F), len(actions))
+
+
 def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch.Tensor]]]:
     """Worker of :func:`lightning_pipe.runtime.launch.run_local`: train every case with the runtime;
-    returns ``{case name: {stage: parameters}}`` for the stages this rank holds."""
-    results = {}
+    returns ``{case name: {stage: parameters}}`` for the stages this rank holds, and under
+    ``"leading forwards"`` how many forwards this rank ran before its first backward, per case."""
+    results: dict = {"leading forwards": {}}
     for case in cases:
         options = case.get("options", {})
         executor = PipelineExecutor(
@@ -150,4 +156,5 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
         executor.drain()
         executor.close()
         results[case["name"]] = {s: [p.detach().clone() for p in w.params] for s, w in executor.weights.items()}
+        results["leading forwards"][case["name"]] = leading_forwards([i.action for i in executor.timeline])
     return results

@@ -11,7 +11,18 @@ import pytest
 import torch
 
 from lightning_pipe.runtime.launch import run_local
-from tests.reference import batches, build_stages, cdp_v2, from_schedule, one_step_late, reference, run_pipeline, sync
+from lightning_pipe.schedule import make_schedule
+from tests.reference import (
+    batches,
+    build_stages,
+    cdp_v2,
+    from_schedule,
+    leading_forwards,
+    one_step_late,
+    reference,
+    run_pipeline,
+    sync,
+)
 
 
 def _case(name: str, family: str, stages: int, microbatches: int, steps: int = 4, **extra: object) -> dict:
@@ -51,6 +62,19 @@ def _check(cases: list[dict], workers: int) -> None:
                     error = (got - want).abs().max()
                     assert torch.allclose(got, want, atol=1e-6, rtol=0), (case["name"], stage, error)
         assert sorted(seen) == list(range(case["stages"])), case["name"]
+        if case.get("options", {}).get("slack"):
+            _check_warmup(case, [rank_result["leading forwards"][case["name"]] for rank_result in results])
+
+
+def _check_warmup(case: dict, ran: list[int]) -> None:
+    """Each rank ran its schedule's warm-up with slack, which is longer than without (the references
+    of these rules do not depend on the order, so this is what shows the slack order ran)."""
+    options = case["options"]
+    sizes = (case["family"], case["stages"], case["microbatches"], case["steps"])
+    with_slack = [leading_forwards(order) for order in make_schedule(*sizes, **options).orders]
+    without = [leading_forwards(order) for order in make_schedule(*sizes, **{**options, "slack": 0}).orders]
+    assert ran == with_slack, (case["name"], ran, with_slack)
+    assert with_slack[0] > without[0], (case["name"], with_slack, without)
 
 
 TWO_WORKERS = [

@@ -12,12 +12,15 @@ plain 1F1B (``w = 1``) pays ``d`` per micro-batch, and slack ``k`` hides a round
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe.cli import main
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.schedule import SLACK_FAMILIES, Kind, StageCosts, make_schedule, simulate
 
 _RULES = {"1f1b": [None], "pipedream": ["stash", "vertical"], "2bw": ["2bw", "stash"]}
@@ -106,3 +109,9 @@ def test_the_simulate_command_takes_slack(capsys) -> None:
     assert "NCA per stage" in slacked and plain != slacked
     with pytest.raises(SystemExit):
         main(["simulate", "--schedule", "2bw", "--stages", "2", "--microbatches", "2", "--slack", "-1"])
+    assert "expected a whole number >= 0, got -1" in capsys.readouterr().err
+
+
+def test_a_non_flushing_schedule_given_whole_is_answered_with_its_own_options() -> None:
+    with pytest.raises(PlanningError, match=re.escape("make_schedule('2bw', 2, 4, k, rule='stash', slack=1)")):
+        PipelineExecutor(make_schedule("2bw", 2, 4, 2, rule="stash", slack=1), [], None, None)

@@ -14,6 +14,7 @@ micro-batch is smaller.
 
 from __future__ import annotations
 
+import inspect
 import time
 import traceback
 from collections import defaultdict, deque
@@ -35,6 +36,7 @@ from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.saved_bytes import saved_bytes
+from lightning_pipe.schedule import build_schedule
 from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulate import Interval, StageCosts
@@ -152,9 +154,9 @@ class PipelineExecutor:
         check_whole("timeline_length", timeline_length, 0, "actions")
         check_whole("gc_every", gc_every, 1, "calls")
         check_whole("post_ahead_bytes", post_ahead_bytes, 0, "bytes")
+        make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
-        make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)
         self.schedule = make(1)
         validate(self.schedule)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -595,9 +597,14 @@ class PipelineExecutor:
 
 def _repeat(schedule: Schedule) -> Callable[[int], Schedule]:
     if not schedule.flush:
+        accepted = inspect.signature(build_schedule).parameters
+        options = {"rule": schedule.rule} | {k: v for k, v in schedule.params.items() if k in accepted}
+        example = f"{schedule.family!r}, {schedule.stages}, {schedule.microbatches}, k" + "".join(
+            f", {name}={value!r}" for name, value in options.items()
+        )
         raise PlanningError(
-            f"{schedule.family} does not flush: give the executor a function steps -> schedule (e.g. "
-            f"lambda k: make_schedule({schedule.family!r}, P, m, k)) so it can follow the steady state"
+            f"{schedule.family} does not flush: give the executor a function steps -> schedule built with the "
+            f"same options (lambda k: make_schedule({example})) so it can follow the steady state"
         )
     return lambda steps: schedule
 

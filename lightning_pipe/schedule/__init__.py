@@ -52,7 +52,7 @@ FAMILIES: dict[str, str] = {
     "1f1b_rr": "1F1B with replicated stages, micro-batches round robin (PipeDream 1F1B-RR)",
     "fslpp": "fully sharded looped pipeline parallel (Rahimi 2025)",
 }
-SLACK_FAMILIES = ("1f1b", "pipedream", "2bw")
+SLACK_FAMILIES: tuple[str, ...] = ("1f1b", "pipedream", "2bw")
 
 
 def _generate(
@@ -75,7 +75,7 @@ def _generate(
     stage_replicas: Sequence[int] | None,
     slack: int,
 ) -> Schedule:
-    if slack and family not in SLACK_FAMILIES:
+    if slack and family in FAMILIES and family not in SLACK_FAMILIES:
         raise PlanningError(
             f"{family} takes no slack: slack (extra warm-up forwards per link) applies to {', '.join(SLACK_FAMILIES)}"
         )

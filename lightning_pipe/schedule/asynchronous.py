@@ -1,9 +1,10 @@
 """Non-flushing pipelines: PipeDream (asynchronous 1F1B) and PipeDream-2BW.
 
 Both run 1F1B over the stream of all micro-batches with no flush between steps (Narayanan et al.
-2019 §3.2; 2021 §3): stage ``s`` warms up with ``P - s - 1`` forwards and then alternates, and it
-updates its weights right after the last backward of each step (every ``m`` micro-batches; ``m = 1``
-is the original PipeDream, which updates after every micro-batch).
+2019 §3.2; 2021 §3): stage ``s`` warms up with ``P - s - 1`` forwards (``(P - s - 1)(1 + k)`` with
+slack ``k``, :mod:`~lightning_pipe.schedule.pipeline`) and then alternates, and it updates its
+weights right after the last backward of each step (every ``m`` micro-batches; ``m = 1`` is the
+original PipeDream, which updates after every micro-batch).
 
 - ``pipedream``: weight stashing (a micro-batch's backward uses the version its forward used, the
   newest when the forward ran; a stage keeps as many versions as it has micro-batches in flight),
@@ -12,7 +13,7 @@ is the original PipeDream, which updates after every micro-batch).
 - ``2bw``: double-buffered weights, ``θ_{t+1} = θ_t − γ/N Σ ∇f_i(θ_{t−1})``: every micro-batch of
   step ``t`` uses version ``t − 1`` while version ``t`` is being finished, so two versions suffice. The
   forwards of step ``t`` must not outrun the update of step ``t − 2`` on any stage, which needs
-  ``m >= P - 1``.
+  ``m`` at least the first stage's warm-up: ``m >= P - 1``, ``m >= (P - 1)(1 + k)`` with slack.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def _stream_1f1b(family: str, stages: int, microbatches: int, steps: int, rule: 
 
 def pipedream(stages: int, microbatches: int = 1, steps: int = 4, rule: str = "stash", slack: int = 0) -> Schedule:
     """PipeDream's asynchronous 1F1B with weight stashing (or ``rule="vertical"``); ``slack``: extra
-    warm-up forwards per link (:mod:`~lightning_pipe.schedule.pipeline`), one more version each."""
+    warm-up forwards per link (:mod:`~lightning_pipe.schedule.pipeline`), so more micro-batches, and
+    with them versions, in flight."""
     if rule not in ("stash", "vertical"):
         raise PlanningError(f"pipedream: rule must be 'stash' or 'vertical', got {rule!r}")
     check_slack("pipedream", slack)

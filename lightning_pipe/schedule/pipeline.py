@@ -10,12 +10,11 @@ All of them are built from two orders of one stage's work on a stream of micro-b
   pattern alternates one forward and one backward per period, so its only freedom is the warm-up.
 
 1F1B's warm-up leaves no time for messages: in steady state a micro-batch's activation and gradient
-cross every link on the critical path, so each micro-batch costs a stage ``F + B`` plus a round trip
-per link downstream. With ``slack`` ``k`` a stage warms up with ``(P - s - 1)(1 + k)`` forwards:
-adjacent stages' warm-ups differ by ``1 + k``, so each link has ``k`` forward/backward pairs of the
-sender to hide its round trip behind, at the price of ``(P - s - 1) k`` more activations on stage
-``s`` (the same idea as the extra warm-up micro-batch Megatron-LM's interleaved schedule takes when
-it overlaps its point-to-point messages).
+lie on the critical path, so with a one-way delay ``d`` per message the period of a stage exceeds
+``F + B`` (``F + B + d`` on two stages). With ``slack`` ``k`` a stage warms up with
+``(P - s - 1)(1 + k)`` forwards: adjacent stages' warm-ups differ by ``1 + k``, so each link has
+``k`` forward/backward pairs of the sender to hide its round trip behind, at the price of
+``(P - s - 1) k`` more activations on stage ``s``. A flushing 1F1B caps every warm-up at ``m``.
 
 With a flush every step stands alone (synchronous updates); without one the stream runs across
 steps (PipeDream, 2BW, CDP) and the update of a step is placed right after the step's last backward
