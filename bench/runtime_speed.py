@@ -11,13 +11,14 @@ stepped after each schedule step). Each stage is ``depth`` Linear+ReLU blocks of
 one ends with a 10-class head, the first one reads ``features`` inputs. The data need no gradient, so
 the first layer has no input-gradient half: with ``features = 1.5 width`` its forward and weight
 gradient make up for it and both stages cost the same (the profiled costs are printed).
-The same two processes run every configuration once per round, round after round, so a slow spell of
-the machine hits them alike (the one-process baseline too: rank 0 trains the unsplit model with one
-thread while rank 1 waits); a configuration's time per step is its median over the rounds, each
-round timing ``--steps`` steps after warm-up ones between two barriers, and a speed-up is the median
-of the rounds' ratios. ``two stages alone`` is the ceiling of any 2-stage pipeline on this machine:
-both workers train their own stage at once, micro-batch by micro-batch, with no messages (the two
-processes slow each other down on two cores). ``bare loop`` is a plain reference: a
+The same two processes run every configuration once per round, in an order drawn anew each round
+(the same on both ranks, so no configuration always follows another), round after round, so a slow
+spell of the machine hits them alike (the one-process baseline too: rank 0 trains the unsplit model
+with one thread while rank 1 waits); a configuration's time per step is its median over the rounds,
+each round timing ``--steps`` steps after warm-up ones between two barriers, and a speed-up is the
+median of the rounds' ratios. ``two stages alone`` is the ceiling of any 2-stage pipeline on this
+machine: both workers train their own stage at once, micro-batch by micro-batch, with no messages
+(the two processes slow each other down on two cores). ``bare loop`` is a plain reference: a
 hand-written non-flushing 1F1B (``_Bare``: blocking receives where needed, no schedule, versions or
 timeline), what 2BW and CDP do minus everything that makes them correct. ``2bw slack 1`` is 2BW with
 one more warm-up forward on stage 0 (``slack=1``), so each message has a forward and a backward to
@@ -40,9 +41,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import itertools
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -312,24 +315,36 @@ def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
     gc.freeze()
     gc.disable()
     batches = data(model.steps + WARMUP, model)
-    result: dict = {"network": [], "costs": [], "times": {}}
-    for _ in range(model.rounds):
-        result["network"].append(network(rank, model.batch // microbatches, model.width))
-        gc.collect()
+    result: dict = {"network": [], "costs": [], "times": {}, "in-run costs": {}}
+    times = result["times"]
+
+    def alone() -> None:
         seconds, *costs = stages_alone(rank, microbatches, model.steps, model)
         result["costs"].append(tuple(costs))
-        result["times"].setdefault("two stages alone", []).append(seconds)
-        gc.collect()
-        result["times"].setdefault("one process", []).append(single_process(rank, batches, model))
-        gc.collect()
-        result["times"].setdefault("bare loop", []).append(bare(rank, microbatches, batches, model))
-        for family in OURS:
-            seconds, in_run = ours(rank, family, microbatches, batches, model)
-            result["times"].setdefault(f"ours {family}", []).append(seconds)
-            result.setdefault("in-run costs", {}).setdefault(family, []).append(in_run)
-        for name in PEERS:
-            seconds = peer(rank, name, microbatches, batches, model)
-            result["times"].setdefault(f"torch {name}", []).append(seconds)
+        times.setdefault("two stages alone", []).append(seconds)
+
+    def run_ours(name: str) -> None:
+        seconds, in_run = ours(rank, name, microbatches, batches, model)
+        times.setdefault(f"ours {name}", []).append(seconds)
+        result["in-run costs"].setdefault(name, []).append(in_run)
+
+    def run_peer(name: str) -> None:
+        times.setdefault(f"torch {name}", []).append(peer(rank, name, microbatches, batches, model))
+
+    def one_process() -> None:
+        times.setdefault("one process", []).append(single_process(rank, batches, model))
+
+    def run_bare() -> None:
+        times.setdefault("bare loop", []).append(bare(rank, microbatches, batches, model))
+
+    runs = [alone, one_process, run_bare]
+    runs += [functools.partial(run_ours, name) for name in OURS] + [functools.partial(run_peer, name) for name in PEERS]
+    for round_index in range(model.rounds):
+        result["network"].append(network(rank, model.batch // microbatches, model.width))
+        # a new order every round, the same on both ranks: no configuration always follows another
+        for run in random.Random(round_index).sample(runs, len(runs)):
+            gc.collect()
+            run()
     return result
 
 
