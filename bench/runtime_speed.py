@@ -34,7 +34,7 @@ of one schedule predicting the others), with the same latency and bandwidth but 
 message on top (the measured actions include it).
 ``spread`` is (slowest - fastest round) / median. Every configuration, torch's peer and the baselines
 included, runs under our executor's garbage-collection policy (``lightning_pipe/runtime/garbage.py``):
-the heap of imports frozen, automatic collection off, a full collection before each timed part.
+the heap of imports frozen, automatic collection off, a full collection before each configuration.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import itertools
 import math
 import random
@@ -55,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.launch import run_local
 from lightning_pipe.schedule import Schedule, StageCosts, make_schedule, simulate
 
@@ -105,7 +105,6 @@ def _timed(run_step: Callable[[torch.Tensor, torch.Tensor], object], batches: _B
     between steps: a non-flushing pipeline keeps running across them)."""
     for inputs, targets in batches[:WARMUP]:
         run_step(inputs, targets)
-    gc.collect()
     dist.barrier()
     start = time.perf_counter()
     for inputs, targets in batches[WARMUP:]:
@@ -309,11 +308,9 @@ def stages_alone(rank: int, microbatches: int, steps: int, model: argparse.Names
 def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
     """Everything measured in the two processes: network, and every configuration once per round
     (the stages alone giving the round's profile)."""
-    # every configuration runs as our executor runs by default (runtime/garbage.py): the heap of imports
-    # frozen, automatic collection off, a full collection before each timed part (torch's peer alike)
-    gc.collect()
-    gc.freeze()
-    gc.disable()
+    # every configuration runs as our executor runs by default, torch's peer alike: the heap of imports
+    # frozen, automatic collection off, a full collection before each configuration
+    garbage = AlignedCollection(every=1)
     batches = data(model.steps + WARMUP, model)
     result: dict = {"network": [], "costs": [], "times": {}, "in-run costs": {}}
     times = result["times"]
@@ -343,8 +340,9 @@ def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
         result["network"].append(network(rank, model.batch // microbatches, model.width))
         # a new order every round, the same on both ranks: no configuration always follows another
         for run in random.Random(round_index).sample(runs, len(runs)):
-            gc.collect()
+            garbage.full()
             run()
+    garbage.close()
     return result
 
 
@@ -354,17 +352,17 @@ def _profile(per_rank: tuple[tuple[float, float, float], ...]) -> StageCosts:
     return StageCosts(forward, backward, update=update)
 
 
-def predicted(family: str, microbatches: int, costs: StageCosts, nbytes: float, net: tuple[float, ...]) -> float:
-    """Simulated steady-state time per step of ``family`` with ``costs`` and the network ``net``
-    (latency, bandwidth, processor time per message)."""
+def predicted(name: str, microbatches: int, costs: StageCosts, nbytes: float, net: tuple[float, ...]) -> float:
+    """Simulated steady-state time per step of ``name`` (:func:`schedule`) with ``costs`` and the
+    network ``net`` (latency, bandwidth, processor time per message)."""
     priced = dataclasses.replace(
         costs, activation_bytes=[nbytes, 0.0], latency=net[0], bandwidth=net[1], overhead=net[2]
     )
-    return simulate(schedule(family, microbatches, 8), priced, early_gradients=True).steady_step
+    return simulate(schedule(name, microbatches, 8), priced, early_gradients=True).steady_step
 
 
 def _prediction(
-    family: str,
+    name: str,
     microbatches: int,
     costs: list[StageCosts],
     networks: list[tuple[float, ...]],
@@ -373,7 +371,7 @@ def _prediction(
 ) -> tuple[float, float]:
     """Median over the rounds of the simulated step (each round with its own stage costs and network)
     and of its relative error against the measured step."""
-    expected = [predicted(family, microbatches, c, nbytes, n) for c, n in zip(costs, networks, strict=True)]
+    expected = [predicted(name, microbatches, c, nbytes, n) for c, n in zip(costs, networks, strict=True)]
     errors = [abs(t - e) / e for t, e in zip(measured, expected, strict=True)]
     return statistics.median(expected), statistics.median(errors)
 

@@ -12,7 +12,11 @@ class PlanningError(ValueError):
     """
 
 
-def check_whole(name: str, value: object, minimum: int, unit: str) -> None:
-    """Refuse an option that is neither ``None`` nor a whole number of ``unit`` >= ``minimum``."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        raise PlanningError(f"{name} must be a whole number of {unit} >= {minimum}, or None; got {value!r}")
+def check_whole(name: str, value: object, minimum: int, unit: str | None = None, *, optional: bool = False) -> None:
+    """Refuse ``value`` unless it is a whole number (of ``unit``) >= ``minimum``, or ``None`` when
+    ``optional`` (``True`` and ``2.0`` are not whole numbers here)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = f"a whole number of {unit}" if unit else "a whole number"
+        raise PlanningError(f"{name} must be {what} >= {minimum}{', or None' if optional else ''}; got {value!r}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PlanningError, check_whole
 
 __all__ = ["EXTRA_COPIES", "SCHEDULES", "MemoryModel"]
 
@@ -51,8 +51,7 @@ class MemoryModel:
             raise PlanningError(
                 f"unknown schedule {self.schedule!r} for memory planning; choose one of {', '.join(SCHEDULES)}"
             )
-        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
-            raise PlanningError(f"microbatches must be a whole number >= 1, got {self.microbatches!r}")
+        check_whole("microbatches", self.microbatches, 1, optional=True)
         if self.schedule == "gpipe" and self.microbatches is None:
             raise PlanningError("gpipe keeps all m micro-batches in flight: give the number of microbatches")
         if not math.isfinite(self.extra_copies) or self.extra_copies < 0:

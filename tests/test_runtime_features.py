@@ -291,7 +291,7 @@ TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist
 from torch import nn
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead
+from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.schedule import make_schedule
 dist.init_process_group("gloo")
 torch.manual_seed(0)

@@ -22,6 +22,7 @@ from lightning_pipe.cli import main
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.schedule import SLACK_FAMILIES, Kind, StageCosts, make_schedule, simulate
+from tests.reference import leading_forwards
 
 _RULES = {"1f1b": [None], "pipedream": ["stash", "vertical"], "2bw": ["2bw", "stash"]}
 
@@ -53,8 +54,7 @@ def test_each_stage_warms_up_with_its_slack(family: str, stages: int, microbatch
         # a flushing 1F1B warms up within the step, the others over the stream of every step; the
         # warm-up's forwards are followed by the first pair's, before the first backward
         jobs = microbatches if schedule.flush else 3 * microbatches
-        leading = next((n for n, a in enumerate(order) if a.kind is not Kind.F), len(order))
-        assert leading == min(jobs, (stages - stage - 1) * (1 + slack) + 1), (stage, order)
+        assert leading_forwards(order) == min(jobs, (stages - stage - 1) * (1 + slack) + 1), (stage, order)
     assert schedule.params.get("slack", 0) == slack
 
 
@@ -112,6 +112,19 @@ def test_the_simulate_command_takes_slack(capsys) -> None:
     assert "expected a whole number >= 0, got -1" in capsys.readouterr().err
 
 
-def test_a_non_flushing_schedule_given_whole_is_answered_with_its_own_options() -> None:
-    with pytest.raises(PlanningError, match=re.escape("make_schedule('2bw', 2, 4, k, rule='stash', slack=1)")):
-        PipelineExecutor(make_schedule("2bw", 2, 4, 2, rule="stash", slack=1), [], None, None)
+@pytest.mark.parametrize(
+    ("family", "options", "answer"),
+    [
+        ("2bw", {"rule": "stash", "slack": 1}, "make_schedule('2bw', 2, 4, k, rule='stash', slack=1)"),
+        ("pipedream", {"rule": "vertical"}, "make_schedule('pipedream', 2, 4, k, rule='vertical')"),
+        ("cdp", {"form": "pyramid"}, "make_schedule('cdp', 2, 4, k, rule='cdp_v2', form='pyramid')"),
+    ],
+)
+def test_a_non_flushing_schedule_given_whole_is_answered_with_its_own_options(
+    family: str, options: dict, answer: str
+) -> None:
+    schedule = make_schedule(family, 2, 4, 2, **options)
+    # the rule and params a non-flushing schedule carries rebuild it: they are what the answer repeats
+    assert make_schedule(family, 2, 4, 2, rule=schedule.rule, **schedule.params) == schedule
+    with pytest.raises(PlanningError, match=re.escape(answer)):
+        PipelineExecutor(schedule, [], None, None)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_pipe.costs import ChainCosts
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import MemoryModel
 from lightning_pipe.network import Network
 from lightning_pipe.partition.contiguous import ChainProblem, StageSpan
@@ -39,8 +39,7 @@ class PlanRequest:
     straight: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
-            raise PlanningError(f"devices must be a whole number >= 1, got {self.devices!r}")
+        check_whole("devices", self.devices, 1)
         if self.memory_limit is not None and (math.isnan(self.memory_limit) or self.memory_limit <= 0):
             raise PlanningError(f"memory_limit must be a positive number of bytes, got {self.memory_limit!r}")
 

@@ -35,7 +35,7 @@ class AlignedCollection:
     _resume = False
 
     def __init__(self, every: int | None) -> None:
-        check_whole("gc_every", every, 1, "calls")
+        check_whole("gc_every", every, 1, "calls", optional=True)
         self.every = every
         self.calls = 0
         self._holding = every is not None

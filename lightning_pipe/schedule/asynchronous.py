@@ -20,22 +20,9 @@ from __future__ import annotations
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import Schedule
-from lightning_pipe.schedule.pipeline import build, check_sizes, check_slack, one_f_one_b_order, warmup_1f1b
+from lightning_pipe.schedule.pipeline import build_1f1b, check_sizes, check_slack, warmup_1f1b
 
 __all__ = ["pipedream", "two_bw"]
-
-
-def _stream_1f1b(family: str, stages: int, microbatches: int, steps: int, rule: str, slack: int) -> Schedule:
-    return build(
-        family,
-        stages,
-        microbatches,
-        steps,
-        lambda s, jobs: one_f_one_b_order(s, jobs, warmup_1f1b(stages, s, slack)),
-        flush=False,
-        rule=rule,
-        params={"slack": slack} if slack else None,
-    )
 
 
 def pipedream(stages: int, microbatches: int = 1, steps: int = 4, rule: str = "stash", slack: int = 0) -> Schedule:
@@ -44,8 +31,7 @@ def pipedream(stages: int, microbatches: int = 1, steps: int = 4, rule: str = "s
     with them versions, in flight."""
     if rule not in ("stash", "vertical"):
         raise PlanningError(f"pipedream: rule must be 'stash' or 'vertical', got {rule!r}")
-    check_slack("pipedream", slack)
-    return _stream_1f1b("pipedream", stages, microbatches, steps, rule, slack)
+    return build_1f1b("pipedream", stages, microbatches, steps, slack, flush=False, rule=rule)
 
 
 def two_bw(stages: int, microbatches: int, steps: int = 4, rule: str = "2bw", slack: int = 0) -> Schedule:
@@ -61,7 +47,7 @@ def two_bw(stages: int, microbatches: int, steps: int = 4, rule: str = "2bw", sl
     if rule not in ("2bw", "stash"):
         raise PlanningError(f"2bw: rule must be '2bw' or 'stash', got {rule!r}")
     check_sizes("2bw", stages, microbatches, steps)
-    check_slack("2bw", slack)
+    check_slack("2bw", slack)  # before the warm-up is computed from it
     warmup = warmup_1f1b(stages, 0, slack)
     if microbatches < warmup:
         needed = f"m >= (P - 1)(1 + slack) = {warmup}" if slack else f"m >= P - 1 = {warmup}"
@@ -71,4 +57,4 @@ def two_bw(stages: int, microbatches: int, steps: int = 4, rule: str = "2bw", sl
             f"its update of step t-2 is done; 2BW needs {needed} micro-batches per step{fewer} "
             "(Narayanan et al. 2021 use m >= P)"
         )
-    return _stream_1f1b("2bw", stages, microbatches, steps, rule, slack)
+    return build_1f1b("2bw", stages, microbatches, steps, slack, flush=False, rule=rule)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.schedule.ir import Action, Schedule
 from lightning_pipe.schedule.pipeline import Job, build, check_sizes, one_f_one_b_order, warmup_1f1b
 
@@ -84,8 +84,7 @@ def _kperiodic_order(stage: int, jobs: list[Job], warmup: int, k: int) -> list[A
 def kperiodic(stages: int, microbatches: int, steps: int = 1, *, k: int) -> Schedule:
     """1F1B unrolled with every ``(k + 1)``-th slot dropped."""
     check_sizes("kperiodic", stages, microbatches, steps)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise PlanningError(f"kperiodic: k must be a whole number >= 1, got {k!r}")
+    check_whole("kperiodic: k", k, 1)
     return build(
         "kperiodic",
         stages,

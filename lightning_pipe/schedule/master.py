@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import MemoryModel
 from lightning_pipe.schedule.greedy import list_schedule
 from lightning_pipe.schedule.ir import Action, Kind, Schedule
@@ -170,8 +170,7 @@ def pipeline_parallel(stages: int, microbatches: int, steps: int = 1, **options:
 def _looped(family: str, stages: int, groups: int, replicas: int) -> tuple[int, Callable[[int, int], int]]:
     """``W = G·R`` and Rahimi's ``h(s, b) = (R·b mod W) + (s mod R)``."""
     for name, value in (("groups", groups), ("replicas", replicas)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanningError(f"{family}: {name} must be a whole number >= 1, got {value!r}")
+        check_whole(f"{family}: {name}", value, 1)
     if stages % replicas:
         raise PlanningError(
             f"{family}: each group of {replicas} workers loops over the {stages} stages, so stages must be a "

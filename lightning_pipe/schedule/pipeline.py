@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.schedule.ir import Action, Kind, Schedule
 
 __all__ = [
+    "build_1f1b",
     "check_slack",
     "fill_drain",
     "gpipe",
@@ -48,8 +49,7 @@ Job = tuple[int, int]
 def check_sizes(family: str, stages: int, microbatches: int, steps: int) -> None:
     """Every generator's basic argument check."""
     for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanningError(f"{family}: {name} must be a whole number >= 1, got {value!r}")
+        check_whole(f"{family}: {name}", value, 1)
 
 
 def stream(microbatches: int, steps: int) -> list[Job]:
@@ -135,11 +135,8 @@ def gpipe(stages: int, microbatches: int, steps: int = 1) -> Schedule:
 
 
 def check_slack(family: str, slack: int) -> None:
-    """``slack`` must be a whole number of micro-batches >= 0."""
-    if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
-        raise PlanningError(
-            f"{family}: slack must be a whole number of micro-batches >= 0 (0 is plain 1F1B), got {slack!r}"
-        )
+    """``slack`` must be a whole number of micro-batches >= 0 (0: plain 1F1B)."""
+    check_whole(f"{family}: slack", slack, 0, "micro-batches")
 
 
 def warmup_1f1b(stages: int, stage: int, slack: int = 0) -> int:
@@ -147,23 +144,32 @@ def warmup_1f1b(stages: int, stage: int, slack: int = 0) -> int:
     return (stages - stage - 1) * (1 + slack)
 
 
-def one_f_one_b(stages: int, microbatches: int, steps: int = 1, slack: int = 0) -> Schedule:
-    """1F1B with a flush every step (PipeDream-Flush, Narayanan et al. 2021); ``slack``: see the module."""
-    check_slack("1f1b", slack)
+def build_1f1b(
+    family: str, stages: int, microbatches: int, steps: int, slack: int, *, flush: bool = True, rule: str = "sync"
+) -> Schedule:
+    """1F1B on every stage, with ``slack`` (see the module), flushed every step or streaming across
+    steps: the one builder of ``1f1b``, ``pipedream`` and ``2bw``."""
+    check_slack(family, slack)
     return build(
-        "1f1b",
+        family,
         stages,
         microbatches,
         steps,
         lambda s, jobs: one_f_one_b_order(s, jobs, warmup_1f1b(stages, s, slack)),
+        flush=flush,
+        rule=rule,
         params={"slack": slack} if slack else None,
     )
 
 
+def one_f_one_b(stages: int, microbatches: int, steps: int = 1, slack: int = 0) -> Schedule:
+    """1F1B with a flush every step (PipeDream-Flush, Narayanan et al. 2021); ``slack``: see the module."""
+    return build_1f1b("1f1b", stages, microbatches, steps, slack)
+
+
 def _looped(family: str, stages: int, microbatches: int, steps: int, virtual_stages: int) -> int:
     check_sizes(family, stages, microbatches, steps)
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise PlanningError(f"{family}: virtual_stages must be a whole number >= 1, got {virtual_stages!r}")
+    check_whole(f"{family}: virtual_stages", virtual_stages, 1)
     if stages % virtual_stages:
         raise PlanningError(
             f"{family}: {stages} stages cannot be looped {virtual_stages} times over workers: stages must be a "
