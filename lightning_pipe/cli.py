@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.costs import ChainCosts
 from lightning_pipe.errors import PlanningError
@@ -23,7 +23,10 @@ from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
 from lightning_pipe.profile_file import load_profile, save_profile
 from lightning_pipe.units import format_bytes, format_seconds, parse_bandwidth, parse_bytes
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from lightning_pipe.schedule.simulate import Simulation
+
+__all__ = ["main", "plan_table", "simulation_table"]
 
 
 def _whole_at_least(minimum: int) -> Callable[[str], int]:
@@ -122,7 +125,7 @@ def _short(name: str, width: int = 28) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def _table(costs: ChainCosts, plan: Plan) -> str:
+def plan_table(costs: ChainCosts, plan: Plan) -> str:
     memory = plan.memory
     limit = "none" if plan.memory_limit is None else format_bytes(plan.memory_limit)
     bandwidth = "free" if plan.network.free else f"{format_bytes(plan.network.bandwidth)}/s"
@@ -171,7 +174,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"profile": costs.name, "layers": len(costs), **plan.to_dict()}, indent=1))
     else:
-        print(_table(costs, plan))
+        print(plan_table(costs, plan))
     return 0
 
 
@@ -268,7 +271,7 @@ def _stage_costs(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
     return (replace(costs, **changes) if changes else costs), replicas
 
 
-def _simulation_table(result) -> str:
+def simulation_table(result: Simulation) -> str:
     schedule = result.schedule
     lines = [
         f"{schedule.family}: {schedule.stages} stages, {schedule.microbatches} micro-batches x {schedule.steps} "
@@ -314,7 +317,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.save_schedule:
         Path(args.save_schedule).write_text(json.dumps(schedule.to_dict()) + "\n")
     _draw(args, result)
-    print(json.dumps(result.to_dict(), indent=1) if args.json else _simulation_table(result))
+    print(json.dumps(result.to_dict(), indent=1) if args.json else simulation_table(result))
     return 0
 
 

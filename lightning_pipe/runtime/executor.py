@@ -28,6 +28,7 @@ from torch import nn
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
 from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
+from lightning_pipe.runtime.clipping import clip_by_value, norm_coefficient, scale, squared_norm
 from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.program import Program, shift
@@ -122,6 +123,12 @@ class PipelineExecutor:
             collects at the start of every ``gc_every``-th call instead, and on a drain, so the pauses
             coincide rather than stall the pipeline one rank after another
             (:mod:`lightning_pipe.runtime.garbage`). ``None`` leaves Python's collector alone.
+        clip_grad_norm: clip the gradients to this norm before each update: the global norm over
+            every stage for a flushing schedule, each stage's own norm otherwise
+            (:mod:`lightning_pipe.runtime.clipping`).
+        clip_grad_value: clamp every gradient to ``[-value, value]`` before each update.
+        before_update: ``before_update(stage, step, optimizer)`` runs just before a stage's optimizer
+            applies step ``step`` (e.g. to set the learning rate the step should use).
         post_ahead_bytes: the receives of a call's messages of at least this many bytes are posted
             when the call starts, so their transfers overlap compute; smaller ones when they are
             needed (0: all ahead). Default: 256 KiB on the CPU, where each receive gloo posts ahead
@@ -148,6 +155,9 @@ class PipelineExecutor:
         timeline_length: int | None = 100_000,
         gc_every: int | None = 50,
         post_ahead_bytes: int | None = None,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+        before_update: Callable[[int, int, torch.optim.Optimizer | None], None] | None = None,
     ) -> None:
         check_whole("timeline_length", timeline_length, 0, "actions", optional=True)
         check_whole("gc_every", gc_every, 1, "calls", optional=True)
@@ -209,6 +219,15 @@ class PipelineExecutor:
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
         self.timeline: deque[Interval] = deque(maxlen=timeline_length)
         self.garbage = AlignedCollection(gc_every)
+        for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise PlanningError(f"{name} must be a positive number or None; got {value!r}")
+        self.clip_grad_norm = clip_grad_norm
+        self.clip_grad_value = clip_grad_value
+        self.before_update = before_update
+        self.global_clipping = clip_grad_norm is not None and self.schedule.flush
+        self.deferred: list[Action] = []
+        self.loss_key: tuple[int, int] | None = None
         dist.barrier()
         self.epoch = time.perf_counter()
 
@@ -344,6 +363,51 @@ class PipelineExecutor:
             self.garbage.full()
         return self._share(output) if share_losses else output
 
+    def evaluate(self, inputs: Any, microbatches: int, on_output: Callable[[int, Any], None]) -> None:
+        """A forward-only pipeline over the live weights (validation, test, predict): ``inputs`` (needed
+        on the worker of the first stage) is split into ``microbatches`` micro-batches that flow through
+        the stages without autograd; on the worker of the last stage, ``on_output(i, output)`` receives
+        micro-batch ``i``'s output, in order. A replicated stage runs on its first worker. Every worker
+        must call it with the same ``microbatches``, after a :meth:`drain` (no step in flight)."""
+        if self.calls:
+            raise PlanningError("evaluate() runs on drained weights: call drain() first, on every worker")
+        check_whole("microbatches", microbatches, 1)
+        last = self.schedule.stages - 1
+        worker = [owners[0] for owners in self.schedule.owners]
+        mine = [s for s in range(self.schedule.stages) if worker[s] == self.rank]
+        try:
+            parts = _split(inputs, microbatches) if 0 in mine else []
+            self.transport.next_call()
+            expected = {
+                (s, mb): self.transport.expect(worker[s - 1], ("E", s, mb))
+                for mb in range(microbatches)
+                for s in mine
+                if s > 0 and worker[s - 1] != self.rank
+            }
+            local: dict[tuple[int, int], Any] = {}
+            for mb in range(microbatches):
+                for s in mine:
+                    if s == 0:
+                        x = map_tensors(lambda t: t.to(self.device), parts[mb])
+                    elif (s, mb) in expected:
+                        x = self.transport.receive(worker[s - 1], expected.pop((s, mb)))
+                    else:
+                        x = local.pop((s, mb))
+                    with torch.no_grad():
+                        try:
+                            y = self.weights[s].module(x)
+                        except Exception as error:
+                            raise self._mismatch(Action(Kind.F, s, mb, self.origin), x, error) from error
+                    if s == last:
+                        on_output(mb, y)
+                    elif worker[s + 1] == self.rank:
+                        local[(s + 1, mb)] = y
+                    else:
+                        self.transport.send(worker[s + 1], y, ("E", s + 1, mb))
+        except Exception as error:
+            self._stop(error)
+            raise
+
     def close(self) -> None:
         """Wait for pending sends, then release the pipeline's process groups."""
         self.transport.flush()
@@ -403,6 +467,8 @@ class PipelineExecutor:
                 self.timeline.append(
                     Interval(self.rank, action, start - self.epoch, end - self.epoch, self.transport.waited - waited)
                 )
+            if self.global_clipping:
+                self._deferred_updates()
         except Exception as error:
             self._stop(error)
             raise
@@ -427,9 +493,43 @@ class PipelineExecutor:
             self._backward(action, weights_too=action.kind is Kind.B, early=early)
         elif action.kind is Kind.W:
             self._weight_gradient(action)
+        elif action.kind is Kind.UPDATE and self.global_clipping:
+            self.deferred.append(action)  # after every stage's gradient of the step: the global norm
         elif action.kind is Kind.UPDATE:
-            weights = self.weights[action.stage]
-            weights.update(action.step, self._versions_kept(action.stage) if weights.snapshots else set())
+            self._update(action, self.clip_grad_norm)
+
+    def _update(self, action: Action, stage_norm: float | None) -> None:
+        """Apply a stage's step: clip (by ``stage_norm`` over its own gradient, and by value), set the
+        step's hyper-parameters, step the optimizer."""
+        weights = self.weights[action.stage]
+
+        def prepare(grads: list[torch.Tensor | None]) -> None:
+            if stage_norm is not None:
+                scale(grads, norm_coefficient(float(squared_norm(grads)) ** 0.5, stage_norm))
+            if self.clip_grad_value is not None:
+                clip_by_value(grads, self.clip_grad_value)
+            if self.before_update is not None:
+                self.before_update(action.stage, action.step, weights.optimizer)
+
+        weights.update(action.step, self._versions_kept(action.stage) if weights.snapshots else set(), prepare)
+
+    def _deferred_updates(self) -> None:
+        """The updates of a flushing call under global-norm clipping: every worker sums its stages'
+        squared norms (a stage's replicas each count ``1/r`` of it) in one all-reduce over all
+        workers, scales its gradients by the unsplit model's factor, then updates. Every worker takes
+        part at the end of every call, with or without updates."""
+        total = torch.zeros((), dtype=torch.float64)
+        for action in self.deferred:
+            grads = self.weights[action.stage].summed_gradients(action.step)
+            total += squared_norm(grads).cpu() / len(self.schedule.owners[action.stage])
+        total = total.to(self.device)
+        dist.all_reduce(total)
+        coefficient = norm_coefficient(float(total) ** 0.5, self.clip_grad_norm)
+        for action in self.deferred:
+            scale(self.weights[action.stage].summed_gradients(action.step), coefficient)
+        for action in self.deferred:
+            self._update(action, None)
+        self.deferred.clear()
 
     def _forward(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
         s, mb, t = action.stage, action.microbatch, action.step
@@ -490,6 +590,7 @@ class PipelineExecutor:
 
     def _loss(self, result: Any, step: int, mb: int) -> torch.Tensor:
         target = self.targets[step][mb]
+        self.loss_key = (step, mb)  # which micro-batch loss_fn is computing, for callers that log
         return self.loss_fn(result, target) * (_rows(target) / self.batch_rows[step])
 
     def _rng_state(self) -> tuple[torch.Tensor, ...]:

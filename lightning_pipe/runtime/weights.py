@@ -62,6 +62,7 @@ class StageWeights:
         self.version = 0
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.gradients: dict[int, list[torch.Tensor]] = {}
+        self._summed: set[int] = set()  # steps whose buffer already holds the replicas' sum
 
     def leaves(self, version: int) -> dict[str, torch.Tensor]:
         """The tensors to compute with for ``version`` (the current version or a kept snapshot)."""
@@ -135,13 +136,27 @@ class StageWeights:
             x.grad = None
         return grads
 
-    def update(self, step: int, keep: set[int]) -> None:
-        """Apply ``step``'s gradient (summed over replicas); versions outside ``keep`` are dropped."""
+    def summed_gradients(self, step: int) -> list[torch.Tensor | None]:
+        """``step``'s gradient summed over the stage's replicas (once: :meth:`update` applies it)."""
+        buffer = self._buffer(step)
+        if self.group is not None and self.params and step not in self._summed:
+            self._sum_replicas(buffer)
+        self._summed.add(step)
+        self.gradients[step] = buffer
+        return buffer
+
+    def update(
+        self, step: int, keep: set[int], prepare: Callable[[list[torch.Tensor | None]], None] | None = None
+    ) -> None:
+        """Apply ``step``'s gradient (summed over replicas); versions outside ``keep`` are dropped.
+        ``prepare(gradients)`` runs just before the optimizer steps (clipping, hyper-parameters)."""
         if self.snapshots and self.version in keep:
             self.leaves(self.version)  # the outgoing version stays usable after the in-place update
-        buffer = self._buffer(step)
-        if self.group is not None and self.params:
-            self._sum_replicas(buffer)
+        buffer = self.summed_gradients(step)
+        del self.gradients[step]
+        self._summed.discard(step)
+        if prepare is not None:
+            prepare(buffer)
         if self.optimizer is not None:
             for param, grad in zip(self.params, buffer, strict=True):
                 param.grad = grad

@@ -1,0 +1,73 @@
+"""The options of a schedule, declared once (DESIGN.md: one options object per layer).
+
+:class:`ScheduleOptions` is what :func:`~lightning_pipe.schedule.build_schedule` takes besides the
+stage count and the steps; the strategy's constructor and the Hydra configuration build one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from lightning_pipe.errors import PlanningError, check_whole
+from lightning_pipe.schedule import FAMILIES, make_schedule
+from lightning_pipe.schedule.ir import Schedule
+
+__all__ = ["ScheduleOptions"]
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """A schedule family and its options (see :func:`~lightning_pipe.schedule.build_schedule`).
+
+    Attributes:
+        family: a key of :data:`~lightning_pipe.schedule.FAMILIES`.
+        microbatches: ``m`` micro-batches per step (``None``: decided by the user of the options,
+            e.g. the strategy takes the number of stages).
+        rule: update rule where a family has a choice (``stash``/``vertical``, ``2bw``/``stash``,
+            ``cdp_v1``/``cdp_v2``); ``None``: the family's own.
+        slack: extra warm-up forwards per link (``1f1b``, ``pipedream``, ``2bw``).
+        virtual_stages: stages per worker (``interleaved``, ``looped_bfs``).
+        form: ``pipeline`` or ``pyramid`` (``cdp``).
+        period: ``T`` of ``1f1b_star``; k: of ``kperiodic``.
+        groups, replicas, priority: of the master-schedule families (``lpp``, ``fslpp``, ...).
+    """
+
+    family: str = "1f1b"
+    microbatches: int | None = None
+    rule: str | None = None
+    slack: int = 0
+    virtual_stages: int = 2
+    form: str = "pipeline"
+    period: float | None = None
+    k: int | None = None
+    groups: int = 2
+    replicas: int = 2
+    priority: str = "backward_first"
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise PlanningError(f"unknown schedule {self.family!r}; choose one of {', '.join(FAMILIES)}")
+        check_whole("microbatches", self.microbatches, 1, optional=True)
+        check_whole("slack", self.slack, 0)
+        check_whole("virtual_stages", self.virtual_stages, 1)
+
+    def stages_for(self, workers: int) -> int:
+        """The stage count that puts this family on ``workers`` workers, when it follows from them."""
+        if self.family in ("interleaved", "looped_bfs"):
+            return workers * self.virtual_stages
+        if self.family == "cdp" and self.form == "pyramid":
+            stages = int(((8 * workers + 1) ** 0.5 - 1) / 2)
+            if stages * (stages + 1) // 2 != workers:
+                raise PlanningError(
+                    f"cdp's pyramid form runs P stages on P(P+1)/2 workers; {workers} is no such number "
+                    "(3, 6, 10, ... work): change the devices or use form='pipeline'"
+                )
+            return stages
+        return workers
+
+    def make(self, stages: int, microbatches: int, **extra: object) -> Callable[[int], Schedule]:
+        """``steps -> schedule`` of this family on ``stages`` stages (what the executor takes)."""
+        options = {k: v for k, v in asdict(self).items() if k not in ("family", "microbatches")}
+        options.update(extra)
+        return lambda steps: make_schedule(self.family, stages, microbatches, steps, **options)

@@ -1,0 +1,108 @@
+"""``self.log`` from a pipeline's last stage.
+
+The step code runs once per micro-batch on the last stage, so each ``self.log`` call is recorded
+(:func:`recording`) instead of reaching Lightning, and the micro-batches' values of a step are
+combined into what the unsplit step would have logged (:func:`combine`): the mean weighted by
+rows for ``reduce_fx="mean"`` (a per-batch mean of a per-sample quantity, e.g. a loss or an
+accuracy, comes out exact), the sum, maximum or minimum otherwise. An explicit ``batch_size`` is
+summed. Every rank then calls the real ``self.log`` with the combined values, so the loggers and the
+progress bar on rank 0 and the callbacks on every rank (checkpoint monitors, early stopping) see them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+
+from lightning_pipe.errors import PlanningError
+
+__all__ = ["Record", "combine", "recording"]
+
+_SIGNATURE = inspect.signature(LightningModule.log)
+_REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+_TORCH_REDUCTIONS = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
+
+
+@dataclass
+class Record:
+    """The ``self.log`` calls of one micro-batch's step code."""
+
+    rows: int
+    calls: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach())
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise PlanningError(
+        f"self.log({name!r}, {type(value).__name__}): under a pipeline each micro-batch logs separately and the "
+        "values are combined, so log a number or a one-element tensor (for a torchmetrics Metric, its computed value)"
+    )
+
+
+def _reduction(name: str, reduce_fx: Any) -> str:
+    key = _TORCH_REDUCTIONS.get(reduce_fx) if callable(reduce_fx) else _REDUCTIONS.get(str(reduce_fx).lower())
+    if key is None:
+        raise PlanningError(
+            f"self.log({name!r}, reduce_fx={reduce_fx!r}): a pipeline combines micro-batches with mean, sum, max or min"
+        )
+    return key
+
+
+@contextmanager
+def recording(module: LightningModule, record: Record) -> Iterator[None]:
+    """Within the context, ``module.log`` (and ``log_dict``, which calls it) appends to ``record``."""
+
+    def log(*args: Any, **kwargs: Any) -> None:
+        bound = _SIGNATURE.bind(module, *args, **kwargs)
+        bound.apply_defaults()
+        options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+        name = bound.arguments["name"]
+        _reduction(name, options["reduce_fx"])
+        record.calls.append((name, _number(name, bound.arguments["value"]), options))
+
+    module.log = log
+    try:
+        yield
+    finally:
+        del module.log
+
+
+def combine(records: list[Record]) -> list[tuple[str, float, dict[str, Any]]]:
+    """One ``(name, value, options)`` per logged name, the micro-batches of a step combined, in the
+    order the names were first logged."""
+    total_rows = sum(record.rows for record in records)
+    values: dict[str, list[tuple[int, float]]] = {}
+    options: dict[str, dict[str, Any]] = {}
+    batch_sizes: dict[str, int] = {}
+    for record in records:
+        for name, value, opts in record.calls:
+            values.setdefault(name, []).append((record.rows, value))
+            options.setdefault(name, opts)
+            if opts.get("batch_size") is not None:
+                batch_sizes[name] = batch_sizes.get(name, 0) + int(opts["batch_size"])
+    combined = []
+    for name, pairs in values.items():
+        how = _reduction(name, options[name]["reduce_fx"])
+        numbers = [value for _, value in pairs]
+        if how == "mean":
+            rows = sum(r for r, _ in pairs)
+            value = math.fsum(r * v for r, v in pairs) / (rows or total_rows or 1)
+        elif how == "sum":
+            value = math.fsum(numbers)
+        else:
+            value = max(numbers) if how == "max" else min(numbers)
+        opts = dict(options[name])
+        if name in batch_sizes:
+            opts["batch_size"] = batch_sizes[name]
+        combined.append((name, value, opts))
+    return combined

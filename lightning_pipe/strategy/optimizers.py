@@ -1,0 +1,72 @@
+"""The user's optimizer as the template of every stage's optimizer.
+
+``configure_optimizers`` returns one optimizer over the whole module. Each stage gets an optimizer of
+the same class over its own parameters, with the same parameter groups (a group's hyper-parameters
+apply to its parameters in whichever stage they are). The user's optimizer itself never steps: it
+carries the hyper-parameters, which Lightning's LR schedulers change in place, and before a stage
+applies step ``t`` it takes the values the template had when step ``t`` began — what the unsplit run
+would use at that step, even when a non-flushing schedule applies the step a call later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.errors import PlanningError
+
+__all__ = ["GROUP_KEY", "HyperParameters", "stage_optimizers"]
+
+GROUP_KEY = "template_group"  # index of the template's parameter group a stage group copies
+
+
+def stage_optimizers(template: torch.optim.Optimizer) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer | None]:
+    """``build(params)``: an optimizer like ``template`` over ``params`` (``None`` if the template
+    optimizes none of them: frozen layers)."""
+    group_of = {id(p): index for index, group in enumerate(template.param_groups) for p in group["params"]}
+
+    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+        groups = []
+        for index, group in enumerate(template.param_groups):
+            mine = [p for p in params if group_of.get(id(p)) == index]
+            if mine:
+                options = {key: value for key, value in group.items() if key != "params"}
+                groups.append({**options, "params": mine, GROUP_KEY: index})
+        if not groups:
+            return None
+        try:
+            return type(template)(groups, **template.defaults)
+        except TypeError as error:
+            raise PlanningError(
+                f"cannot build a {type(template).__name__} per stage as {type(template).__name__}(param_groups, "
+                f"**defaults): {error}; use a torch.optim optimizer (or one whose constructor takes its defaults)"
+            ) from error
+
+    return build
+
+
+class HyperParameters:
+    """The template's hyper-parameters per step, for the stage optimizers to follow."""
+
+    def __init__(self, template: torch.optim.Optimizer) -> None:
+        self.template = template
+        self.steps: dict[int, list[dict[str, Any]]] = {}
+
+    def record(self, step: int) -> None:
+        """Remember the template's values as step ``step`` begins."""
+        self.steps[step] = [
+            {key: (value.clone() if isinstance(value, torch.Tensor) else value) for key, value in group.items()}
+            for group in ({k: v for k, v in g.items() if k != "params"} for g in self.template.param_groups)
+        ]
+
+    def apply(self, step: int, optimizer: torch.optim.Optimizer | None) -> None:
+        """Give ``optimizer`` (a stage's) the values of step ``step``; steps before it are forgotten."""
+        if optimizer is not None:
+            values = self.steps[step]
+            for group in optimizer.param_groups:
+                group.update(values[group[GROUP_KEY]])
+        for old in [s for s in self.steps if s < step - 2]:
+            del self.steps[old]

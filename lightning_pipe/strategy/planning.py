@@ -1,0 +1,175 @@
+"""Planning at set-up: profile the layers, split them into stages, predict the schedule.
+
+What the ``lightning-pipe plan`` and ``simulate`` commands do from the command line, the strategy does
+on its first batch: the layers are profiled on the training device with a real micro-batch (or a
+saved profile is loaded, or the split is given), partitioned into straight stages by the chosen
+partitioner under the memory limit, and the schedule is simulated with the measured costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.cli import plan_table, simulation_table
+from lightning_pipe.costs import ChainCosts
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.memory import EXTRA_COPIES, MemoryModel
+from lightning_pipe.network import Network
+from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
+from lightning_pipe.profile_file import load_profile
+from lightning_pipe.profiler import profile_layers
+from lightning_pipe.schedule import StageCosts, simulate
+from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.schedule.simulate import Simulation
+
+__all__ = ["PlanOptions", "StagePlan", "memory_schedule", "optimizer_copies", "plan_stages"]
+
+_MEMORY_SCHEDULE = {"gpipe": "gpipe", "pipedream": "pipedream", "2bw": "2bw", "cdp": "2bw"}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How the layers are split into stages.
+
+    Attributes:
+        partitioner: a key of :data:`~lightning_pipe.partition.PARTITIONERS`.
+        memory_limit: bytes per device (``None``: no limit).
+        bandwidth: bytes per second between devices (``inf``: communication is free).
+        profile: a saved profile (JSON or PipeDream ``graph.txt``) to use instead of profiling.
+        plan: a plan from ``lightning-pipe plan --json`` to use as is.
+        balance: layers per stage (e.g. ``[3, 2]``), instead of planning.
+        repeats: timed runs per layer when profiling.
+    """
+
+    partitioner: str = "time"
+    memory_limit: float | None = None
+    bandwidth: float = float("inf")
+    profile: str | None = None
+    plan: str | None = None
+    balance: Sequence[int] | None = None
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if self.partitioner not in PARTITIONERS:
+            raise PlanningError(f"unknown partitioner {self.partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
+        if sum(x is not None for x in (self.plan, self.balance)) > 1:
+            raise PlanningError("give at most one of plan= and balance=")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Layer ranges per stage, with the plan and profile they came from (when planned)."""
+
+    bounds: tuple[tuple[int, int], ...]
+    plan: Plan | None = None
+    costs: ChainCosts | None = None
+
+    def modules(self, layers: Sequence[nn.Module]) -> list[nn.Sequential]:
+        """The stage modules: each an ``nn.Sequential`` of the model's own layers (shared, not copied)."""
+        return [nn.Sequential(*layers[first : last + 1]) for first, last in self.bounds]
+
+
+def memory_schedule(family: str) -> str:
+    """The memory model's schedule closest to ``family`` (activations in flight, weight versions)."""
+    return _MEMORY_SCHEDULE.get(family, "1f1b")
+
+
+def optimizer_copies(optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameter-sized copies the optimizer keeps besides the weights (ZeRO's accounting)."""
+    if optimizer is None:
+        return EXTRA_COPIES["sgd"]
+    name = type(optimizer).__name__.lower()
+    if name.startswith("adam") or name in ("lamb", "nadam", "radam"):
+        return EXTRA_COPIES["adam"]
+    momentum = any(group.get("momentum", 0) for group in optimizer.param_groups)
+    return EXTRA_COPIES["momentum" if momentum else "sgd"]
+
+
+def _bounds_from_balance(balance: Sequence[int], layers: int, stages: int) -> tuple[tuple[int, int], ...]:
+    if len(balance) != stages or any(not isinstance(n, int) or n < 1 for n in balance) or sum(balance) != layers:
+        raise PlanningError(
+            f"balance={list(balance)} must give {stages} positive layer counts summing to the {layers} layers"
+        )
+    starts = [sum(balance[:i]) for i in range(stages)]
+    return tuple((start, start + n - 1) for start, n in zip(starts, balance, strict=True))
+
+
+def _bounds_from_plan_file(path: str, layers: int, stages: int) -> tuple[tuple[int, int], ...]:
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise PlanningError(f"cannot read the plan {path}: {error}") from None
+    spans = [tuple(stage["layers"]) for stage in document.get("stages", [])]
+    if len(spans) != stages or any(len(span) != 2 for span in spans):
+        raise PlanningError(f"{path} holds {len(spans)} stages (contiguous ones needed); this run needs {stages}")
+    if spans[0][0] != 0 or spans[-1][1] != layers - 1 or any(a[1] + 1 != b[0] for a, b in itertools.pairwise(spans)):
+        raise PlanningError(f"{path} does not split the {layers} layers of this model into consecutive stages")
+    return tuple((int(a), int(b)) for a, b in spans)
+
+
+def plan_stages(
+    layers: Sequence[nn.Module],
+    sample: Any,
+    stages: int,
+    options: PlanOptions,
+    memory: MemoryModel,
+    device: torch.device,
+) -> StagePlan:
+    """Split ``layers`` into ``stages`` straight stages (see the module docstring)."""
+    if stages > len(layers):
+        raise PlanningError(
+            f"{stages} stages but the model has {len(layers)} layers: use at most {len(layers)} devices, or split "
+            "the model into more layers"
+        )
+    if options.balance is not None:
+        return StagePlan(_bounds_from_balance(options.balance, len(layers), stages))
+    if options.plan is not None:
+        return StagePlan(_bounds_from_plan_file(options.plan, len(layers), stages))
+    if options.profile is not None:
+        costs = load_profile(options.profile)
+        if len(costs) != len(layers):
+            raise PlanningError(f"the profile {options.profile} has {len(costs)} layers, the model {len(layers)}")
+    else:
+        costs = profile_layers(list(layers), sample, device=device, repeats=options.repeats)
+    request = PlanRequest(
+        costs,
+        devices=stages,
+        memory_limit=options.memory_limit,
+        memory=memory,
+        network=Network(options.bandwidth),
+        straight=True,
+    )
+    plan = partition(request, options.partitioner)
+    if not plan.contiguous:
+        raise PlanningError(
+            f"the {options.partitioner} partitioner gave stages of non-adjacent layers, which the strategy does not "
+            "place yet: use a contiguous partitioner (time, flops, params, pipedream, memory, exact, uniform)"
+        )
+    return StagePlan(tuple((s.layers[0], s.layers[-1]) for s in plan.stages), plan, costs)
+
+
+def predict(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: int) -> Simulation | None:
+    """The schedule simulated with the plan's measured costs (``None`` without a profile)."""
+    if stage_plan.plan is None:
+        return None
+    costs = StageCosts.from_plan(stage_plan.plan.to_dict())
+    return simulate(schedule.make(len(stage_plan.bounds), microbatches)(3), costs, early_gradients=True)
+
+
+def report(stage_plan: StagePlan, prediction: Simulation | None) -> str:
+    """The plan table and the prediction, as ``lightning-pipe plan`` and ``simulate`` print them."""
+    if stage_plan.plan is None or stage_plan.costs is None:
+        spans = ", ".join(f"{a}..{b}" for a, b in stage_plan.bounds)
+        return f"Pipeline stages (layers, as given): {spans}"
+    lines = [plan_table(stage_plan.costs, stage_plan.plan)]
+    if prediction is not None:
+        lines += ["===== Predicted schedule (measured costs, seconds) =====", simulation_table(prediction)]
+    return "\n".join(lines)

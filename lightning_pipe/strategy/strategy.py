@@ -1,0 +1,598 @@
+"""``PipelineStrategy``: pipeline-parallel training behind ``Trainer(strategy=...)``.
+
+Lifecycle (Lightning calls these in this order):
+
+1. **Launch and connect** as DDP does: Lightning's launchers start one process per device (the script
+   re-run, or ``spawn``), each joins the process group (gloo on CPU, NCCL on GPU).
+2. **Set-up** checks what a pipeline cannot run (manual optimisation, gradient accumulation by
+   batches, several optimizers, a custom ``configure_gradient_clipping``) and finds the layers
+   (:mod:`.contract`).
+3. **First batch**: profile, partition and predict (:mod:`.planning`, printed on rank 0), then the
+   :class:`~lightning_pipe.runtime.PipelineExecutor` is built with one optimizer per stage cloned
+   from the user's (:mod:`.optimizers`).
+4. **Training**: Lightning's closure calls :meth:`training_step` once per batch — the pipeline step
+   runs there, exactly once, with the update inside it; ``backward`` only runs the backward hooks,
+   and :meth:`optimizer_step` runs the closure without stepping the user's optimizer (it is the
+   hyper-parameter template). The last stage runs the user's ``training_step`` per micro-batch to
+   compute the loss; its ``self.log`` calls are combined and replayed on every rank (:mod:`.logs`).
+5. **Validation, test, predict**: a forward-only pipeline over the same stages.
+6. **Drains**: a non-flushing schedule (PipeDream, 2BW, CDP) keeps steps in flight between batches;
+   they are finished on the last batch of an epoch, at ``max_steps``, before validation, before a
+   checkpoint and at the end of fitting.
+7. **Checkpoints**: the ``state_dict`` is the full module with its own names (every stage's weights
+   broadcast from their owners), so ``load_from_checkpoint`` works without the strategy; the
+   stages' optimizer states travel in ``optimizer_states``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor
+
+from lightning_pipe.errors import PlanningError, check_whole
+from lightning_pipe.memory import MemoryModel
+from lightning_pipe.nested import map_tensors, tensors
+from lightning_pipe.runtime import PipelineExecutor
+from lightning_pipe.runtime.executor import _split
+from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.strategy.contract import Entry, find_entry
+from lightning_pipe.strategy.logs import Record, combine, recording
+from lightning_pipe.strategy.optimizers import HyperParameters, stage_optimizers
+from lightning_pipe.strategy.planning import (
+    PlanOptions,
+    StagePlan,
+    memory_schedule,
+    optimizer_copies,
+    plan_stages,
+    predict,
+    report,
+)
+from lightning_pipe.units import parse_bandwidth, parse_bytes
+
+__all__ = ["PipelineStrategy"]
+
+_REGISTERED = {
+    "pipe": ("1f1b", "popen"),
+    "pipe_spawn": ("1f1b", "spawn"),
+    "pipe_gpipe": ("gpipe", "popen"),
+    "pipe_1f1b": ("1f1b", "popen"),
+    "pipe_zb": ("zb_h1", "popen"),
+    "pipe_pipedream": ("pipedream", "popen"),
+    "pipe_2bw": ("2bw", "popen"),
+    "pipe_2bw_spawn": ("2bw", "spawn"),
+    "pipe_cdp": ("cdp", "popen"),
+    "pipe_cdp_spawn": ("cdp", "spawn"),
+}
+
+
+def _batch_rows(batch: Any) -> int:
+    found = tensors(batch)
+    if not found:
+        raise PlanningError("a batch must hold at least one tensor to be split into micro-batches")
+    return found[0].shape[0]
+
+
+def _concatenate(parts: list[Any]) -> Any:
+    """Micro-batches' predictions joined back into the batch's (tensors along dim 0, lists chained)."""
+    first = parts[0]
+    if isinstance(first, Tensor):
+        return torch.cat(parts) if first.dim() else torch.stack(parts)
+    if isinstance(first, dict):
+        return {key: _concatenate([part[key] for part in parts]) for key in first}
+    if isinstance(first, tuple):
+        return tuple(_concatenate(list(items)) for items in zip(*parts, strict=True))
+    if isinstance(first, list):
+        return [item for part in parts for item in part]
+    return parts
+
+
+class PipelineStrategy(ParallelStrategy):
+    """Pipeline-parallel training: the model's layers split into stages, one per device, run by a
+    schedule of any family with its update rule.
+
+    Args:
+        schedule: the schedule family (``gpipe``, ``1f1b``, ``interleaved``, ``zb_h1``, ``pipedream``,
+            ``2bw``, ``cdp``, ...; see ``lightning_pipe.schedule.FAMILIES``).
+        microbatches: micro-batches per batch (default: the number of stages).
+        rule, slack, virtual_stages, form, period, k: the schedule's options
+            (:class:`~lightning_pipe.schedule.options.ScheduleOptions`).
+        partitioner: how layers are split (``time`` by default: measured forward + backward).
+        memory_limit: bytes per device (a number or a string such as ``"8GB"``); the partitioner plans
+            within it and refuses what cannot fit.
+        bandwidth: between devices (``"10GB/s"``), for planning; default free.
+        recompute: recompute activations in the backward instead of keeping them.
+        profile: a saved profile to plan with instead of profiling.
+        plan: a saved plan (``lightning-pipe plan --json``) to run as is.
+        balance: layers per stage, instead of planning.
+        profile_repeats: timed runs per layer when profiling.
+        start_method: ``popen`` (re-run the script, as ``ddp``) or ``spawn`` (notebooks, Hydra multirun).
+        timeout: of the process group and of any single pipeline wait (a hang fails after it).
+        process_group_backend: ``gloo``/``nccl``; default from the device.
+    """
+
+    strategy_name = "pipe"
+
+    def __init__(
+        self,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        *,
+        rule: str | None = None,
+        slack: int = 0,
+        virtual_stages: int = 2,
+        form: str = "pipeline",
+        period: float | None = None,
+        k: int | None = None,
+        partitioner: str = "time",
+        memory_limit: float | str | None = None,
+        bandwidth: float | str | None = None,
+        recompute: bool = False,
+        profile: str | None = None,
+        plan: str | None = None,
+        balance: list[int] | None = None,
+        profile_repeats: int = 3,
+        start_method: Literal["popen", "spawn"] = "popen",
+        timeout: timedelta = default_pg_timeout,
+        process_group_backend: str | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.schedule_options = ScheduleOptions(
+            family=schedule,
+            microbatches=microbatches,
+            rule=rule,
+            slack=slack,
+            virtual_stages=virtual_stages,
+            form=form,
+            period=period,
+            k=k,
+        )
+        self.plan_options = PlanOptions(
+            partitioner=partitioner,
+            memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
+            bandwidth=float("inf") if bandwidth is None else parse_bandwidth(bandwidth),
+            profile=profile,
+            plan=plan,
+            balance=balance,
+            repeats=profile_repeats,
+        )
+        check_whole("profile_repeats", profile_repeats, 1)
+        if start_method not in ("popen", "spawn"):
+            raise PlanningError(f"start_method must be 'popen' or 'spawn'; got {start_method!r}")
+        self.recompute = recompute
+        self._start_method = start_method
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self.executor: PipelineExecutor | None = None
+        self.stage_plan: StagePlan | None = None
+        self._entry: Entry | None = None
+        self._hyper: HyperParameters | None = None
+        self._step_args: dict[int, tuple[Any, ...]] = {}
+        self._records: dict[tuple[int, int], Record] = {}
+        self._pending: dict[int, dict[int, tuple[Record, float]]] = {}
+        self._last_loss = torch.tensor(float("nan"))
+        self._restored: dict[str, Any] | None = None
+
+    # -- process set-up, as Lightning's DDP ------------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        """Every rank of the pipeline reads the same batches: Lightning adds no distributed sampler
+        (the ranks' random samplers share a seed instead, :meth:`process_dataloader`)."""
+        return False
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """A random sampler without a generator of its own draws its order from each process's global
+        generator, which the stages consume differently (dropout): give it one seeded alike on every
+        rank, so all stages read the same batches."""
+        sampler = getattr(dataloader, "sampler", None)
+        if sampler is not None and hasattr(sampler, "generator") and sampler.generator is None:
+            seed = self.broadcast(int(torch.randint(2**62, ()).item()) if self.global_rank == 0 else None)
+            sampler.generator = torch.Generator().manual_seed(seed)
+        return dataloader
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: one per worker (several for interleaved and looped schedules)."""
+        return self.schedule_options.stages_for(self.world_size)
+
+    @property
+    def microbatches(self) -> int:
+        return self.schedule_options.microbatches or self.stages
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self._refuse_unsupported(trainer)
+        self._entry = find_entry(self.lightning_module)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise PlanningError(
+                    f"configure_optimizers returned {len(self.optimizers)} optimizers: a pipeline steps each stage "
+                    "with a copy of one optimizer (use parameter groups for different settings)"
+                )
+            self._hyper = HyperParameters(self.optimizers[0])
+        self.setup_precision_plugin()
+
+    def _refuse_unsupported(self, trainer: Trainer) -> None:
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise PlanningError(
+                "manual optimization (automatic_optimization = False) is not supported: the pipeline runs forward, "
+                "backward and the update of every stage itself"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise PlanningError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches}: a pipeline accumulates over its "
+                f"micro-batches; use batches {trainer.accumulate_grad_batches}x larger with "
+                f"microbatches={trainer.accumulate_grad_batches * self.microbatches} instead"
+            )
+        if is_overridden("configure_gradient_clipping", module, LightningModule):
+            raise PlanningError(
+                "configure_gradient_clipping is overridden: the pipeline clips inside each stage's update; set "
+                "Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm'|'value') instead"
+            )
+        precision = str(trainer.precision)
+        if precision not in ("32-true", "32", "bf16-mixed", "bf16-true"):
+            raise PlanningError(
+                f"precision={precision!r} is not supported by the pipeline yet: use '32-true' or 'bf16-mixed' "
+                "(16-mixed needs a loss scale shared by the stages)"
+            )
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- the pipeline, built on the first batch ---------------------------------------------------
+    def _pipeline(self, step: Callable[..., Any], args: tuple[Any, ...]) -> PipelineExecutor:
+        if self.executor is not None:
+            return self.executor
+        assert self._entry is not None
+        layers = self._entry.layers
+        sample = None
+        if self.plan_options.balance is None and self.plan_options.plan is None and self.plan_options.profile is None:
+            batch_input = self._entry.capture(step, *args) if self.global_rank == 0 else None
+            sample = _split(batch_input, self.microbatches)[0] if batch_input is not None else None
+        optimizer = self.optimizers[0] if self.optimizers else None
+        memory = MemoryModel(
+            memory_schedule(self.schedule_options.family), self.microbatches, optimizer_copies(optimizer)
+        )
+        stage_plan: StagePlan | PlanningError | None = None
+        if self.global_rank == 0:
+            try:
+                stage_plan = plan_stages(layers, sample, self.stages, self.plan_options, memory, self.root_device)
+            except PlanningError as error:
+                stage_plan = error
+        stage_plan = self.broadcast(stage_plan)
+        if isinstance(stage_plan, PlanningError):
+            raise stage_plan
+        self.stage_plan = stage_plan
+        if self.global_rank == 0:
+            prediction = predict(stage_plan, self.schedule_options, self.microbatches)
+            rank_zero_info(report(stage_plan, prediction))
+        trainer = self.lightning_module.trainer
+        clip = trainer.gradient_clip_val
+        algorithm = trainer.gradient_clip_algorithm or "norm"  # a str enum: compares equal to its value
+        self.executor = PipelineExecutor(
+            self.schedule_options.make(self.stages, self.microbatches),
+            stage_plan.modules(layers),
+            self._loss,
+            stage_optimizers(optimizer) if optimizer is not None else (lambda params: None),
+            device=self.root_device,
+            recompute=self.recompute,
+            timeout_seconds=self._timeout.total_seconds(),
+            clip_grad_norm=float(clip) if clip and algorithm == "norm" else None,
+            clip_grad_value=float(clip) if clip and algorithm == "value" else None,
+            before_update=self._before_update,
+        )
+        if self._restored is not None:
+            self._load_pipeline_state(self._restored)
+            self._restored = None
+        return self.executor
+
+    @property
+    def _first(self) -> bool:
+        return self.executor is not None and self.executor.needs_inputs
+
+    @property
+    def _last(self) -> bool:
+        return self.executor is not None and self.executor.needs_targets
+
+    def _before_update(self, stage: int, step: int, optimizer: torch.optim.Optimizer | None) -> None:
+        assert self._hyper is not None
+        self._hyper.apply(step, optimizer)
+
+    def _loss(self, output: Any, batch: Any) -> Tensor:
+        """The user's ``training_step`` on one micro-batch, with the pipeline's output as the layers'."""
+        assert self.executor is not None and self._entry is not None and self.executor.loss_key is not None
+        step, mb = self.executor.loss_key
+        record = Record(_batch_rows(batch))
+        module = self.lightning_module
+        with self._entry.inject(output), recording(module, record):
+            result = module.training_step(batch, *self._step_args[step])
+        loss = result.get("loss") if isinstance(result, dict) else result
+        if not isinstance(loss, Tensor):
+            raise PlanningError(
+                "training_step must return the loss (a tensor, or a dict with 'loss') for every micro-batch; "
+                f"got {type(result).__name__}"
+            )
+        self._records[(step, mb)] = record
+        return loss
+
+    # -- training ---------------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """One pipeline step for the batch (inside Lightning's closure), its logs replayed."""
+        module = self.lightning_module
+        args = (*args, *kwargs.values())
+        with self.precision_plugin.train_step_context():
+            executor = self._pipeline(module.training_step, args)
+            step = executor.origin + executor.calls
+            assert self._hyper is not None
+            self._hyper.record(step)
+            self._step_args[step] = args[1:]
+            inputs = self._entry.capture(module.training_step, *args) if self._first else None
+            output = executor.step(inputs, args[0] if self._last else None)
+            if self._drain_after_this_batch():
+                output.microbatch_losses.update(executor.drain().microbatch_losses)
+        self._replay_training_logs(output.microbatch_losses)
+        return self._last_loss.to(self.root_device)
+
+    def _drain_after_this_batch(self) -> bool:
+        trainer = self.lightning_module.trainer
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return True
+        return 0 < trainer.max_steps <= trainer.global_step + 1
+
+    def _replay_training_logs(self, microbatch_losses: dict[tuple[int, int], float]) -> None:
+        """Gather the micro-batches' records of this call from the last stage(s), and log every step
+        whose micro-batches are all in, on every rank."""
+        mine = {key: (self._records.pop(key), loss) for key, loss in microbatch_losses.items()}
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        for part in gathered:
+            for (step, mb), entry in part.items():
+                self._pending.setdefault(step, {})[mb] = entry
+        for step in sorted(s for s, parts in self._pending.items() if len(parts) == self.microbatches):
+            parts = self._pending.pop(step)
+            self._step_args.pop(step, None)
+            self._last_loss = torch.tensor(math.fsum(loss for _, loss in parts.values()))
+            for name, value, options in combine([record for record, _ in parts.values()]):
+                self.lightning_module.log(name, torch.tensor(value), **options)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The backward already ran in the pipeline step; only the hooks around it run here."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Run the closure (the pipeline step, updates included). The user's optimizer steps with no
+        gradient, which changes nothing and tells its LR schedulers that the step happened."""
+        result = closure()
+        optimizer.step()
+        return result
+
+    def drain(self) -> None:
+        """Finish the steps in flight (a collective; nothing for a flushing schedule)."""
+        if self.executor is not None and self.executor.calls:
+            self.executor.drain()
+
+    def on_validation_start(self) -> None:
+        self.drain()
+
+    def on_train_end(self) -> None:
+        self.drain()
+        self._gather_weights()
+
+    # -- validation, test, predict --------------------------------------------------------------
+    def _evaluate(self, hook: str, args: tuple[Any, ...]) -> tuple[list[Record], list[Any]]:
+        """A forward-only pipeline for ``hook`` (``validation_step``, ...): the records and step
+        outputs of its micro-batches on the last stage."""
+        module = self.lightning_module
+        step = getattr(module, hook)
+        executor = self._pipeline(step, args)
+        self.drain()
+        batch, rest = args[0], args[1:]
+        parts = min(self.microbatches, _batch_rows(batch))
+        micro = _split(batch, parts) if self._last else []
+        records: list[Record] = []
+        results: list[Any] = []
+
+        def on_output(mb: int, output: Any) -> None:
+            record = Record(_batch_rows(micro[mb]))
+            with self._entry.inject(output), recording(module, record):
+                results.append(step(micro[mb], *rest))
+            records.append(record)
+
+        inputs = self._entry.capture(step, *args) if self._first else None
+        executor.evaluate(inputs, parts, on_output)
+        return records, results
+
+    def _replay(self, records: list[Record]) -> None:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, combine(records) if records else None)
+        combined = next((part for part in gathered if part is not None), [])
+        for name, value, options in combined:
+            self.lightning_module.log(name, torch.tensor(value), **options)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            records, results = self._evaluate("validation_step", (*args, *kwargs.values()))
+        self._replay(records)
+        return results[-1] if results else None
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            records, results = self._evaluate("test_step", (*args, *kwargs.values()))
+        self._replay(records)
+        return results[-1] if results else None
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The batch's predictions, on every rank (gathered from the last stage)."""
+        with self.precision_plugin.predict_step_context():
+            _, results = self._evaluate("predict_step", (*args, *kwargs.values()))
+        mine = _concatenate([_to_cpu(r) for r in results]) if results else None
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (self._last, mine))
+        return next(value for last, value in gathered if last)
+
+    # -- weights and checkpoints ---------------------------------------------------------------
+    def _gather_weights(self) -> None:
+        """Every rank's module gets every stage's weights and buffers from the stage's owner (the
+        whole model, as after DDP training)."""
+        if self.executor is None or self.stage_plan is None:
+            return
+        layers = self._entry.layers if self._entry is not None else []
+        owners = self.executor.schedule.owners
+        for stage, (first, last) in enumerate(self.stage_plan.bounds):
+            for layer in layers[first : last + 1]:
+                for tensor in [*layer.parameters(), *layer.buffers()]:
+                    dist.broadcast(tensor.data, src=owners[stage][0])
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full module's state (a collective: drains, then gathers every stage)."""
+        self.drain()
+        self._gather_weights()
+        return self.lightning_module.state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The template's state (hyper-parameters) and every rank's stage optimizers and versions."""
+        state = dict(optimizer.state_dict())
+        gathered: list[Any] = [None] * self.world_size
+        local = None
+        if self.executor is not None:
+            local = {stage: entry for stage, entry in self.executor.state_dict()["stages"].items()}
+            local = {"origin": self.executor.origin, "calls": self.executor.calls, "stages": local}
+        dist.all_gather_object(gathered, _to_cpu(local))
+        state["pipeline"] = gathered
+        return state
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        (state,) = checkpoint["optimizer_states"]
+        state = dict(state)
+        pipeline = state.pop("pipeline", None)
+        self.optimizers[0].load_state_dict(state)
+        if pipeline is not None:
+            if len(pipeline) != self.world_size:
+                raise PlanningError(
+                    f"the checkpoint holds the pipeline state of {len(pipeline)} processes, this run has "
+                    f"{self.world_size}: resume on {len(pipeline)} devices"
+                )
+            if self.executor is None:
+                self._restored = pipeline
+            else:
+                self._load_pipeline_state(pipeline)
+
+    def _load_pipeline_state(self, pipeline: list[Any]) -> None:
+        assert self.executor is not None
+        mine = pipeline[self.global_rank]
+        if mine is None:
+            return
+        self.executor.load_state_dict({"origin": mine["origin"], "calls": mine["calls"], "stages": mine["stages"]})
+
+    # -- collectives ------------------------------------------------------------------------------
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Every rank of a pipeline logs the same values (replayed from the last stage): the
+        reduction over the data-parallel dimension is the identity with one pipeline."""
+        return tensor
+
+    def teardown(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, (family, start_method) in _REGISTERED.items():
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"pipeline parallel, {family} schedule, start method {start_method}",
+                schedule=family,
+                start_method=start_method,
+            )
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor detached and on the CPU (for gathering between processes)."""
+    return map_tensors(lambda t: t.detach().cpu(), obj)

@@ -1,0 +1,148 @@
+"""A LightningModule of the common shape and the workers that train it, for the strategy tests.
+
+:class:`Chain` keeps its network in one ``nn.Sequential`` that ``forward`` calls, logs from every
+step and returns the loss, as a user's module would; nothing in it knows about pipelines.
+:func:`fit_case` is the worker of :func:`lightning_pipe.runtime.run_local` (torchrun's way: the
+processes exist and join the process group before Lightning starts) and :func:`plain_fit` the same
+training on one device without the strategy, the oracle of the synchronous schedules.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipe import PipelineStrategy
+
+ROWS, FEATURES, CLASSES = 10, 6, 3
+
+
+class Chain(L.LightningModule):
+    """``layers`` Linear+Tanh blocks and a classifier in ``self.net``; SGD with momentum and weight
+    decay (as the runtime references) or Adam, optionally a per-step LR scheduler."""
+
+    def __init__(
+        self, blocks: int = 3, width: int = 8, optimizer: str = "sgd", scheduler: bool = False, seed: int = 0
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = [nn.Linear(FEATURES, width), nn.Tanh()]
+        for _ in range(blocks - 1):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        layers.append(nn.Linear(width, CLASSES))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        self.log("train_acc", (logits.argmax(1) == y).float().mean(), prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log_dict({"test_loss": nn.functional.cross_entropy(self(x), y), "test_max": self(x).max()})
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).softmax(-1)
+
+    def configure_optimizers(self) -> Any:
+        if self.hparams.optimizer == "adam":
+            optimizer = torch.optim.Adam(self.parameters(), lr=0.01, weight_decay=0.01)
+        else:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        if not self.hparams.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def dataset(batches: int, seed: int = 1) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batches * ROWS, FEATURES, generator=generator)
+    return TensorDataset(x, torch.randint(0, CLASSES, (batches * ROWS,), generator=generator))
+
+
+def loader(batches: int, seed: int = 1) -> DataLoader:
+    return DataLoader(dataset(batches, seed), batch_size=ROWS)
+
+
+def batch_list(batches: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches :func:`loader` yields, in order (for the runtime's references)."""
+    return [(x, y) for x, y in loader(batches, seed)]
+
+
+def trainer(root: str | Path, strategy: Any, devices: int, **options: Any) -> L.Trainer:
+    settings = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "strategy": strategy,
+        "logger": CSVLogger(root, name="", version=""),
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "log_every_n_steps": 1,
+        "num_sanity_val_steps": 0,
+        "max_epochs": 1,
+    }
+    settings.update(options)
+    return L.Trainer(**settings)
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def plain_fit(root: str | Path, case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The case trained on one device by Lightning alone."""
+    model = Chain(**case.get("model", {}))
+    run = trainer(root, "auto", 1, **case.get("trainer", {}))
+    run.fit(model, loader(case["batches"]), loader(2, seed=7))
+    return state(model)
+
+
+def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
+    """Worker: train ``case`` with the strategy; the final full state (every rank has it after fit),
+    the initial one, and what validate/test/predict gave on this rank."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    model = Chain(**case.get("model", {}))
+    initial = state(model)
+    callbacks = []
+    if case.get("checkpoint"):
+        callbacks.append(ModelCheckpoint(dirpath=Path(root) / "checkpoints", save_last=True, save_top_k=-1))
+    options = {**case.get("trainer", {}), "callbacks": callbacks, "enable_checkpointing": bool(callbacks)}
+    strategy = PipelineStrategy(**case["strategy"])
+    run = trainer(root, strategy, torch.distributed.get_world_size(), **options)
+    run.fit(model, loader(case["batches"]), loader(2, seed=7), ckpt_path=case.get("resume"))
+    result: dict[str, Any] = {"final": state(model), "initial": initial}
+    if case.get("evaluate"):
+        result["validate"] = run.validate(model, loader(2, seed=7), verbose=False)
+        result["test"] = run.test(model, loader(3, seed=8), verbose=False)
+        result["predict"] = run.predict(model, loader(2, seed=9))
+    return result
+
+
+def stage_modules(model: Chain, balance: list[int]) -> list[nn.Module]:
+    """The stages ``balance`` makes of a copy of ``model``'s layers (for the runtime's references)."""
+    layers = list(copy.deepcopy(model.net))
+    starts = [sum(balance[:i]) for i in range(len(balance))]
+    return [nn.Sequential(*layers[s : s + n]) for s, n in zip(starts, balance, strict=True)]

@@ -1,0 +1,142 @@
+"""``PipelineStrategy`` against plain Lightning and the runtime's single-process references.
+
+Each multi-process test starts its processes once (:func:`run_local`, with a deadline) and trains
+several cases in them. The synchronous families must end with the parameters of the same unchanged
+module trained by Lightning on one device, and log the same values; the delayed-weight families end
+with the parameters of :func:`reference.reference` under their update rule.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_pipe.runtime import run_local
+from tests import reference
+from tests.lightning_cases import Chain, batch_list, fit_case, plain_fit, stage_modules
+
+
+def _run_cases(tmp_path: Path, processes: int, cases: list[dict[str, Any]], timeout: float = 240) -> list[list[dict]]:
+    """``results[i][rank]`` of every case, trained one after the other in the same processes."""
+    return run_local(_cases_worker, processes, str(tmp_path), cases, timeout=timeout)
+
+
+def _cases_worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [fit_case(rank, str(Path(root) / case["name"]), case) for case in cases]
+
+
+def _transpose(results: list[list[dict]], cases: list[dict]) -> dict[str, list[dict]]:
+    return {case["name"]: [per_rank[i] for per_rank in results] for i, case in enumerate(cases)}
+
+
+def _metrics(root: Path) -> list[dict[str, str]]:
+    with open(root / "metrics.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _assert_close_states(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: float) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], atol=tol, rtol=0), (
+            name,
+            (got[name] - expected[name]).abs().max(),
+        )
+
+
+def _assert_same_metrics(got: list[dict[str, str]], expected: list[dict[str, str]], tol: float) -> None:
+    """Same rows (steps, epochs), same columns, values equal to ``tol``."""
+    assert [r.keys() for r in got] == [r.keys() for r in expected]
+    assert len(got) == len(expected) > 0
+    for row_got, row_expected in zip(got, expected, strict=True):
+        for key, value in row_expected.items():
+            if value == "" or key in ("step", "epoch"):
+                assert row_got[key] == value, (key, row_got, row_expected)
+            else:
+                assert abs(float(row_got[key]) - float(value)) <= tol, (key, row_got[key], value)
+
+
+SYNC_CASES = [
+    {"name": "gpipe", "batches": 5, "strategy": {"schedule": "gpipe", "microbatches": 2, "balance": [3, 4]}},
+    {
+        "name": "1f1b_scheduler_clip",
+        "batches": 5,
+        "model": {"scheduler": True},
+        "trainer": {"gradient_clip_val": 0.05},
+        "strategy": {"schedule": "1f1b", "microbatches": 3, "balance": [4, 3]},
+    },
+    {
+        "name": "zb_h1_adam",
+        "batches": 4,
+        "model": {"optimizer": "adam"},
+        "trainer": {"max_epochs": 2},
+        "strategy": {"schedule": "zb_h1", "microbatches": 2, "balance": [2, 5]},
+    },
+    {
+        "name": "interleaved_value_clip",
+        "batches": 4,
+        "trainer": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+        "strategy": {"schedule": "interleaved", "microbatches": 2, "balance": [2, 2, 2, 1]},
+    },
+]
+
+
+@pytest.mark.timeout(300)
+def test_sync_families_train_and_log_as_plain_lightning(tmp_path: Path) -> None:
+    """GPipe, 1F1B (with a per-step LR scheduler and global-norm clipping), ZB-H1 (Adam, two
+    epochs) and interleaved 1F1B (value clipping) on 2 processes end with the parameters of the same
+    module trained by Lightning on one device, and write the same metrics.csv. Guards against a
+    pipeline step run twice or not at all per batch, LR steps applied to the wrong step, clipping
+    by per-stage instead of global norm, and logs of one micro-batch instead of the batch."""
+    results = _transpose(_run_cases(tmp_path, 2, SYNC_CASES), SYNC_CASES)
+    for case in SYNC_CASES:
+        expected = plain_fit(tmp_path / "plain" / case["name"], case)
+        for rank_result in results[case["name"]]:
+            _assert_close_states(rank_result["final"], expected, 1e-5)
+        assert any((rank_result["final"][k] - rank_result["initial"][k]).abs().max() > 1e-3 for k in expected)
+        _assert_same_metrics(_metrics(tmp_path / case["name"]), _metrics(tmp_path / "plain" / case["name"]), 1e-5)
+
+
+NONFLUSH_CASES = [
+    {"name": "2bw", "rule": "2bw", "strategy": {"schedule": "2bw", "microbatches": 2, "balance": [3, 4]}},
+    {"name": "cdp_v1", "rule": "2bw", "strategy": {"schedule": "cdp", "rule": "cdp_v1", "balance": [4, 3]}},
+    {"name": "cdp_v2", "rule": "cdp_v2", "strategy": {"schedule": "cdp", "rule": "cdp_v2", "balance": [4, 3]}},
+    {"name": "pipedream", "rule": "stash", "strategy": {"schedule": "pipedream", "microbatches": 2, "balance": [3, 4]}},
+]
+
+
+def _rule(case: dict[str, Any], stages: int, microbatches: int, steps: int) -> reference.Rule:
+    if case["rule"] == "2bw":
+        return reference.one_step_late
+    if case["rule"] == "cdp_v2":
+        return reference.cdp_v2(stages)
+    return reference.from_schedule(case["strategy"]["schedule"], stages, microbatches, steps)
+
+
+@pytest.mark.timeout(300)
+def test_delayed_weight_families_equal_their_references(tmp_path: Path) -> None:
+    """2BW, CDP-v1, CDP-v2 and PipeDream (stash) through Lightning, one epoch of 6 batches on 2
+    processes (the pipeline drained only at the epoch's end), end with the parameters of the
+    single-process reference of their update rule. Guards against a drain on every batch (which
+    would make them synchronous) and against weight versions lost between Lightning's batches."""
+    cases = [{**case, "batches": 6} for case in NONFLUSH_CASES]
+    results = _transpose(_run_cases(tmp_path, 2, cases), cases)
+    for case in cases:
+        balance = case["strategy"]["balance"]
+        microbatches = case["strategy"].get("microbatches", len(balance))
+        model = Chain()
+        stages = stage_modules(model, balance)
+        rule = _rule(case, len(balance), microbatches, case["batches"])
+        expected = reference.reference(stages, batch_list(case["batches"]), microbatches, rule, "sgd")
+        sync = reference.reference(stages, batch_list(case["batches"]), microbatches, reference.sync, "sgd")
+        names = [name for name, _ in model.named_parameters()]
+        for rank_result in results[case["name"]]:
+            got = [rank_result["final"][name] for name in names]
+            flat_expected = [p for stage in expected for p in stage]
+            flat_sync = [p for stage in sync for p in stage]
+            for g, e in zip(got, flat_expected, strict=True):
+                assert torch.allclose(g, e, atol=1e-5, rtol=0), (case["name"], (g - e).abs().max())
+            assert max((g - s).abs().max() for g, s in zip(got, flat_sync, strict=True)) > 1e-4, case["name"]
