@@ -112,12 +112,24 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def plain_fit(root: str | Path, case: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The case trained on one device by Lightning alone."""
+def plain_fit(root: str | Path, case: dict[str, Any]) -> dict[str, Any]:
+    """The case trained on one device by Lightning alone: the final state, and what validate, test
+    and predict give when the case evaluates."""
     model = Chain(**case.get("model", {}))
     run = trainer(root, "auto", 1, **case.get("trainer", {}))
     run.fit(model, loader(case["batches"]), loader(2, seed=7))
-    return state(model)
+    result: dict[str, Any] = {"final": state(model)}
+    if case.get("evaluate"):
+        result.update(_evaluations(run, model))
+    return result
+
+
+def _evaluations(run: L.Trainer, model: Chain) -> dict[str, Any]:
+    return {
+        "validate": run.validate(model, loader(2, seed=7), verbose=False),
+        "test": run.test(model, loader(3, seed=8), verbose=False),
+        "predict": run.predict(model, loader(2, seed=9)),
+    }
 
 
 def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
@@ -135,9 +147,7 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
     run.fit(model, loader(case["batches"]), loader(2, seed=7), ckpt_path=case.get("resume"))
     result: dict[str, Any] = {"final": state(model), "initial": initial}
     if case.get("evaluate"):
-        result["validate"] = run.validate(model, loader(2, seed=7), verbose=False)
-        result["test"] = run.test(model, loader(3, seed=8), verbose=False)
-        result["predict"] = run.predict(model, loader(2, seed=9))
+        result.update(_evaluations(run, model))
     return result
 
 

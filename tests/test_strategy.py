@@ -93,7 +93,7 @@ def test_sync_families_train_and_log_as_plain_lightning(tmp_path: Path) -> None:
     by per-stage instead of global norm, and logs of one micro-batch instead of the batch."""
     results = _transpose(_run_cases(tmp_path, 2, SYNC_CASES), SYNC_CASES)
     for case in SYNC_CASES:
-        expected = plain_fit(tmp_path / "plain" / case["name"], case)
+        expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
         for rank_result in results[case["name"]]:
             _assert_close_states(rank_result["final"], expected, 1e-5)
         assert any((rank_result["final"][k] - rank_result["initial"][k]).abs().max() > 1e-3 for k in expected)
@@ -140,3 +140,57 @@ def test_delayed_weight_families_equal_their_references(tmp_path: Path) -> None:
             for g, e in zip(got, flat_expected, strict=True):
                 assert torch.allclose(g, e, atol=1e-5, rtol=0), (case["name"], (g - e).abs().max())
             assert max((g - s).abs().max() for g, s in zip(got, flat_sync, strict=True)) > 1e-4, case["name"]
+
+
+def _checkpoint(tmp_path: Path, case: str, name: str = "last.ckpt") -> str:
+    return str(tmp_path / case / "checkpoints" / name)
+
+
+@pytest.mark.timeout(300)
+def test_resume_checkpoint_and_evaluation(tmp_path: Path) -> None:
+    """On 2 processes: (1) 2BW and 1F1B (Adam, per-step LR scheduler) interrupted after one epoch and
+    resumed from the checkpoint end with the parameters of the uninterrupted run, the 2BW ones not
+    those of a synchronous run; (2) the checkpoint holds the full model under its own names and
+    loads with ``Chain.load_from_checkpoint`` on one device, no strategy; (3) validate, test and
+    predict after fit give what plain Lightning gives for the same training. Guards against stage
+    optimizer states, the LR schedule or the step count lost at a resume, and a checkpoint holding
+    only rank 0's stages."""
+    runs = {
+        "2bw": {"strategy": {"schedule": "2bw", "microbatches": 2, "balance": [3, 4]}},
+        "1f1b": {
+            "strategy": {"schedule": "1f1b", "balance": [4, 3]},
+            "model": {"optimizer": "adam", "scheduler": True},
+        },
+    }
+    cases = []
+    for name, run in runs.items():
+        cases += [
+            {**run, "name": f"{name}_whole", "batches": 4, "trainer": {"max_epochs": 2}, "checkpoint": True},
+            {**run, "name": f"{name}_first", "batches": 4, "trainer": {"max_epochs": 1}, "checkpoint": True},
+            {
+                **run,
+                "name": f"{name}_resumed",
+                "batches": 4,
+                "trainer": {"max_epochs": 2},
+                "resume": _checkpoint(tmp_path, f"{name}_first"),
+            },
+        ]
+    cases[0]["evaluate"] = cases[3]["evaluate"] = True
+    results = _transpose(_run_cases(tmp_path, 2, cases), cases)
+    for name in runs:
+        whole, resumed = results[f"{name}_whole"], results[f"{name}_resumed"]
+        for rank in range(2):
+            _assert_close_states(resumed[rank]["final"], whole[rank]["final"], 1e-6)
+        loaded = Chain.load_from_checkpoint(_checkpoint(tmp_path, f"{name}_whole"), map_location="cpu")
+        _assert_close_states({k: v for k, v in loaded.state_dict().items()}, whole[0]["final"], 0)
+    plain = plain_fit(tmp_path / "plain", {**cases[3], "trainer": {"max_epochs": 2}})
+    _assert_close_states(results["1f1b_whole"][0]["final"], plain["final"], 1e-5)
+    for rank in range(2):
+        got = results["1f1b_whole"][rank]
+        for kind in ("validate", "test"):
+            assert got[kind][0].keys() == plain[kind][0].keys()
+            for key, value in plain[kind][0].items():
+                assert abs(got[kind][0][key] - value) < 1e-5, (kind, key)
+        assert len(got["predict"]) == len(plain["predict"]) == 2
+        for p, q in zip(got["predict"], plain["predict"], strict=True):
+            assert torch.allclose(p, q, atol=1e-6)

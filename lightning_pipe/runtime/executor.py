@@ -41,7 +41,7 @@ from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulate import Interval, StageCosts
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["PipelineExecutor", "StepOutput"]
+__all__ = ["PipelineExecutor", "StepOutput", "split_batch"]
 
 _Key = tuple[str, int, int, int]
 """A message: ``("F", receiving stage, micro-batch, step)`` or ``("B", ...)``."""
@@ -79,7 +79,7 @@ class _InFlight:
     split: SplitBackward | None = None
 
 
-def _split(batch: Any, parts: int) -> list[Any]:
+def split_batch(batch: Any, parts: int) -> list[Any]:
     """Split every tensor of a nested batch along dim 0 into ``parts`` nearly equal micro-batches."""
     skeleton, found = flatten(batch)
     if not found:
@@ -376,7 +376,7 @@ class PipelineExecutor:
         worker = [owners[0] for owners in self.schedule.owners]
         mine = [s for s in range(self.schedule.stages) if worker[s] == self.rank]
         try:
-            parts = _split(inputs, microbatches) if 0 in mine else []
+            parts = split_batch(inputs, microbatches) if 0 in mine else []
             self.transport.next_call()
             expected = {
                 (s, mb): self.transport.expect(worker[s - 1], ("E", s, mb))
@@ -446,11 +446,11 @@ class PipelineExecutor:
         if self.needs_inputs:
             if inputs is None:
                 raise PlanningError(f"rank {self.rank} runs the first stage: step() needs the inputs")
-            self.inputs[step] = [map_tensors(lambda t: t.to(self.device), x) for x in _split(inputs, m)]
+            self.inputs[step] = [map_tensors(lambda t: t.to(self.device), x) for x in split_batch(inputs, m)]
         if self.needs_targets:
             if targets is None:
                 raise PlanningError(f"rank {self.rank} runs the last stage: step() needs the targets")
-            self.targets[step] = [map_tensors(lambda t: t.to(self.device), y) for y in _split(targets, m)]
+            self.targets[step] = [map_tensors(lambda t: t.to(self.device), y) for y in split_batch(targets, m)]
             self.batch_rows[step] = _rows(targets)
             self.targets_left[step] = m
 

@@ -289,6 +289,8 @@ class Transport:
         self._inbox.clear()
         self._announced.clear()
         for group in (self.group, self.overflow):
+            if group is None:  # aborted before: None would name the default group
+                continue
             with contextlib.suppress(RuntimeError, ValueError):  # already gone
                 dist.destroy_process_group(group)
         self.group = self.overflow = None

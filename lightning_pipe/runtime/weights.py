@@ -197,11 +197,15 @@ class StageWeights:
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.version = int(state["version"])
         self.versions = {
-            int(v): {k: t.clone().requires_grad_(self._live[k].requires_grad) for k, t in leaves.items()}
+            int(v): {
+                k: t.to(self._live[k].device, copy=True).requires_grad_(self._live[k].requires_grad)
+                for k, t in leaves.items()
+            }
             for v, leaves in state["versions"].items()
         }
         self.gradients = {
-            int(s): [None if g is None else g.clone() for g in grads] for s, grads in state["gradients"].items()
+            int(s): [None if g is None else g.to(p.device, copy=True) for g, p in zip(grads, self.params, strict=True)]
+            for s, grads in state["gradients"].items()
         }
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -27,9 +27,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.nested import tensors
 
 __all__ = ["HOOK", "Entry", "find_entry"]
 
@@ -88,16 +90,20 @@ class Entry:
         )
 
     def inject(self, output: Any) -> Any:
-        """A context in which the entry returns ``output`` (once) instead of computing it."""
-        calls = []
+        """A context in which the entry returns ``output`` instead of computing it. The step may call
+        it again on the same input (e.g. once for the loss, once for a metric) and gets the same
+        output; another input is refused (its output is not what the pipeline computed)."""
+        seen: list[Any] = []
 
         def forward(*inputs: Any, **kwargs: Any) -> Any:
-            if calls:
+            given = self._single_input(inputs, kwargs)
+            if not seen:
+                seen.append(given)
+            elif not _same(seen[0], given):
                 raise PlanningError(
-                    f"the step called {self.name} twice: a pipeline runs each micro-batch through the layers "
-                    "once per step"
+                    f"the step called {self.name} on two different inputs: a pipeline runs each micro-batch "
+                    "through the layers once per step"
                 )
-            calls.append(1)
             return output
 
         return self._standing_in(forward)
@@ -109,6 +115,14 @@ class Entry:
                 "first layer of a pipeline takes one input (a tensor, or a tuple/list/dict of tensors)"
             )
         return inputs[0]
+
+
+def _same(first: Any, second: Any) -> bool:
+    """Whether two inputs of the entry hold the same tensors (the same objects, or equal values)."""
+    a, b = tensors(first), tensors(second)
+    if len(a) != len(b):
+        return False
+    return all(x is y or (x.shape == y.shape and torch.equal(x, y)) for x, y in zip(a, b, strict=True))
 
 
 def _as_layers(value: object, source: str) -> list[nn.Module]:

@@ -26,6 +26,7 @@ Lifecycle (Lightning calls these in this order):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from datetime import timedelta
@@ -53,8 +54,9 @@ from torch import Tensor
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import MemoryModel
 from lightning_pipe.nested import map_tensors, tensors
-from lightning_pipe.runtime import PipelineExecutor
-from lightning_pipe.runtime.executor import _split
+from lightning_pipe.runtime import PipelineAborted, PipelineExecutor
+from lightning_pipe.runtime.executor import split_batch
+from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import Entry, find_entry
 from lightning_pipe.strategy.logs import Record, combine, recording
@@ -264,6 +266,8 @@ class PipelineStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self._objects = dist.new_group(backend="gloo", timeout=self._timeout)  # logs and states, on the CPU
+        self._failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
 
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -320,7 +324,7 @@ class PipelineStrategy(ParallelStrategy):
         sample = None
         if self.plan_options.balance is None and self.plan_options.plan is None and self.plan_options.profile is None:
             batch_input = self._entry.capture(step, *args) if self.global_rank == 0 else None
-            sample = _split(batch_input, self.microbatches)[0] if batch_input is not None else None
+            sample = split_batch(batch_input, self.microbatches)[0] if batch_input is not None else None
         optimizer = self.optimizers[0] if self.optimizers else None
         memory = MemoryModel(
             memory_schedule(self.schedule_options.family), self.microbatches, optimizer_copies(optimizer)
@@ -415,9 +419,7 @@ class PipelineStrategy(ParallelStrategy):
         """Gather the micro-batches' records of this call from the last stage(s), and log every step
         whose micro-batches are all in, on every rank."""
         mine = {key: (self._records.pop(key), loss) for key, loss in microbatch_losses.items()}
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
-        for part in gathered:
+        for part in self._gather(mine):
             for (step, mb), entry in part.items():
                 self._pending.setdefault(step, {})[mb] = entry
         for step in sorted(s for s, parts in self._pending.items() if len(parts) == self.microbatches):
@@ -453,55 +455,49 @@ class PipelineStrategy(ParallelStrategy):
         self._gather_weights()
 
     # -- validation, test, predict --------------------------------------------------------------
-    def _evaluate(self, hook: str, args: tuple[Any, ...]) -> tuple[list[Record], list[Any]]:
-        """A forward-only pipeline for ``hook`` (``validation_step``, ...): the records and step
-        outputs of its micro-batches on the last stage."""
+    def _evaluate(self, hook: str, args: tuple[Any, ...]) -> tuple[Record | None, Any]:
+        """A forward-only pipeline for ``hook`` (``validation_step``, ...): the batch flows through the
+        stages in micro-batches, and on the last stage the step code runs once on the whole batch with
+        the joined outputs, so what it logs or returns is what the unsplit step gives (exactly: no
+        combination of micro-batches). Returns the step's record and result (``None`` elsewhere)."""
         module = self.lightning_module
         step = getattr(module, hook)
         executor = self._pipeline(step, args)
         self.drain()
-        batch, rest = args[0], args[1:]
-        parts = min(self.microbatches, _batch_rows(batch))
-        micro = _split(batch, parts) if self._last else []
-        records: list[Record] = []
-        results: list[Any] = []
-
-        def on_output(mb: int, output: Any) -> None:
-            record = Record(_batch_rows(micro[mb]))
-            with self._entry.inject(output), recording(module, record):
-                results.append(step(micro[mb], *rest))
-            records.append(record)
-
+        parts = min(self.microbatches, _batch_rows(args[0]))
+        outputs: list[Any] = []
         inputs = self._entry.capture(step, *args) if self._first else None
-        executor.evaluate(inputs, parts, on_output)
-        return records, results
+        executor.evaluate(inputs, parts, lambda mb, output: outputs.append(output))
+        if not self._last:
+            return None, None
+        record = Record(_batch_rows(args[0]))
+        with self._entry.inject(_concatenate(outputs)), recording(module, record):
+            result = step(*args)
+        return record, result
 
-    def _replay(self, records: list[Record]) -> None:
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, combine(records) if records else None)
-        combined = next((part for part in gathered if part is not None), [])
-        for name, value, options in combined:
+    def _replay(self, record: Record | None) -> None:
+        """Log the last stage's record of an evaluation step on every rank."""
+        combined = self._gather(combine([record]) if record is not None else None)
+        for name, value, options in next((part for part in combined if part is not None), []):
             self.lightning_module.log(name, torch.tensor(value), **options)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            records, results = self._evaluate("validation_step", (*args, *kwargs.values()))
-        self._replay(records)
-        return results[-1] if results else None
+            record, result = self._evaluate("validation_step", (*args, *kwargs.values()))
+        self._replay(record)
+        return result
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            records, results = self._evaluate("test_step", (*args, *kwargs.values()))
-        self._replay(records)
-        return results[-1] if results else None
+            record, result = self._evaluate("test_step", (*args, *kwargs.values()))
+        self._replay(record)
+        return result
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The batch's predictions, on every rank (gathered from the last stage)."""
+        """The batch's predictions, on every rank (from the last stage)."""
         with self.precision_plugin.predict_step_context():
-            _, results = self._evaluate("predict_step", (*args, *kwargs.values()))
-        mine = _concatenate([_to_cpu(r) for r in results]) if results else None
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (self._last, mine))
+            _, result = self._evaluate("predict_step", (*args, *kwargs.values()))
+        gathered = self._gather((self._last, _to_cpu(result)))
         return next(value for last, value in gathered if last)
 
     # -- weights and checkpoints ---------------------------------------------------------------
@@ -526,13 +522,8 @@ class PipelineStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The template's state (hyper-parameters) and every rank's stage optimizers and versions."""
         state = dict(optimizer.state_dict())
-        gathered: list[Any] = [None] * self.world_size
-        local = None
-        if self.executor is not None:
-            local = {stage: entry for stage, entry in self.executor.state_dict()["stages"].items()}
-            local = {"origin": self.executor.origin, "calls": self.executor.calls, "stages": local}
-        dist.all_gather_object(gathered, _to_cpu(local))
-        state["pipeline"] = gathered
+        local = None if self.executor is None else self.executor.state_dict()
+        state["pipeline"] = self._gather(_to_cpu(local))
         return state
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -553,12 +544,33 @@ class PipelineStrategy(ParallelStrategy):
 
     def _load_pipeline_state(self, pipeline: list[Any]) -> None:
         assert self.executor is not None
-        mine = pipeline[self.global_rank]
-        if mine is None:
-            return
-        self.executor.load_state_dict({"origin": mine["origin"], "calls": mine["calls"], "stages": mine["stages"]})
+        if pipeline[self.global_rank] is not None:
+            self.executor.load_state_dict(pipeline[self.global_rank])
 
     # -- collectives ------------------------------------------------------------------------------
+    def _gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (pickled, over the CPU group); a rank that failed meanwhile is named."""
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, obj, group=self._objects)
+        except RuntimeError as error:
+            raise self._failures.aborted() from error
+        return gathered
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Stop the other ranks within seconds: record the failure and close this rank's pipeline and
+        process groups, so every rank waiting on it fails with this error instead of hanging."""
+        if not hasattr(self, "_failures"):
+            return
+        if not isinstance(exception, PipelineAborted):
+            self._failures.fail(exception)
+        if self.executor is not None:
+            self.executor.transport.abort()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(self._objects)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
     def barrier(self, name: str | None = None) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

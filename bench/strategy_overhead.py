@@ -1,0 +1,353 @@
+"""PipelineStrategy's overhead: what Lightning's loop adds to our pipeline, against plain Lightning on
+one device, the bare executor on two processes and Lightning's DDP on two processes — all in one run.
+
+Run: ``python bench/strategy_overhead.py [--steps 10] [--rounds 5] [--width 512] [--depth 4]
+[--batch 1024] [--features 768] [--microbatches 2 8] [--no-log]``.
+
+The module (:class:`MLP`) is ``bench/runtime_speed.py``'s balanced 2-stage MLP in one ``nn.Sequential``
+``self.net`` that ``forward`` calls (the strategy's contract): ``depth`` Linear+ReLU blocks of ``width``
+reading ``features`` inputs, ``depth`` more and a 10-class head; cross-entropy, SGD with momentum,
+and ``self.log("train_loss", loss)`` every step as a user's module would (``--no-log``: none). Every
+configuration trains it from the same initial weights on the same ``--steps`` + 3 warm-up batches of
+``--batch`` rows, one epoch, one thread per process. Three comparisons:
+
+(a) one process: ``PipelineStrategy("1f1b", microbatches=1)`` on ``devices=1`` (one stage) against
+    plain Lightning (``strategy="auto"``, ``devices=1``); target: at most 5% slower. Two references
+    show where a difference comes from: a hand-written torch loop (forward, backward, SGD step,
+    zero_grad) and our executor alone with the one stage.
+(b) two processes: ``PipelineStrategy("1f1b")`` and ``("2bw")`` against the bare
+    ``PipelineExecutor`` running the same schedule (the strategy's own ``ScheduleOptions``) on the
+    same stages (``balance=[depth, depth + 1]``), micro-batches, batches and optimizer, fed from the
+    same ``DataLoader``, with no loss sharing: what Lightning's loop and the strategy's glue cost;
+    target: at most 5% slower, at each micro-batch count.
+(c) two processes: ``PipelineStrategy("2bw")`` against Lightning's ``strategy="ddp"``, each rank of
+    which trains on its half of every batch (the same 1024 rows per update, the same update
+    semantics as a synchronous pipeline): the ratio of samples per second.
+
+Timing: Lightning's runs are timed by a callback from ``on_train_batch_start`` of the first timed
+batch to ``on_train_batch_end`` of the last, each behind a barrier, the executor's from before its
+first timed ``step`` to after the ``drain`` that ends the epoch, between two barriers. A
+non-flushing schedule (2BW) carries work from one batch into the next, so a per-batch callback time
+would charge a batch with its predecessors' work: every configuration is timed as the whole window
+(the epoch-end drain included, which the strategy runs inside the last batch) divided by the timed
+steps. The Lightning rows also report the part of that window spent outside the batch hooks
+(``between``: fetching the next batch and the loop's own bookkeeping between
+``on_train_batch_end`` and the next ``on_train_batch_start``).
+
+Protocol as in ``bench/runtime_speed.py``: the same processes run every configuration once per
+round, in an order drawn anew each round (the same on every rank), under the executor's
+garbage-collection policy (the import heap frozen, automatic collection off, a full collection
+before each configuration, so no run pays a collection at random); a configuration's ms/step is the
+median of the rounds (the slower rank's figure in each), ``spread`` is (slowest - fastest round) /
+median, and every ratio is the median of the rounds' paired ratios. The one-process comparison runs
+in its own process (a pipeline of one stage needs a process group of one), the two-process ones in a
+second job of two processes. Defaults take about 3-4 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import random
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from runtime_speed import WARMUP, _paired, _sgd, data, stage_module
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.runtime.garbage import AlignedCollection
+from lightning_pipe.runtime.launch import run_local
+from lightning_pipe.schedule.options import ScheduleOptions
+
+_Batches = list[tuple[torch.Tensor, torch.Tensor]]
+TARGET = 1.05  # the strategy's time per step over its reference's, at most
+
+
+class MLP(L.LightningModule):
+    """``runtime_speed``'s two stages chained in ``self.net`` (same layers, same initial weights)."""
+
+    def __init__(self, model: argparse.Namespace) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*stage_module(0, model), *stage_module(1, model))
+        self.log_loss = model.log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        if self.log_loss:
+            self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _sgd(list(self.parameters()))
+
+
+def loader(batches: _Batches) -> DataLoader:
+    """The batches as they are, in order (no sampler, no collation of rows)."""
+    return DataLoader(batches, batch_size=None)
+
+
+class WindowTimer(L.Callback):
+    """Seconds per step from the start of batch ``WARMUP`` to the end of the last batch (behind a
+    barrier each), and the part of it spent between the batch hooks."""
+
+    def __init__(self, batches: int) -> None:
+        self.last = batches - 1
+        self.start = self.end = 0.0
+        self.inside = 0.0
+        self.batch_start = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == WARMUP:
+            dist.barrier()
+            self.start = time.perf_counter()
+        self.batch_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx >= WARMUP:
+            self.inside += time.perf_counter() - self.batch_start
+        if batch_idx == self.last:
+            dist.barrier()
+            self.end = time.perf_counter()
+
+    def result(self) -> tuple[float, float]:
+        steps = self.last + 1 - WARMUP
+        assert self.end > self.start > 0, "the timed window was not reached"
+        return (self.end - self.start) / steps, (self.end - self.start - self.inside) / steps
+
+
+def fit(model: argparse.Namespace, batches: _Batches, strategy: Any, devices: int) -> tuple[float, float]:
+    """Train one epoch of ``batches`` with Lightning: seconds per step and seconds between batches."""
+    timer = WindowTimer(len(batches))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        callbacks=[timer],
+        max_epochs=1,
+        max_steps=len(batches),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(MLP(model), loader(batches))
+    assert torch.get_num_threads() == 1, "Lightning changed the thread count"
+    return timer.result()
+
+
+def timed_loop(run_step: Callable[[torch.Tensor, torch.Tensor], object], batches: _Batches, finish: Callable) -> float:
+    """Seconds per step of ``run_step`` over the loader of ``batches`` after the warm-up ones, from
+    before the first timed step to after ``finish`` (the drain), between two barriers."""
+    start = 0.0
+    for index, (inputs, targets) in enumerate(loader(batches)):
+        if index == WARMUP:
+            dist.barrier()
+            start = time.perf_counter()
+        run_step(inputs, targets)
+    finish()
+    dist.barrier()
+    return (time.perf_counter() - start) / (len(batches) - WARMUP)
+
+
+def executor_run(model: argparse.Namespace, batches: _Batches, family: str, microbatches: int) -> float:
+    """The bare executor on the strategy's stages and schedule; seconds per step."""
+    layers = list(MLP(model).net)
+    stages = [nn.Sequential(*layers[: model.depth]), nn.Sequential(*layers[model.depth :])]
+    world = dist.get_world_size()
+    if world == 1:
+        stages = [nn.Sequential(*layers)]
+    rank = dist.get_rank()
+    executor = PipelineExecutor(
+        ScheduleOptions(family).make(world, microbatches),
+        {rank: stages[rank]},
+        nn.functional.cross_entropy,
+        _sgd,
+    )
+
+    def run_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        executor.step(inputs if executor.needs_inputs else None, targets if executor.needs_targets else None)
+
+    seconds = timed_loop(run_step, batches, executor.drain)
+    executor.close()
+    return seconds
+
+
+def torch_loop(model: argparse.Namespace, batches: _Batches) -> float:
+    """A hand-written loop on the whole module (one process): forward, backward, step, zero_grad."""
+    module = MLP(model)
+    optimizer = _sgd(list(module.parameters()))
+
+    def run_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        nn.functional.cross_entropy(module(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return timed_loop(run_step, batches, lambda: None)
+
+
+def _strategy(family: str, microbatches: int, model: argparse.Namespace, stages: int) -> PipelineStrategy:
+    balance = [model.depth, model.depth + 1] if stages == 2 else [2 * model.depth + 1]
+    return PipelineStrategy(family, microbatches=microbatches, balance=balance)
+
+
+def _quiet() -> None:
+    """Lightning's info lines (devices, the strategy's plan) and its warnings about the loader off."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_pipe"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module="lightning")
+
+
+def _rounds(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[Any]]:
+    """Every run once per round, in an order drawn anew each round (the same on every rank), a full
+    collection before each, automatic collection off."""
+    garbage = AlignedCollection(every=1)
+    results: dict[str, list[Any]] = {label: [] for label in runs}
+    labels = list(runs)
+    for round_index in range(rounds):
+        for label in random.Random(round_index).sample(labels, len(labels)):
+            garbage.full()
+            results[label].append(runs[label]())
+    garbage.close()
+    return results
+
+
+ONE = "PipelineStrategy 1f1b"
+PLAIN = "plain Lightning"
+TORCH = "torch loop"
+EXECUTOR_ONE = "executor 1 stage"
+
+
+def one_device(rank: int, model: argparse.Namespace) -> dict[str, list[Any]]:
+    """(a), in a process group of one: the strategy and plain Lightning, and two references."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    _quiet()
+    batches = data(model.steps + WARMUP, model)
+    runs = {
+        ONE: lambda: fit(model, batches, _strategy("1f1b", 1, model, 1), 1),
+        PLAIN: lambda: fit(model, batches, "auto", 1),
+        TORCH: lambda: (torch_loop(model, batches), None),
+        EXECUTOR_ONE: lambda: (executor_run(model, batches, "1f1b", 1), None),
+    }
+    return _rounds(runs, model.rounds)
+
+
+def _halves(batches: _Batches, rank: int) -> _Batches:
+    """Rank ``rank``'s half of every batch (DDP: the same rows per update as the pipeline)."""
+    return [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches]
+
+
+def two_processes(rank: int, model: argparse.Namespace) -> dict[str, list[Any]]:
+    """(b) and (c): the strategy, the bare executor and DDP, on two processes."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    _quiet()
+    batches = data(model.steps + WARMUP, model)
+    runs: dict[str, Callable[[], Any]] = {}
+    for microbatches in model.microbatches:
+        for family in ("1f1b", "2bw"):
+            strategy = functools.partial(_strategy, family, microbatches, model, 2)
+            runs[f"PipelineStrategy {family}|{microbatches}"] = functools.partial(
+                lambda make: fit(model, batches, make(), 2), strategy
+            )
+            runs[f"executor {family}|{microbatches}"] = functools.partial(
+                lambda f, m: (executor_run(model, batches, f, m), None), family, microbatches
+            )
+    runs["Lightning ddp|"] = lambda: fit(model, _halves(batches, rank), "ddp", 2)
+    return _rounds(runs, model.rounds)
+
+
+def _per_round(results: list[dict[str, list[Any]]]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per label and round, the slower rank's seconds per step, and its seconds between batches."""
+    step: dict[str, list[float]] = {}
+    between: dict[str, list[float]] = {}
+    for label in results[0]:
+        rounds = list(zip(*(r[label] for r in results), strict=True))
+        slower = [max(pairs, key=lambda pair: pair[0]) for pairs in rounds]
+        step[label] = [seconds for seconds, _ in slower]
+        if slower[0][1] is not None:
+            between[label] = [outside for _, outside in slower]
+    return step, between
+
+
+def _row(label: str, m: str, times: list[float], between: list[float] | None, batch: int, comparison: str) -> str:
+    median = statistics.median(times)
+    spread = (max(times) - min(times)) / median
+    outside = f"{statistics.median(between) * 1e3:.2f}" if between is not None else ""
+    return f"{label:>22} {m:>3} {median * 1e3:>8.1f} {spread:>6.0%} {batch / median:>9.0f} {outside:>8}   {comparison}"
+
+
+def _against(times: list[float], reference: list[float], name: str) -> str:
+    ratio = _paired(times, reference)  # median over the rounds of time / reference time
+    verdict = "met" if ratio <= TARGET else "NOT met"
+    return f"time {ratio:.3f}x {name} (target <= {TARGET:.2f}x: {verdict})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run (after 3 warm-up ones)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4, help="Linear+ReLU blocks per stage")
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--features", type=int, help="inputs of the first layer (default: 1.5 width, balanced)")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--no-log", dest="log", action="store_false", help="training_step calls no self.log")
+    args = parser.parse_args()
+    args.features = args.features or args.width * 3 // 2
+    print(
+        f"model: 2 x {args.depth} blocks of {args.width} ({args.features} inputs) + head, batch {args.batch}, "
+        f"self.log {'on' if args.log else 'off'}; {args.rounds} rounds of {args.steps} timed steps (+{WARMUP})"
+    )
+    header = f"{'run':>22} {'m':>3} {'ms/step':>8} {'spread':>6} {'samples/s':>9} {'between':>8}   paired ratio"
+    one = run_local(one_device, 1, args, timeout=1800)
+    step, between = _per_round(one)
+    print("\n(a) one process, one thread (between: ms/step outside the batch hooks)")
+    print(header)
+    print(_row(PLAIN, "1", step[PLAIN], between.get(PLAIN), args.batch, ""))
+    print(_row(ONE, "1", step[ONE], between.get(ONE), args.batch, _against(step[ONE], step[PLAIN], PLAIN)))
+    for label in (TORCH, EXECUTOR_ONE):
+        comparison = f"time {_paired(step[label], step[PLAIN]):.3f}x {PLAIN}"
+        print(_row(label, "1", step[label], None, args.batch, comparison))
+
+    two = run_local(two_processes, 2, args, timeout=3600)
+    step, between = _per_round(two)
+    print("\n(b) two processes x one thread: the strategy against the bare executor, same schedule and stages")
+    print(header)
+    for microbatches in args.microbatches:
+        for family in ("1f1b", "2bw"):
+            ours, bare = f"PipelineStrategy {family}|{microbatches}", f"executor {family}|{microbatches}"
+            comparison = _against(step[ours], step[bare], f"executor {family}")
+            print(_row(ours.split("|")[0], str(microbatches), step[ours], between.get(ours), args.batch, comparison))
+            print(_row(bare.split("|")[0], str(microbatches), step[bare], None, args.batch, ""))
+    print("\n(c) two processes x one thread: 2BW against Lightning's DDP (half of every batch per rank)")
+    print(header)
+    ddp = "Lightning ddp|"
+    print(_row("Lightning ddp", "", step[ddp], between.get(ddp), args.batch, ""))
+    for microbatches in args.microbatches:
+        ours = f"PipelineStrategy 2bw|{microbatches}"
+        ratio = _paired(step[ddp], step[ours])  # samples/s of 2BW over DDP's: same samples per step
+        comparison = f"samples/s {ratio:.3f}x Lightning ddp"
+        print(_row("PipelineStrategy 2bw", str(microbatches), step[ours], between.get(ours), args.batch, comparison))
+
+
+if __name__ == "__main__":
+    main()
