@@ -210,8 +210,13 @@ def _strategy(family: str, microbatches: int, model: argparse.Namespace, stages:
     return PipelineStrategy(family, microbatches=microbatches, balance=balance)
 
 
-def _quiet() -> None:
-    """Lightning's info lines (devices, the strategy's plan) and its warnings about the loader off."""
+def _prepare(rank: int) -> None:
+    """As torchrun leaves a worker: ``LOCAL_RANK`` set (Lightning sees processes launched externally)
+    and ``OMP_NUM_THREADS=1`` (else Lightning's launcher, which a ``PipelineStrategy`` or ``ddp`` run
+    goes through, sets ``torch.set_num_threads(cores // devices)``: 2 threads on 1 device here). And
+    Lightning's info lines (devices, the strategy's plan) and its warnings about the loader off."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["OMP_NUM_THREADS"] = "1"
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_pipe"):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module="lightning")
@@ -239,8 +244,7 @@ EXECUTOR_ONE = "executor 1 stage"
 
 def one_device(rank: int, model: argparse.Namespace) -> dict[str, list[Any]]:
     """(a), in a process group of one: the strategy and plain Lightning, and two references."""
-    os.environ["LOCAL_RANK"] = str(rank)
-    _quiet()
+    _prepare(rank)
     batches = data(model.steps + WARMUP, model)
     runs = {
         ONE: lambda: fit(model, batches, _strategy("1f1b", 1, model, 1), 1),
@@ -258,8 +262,7 @@ def _halves(batches: _Batches, rank: int) -> _Batches:
 
 def two_processes(rank: int, model: argparse.Namespace) -> dict[str, list[Any]]:
     """(b) and (c): the strategy, the bare executor and DDP, on two processes."""
-    os.environ["LOCAL_RANK"] = str(rank)
-    _quiet()
+    _prepare(rank)
     batches = data(model.steps + WARMUP, model)
     runs: dict[str, Callable[[], Any]] = {}
     for microbatches in model.microbatches:

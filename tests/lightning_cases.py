@@ -56,7 +56,7 @@ class Chain(L.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch

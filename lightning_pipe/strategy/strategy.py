@@ -277,12 +277,7 @@ class PipelineStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise PlanningError(
-                    f"configure_optimizers returned {len(self.optimizers)} optimizers: a pipeline steps each stage "
-                    "with a copy of one optimizer (use parameter groups for different settings)"
-                )
+            self.setup_optimizers(trainer)  # one: Lightning refuses several under automatic optimization
             self._hyper = HyperParameters(self.optimizers[0])
         self.setup_precision_plugin()
 
@@ -560,8 +555,8 @@ class PipelineStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Stop the other ranks within seconds: record the failure and close this rank's pipeline and
         process groups, so every rank waiting on it fails with this error instead of hanging."""
-        if not hasattr(self, "_failures"):
-            return
+        if not hasattr(self, "_failures") or self.world_size == 1:
+            return  # no other rank to stop
         if not isinstance(exception, PipelineAborted):
             self._failures.fail(exception)
         if self.executor is not None:

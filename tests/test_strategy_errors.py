@@ -1,0 +1,217 @@
+"""What the strategy refuses, and how a failure on one rank stops the others.
+
+Every refusal names what is wrong and what would work, and comes before any training step; a rank
+that fails during training stops every rank with its error within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PipelineStrategy, PlanningError
+from lightning_pipe.runtime import LocalRunError, run_local
+from lightning_pipe.strategy.contract import find_entry
+from tests.lightning_cases import Chain, loader, trainer
+
+
+class _TwoNets(Chain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = nn.Sequential(nn.Linear(3, 3))
+
+
+class _HeadOutside(Chain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+
+
+class _NoSequential(Chain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(list(self.net))
+        del self.net
+
+
+class _Hooked(_NoSequential):
+    def configure_pipeline(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_model_contract_refusals() -> None:
+    """The three shapes a pipeline cannot take, each with its remedy; the hook makes a module of
+    another shape acceptable."""
+    with pytest.raises(
+        PlanningError, match=r"several nn.Sequential attributes \(self.net, self.other\).*configure_pipeline"
+    ):
+        find_entry(_TwoNets())
+    with pytest.raises(PlanningError, match=r"outside self.net would not be trained.*head.weight, head.bias"):
+        find_entry(_HeadOutside())
+    with pytest.raises(PlanningError, match=r"holds no nn.Sequential.*configure_pipeline"):
+        find_entry(_NoSequential())
+    hooked = find_entry(_Hooked())
+    assert hooked.module.__class__ is _Hooked and len(hooked.layers) == 7 and hooked.name == "self.forward"
+
+
+def test_constructor_refusals() -> None:
+    with pytest.raises(PlanningError, match="unknown schedule 'gpipes'; choose one of gpipe, 1f1b"):
+        PipelineStrategy("gpipes")
+    with pytest.raises(PlanningError, match="unknown partitioner 'fast'"):
+        PipelineStrategy(partitioner="fast")
+    with pytest.raises(PlanningError, match="microbatches must be a whole number"):
+        PipelineStrategy(microbatches=0)
+    with pytest.raises(PlanningError, match="banana"):
+        PipelineStrategy(memory_limit="banana")
+    with pytest.raises(PlanningError, match="start_method must be 'popen' or 'spawn'"):
+        PipelineStrategy(start_method="fork")
+
+
+class _Manual(Chain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class _TwoOptimizers(Chain):
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.net[:2].parameters(), lr=0.1), torch.optim.SGD(self.net[2:].parameters(), lr=0.1)]
+
+
+class _OwnClipping(Chain):
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, algorithm: Any = None) -> None:
+        pass
+
+
+class _LogsAList(Chain):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("bad", torch.ones(3))
+        return loss
+
+
+class _ReturnsNothing(Chain):
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0])
+
+
+class _SkipsTheNet(Chain):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return batch[0].sum()
+
+
+class _Tiny(Chain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 3))
+
+
+ONE_PROCESS = {
+    "manual": (_Manual, {}, {}, r"manual optimization .* not supported"),
+    "accumulate": (Chain, {}, {"accumulate_grad_batches": 4}, r"accumulate_grad_batches=4.*microbatches=4"),
+    "optimizers": (_TwoOptimizers, {}, {}, r"multiple optimizers is only supported with manual optimization"),
+    "clipping": (_OwnClipping, {}, {}, r"configure_gradient_clipping is overridden.*gradient_clip_val"),
+    "precision": (Chain, {}, {"precision": "64-true"}, r"precision='64-true' is not supported.*bf16-mixed"),
+    "log": (_LogsAList, {}, {}, r"self.log\('bad', Tensor\).*one-element tensor"),
+    "none": (_ReturnsNothing, {}, {}, r"training_step must return the loss.*got NoneType"),
+    "skips": (_SkipsTheNet, {}, {}, r"training_step never called self.net"),
+    "split": (Chain, {"microbatches": 16}, {}, r"a mini-batch of 10 samples cannot be split into 16 micro-batches"),
+}
+
+
+def _refusal_worker(rank: int, root: str, cases: dict[str, tuple]) -> dict[str, str]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    messages = {}
+    for name, (model_class, strategy_options, trainer_options, _) in cases.items():
+        run = trainer(Path(root) / name, PipelineStrategy(**strategy_options), 1, **trainer_options)
+        try:
+            run.fit(model_class(), loader(3))
+            messages[name] = "trained"
+        except Exception as error:
+            messages[name] = f"{type(error).__name__}: {error}"
+    return messages
+
+
+@pytest.mark.timeout(240)
+def test_setup_refusals(tmp_path: Path) -> None:
+    """Each unsupported use fails with its reason and remedy (one process: the refusals do not
+    depend on the number of stages)."""
+    (messages,) = run_local(_refusal_worker, 1, str(tmp_path), ONE_PROCESS, timeout=200)
+    for name, (*_, pattern) in ONE_PROCESS.items():
+        assert re.search(pattern, messages[name]), (name, messages[name])
+
+
+def _plan_refusal_worker(rank: int, root: str, strategy_options: dict, model: type) -> str:
+    os.environ["LOCAL_RANK"] = str(rank)
+    trainer(root, PipelineStrategy(**strategy_options), 2).fit(model(), loader(3))
+    return "trained"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("options", "model", "pattern"),
+    [
+        ({}, _Tiny, r"2 stages but the model has 1 layers: use at most 1 devices"),
+        (
+            {"partitioner": "memory", "memory_limit": "1KB"},
+            Chain,
+            r"no partition on 2 device\(s\) fits the memory limit of 1000 B .*: the smallest limit that fits 2 device",
+        ),
+        ({"schedule": "cdp", "form": "pyramid"}, Chain, r"pyramid form runs P stages on P\(P\+1\)/2 workers; 2 is no"),
+    ],
+)
+def test_planning_refusals_on_every_rank(tmp_path: Path, options: dict, model: type, pattern: str) -> None:
+    """A plan that cannot exist fails on every rank with the planner's reason, before training."""
+    with pytest.raises(LocalRunError) as raised:
+        run_local(_plan_refusal_worker, 2, str(tmp_path), options, model, timeout=100)
+    assert set(raised.value.errors) == {0, 1}
+    for message in raised.value.errors.values():
+        assert re.search(pattern, message), message
+
+
+class _FailsAt(Chain):
+    """Raises on rank ``rank`` at batch 2 (after its layers ran: on the last stage, in the loss)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.failing_rank = rank
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2 and self.failing_rank == 0 and self.global_rank == 0:
+            raise ValueError("planted failure on the first stage")
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 2 and self.failing_rank == 1:
+            raise ValueError("planted failure on the last stage")
+        return loss
+
+
+def _failing_worker(rank: int, root: str, failing: int, schedule: str) -> str:
+    os.environ["LOCAL_RANK"] = str(rank)
+    trainer(root, PipelineStrategy(schedule), 2).fit(_FailsAt(failing), loader(6))
+    return "trained"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("failing", "schedule"), [(0, "1f1b"), (1, "2bw")])
+def test_a_failing_rank_stops_every_rank(tmp_path: Path, failing: int, schedule: str) -> None:
+    """The planted error of one rank reaches the other within the run's 60 s deadline (the process
+    group's own timeout is 30 minutes), naming the rank that failed."""
+    with pytest.raises(LocalRunError) as raised:
+        run_local(_failing_worker, 2, str(tmp_path), failing, schedule, timeout=60)
+    errors = raised.value.errors
+    assert set(errors) == {0, 1}, errors
+    assert "did not finish" not in " ".join(errors.values())
+    assert errors[failing].startswith("ValueError: planted failure")
+    other = errors[1 - failing]
+    assert "PipelineAborted" in other and f"rank {failing} failed with ValueError: planted failure" in other, other
