@@ -108,8 +108,7 @@ class WindowTimer(L.Callback):
     def __init__(self, batches: int) -> None:
         self.last = batches - 1
         self.start = self.end = 0.0
-        self.inside = 0.0
-        self.batch_start = 0.0
+        self.inside = self.between = self.batch_start = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx == WARMUP:
@@ -120,16 +119,18 @@ class WindowTimer(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        now = time.perf_counter()
         if batch_idx >= WARMUP:
-            self.inside += time.perf_counter() - self.batch_start
+            self.inside += now - self.batch_start
         if batch_idx == self.last:
+            self.between = now - self.start - self.inside  # the closing barrier's wait left out
             dist.barrier()
             self.end = time.perf_counter()
 
     def result(self) -> tuple[float, float]:
         steps = self.last + 1 - WARMUP
         assert self.end > self.start > 0, "the timed window was not reached"
-        return (self.end - self.start) / steps, (self.end - self.start - self.inside) / steps
+        return (self.end - self.start) / steps, self.between / steps
 
 
 def fit(model: argparse.Namespace, batches: _Batches, strategy: Any, devices: int) -> tuple[float, float]:

@@ -129,6 +129,10 @@ class PipelineExecutor:
         clip_grad_value: clamp every gradient to ``[-value, value]`` before each update.
         before_update: ``before_update(stage, step, optimizer)`` runs just before a stage's optimizer
             applies step ``step`` (e.g. to set the learning rate the step should use).
+        pipelines: data parallelism over whole pipelines: the global ranks of each pipeline's workers
+            (worker ``w`` of pipeline ``p`` is rank ``pipelines[p][w]``); each pipeline trains on its
+            own mini-batches and a stage's gradients are averaged over the pipelines (and summed
+            over its replicas inside a pipeline). Default: one pipeline over every rank.
         post_ahead_bytes: the receives of a call's messages of at least this many bytes are posted
             when the call starts, so their transfers overlap compute; smaller ones when they are
             needed (0: all ahead). Default: 256 KiB on the CPU, where each receive gloo posts ahead
@@ -158,6 +162,7 @@ class PipelineExecutor:
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         before_update: Callable[[int, int, torch.optim.Optimizer | None], None] | None = None,
+        pipelines: Sequence[Sequence[int]] | None = None,
     ) -> None:
         check_whole("timeline_length", timeline_length, 0, "actions", optional=True)
         check_whole("gc_every", gc_every, 1, "calls", optional=True)
@@ -167,12 +172,10 @@ class PipelineExecutor:
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
         self.schedule = make(1)
         validate(self.schedule)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if self.world != self.schedule.workers:
-            raise PlanningError(
-                f"the schedule has {self.schedule.workers} workers but {self.world} processes run: start "
-                f"{self.schedule.workers} processes (e.g. torchrun --nproc-per-node {self.schedule.workers})"
-            )
+        self.global_rank = dist.get_rank()
+        self.pipelines = _pipelines(pipelines, self.schedule.workers)
+        self.ranks = next(ranks for ranks in self.pipelines if self.global_rank in ranks)
+        self.rank, self.world = self.ranks.index(self.global_rank), len(self.ranks)
         self.programs = Program.build(make)
         self.program = self.programs[self.rank]
         self.device = torch.device(device) if device is not None else _default_device()
@@ -183,17 +186,19 @@ class PipelineExecutor:
         missing = [s for s in mine if s not in modules]
         if missing:
             raise PlanningError(f"rank {self.rank} runs stages {mine} but got no module for {missing}")
+        pipeline_groups = [tuple(dist.new_group(list(ranks)) for _ in range(3)) for ranks in self.pipelines]
+        data_group, overflow_group, self.group = pipeline_groups[self.pipelines.index(self.ranks)]
         groups = self._replica_groups()
         snapshots = not self.schedule.flush
         self.weights = {s: StageWeights(modules[s].to(self.device), optimizer, snapshots, groups.get(s)) for s in mine}
         flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)
         self.recompute = {s: bool(flags[s]) for s in mine}
-        self.failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.rank)
+        self.failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
         self.transport = Transport(
-            self.rank,
+            self.global_rank,
             self.device,
             self.failures,
-            (dist.new_group(), dist.new_group()),
+            (data_group, overflow_group),
             timeout_seconds=timeout_seconds,
             keep_sends=2 * max(p.period for p in self.programs) + 2,
             post_ahead_bytes=_post_ahead(post_ahead_bytes, self.device),
@@ -278,7 +283,8 @@ class PipelineExecutor:
                     continue
                 for key, kind in self._consumers(action):
                     if self._destination(key, kind) == self.rank:
-                        self.expected[key] = (peer, self.transport.expect(peer, key[:3]))
+                        sender = self.ranks[peer]
+                        self.expected[key] = (sender, self.transport.expect(sender, key[:3]))
 
     def _deliver(self, action: Action, obj: Any) -> None:
         for key, kind in self._consumers(action):
@@ -286,7 +292,7 @@ class PipelineExecutor:
             if destination == self.rank:
                 self.local[key] = obj
             else:
-                self.transport.send(destination, obj, key[:3])
+                self.transport.send(self.ranks[destination], obj, key[:3])
 
     def _incoming(self, key: _Key) -> Any:
         if key in self.local:
@@ -295,12 +301,14 @@ class PipelineExecutor:
         return self.transport.receive(peer, sequence)
 
     def _replica_groups(self) -> dict[int, dist.ProcessGroup]:
-        """A process group per replicated stage; every rank creates every group, in stage order."""
+        """A process group per stage held by several ranks (its replicas in every pipeline); every
+        rank creates every group, in stage order."""
         groups = {}
         for stage, owners in enumerate(self.schedule.owners):
-            if len(owners) > 1:
-                group = dist.new_group(list(owners))
-                if self.rank in owners:
+            holders = sorted(ranks[w] for ranks in self.pipelines for w in owners)
+            if len(holders) > 1:
+                group = dist.new_group(holders)
+                if self.global_rank in holders:
                     groups[stage] = group
         return groups
 
@@ -341,7 +349,7 @@ class PipelineExecutor:
         """Every rank gets every rank's losses (and outputs, when they were asked for)."""
         outputs = {key: map_tensors(torch.Tensor.cpu, value) for key, value in output.outputs.items()}
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (output.losses, output.microbatch_losses, outputs))
+        dist.all_gather_object(gathered, (output.losses, output.microbatch_losses, outputs), group=self.group)
         for losses, microbatch_losses, shared_outputs in gathered:
             output.losses.update(losses)
             output.microbatch_losses.update(microbatch_losses)
@@ -379,7 +387,7 @@ class PipelineExecutor:
             parts = split_batch(inputs, microbatches) if 0 in mine else []
             self.transport.next_call()
             expected = {
-                (s, mb): self.transport.expect(worker[s - 1], ("E", s, mb))
+                (s, mb): self.transport.expect(self.ranks[worker[s - 1]], ("E", s, mb))
                 for mb in range(microbatches)
                 for s in mine
                 if s > 0 and worker[s - 1] != self.rank
@@ -390,7 +398,7 @@ class PipelineExecutor:
                     if s == 0:
                         x = map_tensors(lambda t: t.to(self.device), parts[mb])
                     elif (s, mb) in expected:
-                        x = self.transport.receive(worker[s - 1], expected.pop((s, mb)))
+                        x = self.transport.receive(self.ranks[worker[s - 1]], expected.pop((s, mb)))
                     else:
                         x = local.pop((s, mb))
                     with torch.no_grad():
@@ -403,7 +411,7 @@ class PipelineExecutor:
                     elif worker[s + 1] == self.rank:
                         local[(s + 1, mb)] = y
                     else:
-                        self.transport.send(worker[s + 1], y, ("E", s + 1, mb))
+                        self.transport.send(self.ranks[worker[s + 1]], y, ("E", s + 1, mb))
         except Exception as error:
             self._stop(error)
             raise
@@ -421,7 +429,7 @@ class PipelineExecutor:
         ``network`` sets the other fields of :class:`StageCosts` (``bandwidth``, ``latency``,
         ``overhead``, ``activation_bytes``, ...). A collective: every rank must call it."""
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, measured_seconds(self.timeline, since_step))
+        dist.all_gather_object(gathered, measured_seconds(self.timeline, since_step), group=self.group)
         return stage_costs(gathered, self.schedule.stages, **network)
 
     def state_dict(self) -> dict[str, object]:
@@ -523,7 +531,7 @@ class PipelineExecutor:
             grads = self.weights[action.stage].summed_gradients(action.step)
             total += squared_norm(grads).cpu() / len(self.schedule.owners[action.stage])
         total = total.to(self.device)
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=self.group)
         coefficient = norm_coefficient(float(total) ** 0.5, self.clip_grad_norm)
         for action in self.deferred:
             scale(self.weights[action.stage].summed_gradients(action.step), coefficient)
@@ -547,7 +555,7 @@ class PipelineExecutor:
             raise self._mismatch(action, inputs, error) from error
         if s == self.schedule.stages - 1:
             loss = self._loss(state.outputs, t, mb)
-            state.loss = None if self.recompute[s] else loss
+            state.loss = None if self.recompute[s] else loss / len(self.pipelines)
             self._record_loss(output, t, mb, float(loss.detach()))
             if return_outputs:
                 output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
@@ -615,7 +623,7 @@ class PipelineExecutor:
             for buffer, before in buffers:
                 buffer.copy_(before)
         if action.stage == self.schedule.stages - 1:
-            state.loss = self._loss(state.outputs, action.step, action.microbatch)
+            state.loss = self._loss(state.outputs, action.step, action.microbatch) / len(self.pipelines)
 
     def _roots(self, action: Action, state: _InFlight) -> None:
         """The tensors to differentiate and their incoming gradients (none for the scalar loss)."""
@@ -692,6 +700,23 @@ class PipelineExecutor:
         kept = {a.version for a in upcoming if a.stage == stage and a.kind in COMPUTE}
         kept |= {state.version for (s, _, _), state in self.in_flight.items() if s == stage}
         return kept
+
+
+def _pipelines(pipelines: Sequence[Sequence[int]] | None, workers: int) -> list[list[int]]:
+    """The ranks of each pipeline, checked: ``workers`` each, together every rank once."""
+    world = dist.get_world_size()
+    if pipelines is None:
+        pipelines = [range(world)]
+    result = [list(ranks) for ranks in pipelines]
+    every = sorted(rank for ranks in result for rank in ranks)
+    if every != list(range(world)):
+        raise PlanningError(f"pipelines {result} must hold every rank 0..{world - 1} exactly once")
+    if any(len(ranks) != workers for ranks in result):
+        raise PlanningError(
+            f"the schedule has {workers} workers but the pipelines have {[len(r) for r in result]} ranks: start "
+            f"{workers} processes per pipeline (e.g. torchrun --nproc-per-node {workers * len(result)})"
+        )
+    return result
 
 
 def _repeat(schedule: Schedule) -> Callable[[int], Schedule]:
