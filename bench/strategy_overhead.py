@@ -170,8 +170,12 @@ def timed_loop(run_step: Callable[[torch.Tensor, torch.Tensor], object], batches
     return (time.perf_counter() - start) / (len(batches) - WARMUP)
 
 
-def executor_run(model: argparse.Namespace, batches: _Batches, family: str, microbatches: int) -> float:
-    """The bare executor on the strategy's stages and schedule; seconds per step."""
+def executor_run(
+    model: argparse.Namespace, batches: _Batches, family: str, microbatches: int, share: bool = False
+) -> float:
+    """The bare executor on the strategy's stages and schedule; seconds per step. ``share``: every
+    call gathers the losses on every rank (``share_losses=True``, a collective per call, as the
+    strategy's replay of the logs is)."""
     layers = list(MLP(model).net)
     stages = [nn.Sequential(*layers[: model.depth]), nn.Sequential(*layers[model.depth :])]
     world = dist.get_world_size()
@@ -186,7 +190,8 @@ def executor_run(model: argparse.Namespace, batches: _Batches, family: str, micr
     )
 
     def run_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        executor.step(inputs if executor.needs_inputs else None, targets if executor.needs_targets else None)
+        inputs, targets = (inputs if executor.needs_inputs else None), (targets if executor.needs_targets else None)
+        executor.step(inputs, targets, share_losses=share)
 
     seconds = timed_loop(run_step, batches, executor.drain)
     executor.close()
@@ -241,6 +246,7 @@ ONE = "PipelineStrategy 1f1b"
 PLAIN = "plain Lightning"
 TORCH = "torch loop"
 EXECUTOR_ONE = "executor 1 stage"
+SHARED = " shared"  # the bare executor gathering the losses every call
 
 
 def one_device(rank: int, model: argparse.Namespace) -> dict[str, list[Any]]:
@@ -272,9 +278,10 @@ def two_processes(rank: int, model: argparse.Namespace) -> dict[str, list[Any]]:
             runs[f"PipelineStrategy {family}|{microbatches}"] = functools.partial(
                 lambda make: fit(model, batches, make(), 2), strategy
             )
-            runs[f"executor {family}|{microbatches}"] = functools.partial(
-                lambda f, m: (executor_run(model, batches, f, m), None), family, microbatches
-            )
+            for share in (False, True) if family == "2bw" else (False,):
+                runs[f"executor {family}{SHARED if share else ''}|{microbatches}"] = functools.partial(
+                    lambda f, m, s: (executor_run(model, batches, f, m, s), None), family, microbatches, share
+                )
     runs["Lightning ddp|"] = lambda: fit(model, _halves(batches, rank), "ddp", 2)
     return _rounds(runs, model.rounds)
 
@@ -321,6 +328,7 @@ def main() -> None:
         f"model: 2 x {args.depth} blocks of {args.width} ({args.features} inputs) + head, batch {args.batch}, "
         f"self.log {'on' if args.log else 'off'}; {args.rounds} rounds of {args.steps} timed steps (+{WARMUP})"
     )
+    began, load = time.monotonic(), os.getloadavg()[0]
     header = f"{'run':>22} {'m':>3} {'ms/step':>8} {'spread':>6} {'samples/s':>9} {'between':>8}   paired ratio"
     one = run_local(one_device, 1, args, timeout=1800)
     step, between = _per_round(one)
@@ -342,6 +350,10 @@ def main() -> None:
             comparison = _against(step[ours], step[bare], f"executor {family}")
             print(_row(ours.split("|")[0], str(microbatches), step[ours], between.get(ours), args.batch, comparison))
             print(_row(bare.split("|")[0], str(microbatches), step[bare], None, args.batch, ""))
+            shared = f"executor {family}{SHARED}|{microbatches}"
+            if shared in step:
+                comparison = f"time {_paired(step[shared], step[bare]):.3f}x executor {family}"
+                print(_row(shared.split("|")[0], str(microbatches), step[shared], None, args.batch, comparison))
     print("\n(c) two processes x one thread: 2BW against Lightning's DDP (half of every batch per rank)")
     print(header)
     ddp = "Lightning ddp|"
@@ -351,6 +363,10 @@ def main() -> None:
         ratio = _paired(step[ddp], step[ours])  # samples/s of 2BW over DDP's: same samples per step
         comparison = f"samples/s {ratio:.3f}x Lightning ddp"
         print(_row("PipelineStrategy 2bw", str(microbatches), step[ours], between.get(ours), args.batch, comparison))
+    print(
+        f"\nload average (1 min) {load:.2f} before, {os.getloadavg()[0]:.2f} after (2 expected: our 2 processes); "
+        f"{time.monotonic() - began:.0f} s"
+    )
 
 
 if __name__ == "__main__":

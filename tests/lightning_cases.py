@@ -142,7 +142,7 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
     if case.get("checkpoint"):
         callbacks.append(ModelCheckpoint(dirpath=Path(root) / "checkpoints", save_last=True, save_top_k=-1))
     options = {**case.get("trainer", {}), "callbacks": callbacks, "enable_checkpointing": bool(callbacks)}
-    strategy = PipelineStrategy(**case["strategy"])
+    strategy = case.get("lightning_strategy") or PipelineStrategy(**case["strategy"])
     run = trainer(root, strategy, torch.distributed.get_world_size(), **options)
     run.fit(model, loader(case["batches"]), loader(2, seed=7), ckpt_path=case.get("resume"))
     result: dict[str, Any] = {"final": state(model), "initial": initial}

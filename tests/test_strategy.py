@@ -194,3 +194,38 @@ def test_resume_checkpoint_and_evaluation(tmp_path: Path) -> None:
         assert len(got["predict"]) == len(plain["predict"]) == 2
         for p, q in zip(got["predict"], plain["predict"], strict=True):
             assert torch.allclose(p, q, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
+    """On 4 processes: 4-stage 1F1B equals plain Lightning and 4-stage 2BW its reference; two copies
+    of a 2-stage 1F1B pipeline (``data_parallel=2``) train, log (``sync_dist`` included) and end
+    exactly as Lightning's own DDP on 2 processes, which shards the data the same way. Guards against
+    copies that read the same shard, gradients summed instead of averaged over the copies, and
+    ``sync_dist`` reducing over every rank instead of over the copies."""
+    cases = [
+        {"name": "1f1b_4", "batches": 5, "strategy": {"schedule": "1f1b", "microbatches": 4, "balance": [2, 2, 2, 1]}},
+        {"name": "2bw_4", "batches": 6, "strategy": {"schedule": "2bw", "microbatches": 4, "balance": [1, 2, 2, 2]}},
+        {
+            "name": "hybrid",
+            "batches": 6,
+            "trainer": {"max_epochs": 2},
+            "strategy": {"schedule": "1f1b", "data_parallel": 2, "microbatches": 2, "balance": [3, 4]},
+        },
+    ]
+    results = _transpose(_run_cases(tmp_path, 4, cases), cases)
+    ddp_case = {**cases[2], "name": "ddp", "lightning_strategy": "ddp"}
+    ddp = _run_cases(tmp_path, 2, [ddp_case])
+    expected = plain_fit(tmp_path / "plain", cases[0])["final"]
+    for rank_result in results["1f1b_4"]:
+        _assert_close_states(rank_result["final"], expected, 1e-5)
+    model = Chain()
+    names = [name for name, _ in model.named_parameters()]
+    stages = stage_modules(model, cases[1]["strategy"]["balance"])
+    flat = [p for stage in reference.reference(stages, batch_list(6), 4, reference.one_step_late, "sgd") for p in stage]
+    for rank_result in results["2bw_4"]:
+        for name, want in zip(names, flat, strict=True):
+            assert torch.allclose(rank_result["final"][name], want, atol=1e-5), name
+    for rank_result in results["hybrid"]:
+        _assert_close_states(rank_result["final"], ddp[0][0]["final"], 1e-5)
+    _assert_same_metrics(_metrics(tmp_path / "hybrid"), _metrics(tmp_path / "ddp"), 1e-5)

@@ -66,6 +66,18 @@ class ScheduleOptions:
             return stages
         return workers
 
+    def workers_for(self, stages: int) -> int:
+        """The workers one pipeline of ``stages`` stages of this family runs on."""
+        if self.family in ("interleaved", "looped_bfs"):
+            if stages % self.virtual_stages:
+                raise PlanningError(
+                    f"{self.family} puts {self.virtual_stages} stages on each worker: {stages} stages is not a multiple"
+                )
+            return stages // self.virtual_stages
+        if self.family == "cdp" and self.form == "pyramid":
+            return stages * (stages + 1) // 2
+        return stages
+
     def make(self, stages: int, microbatches: int, **extra: object) -> Callable[[int], Schedule]:
         """``steps -> schedule`` of this family on ``stages`` stages (what the executor takes)."""
         options = {k: v for k, v in asdict(self).items() if k not in ("family", "microbatches")}

@@ -40,6 +40,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
@@ -128,6 +129,10 @@ class PipelineStrategy(ParallelStrategy):
         plan: a saved plan (``lightning-pipe plan --json``) to run as is.
         balance: layers per stage, instead of planning.
         profile_repeats: timed runs per layer when profiling.
+        stages: pipeline stages (default: one per device, or what the family puts on the devices of
+            one pipeline); with ``stages``, the devices beyond one pipeline make data-parallel copies.
+        data_parallel: copies of the whole pipeline (``devices = workers per pipeline × copies``);
+            each reads its own shard of the data, and a stage's gradients are averaged over them.
         start_method: ``popen`` (re-run the script, as ``ddp``) or ``spawn`` (notebooks, Hydra multirun).
         timeout: of the process group and of any single pipeline wait (a hang fails after it).
         process_group_backend: ``gloo``/``nccl``; default from the device.
@@ -154,6 +159,8 @@ class PipelineStrategy(ParallelStrategy):
         plan: str | None = None,
         balance: list[int] | None = None,
         profile_repeats: int = 3,
+        stages: int | None = None,
+        data_parallel: int | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
         timeout: timedelta = default_pg_timeout,
         process_group_backend: str | None = None,
@@ -190,6 +197,11 @@ class PipelineStrategy(ParallelStrategy):
             repeats=profile_repeats,
         )
         check_whole("profile_repeats", profile_repeats, 1)
+        check_whole("stages", stages, 1, optional=True)
+        check_whole("data_parallel", data_parallel, 1, optional=True)
+        if stages is not None and data_parallel is not None:
+            raise PlanningError("give stages or data_parallel, not both: the devices decide the other")
+        self._stages_option, self._data_parallel_option = stages, data_parallel
         if start_method not in ("popen", "spawn"):
             raise PlanningError(f"start_method must be 'popen' or 'spawn'; got {start_method!r}")
         self.recompute = recompute
@@ -209,10 +221,50 @@ class PipelineStrategy(ParallelStrategy):
 
     # -- process set-up, as Lightning's DDP ------------------------------------------------------
     @property
+    def data_parallel(self) -> int:
+        """Copies of the pipeline (each a group of consecutive ranks)."""
+        if self._data_parallel_option is not None:
+            return self._data_parallel_option
+        if self._stages_option is None:
+            return 1
+        workers = self.schedule_options.workers_for(self._stages_option)
+        if self.world_size % workers:
+            raise PlanningError(
+                f"{self.world_size} devices are not a multiple of the {workers} workers a pipeline of "
+                f"{self._stages_option} {self.schedule_options.family} stages needs: use a multiple of {workers} "
+                "devices"
+            )
+        return self.world_size // workers
+
+    @property
+    def workers(self) -> int:
+        """Workers (devices) of one pipeline."""
+        if self.world_size % self.data_parallel:
+            raise PlanningError(
+                f"{self.world_size} devices cannot hold {self.data_parallel} equal pipeline copies: use a multiple of "
+                f"{self.data_parallel} devices"
+            )
+        return self.world_size // self.data_parallel
+
+    @property
+    def pipelines(self) -> list[list[int]]:
+        """The global ranks of each pipeline copy."""
+        return [[p * self.workers + w for w in range(self.workers)] for p in range(self.data_parallel)]
+
+    @property
+    def pipeline_index(self) -> int:
+        return self.global_rank // self.workers
+
+    @property
     def is_distributed(self) -> bool:
-        """Every rank of the pipeline reads the same batches: Lightning adds no distributed sampler
-        (the ranks' random samplers share a seed instead, :meth:`process_dataloader`)."""
-        return False
+        """With pipeline copies, Lightning puts a distributed sampler over the copies (every stage of
+        one copy reads the same shard); with one pipeline every rank reads the same batches (the
+        ranks' random samplers share a seed instead, :meth:`process_dataloader`)."""
+        return self.data_parallel > 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.data_parallel, "rank": self.pipeline_index}
 
     @property
     def root_device(self) -> torch.device:
@@ -236,7 +288,12 @@ class PipelineStrategy(ParallelStrategy):
         generator, which the stages consume differently (dropout): give it one seeded alike on every
         rank, so all stages read the same batches."""
         sampler = getattr(dataloader, "sampler", None)
-        if sampler is not None and hasattr(sampler, "generator") and sampler.generator is None:
+        if (
+            self.data_parallel == 1
+            and sampler is not None
+            and hasattr(sampler, "generator")
+            and sampler.generator is None
+        ):
             seed = self.broadcast(int(torch.randint(2**62, ()).item()) if self.global_rank == 0 else None)
             sampler.generator = torch.Generator().manual_seed(seed)
         return dataloader
@@ -244,7 +301,7 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def stages(self) -> int:
         """Pipeline stages: one per worker (several for interleaved and looped schedules)."""
-        return self.schedule_options.stages_for(self.world_size)
+        return self._stages_option or self.schedule_options.stages_for(self.workers)
 
     @property
     def microbatches(self) -> int:
@@ -266,7 +323,13 @@ class PipelineStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self._objects = dist.new_group(backend="gloo", timeout=self._timeout)  # logs and states, on the CPU
+        # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
+        # same position of every pipeline (reductions of logged values)
+        self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
+        own = [dist.new_group(ranks, backend="gloo", timeout=self._timeout) for ranks in self.pipelines]
+        self._pipeline_objects = own[self.pipeline_index]
+        positions = [dist.new_group(list(range(w, self.world_size, self.workers))) for w in range(self.workers)]
+        self._copies = positions[self.global_rank % self.workers]
         self._failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
 
     def setup(self, trainer: Trainer) -> None:
@@ -351,6 +414,7 @@ class PipelineStrategy(ParallelStrategy):
             clip_grad_norm=float(clip) if clip and algorithm == "norm" else None,
             clip_grad_value=float(clip) if clip and algorithm == "value" else None,
             before_update=self._before_update,
+            pipelines=self.pipelines,
         )
         if self._restored is not None:
             self._load_pipeline_state(self._restored)
@@ -515,10 +579,13 @@ class PipelineStrategy(ParallelStrategy):
         return self.lightning_module.state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The template's state (hyper-parameters) and every rank's stage optimizers and versions."""
+        """The template's state (hyper-parameters) and, per worker of a pipeline, its stages'
+        optimizer states, versions kept and gradients accumulated (the copies' are equal after a
+        drain: the first pipeline's are kept)."""
         state = dict(optimizer.state_dict())
         local = None if self.executor is None else self.executor.state_dict()
-        state["pipeline"] = self._gather(_to_cpu(local))
+        gathered = self._gather(_to_cpu(local), everyone=True)
+        state["pipeline"] = {"stages": self.stages, "workers": gathered[: self.workers]}
         return state
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -526,28 +593,33 @@ class PipelineStrategy(ParallelStrategy):
         state = dict(state)
         pipeline = state.pop("pipeline", None)
         self.optimizers[0].load_state_dict(state)
-        if pipeline is not None:
-            if len(pipeline) != self.world_size:
-                raise PlanningError(
-                    f"the checkpoint holds the pipeline state of {len(pipeline)} processes, this run has "
-                    f"{self.world_size}: resume on {len(pipeline)} devices"
-                )
-            if self.executor is None:
-                self._restored = pipeline
-            else:
-                self._load_pipeline_state(pipeline)
+        if pipeline is None:
+            return
+        if pipeline["stages"] != self.stages or len(pipeline["workers"]) != self.workers:
+            raise PlanningError(
+                f"the checkpoint was written by pipelines of {pipeline['stages']} stages on "
+                f"{len(pipeline['workers'])} workers; this run has {self.stages} stages on {self.workers}: resume with "
+                f"stages={pipeline['stages']} (any number of data-parallel copies works)"
+            )
+        if self.executor is None:
+            self._restored = pipeline["workers"]
+        else:
+            self._load_pipeline_state(pipeline["workers"])
 
-    def _load_pipeline_state(self, pipeline: list[Any]) -> None:
+    def _load_pipeline_state(self, workers: list[Any]) -> None:
         assert self.executor is not None
-        if pipeline[self.global_rank] is not None:
-            self.executor.load_state_dict(pipeline[self.global_rank])
+        mine = workers[self.global_rank % self.workers]
+        if mine is not None:
+            self.executor.load_state_dict(mine)
 
     # -- collectives ------------------------------------------------------------------------------
-    def _gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (pickled, over the CPU group); a rank that failed meanwhile is named."""
-        gathered: list[Any] = [None] * self.world_size
+    def _gather(self, obj: Any, everyone: bool = False) -> list[Any]:
+        """``obj`` of every rank of this pipeline (of every rank, with ``everyone``), pickled over a
+        CPU group; a rank that failed meanwhile is named."""
+        group = self._objects if everyone else self._pipeline_objects
+        gathered: list[Any] = [None] * dist.get_world_size(group)
         try:
-            dist.all_gather_object(gathered, obj, group=self._objects)
+            dist.all_gather_object(gathered, obj, group=group)
         except RuntimeError as error:
             raise self._failures.aborted() from error
         return gathered
@@ -561,10 +633,9 @@ class PipelineStrategy(ParallelStrategy):
             self._failures.fail(exception)
         if self.executor is not None:
             self.executor.transport.abort()
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group(self._objects)
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        for group in (self._objects, self._pipeline_objects, self._copies, None):  # None: the default group
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
 
     def barrier(self, name: str | None = None) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -578,9 +649,11 @@ class PipelineStrategy(ParallelStrategy):
         return box[0]
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Every rank of a pipeline logs the same values (replayed from the last stage): the
-        reduction over the data-parallel dimension is the identity with one pipeline."""
-        return tensor
+        """``sync_dist``: every rank of a pipeline logs the same values (its last stage's), so the
+        reduction runs over the pipeline copies only, between the ranks at the same position."""
+        if not isinstance(tensor, Tensor) or self.data_parallel == 1:
+            return tensor
+        return _sync_ddp_if_available(tensor, group or self._copies, reduce_op=reduce_op)
 
     def teardown(self) -> None:
         if self.executor is not None:
