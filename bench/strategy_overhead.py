@@ -1,15 +1,18 @@
-"""PipelineStrategy's overhead: what Lightning's loop adds to our pipeline, against plain Lightning on
-one device, the bare executor on two processes and Lightning's DDP on two processes — all in one run.
+"""PipelineStrategy's overhead: what Lightning's loop and the strategy add to our pipeline, against
+plain Lightning on one device, the bare executor on two processes and Lightning's DDP on two
+processes, all in one run.
 
-Run: ``python bench/strategy_overhead.py [--steps 10] [--rounds 5] [--width 512] [--depth 4]
-[--batch 1024] [--features 768] [--microbatches 2 8] [--no-log]``.
+Run: ``python bench/strategy_overhead.py [--steps 20] [--rounds 5] [--width 512] [--depth 4]
+[--batch 1024] [--features 768] [--microbatches 2 8] [--no-log]`` (about 4 minutes on 2 cores).
 
 The module (:class:`MLP`) is ``bench/runtime_speed.py``'s balanced 2-stage MLP in one ``nn.Sequential``
 ``self.net`` that ``forward`` calls (the strategy's contract): ``depth`` Linear+ReLU blocks of ``width``
 reading ``features`` inputs, ``depth`` more and a 10-class head; cross-entropy, SGD with momentum,
 and ``self.log("train_loss", loss)`` every step as a user's module would (``--no-log``: none). Every
-configuration trains it from the same initial weights on the same ``--steps`` + 3 warm-up batches of
-``--batch`` rows, one epoch, one thread per process. Three comparisons:
+configuration trains it from the same initial weights on the same 3 warm-up and ``--steps`` timed
+batches of ``--batch`` rows (one epoch, ``max_steps``), one thread per process, each process started
+as torchrun leaves it (``LOCAL_RANK`` and ``OMP_NUM_THREADS=1`` set, process group joined). Three
+comparisons:
 
 (a) one process: ``PipelineStrategy("1f1b", microbatches=1)`` on ``devices=1`` (one stage) against
     plain Lightning (``strategy="auto"``, ``devices=1``); target: at most 5% slower. Two references
@@ -17,22 +20,26 @@ configuration trains it from the same initial weights on the same ``--steps`` + 
     zero_grad) and our executor alone with the one stage.
 (b) two processes: ``PipelineStrategy("1f1b")`` and ``("2bw")`` against the bare
     ``PipelineExecutor`` running the same schedule (the strategy's own ``ScheduleOptions``) on the
-    same stages (``balance=[depth, depth + 1]``), micro-batches, batches and optimizer, fed from the
-    same ``DataLoader``, with no loss sharing: what Lightning's loop and the strategy's glue cost;
-    target: at most 5% slower, at each micro-batch count.
-(c) two processes: ``PipelineStrategy("2bw")`` against Lightning's ``strategy="ddp"``, each rank of
-    which trains on its half of every batch (the same 1024 rows per update, the same update
-    semantics as a synchronous pipeline): the ratio of samples per second.
+    same stages (``balance=[depth, depth + 1]``), micro-batches, batches and optimizer, fed by the
+    same ``DataLoader``, no losses shared: what Lightning's loop and the strategy's glue cost; target:
+    at most 5% slower, at each micro-batch count. Two more rows per schedule add to the bare executor
+    one collective per call, as the strategy's loop has: ``+gather`` (``share_losses=True``, an
+    ``all_gather_object`` after each call like the strategy's replay of the logs) and ``+bcast`` (a
+    one-element broadcast from rank 0 before each call like the SIGTERM flag Lightning's training loop
+    broadcasts at every batch when there are several processes).
+(c) two processes: ``PipelineStrategy("2bw")`` and the bare executor's 2BW against Lightning's
+    ``strategy="ddp"``, each rank of which trains on its half of every batch (the same rows per
+    update as the pipeline, and a synchronous update): the ratio of samples per second.
 
 Timing: Lightning's runs are timed by a callback from ``on_train_batch_start`` of the first timed
-batch to ``on_train_batch_end`` of the last, each behind a barrier, the executor's from before its
+batch to ``on_train_batch_end`` of the last, each behind a barrier; the executor's from before its
 first timed ``step`` to after the ``drain`` that ends the epoch, between two barriers. A
 non-flushing schedule (2BW) carries work from one batch into the next, so a per-batch callback time
-would charge a batch with its predecessors' work: every configuration is timed as the whole window
+would charge a batch with its predecessors' work: every configuration is timed over the whole window
 (the epoch-end drain included, which the strategy runs inside the last batch) divided by the timed
-steps. The Lightning rows also report the part of that window spent outside the batch hooks
-(``between``: fetching the next batch and the loop's own bookkeeping between
-``on_train_batch_end`` and the next ``on_train_batch_start``).
+steps. Lightning's rows also report the part of that window spent outside the batch hooks
+(``between``: fetching the next batch and the loop's bookkeeping between ``on_train_batch_end`` and
+the next ``on_train_batch_start``, the SIGTERM broadcast included).
 
 Protocol as in ``bench/runtime_speed.py``: the same processes run every configuration once per
 round, in an order drawn anew each round (the same on every rank), under the executor's
@@ -41,7 +48,7 @@ before each configuration, so no run pays a collection at random); a configurati
 median of the rounds (the slower rank's figure in each), ``spread`` is (slowest - fastest round) /
 median, and every ratio is the median of the rounds' paired ratios. The one-process comparison runs
 in its own process (a pipeline of one stage needs a process group of one), the two-process ones in a
-second job of two processes. Defaults take about 3-4 minutes on 2 cores.
+second job of two processes. The load average printed at the end tells whether anything else ran.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import logging
 import os
 import random
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -71,7 +79,12 @@ from lightning_pipe.runtime.launch import run_local
 from lightning_pipe.schedule.options import ScheduleOptions
 
 _Batches = list[tuple[torch.Tensor, torch.Tensor]]
+_Key = tuple[str, int]  # a run: its name and micro-batches (0: none, DDP)
+_Runs = dict[_Key, Callable[[], tuple[float, float | None]]]  # seconds per step, and between batches
 TARGET = 1.05  # the strategy's time per step over its reference's, at most
+STRATEGY, EXECUTOR = "PipelineStrategy", "executor"
+PLAIN, TORCH, DDP = "plain Lightning", "torch loop", "Lightning ddp"
+GATHER, BCAST = "+gather", "+bcast"  # the bare executor with one collective per call (executor_run)
 
 
 class MLP(L.LightningModule):
@@ -134,7 +147,8 @@ class WindowTimer(L.Callback):
 
 
 def fit(model: argparse.Namespace, batches: _Batches, strategy: Any, devices: int) -> tuple[float, float]:
-    """Train one epoch of ``batches`` with Lightning: seconds per step and seconds between batches."""
+    """Train one epoch of ``batches`` with Lightning: seconds per step and seconds between batches
+    (anything Lightning or the strategy writes goes to ``model.root``, a temporary directory)."""
     timer = WindowTimer(len(batches))
     trainer = L.Trainer(
         accelerator="cpu",
@@ -150,6 +164,7 @@ def fit(model: argparse.Namespace, batches: _Batches, strategy: Any, devices: in
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
+        default_root_dir=model.root,
     )
     trainer.fit(MLP(model), loader(batches))
     assert torch.get_num_threads() == 1, "Lightning changed the thread count"
@@ -170,12 +185,12 @@ def timed_loop(run_step: Callable[[torch.Tensor, torch.Tensor], object], batches
     return (time.perf_counter() - start) / (len(batches) - WARMUP)
 
 
-def executor_run(
-    model: argparse.Namespace, batches: _Batches, family: str, microbatches: int, share: bool = False
-) -> float:
-    """The bare executor on the strategy's stages and schedule; seconds per step. ``share``: every
-    call gathers the losses on every rank (``share_losses=True``, a collective per call, as the
-    strategy's replay of the logs is)."""
+def executor_run(model: argparse.Namespace, batches: _Batches, family: str, microbatches: int, sync: str = "") -> float:
+    """The bare executor on the strategy's stages and schedule; seconds per step. ``sync``, one
+    collective per call as the strategy's loop has: ``+gather``, the losses gathered on every rank
+    after each call (``share_losses=True``: ``all_gather_object``, as the strategy's replay of the
+    logs); ``+bcast``, a one-element broadcast from rank 0 before each call (as the SIGTERM flag
+    Lightning's training loop broadcasts at every batch when there are several processes)."""
     layers = list(MLP(model).net)
     stages = [nn.Sequential(*layers[: model.depth]), nn.Sequential(*layers[model.depth :])]
     world = dist.get_world_size()
@@ -191,7 +206,9 @@ def executor_run(
 
     def run_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
         inputs, targets = (inputs if executor.needs_inputs else None), (targets if executor.needs_targets else None)
-        executor.step(inputs, targets, share_losses=share)
+        if sync == BCAST:
+            dist.broadcast(torch.zeros(1), src=0)
+        executor.step(inputs, targets, share_losses=sync == GATHER)
 
     seconds = timed_loop(run_step, batches, executor.drain)
     executor.close()
@@ -228,38 +245,33 @@ def _prepare(rank: int) -> None:
     warnings.filterwarnings("ignore", module="lightning")
 
 
-def _rounds(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[Any]]:
+def _rounds(runs: dict[Any, Callable[[], Any]], model: argparse.Namespace) -> dict[Any, list[Any]]:
     """Every run once per round, in an order drawn anew each round (the same on every rank), a full
-    collection before each, automatic collection off."""
+    collection before each, automatic collection off; whatever Lightning writes goes to a temporary
+    directory (``model.root``), removed at the end."""
     garbage = AlignedCollection(every=1)
-    results: dict[str, list[Any]] = {label: [] for label in runs}
+    results: dict[Any, list[Any]] = {label: [] for label in runs}
     labels = list(runs)
-    for round_index in range(rounds):
-        for label in random.Random(round_index).sample(labels, len(labels)):
-            garbage.full()
-            results[label].append(runs[label]())
+    with tempfile.TemporaryDirectory(prefix="strategy_overhead_") as model.root:
+        for round_index in range(model.rounds):
+            for label in random.Random(round_index).sample(labels, len(labels)):
+                garbage.full()
+                results[label].append(runs[label]())
     garbage.close()
     return results
 
 
-ONE = "PipelineStrategy 1f1b"
-PLAIN = "plain Lightning"
-TORCH = "torch loop"
-EXECUTOR_ONE = "executor 1 stage"
-SHARED = " shared"  # the bare executor gathering the losses every call
-
-
-def one_device(rank: int, model: argparse.Namespace) -> dict[str, list[Any]]:
+def one_device(rank: int, model: argparse.Namespace) -> dict[_Key, list[Any]]:
     """(a), in a process group of one: the strategy and plain Lightning, and two references."""
     _prepare(rank)
     batches = data(model.steps + WARMUP, model)
-    runs = {
-        ONE: lambda: fit(model, batches, _strategy("1f1b", 1, model, 1), 1),
-        PLAIN: lambda: fit(model, batches, "auto", 1),
-        TORCH: lambda: (torch_loop(model, batches), None),
-        EXECUTOR_ONE: lambda: (executor_run(model, batches, "1f1b", 1), None),
+    runs: _Runs = {
+        (f"{STRATEGY} 1f1b", 1): lambda: fit(model, batches, _strategy("1f1b", 1, model, 1), 1),
+        (PLAIN, 1): lambda: fit(model, batches, "auto", 1),
+        (TORCH, 1): lambda: (torch_loop(model, batches), None),
+        (f"{EXECUTOR} 1 stage", 1): lambda: (executor_run(model, batches, "1f1b", 1), None),
     }
-    return _rounds(runs, model.rounds)
+    return _rounds(runs, model)
 
 
 def _halves(batches: _Batches, rank: int) -> _Batches:
@@ -267,54 +279,74 @@ def _halves(batches: _Batches, rank: int) -> _Batches:
     return [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches]
 
 
-def two_processes(rank: int, model: argparse.Namespace) -> dict[str, list[Any]]:
-    """(b) and (c): the strategy, the bare executor and DDP, on two processes."""
+def two_processes(rank: int, model: argparse.Namespace) -> dict[_Key, list[Any]]:
+    """(b) and (c): the strategy, the bare executor (with and without a collective per call) and
+    DDP, on two processes."""
     _prepare(rank)
     batches = data(model.steps + WARMUP, model)
-    runs: dict[str, Callable[[], Any]] = {}
-    for microbatches in model.microbatches:
+
+    def strategy_fit(family: str, microbatches: int) -> tuple[float, float]:
+        return fit(model, batches, _strategy(family, microbatches, model, 2), 2)
+
+    def bare(family: str, microbatches: int, sync: str) -> tuple[float, None]:
+        return executor_run(model, batches, family, microbatches, sync), None
+
+    runs: _Runs = {(DDP, 0): lambda: fit(model, _halves(batches, rank), "ddp", 2)}
+    for m in model.microbatches:
         for family in ("1f1b", "2bw"):
-            strategy = functools.partial(_strategy, family, microbatches, model, 2)
-            runs[f"PipelineStrategy {family}|{microbatches}"] = functools.partial(
-                lambda make: fit(model, batches, make(), 2), strategy
-            )
-            for share in (False, True) if family == "2bw" else (False,):
-                runs[f"executor {family}{SHARED if share else ''}|{microbatches}"] = functools.partial(
-                    lambda f, m, s: (executor_run(model, batches, f, m, s), None), family, microbatches, share
-                )
-    runs["Lightning ddp|"] = lambda: fit(model, _halves(batches, rank), "ddp", 2)
-    return _rounds(runs, model.rounds)
+            runs[(f"{STRATEGY} {family}", m)] = functools.partial(strategy_fit, family, m)
+            for sync in ("", GATHER, BCAST):
+                runs[(f"{EXECUTOR} {family}{sync}", m)] = functools.partial(bare, family, m, sync)
+    return _rounds(runs, model)
 
 
-def _per_round(results: list[dict[str, list[Any]]]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Per label and round, the slower rank's seconds per step, and its seconds between batches."""
-    step: dict[str, list[float]] = {}
-    between: dict[str, list[float]] = {}
-    for label in results[0]:
-        rounds = list(zip(*(r[label] for r in results), strict=True))
-        slower = [max(pairs, key=lambda pair: pair[0]) for pairs in rounds]
-        step[label] = [seconds for seconds, _ in slower]
+def _per_round(results: list[dict[_Key, list[Any]]]) -> tuple[dict[_Key, list[float]], dict[_Key, list[float]]]:
+    """Per run and round, the slower rank's seconds per step, and its seconds between batches (for
+    Lightning's runs)."""
+    step: dict[_Key, list[float]] = {}
+    between: dict[_Key, list[float]] = {}
+    for key in results[0]:
+        slower = [max(ranks, key=lambda pair: pair[0]) for ranks in zip(*(r[key] for r in results), strict=True)]
+        step[key] = [seconds for seconds, _ in slower]
         if slower[0][1] is not None:
-            between[label] = [outside for _, outside in slower]
+            between[key] = [outside for _, outside in slower]
     return step, between
 
 
-def _row(label: str, m: str, times: list[float], between: list[float] | None, batch: int, comparison: str) -> str:
-    median = statistics.median(times)
-    spread = (max(times) - min(times)) / median
-    outside = f"{statistics.median(between) * 1e3:.2f}" if between is not None else ""
-    return f"{label:>22} {m:>3} {median * 1e3:>8.1f} {spread:>6.0%} {batch / median:>9.0f} {outside:>8}   {comparison}"
+class _Table:
+    """Rows of one comparison: run, m, median ms/step, spread, samples/s, ms between batches, and a
+    paired ratio."""
 
+    def __init__(self, title: str, step: dict[_Key, list[float]], between: dict[_Key, list[float]], batch: int):
+        self.step, self.between, self.batch = step, between, batch
+        print(f"\n{title}")
+        print(f"{'run':>24} {'m':>3} {'ms/step':>8} {'spread':>6} {'samples/s':>9} {'between':>8}   paired ratio")
 
-def _against(times: list[float], reference: list[float], name: str) -> str:
-    ratio = _paired(times, reference)  # median over the rounds of time / reference time
-    verdict = "met" if ratio <= TARGET else "NOT met"
-    return f"time {ratio:.3f}x {name} (target <= {TARGET:.2f}x: {verdict})"
+    def row(self, key: _Key, comparison: str = "") -> None:
+        times = self.step[key]
+        median = statistics.median(times)
+        spread = (max(times) - min(times)) / median
+        between = f"{statistics.median(self.between[key]) * 1e3:.2f}" if key in self.between else ""
+        m = str(key[1]) if key[1] else ""
+        print(
+            f"{key[0]:>24} {m:>3} {median * 1e3:>8.1f} {spread:>6.0%} {self.batch / median:>9.0f} {between:>8}   "
+            f"{comparison}".rstrip()
+        )
+
+    def time_ratio(self, key: _Key, reference: _Key, target: bool = False) -> str:
+        """Median over the rounds of the run's time per step over the reference's."""
+        ratio = _paired(self.step[key], self.step[reference])  # median of key / reference, round by round
+        verdict = f" (target <= {TARGET:.2f}x: {'met' if ratio <= TARGET else 'NOT met'})" if target else ""
+        return f"time {ratio:.3f}x {reference[0]}{verdict}"
+
+    def speed_ratio(self, key: _Key, reference: _Key) -> str:
+        """Median over the rounds of the run's samples/s over the reference's (same samples per step)."""
+        return f"samples/s {_paired(self.step[reference], self.step[key]):.3f}x {reference[0]}"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run (after 3 warm-up ones)")
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--steps", type=int, default=20, help=f"timed steps per run (after {WARMUP} warm-up ones)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4, help="Linear+ReLU blocks per stage")
@@ -326,46 +358,46 @@ def main() -> None:
     args.features = args.features or args.width * 3 // 2
     print(
         f"model: 2 x {args.depth} blocks of {args.width} ({args.features} inputs) + head, batch {args.batch}, "
-        f"self.log {'on' if args.log else 'off'}; {args.rounds} rounds of {args.steps} timed steps (+{WARMUP})"
+        f"self.log {'on' if args.log else 'off'}; {args.rounds} rounds of {args.steps} timed steps (+{WARMUP}); "
+        f"torch {torch.__version__}, lightning {L.__version__}"
     )
     began, load = time.monotonic(), os.getloadavg()[0]
-    header = f"{'run':>22} {'m':>3} {'ms/step':>8} {'spread':>6} {'samples/s':>9} {'between':>8}   paired ratio"
-    one = run_local(one_device, 1, args, timeout=1800)
-    step, between = _per_round(one)
-    print("\n(a) one process, one thread (between: ms/step outside the batch hooks)")
-    print(header)
-    print(_row(PLAIN, "1", step[PLAIN], between.get(PLAIN), args.batch, ""))
-    print(_row(ONE, "1", step[ONE], between.get(ONE), args.batch, _against(step[ONE], step[PLAIN], PLAIN)))
-    for label in (TORCH, EXECUTOR_ONE):
-        comparison = f"time {_paired(step[label], step[PLAIN]):.3f}x {PLAIN}"
-        print(_row(label, "1", step[label], None, args.batch, comparison))
 
-    two = run_local(two_processes, 2, args, timeout=3600)
-    step, between = _per_round(two)
-    print("\n(b) two processes x one thread: the strategy against the bare executor, same schedule and stages")
-    print(header)
-    for microbatches in args.microbatches:
+    step, between = _per_round(run_local(one_device, 1, args, timeout=1800))
+    table = _Table("(a) one process x one thread (between: ms/step outside the batch hooks)", step, between, args.batch)
+    table.row((PLAIN, 1))
+    table.row((f"{STRATEGY} 1f1b", 1), table.time_ratio((f"{STRATEGY} 1f1b", 1), (PLAIN, 1), target=True))
+    for reference in (TORCH, f"{EXECUTOR} 1 stage"):
+        table.row((reference, 1), table.time_ratio((reference, 1), (PLAIN, 1)))
+
+    step, between = _per_round(run_local(two_processes, 2, args, timeout=3600))
+    table = _Table(
+        "(b) two processes x one thread: the strategy against the bare executor (same schedule, stages, batches); "
+        f"{GATHER}/{BCAST}: the executor with one collective per call",
+        step,
+        between,
+        args.batch,
+    )
+    for m in args.microbatches:
         for family in ("1f1b", "2bw"):
-            ours, bare = f"PipelineStrategy {family}|{microbatches}", f"executor {family}|{microbatches}"
-            comparison = _against(step[ours], step[bare], f"executor {family}")
-            print(_row(ours.split("|")[0], str(microbatches), step[ours], between.get(ours), args.batch, comparison))
-            print(_row(bare.split("|")[0], str(microbatches), step[bare], None, args.batch, ""))
-            shared = f"executor {family}{SHARED}|{microbatches}"
-            if shared in step:
-                comparison = f"time {_paired(step[shared], step[bare]):.3f}x executor {family}"
-                print(_row(shared.split("|")[0], str(microbatches), step[shared], None, args.batch, comparison))
-    print("\n(c) two processes x one thread: 2BW against Lightning's DDP (half of every batch per rank)")
-    print(header)
-    ddp = "Lightning ddp|"
-    print(_row("Lightning ddp", "", step[ddp], between.get(ddp), args.batch, ""))
-    for microbatches in args.microbatches:
-        ours = f"PipelineStrategy 2bw|{microbatches}"
-        ratio = _paired(step[ddp], step[ours])  # samples/s of 2BW over DDP's: same samples per step
-        comparison = f"samples/s {ratio:.3f}x Lightning ddp"
-        print(_row("PipelineStrategy 2bw", str(microbatches), step[ours], between.get(ours), args.batch, comparison))
+            ours, bare = (f"{STRATEGY} {family}", m), (f"{EXECUTOR} {family}", m)
+            table.row(ours, table.time_ratio(ours, bare, target=True))
+            table.row(bare)
+            for sync in (GATHER, BCAST):
+                table.row((f"{bare[0]}{sync}", m), table.time_ratio((f"{bare[0]}{sync}", m), bare))
+    table = _Table(
+        "(c) two processes x one thread: 2BW against Lightning's DDP (each rank half of every batch)",
+        step,
+        between,
+        args.batch,
+    )
+    table.row((DDP, 0))
+    for m in args.microbatches:
+        for name in (f"{STRATEGY} 2bw", f"{EXECUTOR} 2bw"):
+            table.row((name, m), table.speed_ratio((name, m), (DDP, 0)))
     print(
-        f"\nload average (1 min) {load:.2f} before, {os.getloadavg()[0]:.2f} after (2 expected: our 2 processes); "
-        f"{time.monotonic() - began:.0f} s"
+        f"\nload average (1 min) {load:.2f} before, {os.getloadavg()[0]:.2f} after (about 2 expected from our "
+        f"processes alone); {time.monotonic() - began:.0f} s"
     )
 
 

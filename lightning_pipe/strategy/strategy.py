@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -50,6 +53,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 
 from lightning_pipe.errors import PlanningError, check_whole
@@ -59,6 +63,7 @@ from lightning_pipe.runtime import PipelineAborted, PipelineExecutor
 from lightning_pipe.runtime.executor import split_batch
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.schedule.simulate import Simulation
 from lightning_pipe.strategy.contract import Entry, find_entry
 from lightning_pipe.strategy.logs import Record, combine, recording
 from lightning_pipe.strategy.optimizers import HyperParameters, stage_optimizers
@@ -71,9 +76,12 @@ from lightning_pipe.strategy.planning import (
     predict,
     report,
 )
+from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps
 from lightning_pipe.units import parse_bandwidth, parse_bytes
 
 __all__ = ["PipelineStrategy"]
+
+_SYNC_DIST_ADVICE = r"It is recommended to use `self.log\(.*sync_dist=True"
 
 _REGISTERED = {
     "pipe": ("1f1b", "popen"),
@@ -217,7 +225,9 @@ class PipelineStrategy(ParallelStrategy):
         self._records: dict[tuple[int, int], Record] = {}
         self._pending: dict[int, dict[int, tuple[Record, float]]] = {}
         self._last_loss = torch.tensor(float("nan"))
-        self._restored: dict[str, Any] | None = None
+        self._restored: list[Any] | None = None
+        self._prediction: Simulation | None = None
+        self._step_seconds: list[float] = []
 
     # -- process set-up, as Lightning's DDP ------------------------------------------------------
     @property
@@ -334,6 +344,8 @@ class PipelineStrategy(ParallelStrategy):
 
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        if self.data_parallel == 1:  # every rank logs the same values: there is nothing to synchronise
+            warnings.filterwarnings("ignore", message=_SYNC_DIST_ADVICE, category=PossibleUserWarning)
         self.accelerator.setup(trainer)
         self._refuse_unsupported(trainer)
         self._entry = find_entry(self.lightning_module)
@@ -398,8 +410,8 @@ class PipelineStrategy(ParallelStrategy):
             raise stage_plan
         self.stage_plan = stage_plan
         if self.global_rank == 0:
-            prediction = predict(stage_plan, self.schedule_options, self.microbatches)
-            rank_zero_info(report(stage_plan, prediction))
+            self._prediction = predict(stage_plan, self.schedule_options, self.microbatches)
+            rank_zero_info(report(stage_plan, self._prediction))
         trainer = self.lightning_module.trainer
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"  # a str enum: compares equal to its value
@@ -462,7 +474,9 @@ class PipelineStrategy(ParallelStrategy):
             self._hyper.record(step)
             self._step_args[step] = args[1:]
             inputs = self._entry.capture(module.training_step, *args) if self._first else None
+            start = time.perf_counter()
             output = executor.step(inputs, args[0] if self._last else None)
+            self._step_seconds.append(time.perf_counter() - start)
             if self._drain_after_this_batch():
                 output.microbatch_losses.update(executor.drain().microbatch_losses)
         self._replay_training_logs(output.microbatch_losses)
@@ -511,7 +525,32 @@ class PipelineStrategy(ParallelStrategy):
 
     def on_train_end(self) -> None:
         self.drain()
+        self._report()
         self._gather_weights()
+
+    def _report(self) -> None:
+        """The end-of-fit report (:mod:`.report`): a collective; written and logged by global rank 0."""
+        executor = self.executor
+        if executor is None or executor.origin < STEPS_SHOWN:
+            return
+        since = executor.origin - STEPS_SHOWN
+        in_run = executor.measured_costs(since_step=since)
+        timelines = self._gather([i for i in executor.timeline if i.action.step >= since])
+        trainer = self.lightning_module.trainer
+        directory = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir is a collective (broadcast)
+        if self.global_rank != 0:
+            return
+        fit = FitReport(
+            last_steps([i for part in timelines for i in part]),
+            self._step_seconds[2:],
+            in_run,
+            self.schedule_options.make(self.stages, self.microbatches)(STEPS_SHOWN),
+            self._prediction,
+        )
+        picture, trace = fit.write(directory)
+        for logger in trainer.loggers:
+            logger.log_metrics(fit.metrics, step=trainer.global_step)
+        rank_zero_info(f"{fit.summary()}; timeline {picture}, trace {trace}")
 
     # -- validation, test, predict --------------------------------------------------------------
     def _evaluate(self, hook: str, args: tuple[Any, ...]) -> tuple[Record | None, Any]:
