@@ -34,8 +34,10 @@ def _transpose(results: list[list[dict]], cases: list[dict]) -> dict[str, list[d
 
 
 def _metrics(root: Path) -> list[dict[str, str]]:
+    """The rows of metrics.csv without the pipeline's own report (columns ``pipeline/...``)."""
     with open(root / "metrics.csv") as handle:
-        return list(csv.DictReader(handle))
+        rows = [{k: v for k, v in row.items() if not k.startswith("pipeline/")} for row in csv.DictReader(handle)]
+    return [row for row in rows if any(v for k, v in row.items() if k not in ("step", "epoch"))]
 
 
 def _assert_close_states(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: float) -> None:
@@ -76,6 +78,12 @@ SYNC_CASES = [
         "strategy": {"schedule": "zb_h1", "microbatches": 2, "balance": [2, 5]},
     },
     {
+        "name": "1f1b_bf16",
+        "batches": 4,
+        "trainer": {"precision": "bf16-mixed"},
+        "strategy": {"schedule": "1f1b", "microbatches": 1, "balance": [3, 4]},
+    },
+    {
         "name": "interleaved_value_clip",
         "batches": 4,
         "trainer": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
@@ -87,16 +95,23 @@ SYNC_CASES = [
 @pytest.mark.timeout(300)
 def test_sync_families_train_and_log_as_plain_lightning(tmp_path: Path) -> None:
     """GPipe, 1F1B (with a per-step LR scheduler and global-norm clipping), ZB-H1 (Adam, two
-    epochs) and interleaved 1F1B (value clipping) on 2 processes end with the parameters of the same
-    module trained by Lightning on one device, and write the same metrics.csv. Guards against a
-    pipeline step run twice or not at all per batch, LR steps applied to the wrong step, clipping
-    by per-stage instead of global norm, and logs of one micro-batch instead of the batch."""
+    epochs), 1F1B in bf16-mixed (one micro-batch: bf16 rounds micro-batches' gradients apart) and
+    interleaved 1F1B (value clipping) on 2 processes end with the parameters of the same module
+    trained by Lightning on one device, and write the same metrics.csv. Guards against a pipeline
+    step run twice or not at all per batch, LR steps applied to the wrong step, clipping by
+    per-stage instead of global norm, no autocast around the stages, and logs of one micro-batch
+    instead of the batch."""
     results = _transpose(_run_cases(tmp_path, 2, SYNC_CASES), SYNC_CASES)
     for case in SYNC_CASES:
         expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
         for rank_result in results[case["name"]]:
             _assert_close_states(rank_result["final"], expected, 1e-5)
         assert any((rank_result["final"][k] - rank_result["initial"][k]).abs().max() > 1e-3 for k in expected)
+        if "clip" in case["name"] or "bf16" in case["name"]:  # the option changes the result
+            without = {key: value for key, value in case.get("trainer", {}).items() if "clip" not in key}
+            without.pop("precision", None)
+            other = plain_fit(tmp_path / "without" / case["name"], {**case, "trainer": without})["final"]
+            assert max((other[k] - expected[k]).abs().max() for k in expected) > 1e-4, case["name"]
         _assert_same_metrics(_metrics(tmp_path / case["name"]), _metrics(tmp_path / "plain" / case["name"]), 1e-5)
 
 
@@ -229,3 +244,17 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
     for rank_result in results["hybrid"]:
         _assert_close_states(rank_result["final"], ddp[0][0]["final"], 1e-5)
     _assert_same_metrics(_metrics(tmp_path / "hybrid"), _metrics(tmp_path / "ddp"), 1e-5)
+
+
+@pytest.mark.timeout(200)
+def test_one_device(tmp_path: Path) -> None:
+    """``PipelineStrategy()`` on one device (one stage, one micro-batch) trains exactly as Lightning
+    alone, in 32-true and bf16-mixed."""
+    cases = [
+        {"name": "one_device", "batches": 5, "strategy": {}},
+        {"name": "one_device_bf16", "batches": 5, "strategy": {}, "trainer": {"precision": "bf16-mixed"}},
+    ]
+    results = _transpose(_run_cases(tmp_path, 1, cases), cases)
+    for case in cases:
+        expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
+        _assert_close_states(results[case["name"]][0]["final"], expected, 0)
