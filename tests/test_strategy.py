@@ -120,6 +120,16 @@ NONFLUSH_CASES = [
     {"name": "cdp_v1", "rule": "2bw", "strategy": {"schedule": "cdp", "rule": "cdp_v1", "balance": [4, 3]}},
     {"name": "cdp_v2", "rule": "cdp_v2", "strategy": {"schedule": "cdp", "rule": "cdp_v2", "balance": [4, 3]}},
     {"name": "pipedream", "rule": "stash", "strategy": {"schedule": "pipedream", "microbatches": 2, "balance": [3, 4]}},
+    {
+        "name": "pipedream_vertical",
+        "rule": "schedule",
+        "strategy": {"schedule": "pipedream", "rule": "vertical", "microbatches": 2, "balance": [3, 4]},
+    },
+    {
+        "name": "2bw_stash",
+        "rule": "schedule",
+        "strategy": {"schedule": "2bw", "rule": "stash", "microbatches": 2, "balance": [4, 3]},
+    },
 ]
 
 
@@ -128,13 +138,15 @@ def _rule(case: dict[str, Any], stages: int, microbatches: int, steps: int) -> r
         return reference.one_step_late
     if case["rule"] == "cdp_v2":
         return reference.cdp_v2(stages)
-    return reference.from_schedule(case["strategy"]["schedule"], stages, microbatches, steps)
+    options = {"rule": case["strategy"]["rule"]} if "rule" in case["strategy"] else {}
+    return reference.from_schedule(case["strategy"]["schedule"], stages, microbatches, steps, **options)
 
 
 @pytest.mark.timeout(300)
 def test_delayed_weight_families_equal_their_references(tmp_path: Path) -> None:
-    """2BW, CDP-v1, CDP-v2 and PipeDream (stash) through Lightning, one epoch of 6 batches on 2
-    processes (the pipeline drained only at the epoch's end), end with the parameters of the
+    """2BW (both rules), CDP-v1, CDP-v2 and PipeDream (stash, vertical sync) through Lightning, one
+    epoch of 6 batches on 2 processes (the pipeline drained only at the epoch's end), end with the
+    parameters of the
     single-process reference of their update rule. Guards against a drain on every batch (which
     would make them synchronous) and against weight versions lost between Lightning's batches."""
     cases = [{**case, "batches": 6} for case in NONFLUSH_CASES]
@@ -258,3 +270,26 @@ def test_one_device(tmp_path: Path) -> None:
     for case in cases:
         expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
         _assert_close_states(results[case["name"]][0]["final"], expected, 0)
+
+
+OTHER_SYNC_CASES = [
+    {"name": "looped_bfs", "strategy": {"schedule": "looped_bfs", "balance": [2, 2, 2, 1]}},
+    {"name": "1f1b_star", "strategy": {"schedule": "1f1b_star", "period": 3.0, "balance": [3, 4]}},
+    {"name": "kperiodic", "strategy": {"schedule": "kperiodic", "k": 1, "balance": [3, 4]}},
+    {"name": "pp", "strategy": {"schedule": "pp", "balance": [3, 4]}},
+    {"name": "1f1b_rr_given", "strategy": {"schedule": "1f1b_rr", "balance": [7], "stage_replicas": [2]}},
+    {"name": "1f1b_rr_planned", "strategy": {"schedule": "1f1b_rr", "partitioner": "pipedream", "microbatches": 4}},
+]
+
+
+@pytest.mark.timeout(300)
+def test_every_other_runnable_family_trains_as_plain_lightning(tmp_path: Path) -> None:
+    """Looped BFS, 1F1B*, k-periodic, Rahimi's pp and 1F1B-RR (a stage replicated over both
+    workers, given or planned by PipeDream's partitioner) through Lightning on 2 processes end with
+    plain Lightning's parameters; the families that move weights between workers are refused."""
+    cases = [{**case, "batches": 4} for case in OTHER_SYNC_CASES]
+    results = _transpose(_run_cases(tmp_path, 2, cases), cases)
+    for case in cases:
+        expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
+        for rank_result in results[case["name"]]:
+            _assert_close_states(rank_result["final"], expected, 1e-5)

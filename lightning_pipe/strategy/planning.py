@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,20 @@ from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
 from lightning_pipe.profile_file import load_profile
 from lightning_pipe.profiler import profile_layers
 from lightning_pipe.schedule import StageCosts, simulate
+from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
 
-__all__ = ["PlanOptions", "StagePlan", "memory_schedule", "optimizer_copies", "plan_stages"]
+__all__ = [
+    "PlanOptions",
+    "StagePlan",
+    "memory_schedule",
+    "optimizer_copies",
+    "plan_stages",
+    "predict",
+    "report",
+    "schedule_of",
+]
 
 _MEMORY_SCHEDULE = {"gpipe": "gpipe", "pipedream": "pipedream", "2bw": "2bw", "cdp": "2bw"}
 
@@ -46,6 +56,8 @@ class PlanOptions:
         profile: a saved profile (JSON or PipeDream ``graph.txt``) to use instead of profiling.
         plan: a plan from ``lightning-pipe plan --json`` to use as is.
         balance: layers per stage (e.g. ``[3, 2]``), instead of planning.
+        stage_replicas: workers per stage with ``balance`` for ``1f1b_rr`` (PipeDream's replicated
+            stages); planned by the partitioner otherwise.
         repeats: timed runs per layer when profiling.
     """
 
@@ -55,6 +67,7 @@ class PlanOptions:
     profile: str | None = None
     plan: str | None = None
     balance: Sequence[int] | None = None
+    stage_replicas: Sequence[int] | None = None
     repeats: int = 3
 
     def __post_init__(self) -> None:
@@ -71,6 +84,7 @@ class StagePlan:
     bounds: tuple[tuple[int, int], ...]
     plan: Plan | None = None
     costs: ChainCosts | None = None
+    replicas: tuple[int, ...] | None = None
 
     def modules(self, layers: Sequence[nn.Module]) -> list[nn.Sequential]:
         """The stage modules: each an ``nn.Sequential`` of the model's own layers (shared, not copied)."""
@@ -102,37 +116,28 @@ def _bounds_from_balance(balance: Sequence[int], layers: int, stages: int) -> tu
     return tuple((start, start + n - 1) for start, n in zip(starts, balance, strict=True))
 
 
-def _bounds_from_plan_file(path: str, layers: int, stages: int) -> tuple[tuple[int, int], ...]:
-    try:
-        document = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise PlanningError(f"cannot read the plan {path}: {error}") from None
-    spans = [tuple(stage["layers"]) for stage in document.get("stages", [])]
-    if len(spans) != stages or any(len(span) != 2 for span in spans):
-        raise PlanningError(f"{path} holds {len(spans)} stages (contiguous ones needed); this run needs {stages}")
-    if spans[0][0] != 0 or spans[-1][1] != layers - 1 or any(a[1] + 1 != b[0] for a, b in itertools.pairwise(spans)):
-        raise PlanningError(f"{path} does not split the {layers} layers of this model into consecutive stages")
-    return tuple((int(a), int(b)) for a, b in spans)
-
-
 def plan_stages(
     layers: Sequence[nn.Module],
     sample: Any,
-    stages: int,
+    workers: int,
     options: PlanOptions,
     memory: MemoryModel,
     device: torch.device,
+    replicate: bool = False,
 ) -> StagePlan:
-    """Split ``layers`` into ``stages`` straight stages (see the module docstring)."""
-    if stages > len(layers):
+    """Split ``layers`` into straight stages, one per worker, or — with ``replicate`` (``1f1b_rr``) —
+    into stages replicated over ``workers`` workers (see the module docstring)."""
+    if workers > len(layers) and not replicate:
         raise PlanningError(
-            f"{stages} stages but the model has {len(layers)} layers: use at most {len(layers)} devices, or split "
+            f"{workers} stages but the model has {len(layers)} layers: use at most {len(layers)} devices, or split "
             "the model into more layers"
         )
     if options.balance is not None:
-        return StagePlan(_bounds_from_balance(options.balance, len(layers), stages))
+        replicas = _replicas_given(options, workers) if replicate else None
+        stages = len(options.balance) if replicate else workers
+        return StagePlan(_bounds_from_balance(options.balance, len(layers), stages), replicas=replicas)
     if options.plan is not None:
-        return StagePlan(_bounds_from_plan_file(options.plan, len(layers), stages))
+        return _plan_file(options.plan, len(layers), workers, replicate)
     if options.profile is not None:
         costs = load_profile(options.profile)
         if len(costs) != len(layers):
@@ -141,11 +146,11 @@ def plan_stages(
         costs = profile_layers(list(layers), sample, device=device, repeats=options.repeats)
     request = PlanRequest(
         costs,
-        devices=stages,
+        devices=workers,
         memory_limit=options.memory_limit,
         memory=memory,
         network=Network(options.bandwidth),
-        straight=True,
+        straight=not replicate,
     )
     plan = partition(request, options.partitioner)
     if not plan.contiguous:
@@ -153,15 +158,59 @@ def plan_stages(
             f"the {options.partitioner} partitioner gave stages of non-adjacent layers, which the strategy does not "
             "place yet: use a contiguous partitioner (time, flops, params, pipedream, memory, exact, uniform)"
         )
-    return StagePlan(tuple((s.layers[0], s.layers[-1]) for s in plan.stages), plan, costs)
+    if replicate and plan.devices_used != workers:
+        raise PlanningError(
+            f"the {options.partitioner} plan uses {plan.devices_used} of the {workers} workers: 1f1b_rr needs every "
+            "worker placed (use the pipedream partitioner, or give balance= and stage_replicas=)"
+        )
+    bounds = tuple((s.layers[0], s.layers[-1]) for s in plan.stages)
+    return StagePlan(bounds, plan, costs, tuple(s.replicas for s in plan.stages) if replicate else None)
+
+
+def _replicas_given(options: PlanOptions, workers: int) -> tuple[int, ...]:
+    replicas = options.stage_replicas
+    assert options.balance is not None
+    count = len(options.balance)
+    if replicas is None or len(replicas) != count or sum(replicas) != workers or min(replicas) < 1:
+        example = [workers - count + 1] + [1] * (count - 1)
+        raise PlanningError(
+            f"1f1b_rr with balance={list(options.balance)} needs stage_replicas: one worker count >= 1 per stage, "
+            f"summing to the {workers} workers (e.g. {example})"
+        )
+    return tuple(replicas)
+
+
+def _plan_file(path: str, layers: int, workers: int, replicate: bool) -> StagePlan:
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise PlanningError(f"cannot read the plan {path}: {error}") from None
+    stages = document.get("stages", [])
+    spans = [tuple(stage["layers"]) for stage in stages]
+    replicas = tuple(int(stage.get("replicas", 1)) for stage in stages)
+    expected = sum(replicas) if replicate else len(spans)
+    if expected != workers or any(len(span) != 2 for span in spans) or (not replicate and set(replicas) != {1}):
+        raise PlanningError(
+            f"{path} holds {len(spans)} stages on {sum(replicas)} devices (contiguous ones needed); this run has "
+            f"{workers} workers" + ("" if replicate else ", one stage each")
+        )
+    if spans[0][0] != 0 or spans[-1][1] != layers - 1 or any(a[1] + 1 != b[0] for a, b in itertools.pairwise(spans)):
+        raise PlanningError(f"{path} does not split the {layers} layers of this model into consecutive stages")
+    return StagePlan(tuple((int(a), int(b)) for a, b in spans), replicas=replicas if replicate else None)
+
+
+def schedule_of(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: int) -> Callable[[int], Schedule]:
+    """``steps -> schedule`` for the plan's stages (and their replicas, for ``1f1b_rr``)."""
+    extra = {} if stage_plan.replicas is None else {"stage_replicas": list(stage_plan.replicas)}
+    return schedule.make(len(stage_plan.bounds), microbatches, **extra)
 
 
 def predict(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: int) -> Simulation | None:
     """The schedule simulated with the plan's measured costs (``None`` without a profile)."""
     if stage_plan.plan is None:
         return None
-    costs = StageCosts.from_plan(stage_plan.plan.to_dict())
-    return simulate(schedule.make(len(stage_plan.bounds), microbatches)(3), costs, early_gradients=True)
+    costs = StageCosts.from_plan(stage_plan.plan.to_dict(), replicated=stage_plan.replicas is not None)
+    return simulate(schedule_of(stage_plan, schedule, microbatches)(3), costs, early_gradients=True)
 
 
 def report(stage_plan: StagePlan, prediction: Simulation | None) -> str:

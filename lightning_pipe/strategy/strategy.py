@@ -75,12 +75,14 @@ from lightning_pipe.strategy.planning import (
     plan_stages,
     predict,
     report,
+    schedule_of,
 )
 from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps
 from lightning_pipe.units import parse_bandwidth, parse_bytes
 
 __all__ = ["PipelineStrategy"]
 
+_SIMULATED_ONLY = ("ddp", "fsdp", "lpp", "fslpp")
 _SYNC_DIST_ADVICE = r"It is recommended to use `self.log\(.*sync_dist=True"
 
 _REGISTERED = {
@@ -136,6 +138,7 @@ class PipelineStrategy(ParallelStrategy):
         profile: a saved profile to plan with instead of profiling.
         plan: a saved plan (``lightning-pipe plan --json``) to run as is.
         balance: layers per stage, instead of planning.
+        stage_replicas: workers per stage with ``balance`` for ``1f1b_rr``.
         profile_repeats: timed runs per layer when profiling.
         stages: pipeline stages (default: one per device, or what the family puts on the devices of
             one pipeline); with ``stages``, the devices beyond one pipeline make data-parallel copies.
@@ -166,6 +169,7 @@ class PipelineStrategy(ParallelStrategy):
         profile: str | None = None,
         plan: str | None = None,
         balance: list[int] | None = None,
+        stage_replicas: list[int] | None = None,
         profile_repeats: int = 3,
         stages: int | None = None,
         data_parallel: int | None = None,
@@ -202,9 +206,16 @@ class PipelineStrategy(ParallelStrategy):
             profile=profile,
             plan=plan,
             balance=balance,
+            stage_replicas=stage_replicas,
             repeats=profile_repeats,
         )
         check_whole("profile_repeats", profile_repeats, 1)
+        if schedule in _SIMULATED_ONLY:
+            raise PlanningError(
+                f"{schedule} moves weights between workers, which the simulator models (lightning-pipe simulate) but "
+                "the runtime does not run; for data parallelism give data_parallel=N with any pipeline family (or use "
+                "Lightning's ddp/fsdp); pp is the runnable member of that family"
+            )
         check_whole("stages", stages, 1, optional=True)
         check_whole("data_parallel", data_parallel, 1, optional=True)
         if stages is not None and data_parallel is not None:
@@ -310,12 +321,20 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def stages(self) -> int:
-        """Pipeline stages: one per worker (several for interleaved and looped schedules)."""
+        """Pipeline stages: one per worker (several for interleaved and looped schedules; those the
+        plan replicates over the workers for ``1f1b_rr``)."""
+        if self.stage_plan is not None:
+            return len(self.stage_plan.bounds)
         return self._stages_option or self.schedule_options.stages_for(self.workers)
 
     @property
+    def _replicated(self) -> bool:
+        """``1f1b_rr``: the plan replicates stages over the workers."""
+        return self.schedule_options.family == "1f1b_rr"
+
+    @property
     def microbatches(self) -> int:
-        return self.schedule_options.microbatches or self.stages
+        return self.schedule_options.microbatches or self.schedule_options.stages_for(self.workers)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -402,7 +421,9 @@ class PipelineStrategy(ParallelStrategy):
         stage_plan: StagePlan | PlanningError | None = None
         if self.global_rank == 0:
             try:
-                stage_plan = plan_stages(layers, sample, self.stages, self.plan_options, memory, self.root_device)
+                stage_plan = plan_stages(
+                    layers, sample, self.stages, self.plan_options, memory, self.root_device, self._replicated
+                )
             except PlanningError as error:
                 stage_plan = error
         stage_plan = self.broadcast(stage_plan)
@@ -416,7 +437,7 @@ class PipelineStrategy(ParallelStrategy):
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"  # a str enum: compares equal to its value
         self.executor = PipelineExecutor(
-            self.schedule_options.make(self.stages, self.microbatches),
+            schedule_of(stage_plan, self.schedule_options, self.microbatches),
             stage_plan.modules(layers),
             self._loss,
             stage_optimizers(optimizer) if optimizer is not None else (lambda params: None),
@@ -440,6 +461,12 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def _last(self) -> bool:
         return self.executor is not None and self.executor.needs_targets
+
+    def _evaluates(self, stage: int) -> bool:
+        """Whether this rank runs ``stage`` in a forward-only pipeline (a replicated stage runs on its
+        first worker there)."""
+        assert self.executor is not None
+        return self.executor.schedule.owners[stage][0] == self.executor.rank
 
     def _before_update(self, stage: int, step: int, optimizer: torch.optim.Optimizer | None) -> None:
         assert self._hyper is not None
@@ -544,7 +571,7 @@ class PipelineStrategy(ParallelStrategy):
             last_steps([i for part in timelines for i in part]),
             self._step_seconds[2:],
             in_run,
-            self.schedule_options.make(self.stages, self.microbatches)(STEPS_SHOWN),
+            schedule_of(self.stage_plan, self.schedule_options, self.microbatches)(STEPS_SHOWN),
             self._prediction,
         )
         picture, trace = fit.write(directory)
@@ -564,9 +591,9 @@ class PipelineStrategy(ParallelStrategy):
         self.drain()
         parts = min(self.microbatches, _batch_rows(args[0]))
         outputs: list[Any] = []
-        inputs = self._entry.capture(step, *args) if self._first else None
+        inputs = self._entry.capture(step, *args) if self._evaluates(0) else None
         executor.evaluate(inputs, parts, lambda mb, output: outputs.append(output))
-        if not self._last:
+        if not self._evaluates(-1):
             return None, None
         record = Record(_batch_rows(args[0]))
         with self._entry.inject(_concatenate(outputs)), recording(module, record):
@@ -595,7 +622,7 @@ class PipelineStrategy(ParallelStrategy):
         """The batch's predictions, on every rank (from the last stage)."""
         with self.precision_plugin.predict_step_context():
             _, result = self._evaluate("predict_step", (*args, *kwargs.values()))
-        gathered = self._gather((self._last, _to_cpu(result)))
+        gathered = self._gather((self._evaluates(-1), _to_cpu(result)))
         return next(value for last, value in gathered if last)
 
     # -- weights and checkpoints ---------------------------------------------------------------
