@@ -23,10 +23,11 @@ comparisons:
     same stages (``balance=[depth, depth + 1]``), micro-batches, batches and optimizer, fed by the
     same ``DataLoader``, no losses shared: what Lightning's loop and the strategy's glue cost; target:
     at most 5% slower, at each micro-batch count. Two more rows per schedule add to the bare executor
-    one collective per call, as the strategy's loop has: ``+gather`` (``share_losses=True``, an
-    ``all_gather_object`` after each call like the strategy's replay of the logs) and ``+bcast`` (a
-    one-element broadcast from rank 0 before each call like the SIGTERM flag Lightning's training loop
-    broadcasts at every batch when there are several processes).
+    one blocking collective per call: ``+gather`` (``share_losses=True``, an ``all_gather_object``
+    after each call, as a blocking relay of the logs would be) and ``+bcast`` (a one-element
+    broadcast from rank 0 before each call, as the SIGTERM flag Lightning's training loop broadcasts
+    at every batch when there are several processes; the strategy replaces it by a flag in its log
+    relay, which a non-flushing schedule leaves in flight).
 (c) two processes: ``PipelineStrategy("2bw")`` and the bare executor's 2BW against Lightning's
     ``strategy="ddp"``, each rank of which trains on its half of every batch (the same rows per
     update as the pipeline, and a synchronous update): the ratio of samples per second.

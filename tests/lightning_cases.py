@@ -17,7 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -116,7 +116,7 @@ def plain_fit(root: str | Path, case: dict[str, Any]) -> dict[str, Any]:
     """The case trained on one device by Lightning alone: the final state, and what validate, test
     and predict give when the case evaluates."""
     model = Chain(**case.get("model", {}))
-    run = trainer(root, "auto", 1, **case.get("trainer", {}))
+    run = trainer(root, "auto", 1, callbacks=_callbacks(root, case), **case.get("trainer", {}))
     run.fit(model, loader(case["batches"]), loader(2, seed=7))
     result: dict[str, Any] = {"final": state(model)}
     if case.get("evaluate"):
@@ -138,9 +138,7 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
     model = Chain(**case.get("model", {}))
     initial = state(model)
-    callbacks = []
-    if case.get("checkpoint"):
-        callbacks.append(ModelCheckpoint(dirpath=Path(root) / "checkpoints", save_last=True, save_top_k=-1))
+    callbacks = _callbacks(root, case)
     options = {**case.get("trainer", {}), "callbacks": callbacks, "enable_checkpointing": bool(callbacks)}
     strategy = case.get("lightning_strategy") or PipelineStrategy(**case["strategy"])
     run = trainer(root, strategy, torch.distributed.get_world_size(), **options)
@@ -149,6 +147,15 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
     if case.get("evaluate"):
         result.update(_evaluations(run, model))
     return result
+
+
+def _callbacks(root: str | Path, case: dict[str, Any]) -> list[L.Callback]:
+    callbacks: list[L.Callback] = []
+    if case.get("checkpoint"):
+        callbacks.append(ModelCheckpoint(dirpath=Path(root) / "checkpoints", save_last=True, save_top_k=-1))
+    if case.get("early_stopping"):
+        callbacks.append(EarlyStopping(monitor="val_loss", patience=0, min_delta=1.0, check_on_train_epoch_end=False))
+    return callbacks
 
 
 def stage_modules(model: Chain, balance: list[int]) -> list[nn.Module]:

@@ -84,6 +84,13 @@ SYNC_CASES = [
         "strategy": {"schedule": "1f1b", "microbatches": 1, "balance": [3, 4]},
     },
     {
+        "name": "1f1b_loop_options",
+        "batches": 6,
+        "early_stopping": True,
+        "trainer": {"max_epochs": 5, "max_steps": 7, "limit_train_batches": 4, "val_check_interval": 2},
+        "strategy": {"schedule": "1f1b", "microbatches": 2, "balance": [3, 4]},
+    },
+    {
         "name": "interleaved_value_clip",
         "batches": 4,
         "trainer": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
@@ -100,7 +107,8 @@ def test_sync_families_train_and_log_as_plain_lightning(tmp_path: Path) -> None:
     trained by Lightning on one device, and write the same metrics.csv. Guards against a pipeline
     step run twice or not at all per batch, LR steps applied to the wrong step, clipping by
     per-stage instead of global norm, no autocast around the stages, and logs of one micro-batch
-    instead of the batch."""
+    instead of the batch. One 1F1B case runs Lightning's loop options: limit_train_batches,
+    val_check_interval mid-epoch, max_steps and EarlyStopping on the relayed val_loss."""
     results = _transpose(_run_cases(tmp_path, 2, SYNC_CASES), SYNC_CASES)
     for case in SYNC_CASES:
         expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
@@ -113,6 +121,8 @@ def test_sync_families_train_and_log_as_plain_lightning(tmp_path: Path) -> None:
             other = plain_fit(tmp_path / "without" / case["name"], {**case, "trainer": without})["final"]
             assert max((other[k] - expected[k]).abs().max() for k in expected) > 1e-4, case["name"]
         _assert_same_metrics(_metrics(tmp_path / case["name"]), _metrics(tmp_path / "plain" / case["name"]), 1e-5)
+        if case.get("early_stopping"):  # stopped at the second validation (step 4), before max_steps
+            assert max(int(row["step"]) for row in _metrics(tmp_path / case["name"])) == 3
 
 
 NONFLUSH_CASES = [
@@ -120,6 +130,13 @@ NONFLUSH_CASES = [
     {"name": "cdp_v1", "rule": "2bw", "strategy": {"schedule": "cdp", "rule": "cdp_v1", "balance": [4, 3]}},
     {"name": "cdp_v2", "rule": "cdp_v2", "strategy": {"schedule": "cdp", "rule": "cdp_v2", "balance": [4, 3]}},
     {"name": "pipedream", "rule": "stash", "strategy": {"schedule": "pipedream", "microbatches": 2, "balance": [3, 4]}},
+    {
+        "name": "2bw_max_steps",
+        "rule": "2bw",
+        "steps": 4,
+        "trainer": {"max_steps": 4},
+        "strategy": {"schedule": "2bw", "microbatches": 2, "balance": [3, 4]},
+    },
     {
         "name": "pipedream_vertical",
         "rule": "schedule",
@@ -156,9 +173,11 @@ def test_delayed_weight_families_equal_their_references(tmp_path: Path) -> None:
         microbatches = case["strategy"].get("microbatches", len(balance))
         model = Chain()
         stages = stage_modules(model, balance)
-        rule = _rule(case, len(balance), microbatches, case["batches"])
-        expected = reference.reference(stages, batch_list(case["batches"]), microbatches, rule, "sgd")
-        sync = reference.reference(stages, batch_list(case["batches"]), microbatches, reference.sync, "sgd")
+        steps = case.get("steps", case["batches"])  # max_steps ends the epoch early: drained there
+        rule = _rule(case, len(balance), microbatches, steps)
+        data = batch_list(case["batches"])[:steps]
+        expected = reference.reference(stages, data, microbatches, rule, "sgd")
+        sync = reference.reference(stages, data, microbatches, reference.sync, "sgd")
         names = [name for name, _ in model.named_parameters()]
         for rank_result in results[case["name"]]:
             got = [rank_result["final"][name] for name in names]

@@ -51,6 +51,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
@@ -77,6 +78,7 @@ from lightning_pipe.strategy.planning import (
     report,
     schedule_of,
 )
+from lightning_pipe.strategy.relay import Relay
 from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps
 from lightning_pipe.units import parse_bandwidth, parse_bytes
 
@@ -239,6 +241,8 @@ class PipelineStrategy(ParallelStrategy):
         self._restored: list[Any] | None = None
         self._prediction: Simulation | None = None
         self._step_seconds: list[float] = []
+        self._posted: Any = None
+        self._sigterm = False
 
     # -- process set-up, as Lightning's DDP ------------------------------------------------------
     @property
@@ -355,6 +359,7 @@ class PipelineStrategy(ParallelStrategy):
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
+        self._relay = Relay(self._objects, lambda error: self._failures.aborted())
         own = [dist.new_group(ranks, backend="gloo", timeout=self._timeout) for ranks in self.pipelines]
         self._pipeline_objects = own[self.pipeline_index]
         positions = [dist.new_group(list(range(w, self.world_size, self.workers))) for w in range(self.workers)]
@@ -373,6 +378,9 @@ class PipelineStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # one: Lightning refuses several under automatic optimization
             self._hyper = HyperParameters(self.optimizers[0])
+            epoch_loop = trainer.fit_loop.epoch_loop
+            if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # Lightning's per-batch collective
+                epoch_loop._broadcast_sigterm_tensor = self._check_sigterm
         self.setup_precision_plugin()
 
     def _refuse_unsupported(self, trainer: Trainer) -> None:
@@ -504,9 +512,10 @@ class PipelineStrategy(ParallelStrategy):
             start = time.perf_counter()
             output = executor.step(inputs, args[0] if self._last else None)
             self._step_seconds.append(time.perf_counter() - start)
-            if self._drain_after_this_batch():
+            drained = self._drain_after_this_batch()
+            if drained:
                 output.microbatch_losses.update(executor.drain().microbatch_losses)
-        self._replay_training_logs(output.microbatch_losses)
+        self._relay_training_logs(output.microbatch_losses, wait=drained or executor.schedule.flush)
         return self._last_loss.to(self.root_device)
 
     def _drain_after_this_batch(self) -> bool:
@@ -515,19 +524,48 @@ class PipelineStrategy(ParallelStrategy):
             return True
         return 0 < trainer.max_steps <= trainer.global_step + 1
 
-    def _replay_training_logs(self, microbatch_losses: dict[tuple[int, int], float]) -> None:
-        """Gather the micro-batches' records of this call from the last stage(s), and log every step
-        whose micro-batches are all in, on every rank."""
-        mine = {key: (self._records.pop(key), loss) for key, loss in microbatch_losses.items()}
-        for part in self._gather(mine):
-            for (step, mb), entry in part.items():
-                self._pending.setdefault(step, {})[mb] = entry
+    def _relay_training_logs(self, microbatch_losses: dict[tuple[int, int], float], wait: bool) -> None:
+        """Send this call's micro-batch records to every rank and log every step whose micro-batches
+        are all in. A flushing schedule (and a drain) waits for them: the step's values are logged
+        with the step. A non-flushing one collects them during the next call instead, so no rank
+        waits for the last stage at a step boundary (the values are logged one step later)."""
+        trainer = self.lightning_module.trainer
+        mine = {
+            "pipeline": self.pipeline_index,
+            "records": {key: (self._records.pop(key), loss) for key, loss in microbatch_losses.items()},
+            "sigterm": bool(getattr(trainer, "received_sigterm", False)),
+        }
+        posted = self._relay.post(mine)
+        self._collect_relayed()
+        if wait:
+            self._collect(self._relay.wait(posted))
+        else:
+            self._posted = posted
         for step in sorted(s for s, parts in self._pending.items() if len(parts) == self.microbatches):
             parts = self._pending.pop(step)
             self._step_args.pop(step, None)
             self._last_loss = torch.tensor(math.fsum(loss for _, loss in parts.values()))
             for name, value, options in combine([record for record, _ in parts.values()]):
                 self.lightning_module.log(name, torch.tensor(value), **options)
+
+    def _collect_relayed(self) -> None:
+        """Receive the records left in flight by the last call (before any other collective)."""
+        if self._posted is not None:
+            posted, self._posted = self._posted, None
+            self._collect(self._relay.wait(posted))
+
+    def _collect(self, payloads: list[dict[str, Any]]) -> None:
+        for payload in payloads:
+            self._sigterm |= payload["sigterm"]
+            if payload["pipeline"] == self.pipeline_index:
+                for (step, mb), entry in payload["records"].items():
+                    self._pending.setdefault(step, {})[mb] = entry
+
+    def _check_sigterm(self) -> None:
+        """Stands in for Lightning's per-batch SIGTERM broadcast: the relay already carries every
+        rank's flag, so all ranks stop at the same batch without a collective of their own."""
+        if self._sigterm:
+            raise SIGTERMException()
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The backward already ran in the pipeline step; only the hooks around it run here."""
@@ -543,7 +581,10 @@ class PipelineStrategy(ParallelStrategy):
         return result
 
     def drain(self) -> None:
-        """Finish the steps in flight (a collective; nothing for a flushing schedule)."""
+        """Finish the steps in flight (a collective; nothing for a flushing schedule); their logs are
+        kept for the next training step."""
+        if self.executor is not None:
+            self._collect_relayed()
         if self.executor is not None and self.executor.calls:
             self.executor.drain()
 
