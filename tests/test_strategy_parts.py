@@ -1,0 +1,84 @@
+"""The strategy's pure parts: combining micro-batch logs, the relay, the model contract on torchvision
+models."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_pipe.models import chain_from_model, torchvision_model
+from lightning_pipe.runtime import run_local
+from lightning_pipe.strategy.contract import find_entry
+from lightning_pipe.strategy.logs import Record, combine
+from lightning_pipe.strategy.relay import Relay
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.floats(-100, 100), min_size=1, max_size=9), min_size=1, max_size=8))
+def test_combined_means_equal_the_whole_batch(microbatches: list[list[float]]) -> None:
+    """Per-sample values split into micro-batches: the combined mean is the whole batch's mean, the
+    sum its sum, max and min its own; an explicit batch_size is summed. Guards against an unweighted
+    mean of micro-batch means (wrong when micro-batches differ in size)."""
+    records = []
+    for values in microbatches:
+        record = Record(len(values))
+        base = {"reduce_fx": "mean", "batch_size": None}
+        record.calls += [
+            ("mean", math.fsum(values) / len(values), base),
+            ("sum", math.fsum(values), {**base, "reduce_fx": "sum"}),
+            ("max", max(values), {**base, "reduce_fx": torch.max}),
+            ("min", min(values), {**base, "reduce_fx": "min"}),
+            ("sized", 1.0, {**base, "batch_size": len(values)}),
+        ]
+        records.append(record)
+    flat = [v for values in microbatches for v in values]
+    combined = {name: (value, options) for name, value, options in combine(records)}
+    assert list(combined) == ["mean", "sum", "max", "min", "sized"]
+    assert combined["mean"][0] == pytest.approx(math.fsum(flat) / len(flat), abs=1e-9)
+    assert combined["sum"][0] == pytest.approx(math.fsum(flat), abs=1e-9)
+    assert combined["max"][0] == max(flat) and combined["min"][0] == min(flat)
+    assert combined["sized"][1]["batch_size"] == len(flat)
+
+
+def _relay_worker(rank: int) -> list[list[object]]:
+    relay = Relay(torch.distributed.new_group(backend="gloo"), lambda error: error, capacity=64)
+    small = relay.post({"rank": rank})
+    large = relay.post(list(range(100 * (rank + 1))))  # over the capacity on both ranks
+    after = relay.post(("again", rank))
+    return [relay.wait(small), relay.wait(large), relay.wait(after), [relay.capacity]]
+
+
+@pytest.mark.timeout(60)
+def test_relay_gathers_in_flight_and_grows() -> None:
+    """Several gathers left in flight come back in order; a payload over the capacity is fetched the
+    long way on every rank and the capacity grows to fit it."""
+    for result in run_local(_relay_worker, 2, timeout=50):
+        assert result[0] == [{"rank": 0}, {"rank": 1}]
+        assert result[1] == [list(range(100)), list(range(200))]
+        assert result[2] == [("again", 0), ("again", 1)]
+        assert result[3][0] >= len(pickle.dumps(list(range(200))))
+
+
+class _ResNetModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torchvision_model("resnet18", num_classes=10, cifar=True)
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return chain_from_model(self.model)
+
+
+def test_a_torchvision_resnet_through_the_hook() -> None:
+    """``configure_pipeline`` with :func:`chain_from_model` gives the model's own layers (shared
+    parameters: what the pipeline trains is the module's), ending in the classifier."""
+    module = _ResNetModule()
+    entry = find_entry(module)
+    inside = {id(p) for layer in entry.layers for p in layer.parameters()}
+    assert inside == {id(p) for p in module.parameters()}
+    assert entry.layers[-1] is module.model.fc and entry.name == "self.forward"
