@@ -116,7 +116,9 @@ def plain_fit(root: str | Path, case: dict[str, Any]) -> dict[str, Any]:
     """The case trained on one device by Lightning alone: the final state, and what validate, test
     and predict give when the case evaluates."""
     model = Chain(**case.get("model", {}))
-    run = trainer(root, "auto", 1, callbacks=_callbacks(root, case), **case.get("trainer", {}))
+    callbacks = _callbacks(root, case)
+    checkpoints = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
+    run = trainer(root, "auto", 1, callbacks=callbacks, enable_checkpointing=checkpoints, **case.get("trainer", {}))
     run.fit(model, loader(case["batches"]), loader(2, seed=7))
     result: dict[str, Any] = {"final": state(model)}
     if case.get("evaluate"):
@@ -139,7 +141,8 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
     model = Chain(**case.get("model", {}))
     initial = state(model)
     callbacks = _callbacks(root, case)
-    options = {**case.get("trainer", {}), "callbacks": callbacks, "enable_checkpointing": bool(callbacks)}
+    checkpoints = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
+    options = {**case.get("trainer", {}), "callbacks": callbacks, "enable_checkpointing": checkpoints}
     strategy = case.get("lightning_strategy") or PipelineStrategy(**case["strategy"])
     run = trainer(root, strategy, torch.distributed.get_world_size(), **options)
     run.fit(model, loader(case["batches"]), loader(2, seed=7), ckpt_path=case.get("resume"))
