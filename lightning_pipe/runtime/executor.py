@@ -526,15 +526,15 @@ class PipelineExecutor:
         squared norms (a stage's replicas each count ``1/r`` of it) in one all-reduce over all
         workers, scales its gradients by the unsplit model's factor, then updates. Every worker takes
         part at the end of every call, with or without updates."""
+        grads = [self.weights[a.stage].summed_gradients(a.step) for a in self.deferred]
         total = torch.zeros((), dtype=torch.float64)
-        for action in self.deferred:
-            grads = self.weights[action.stage].summed_gradients(action.step)
-            total += squared_norm(grads).cpu() / len(self.schedule.owners[action.stage])
+        for action, stage_grads in zip(self.deferred, grads, strict=True):
+            total += squared_norm(stage_grads).cpu() / len(self.schedule.owners[action.stage])
         total = total.to(self.device)
         dist.all_reduce(total, group=self.group)
         coefficient = norm_coefficient(float(total) ** 0.5, self.clip_grad_norm)
-        for action in self.deferred:
-            scale(self.weights[action.stage].summed_gradients(action.step), coefficient)
+        for stage_grads in grads:
+            scale(stage_grads, coefficient)
         for action in self.deferred:
             self._update(action, None)
         self.deferred.clear()

@@ -690,9 +690,13 @@ class PipelineStrategy(ParallelStrategy):
         optimizer states, versions kept and gradients accumulated (the copies' are equal after a
         drain: the first pipeline's are kept)."""
         state = dict(optimizer.state_dict())
-        local = None if self.executor is None else self.executor.state_dict()
-        gathered = self._gather(_to_cpu(local), everyone=True)
-        state["pipeline"] = {"stages": self.stages, "workers": gathered[: self.workers]}
+        local = None if self.executor is None else _to_cpu(self.executor.state_dict())
+        gathered: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
+        try:  # to rank 0 only, which writes the checkpoint: the other ranks need no copy of every stage
+            dist.gather_object(local, gathered, dst=0, group=self._objects)
+        except RuntimeError as error:
+            raise self._failures.aborted() from error
+        state["pipeline"] = {"stages": self.stages, "workers": gathered[: self.workers] if gathered else None}
         return state
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -720,13 +724,12 @@ class PipelineStrategy(ParallelStrategy):
             self.executor.load_state_dict(mine)
 
     # -- collectives ------------------------------------------------------------------------------
-    def _gather(self, obj: Any, everyone: bool = False) -> list[Any]:
-        """``obj`` of every rank of this pipeline (of every rank, with ``everyone``), pickled over a
-        CPU group; a rank that failed meanwhile is named."""
-        group = self._objects if everyone else self._pipeline_objects
-        gathered: list[Any] = [None] * dist.get_world_size(group)
+    def _gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank of this pipeline, pickled over a CPU group; a rank that failed
+        meanwhile is named."""
+        gathered: list[Any] = [None] * self.workers
         try:
-            dist.all_gather_object(gathered, obj, group=group)
+            dist.all_gather_object(gathered, obj, group=self._pipeline_objects)
         except RuntimeError as error:
             raise self._failures.aborted() from error
         return gathered
