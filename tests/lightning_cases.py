@@ -19,6 +19,7 @@ import torch
 import torch.distributed
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -118,9 +119,15 @@ def plain_fit(root: str | Path, case: dict[str, Any]) -> dict[str, Any]:
     model = Chain(**case.get("model", {}))
     callbacks = _callbacks(root, case)
     checkpoints = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
-    run = trainer(root, "auto", 1, callbacks=callbacks, enable_checkpointing=checkpoints, **case.get("trainer", {}))
+    options = {
+        **case.get("trainer", {}),
+        **_precision(case),
+        "callbacks": callbacks,
+        "enable_checkpointing": checkpoints,
+    }
+    run = trainer(root, "auto", 1, **options)
     run.fit(model, loader(case["batches"]), loader(2, seed=7))
-    result: dict[str, Any] = {"final": state(model)}
+    result: dict[str, Any] = {"final": state(model), "precision": run.precision_plugin.state_dict()}
     if case.get("evaluate"):
         result.update(_evaluations(run, model))
     return result
@@ -142,14 +149,29 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
     initial = state(model)
     callbacks = _callbacks(root, case)
     checkpoints = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
-    options = {**case.get("trainer", {}), "callbacks": callbacks, "enable_checkpointing": checkpoints}
+    options = {
+        **case.get("trainer", {}),
+        **_precision(case),
+        "callbacks": callbacks,
+        "enable_checkpointing": checkpoints,
+    }
     strategy = case.get("lightning_strategy") or PipelineStrategy(**case["strategy"])
     run = trainer(root, strategy, torch.distributed.get_world_size(), **options)
     run.fit(model, loader(case["batches"]), loader(2, seed=7), ckpt_path=case.get("resume"))
-    result: dict[str, Any] = {"final": state(model), "initial": initial}
+    result: dict[str, Any] = {"final": state(model), "initial": initial, "precision": run.precision_plugin.state_dict()}
     if case.get("evaluate"):
         result.update(_evaluations(run, model))
     return result
+
+
+def _precision(case: dict[str, Any]) -> dict[str, Any]:
+    """``case["fp16"]``: float16 mixed precision on the CPU with a ``GradScaler`` of these settings
+    (Lightning turns ``precision="16-mixed"`` into bf16 on the CPU; its plugin given explicitly runs
+    float16 autocast and loss scaling as on a GPU)."""
+    if "fp16" not in case:
+        return {}
+    scaler = torch.amp.GradScaler("cpu", **case["fp16"])
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
 
 
 def _callbacks(root: str | Path, case: dict[str, Any]) -> list[L.Callback]:

@@ -9,6 +9,7 @@ with the parameters of :func:`reference.reference` under their update rule.
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,9 @@ import torch
 from lightning_pipe.runtime import run_local
 from tests import reference
 from tests.lightning_cases import Chain, batch_list, fit_case, plain_fit, stage_modules
+
+FP16 = {"init_scale": 2.0**40, "backoff_factor": 2.0**-30, "growth_interval": 2}  # overflows at step 1 only
+FP16_STATE = {"growth_factor": 2.0, "backoff_factor": 2.0**-30, "growth_interval": 2}
 
 
 def _run_cases(tmp_path: Path, processes: int, cases: list[dict[str, Any]], timeout: float = 240) -> list[list[dict]]:
@@ -192,23 +196,46 @@ def _checkpoint(tmp_path: Path, case: str, name: str = "last.ckpt") -> str:
     return str(tmp_path / case / "checkpoints" / name)
 
 
+def _resume_worker(rank: int, root: str, checkpoint: str) -> str:
+    case = {"name": "resume", "batches": 4, "trainer": {"max_epochs": 2}, "resume": checkpoint, "strategy": {}}
+    try:
+        fit_case(rank, root, case)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "resumed"
+
+
 @pytest.mark.timeout(300)
 def test_resume_checkpoint_and_evaluation(tmp_path: Path) -> None:
     """On 2 processes: (1) 2BW and 1F1B (Adam, per-step LR scheduler) interrupted after one epoch and
     resumed from the checkpoint end with the parameters of the uninterrupted run, the 2BW ones not
     those of a synchronous run; (2) the checkpoint holds the full model under its own names and
     loads with ``Chain.load_from_checkpoint`` on one device, no strategy; (3) validate, test and
-    predict after fit give what plain Lightning gives for the same training. Guards against stage
-    optimizer states, the LR schedule or the step count lost at a resume, and a checkpoint holding
-    only rank 0's stages."""
+    predict after fit give what plain Lightning gives for the same training; (4) a checkpoint of
+    plain Lightning (Adam, scheduler) resumes as a pipeline and ends as plain Lightning's uninterrupted
+    run; (5) float16's loss scale resumes where it was; (6) a checkpoint of 2 stages is refused on 1
+    with what would work. Guards against stage optimizer states, the LR schedule, the step count or
+    the loss scale lost at a resume, Adam's moments dropped when resuming an unsplit run, and a
+    checkpoint holding only rank 0's stages."""
     runs = {
         "2bw": {"strategy": {"schedule": "2bw", "microbatches": 2, "balance": [3, 4]}},
         "1f1b": {
             "strategy": {"schedule": "1f1b", "balance": [4, 3]},
             "model": {"optimizer": "adam", "scheduler": True},
         },
+        "gpipe_fp16": {"strategy": {"schedule": "gpipe", "microbatches": 2, "balance": [3, 4]}, "fp16": FP16},
     }
-    cases = []
+    plain_first = {"name": "plain_first", "batches": 4, "checkpoint": True, "model": runs["1f1b"]["model"]}
+    plain_fit(tmp_path / "plain_first", plain_first)
+    cases = [
+        {
+            **runs["1f1b"],
+            "name": "from_plain",
+            "batches": 4,
+            "trainer": {"max_epochs": 2},
+            "resume": _checkpoint(tmp_path, "plain_first"),
+        }
+    ]
     for name, run in runs.items():
         cases += [
             {**run, "name": f"{name}_whole", "batches": 4, "trainer": {"max_epochs": 2}, "checkpoint": True},
@@ -221,16 +248,26 @@ def test_resume_checkpoint_and_evaluation(tmp_path: Path) -> None:
                 "resume": _checkpoint(tmp_path, f"{name}_first"),
             },
         ]
-    cases[0]["evaluate"] = cases[3]["evaluate"] = True
+    whole_1f1b = next(case for case in cases if case["name"] == "1f1b_whole")
+    whole_1f1b["evaluate"] = True
     results = _transpose(_run_cases(tmp_path, 2, cases), cases)
     for name in runs:
         whole, resumed = results[f"{name}_whole"], results[f"{name}_resumed"]
         for rank in range(2):
             _assert_close_states(resumed[rank]["final"], whole[rank]["final"], 1e-6)
+            assert resumed[rank]["precision"] == whole[rank]["precision"]
         loaded = Chain.load_from_checkpoint(_checkpoint(tmp_path, f"{name}_whole"), map_location="cpu")
         _assert_close_states({k: v for k, v in loaded.state_dict().items()}, whole[0]["final"], 0)
-    plain = plain_fit(tmp_path / "plain", {**cases[3], "trainer": {"max_epochs": 2}})
-    _assert_close_states(results["1f1b_whole"][0]["final"], plain["final"], 1e-5)
+    # 8 steps: the first overflowed (2^40 -> 2^10), 7 good ones grew it 3 times: the resume went on from 2^11
+    assert results["gpipe_fp16_whole"][0]["precision"] == {**FP16_STATE, "scale": 2.0**13, "_growth_tracker": 1}
+    plain = plain_fit(tmp_path / "plain", {**whole_1f1b, "checkpoint": False})
+    for rank in range(2):
+        _assert_close_states(results["1f1b_whole"][rank]["final"], plain["final"], 1e-5)
+        _assert_close_states(results["from_plain"][rank]["final"], plain["final"], 1e-5)
+    (refused,) = run_local(_resume_worker, 1, str(tmp_path / "three_stages"), _checkpoint(tmp_path, "2bw_first"))
+    assert re.search(
+        r"written by pipelines of 2 stages on 2 workers; this run has 1 stages on 1: resume with stages=2", refused
+    )
     for rank in range(2):
         got = results["1f1b_whole"][rank]
         for kind in ("validate", "test"):
@@ -248,7 +285,9 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
     of a 2-stage 1F1B pipeline (``data_parallel=2``) train, log (``sync_dist`` included) and end
     exactly as Lightning's own DDP on 2 processes, which shards the data the same way. Guards against
     copies that read the same shard, gradients summed instead of averaged over the copies, and
-    ``sync_dist`` reducing over every rank instead of over the copies."""
+    ``sync_dist`` reducing over every rank instead of over the copies. A checkpoint of one 2-stage
+    pipeline resumes as two copies and ends as DDP resumed from Lightning's own checkpoint of the
+    same epoch (the number of copies may change at a resume)."""
     cases = [
         {"name": "1f1b_4", "batches": 5, "strategy": {"schedule": "1f1b", "microbatches": 4, "balance": [2, 2, 2, 1]}},
         {"name": "2bw_4", "batches": 6, "strategy": {"schedule": "2bw", "microbatches": 4, "balance": [1, 2, 2, 2]}},
@@ -259,9 +298,14 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
             "strategy": {"schedule": "1f1b", "data_parallel": 2, "microbatches": 2, "balance": [3, 4]},
         },
     ]
-    results = _transpose(_run_cases(tmp_path, 4, cases), cases)
+    first = {"batches": 6, "checkpoint": True, "strategy": {"schedule": "1f1b", "microbatches": 2, "balance": [3, 4]}}
+    plain_fit(tmp_path / "plain_first", {**first, "name": "plain_first"})
     ddp_case = {**cases[2], "name": "ddp", "lightning_strategy": "ddp"}
-    ddp = _run_cases(tmp_path, 2, [ddp_case])
+    ddp_resumed = {**ddp_case, "name": "ddp_resumed", "resume": _checkpoint(tmp_path, "plain_first")}
+    two = [{**first, "name": "pipe_first"}, ddp_case, ddp_resumed]
+    ddp = _transpose(_run_cases(tmp_path, 2, two), two)
+    cases.append({**cases[2], "name": "hybrid_resumed", "resume": _checkpoint(tmp_path, "pipe_first")})
+    results = _transpose(_run_cases(tmp_path, 4, cases), cases)
     expected = plain_fit(tmp_path / "plain", cases[0])["final"]
     for rank_result in results["1f1b_4"]:
         _assert_close_states(rank_result["final"], expected, 1e-5)
@@ -273,7 +317,9 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
         for name, want in zip(names, flat, strict=True):
             assert torch.allclose(rank_result["final"][name], want, atol=1e-5), name
     for rank_result in results["hybrid"]:
-        _assert_close_states(rank_result["final"], ddp[0][0]["final"], 1e-5)
+        _assert_close_states(rank_result["final"], ddp["ddp"][0]["final"], 1e-5)
+    for rank_result in results["hybrid_resumed"]:  # 1 copy for epoch 1, 2 copies from the resume on
+        _assert_close_states(rank_result["final"], ddp["ddp_resumed"][0]["final"], 1e-5)
     _assert_same_metrics(_metrics(tmp_path / "hybrid"), _metrics(tmp_path / "ddp"), 1e-5)
 
 
@@ -312,3 +358,39 @@ def test_every_other_runnable_family_trains_as_plain_lightning(tmp_path: Path) -
         expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
         for rank_result in results[case["name"]]:
             _assert_close_states(rank_result["final"], expected, 1e-5)
+
+
+FP16_CASES = [
+    {
+        "name": "gpipe_fp16",
+        "batches": 6,
+        "fp16": FP16,
+        "strategy": {"schedule": "gpipe", "microbatches": 2, "balance": [3, 4]},
+    },
+    {
+        "name": "1f1b_fp16_clip",
+        "batches": 6,
+        "fp16": FP16,
+        "trainer": {"gradient_clip_val": 0.3},
+        "strategy": {"schedule": "1f1b", "microbatches": 2, "balance": [4, 3]},
+    },
+]
+
+
+@pytest.mark.timeout(300)
+def test_float16_loss_scaling_as_plain_lightning(tmp_path: Path) -> None:
+    """float16 mixed precision (autocast and a GradScaler, on the CPU as on a GPU) through GPipe and
+    1F1B with global-norm clipping ends as Lightning's single-device run: the same skipped first
+    step (a loss scale of 2^40 overflows every stage's gradients), the same scale afterwards (backed
+    off to 2^10, grown twice) and the same parameters. Guards against a loss that is not scaled or
+    gradients not unscaled (parameters off by the scale), an overflowed step applied or skipped on
+    one stage only, a scale that is not handed back to the scaler for checkpoints, and clipping of
+    the still-scaled gradients."""
+    results = _transpose(_run_cases(tmp_path, 2, FP16_CASES), FP16_CASES)
+    for case in FP16_CASES:
+        expected = plain_fit(tmp_path / "plain" / case["name"], case)
+        assert expected["precision"]["scale"] == 2.0**12 and expected["precision"]["_growth_tracker"] == 1
+        for rank_result in results[case["name"]]:
+            assert rank_result["precision"] == expected["precision"]
+            _assert_close_states(rank_result["final"], expected["final"], 2e-4)
+        _assert_same_metrics(_metrics(tmp_path / case["name"]), _metrics(tmp_path / "plain" / case["name"]), 2e-4)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_pipe import PipelineStrategy, PlanningError
@@ -126,6 +127,12 @@ ONE_PROCESS = {
     "optimizers": (_TwoOptimizers, {}, {}, r"multiple optimizers is only supported with manual optimization"),
     "clipping": (_OwnClipping, {}, {}, r"configure_gradient_clipping is overridden.*gradient_clip_val"),
     "precision": (Chain, {}, {"precision": "64-true"}, r"precision='64-true' is not supported.*bf16-mixed"),
+    "float16_delayed": (
+        Chain,
+        {"schedule": "2bw"},
+        {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]},
+        r"precision='16-mixed' needs a loss scale .* non-flushing schedule \('2bw'\).*bf16-mixed",
+    ),
     "log": (_LogsAList, {}, {}, r"self.log\('bad', Tensor\).*one-element tensor"),
     "none": (_ReturnsNothing, {}, {}, r"training_step must return the loss.*got NoneType"),
     "skips": (_SkipsTheNet, {}, {}, r"training_step never called self.net"),

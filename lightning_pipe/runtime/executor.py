@@ -14,6 +14,7 @@ micro-batch is smaller.
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from collections import defaultdict, deque
@@ -31,6 +32,7 @@ from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
 from lightning_pipe.runtime.clipping import clip_by_value, norm_coefficient, scale, squared_norm
 from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
 from lightning_pipe.runtime.garbage import AlignedCollection
+from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, shift
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.transport import Transport
@@ -129,6 +131,11 @@ class PipelineExecutor:
         clip_grad_value: clamp every gradient to ``[-value, value]`` before each update.
         before_update: ``before_update(stage, step, optimizer)`` runs just before a stage's optimizer
             applies step ``step`` (e.g. to set the learning rate the step should use).
+        loss_scale: float16 mixed precision's dynamic loss scaling, shared by the stages
+            (:mod:`lightning_pipe.runtime.loss_scaling`): the last stage's losses are multiplied by
+            its factor, gradients are unscaled before clipping, a step that overflowed on any stage
+            is skipped on all of them, and the factor is updated alike on every worker. Flushing
+            schedules only.
         pipelines: data parallelism over whole pipelines: the global ranks of each pipeline's workers
             (worker ``w`` of pipeline ``p`` is rank ``pipelines[p][w]``); each pipeline trains on its
             own mini-batches and a stage's gradients are averaged over the pipelines (and summed
@@ -162,6 +169,7 @@ class PipelineExecutor:
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         before_update: Callable[[int, int, torch.optim.Optimizer | None], None] | None = None,
+        loss_scale: LossScale | None = None,
         pipelines: Sequence[Sequence[int]] | None = None,
     ) -> None:
         check_whole("timeline_length", timeline_length, 0, "actions", optional=True)
@@ -230,7 +238,14 @@ class PipelineExecutor:
         self.clip_grad_norm = clip_grad_norm
         self.clip_grad_value = clip_grad_value
         self.before_update = before_update
-        self.global_clipping = clip_grad_norm is not None and self.schedule.flush
+        if loss_scale is not None and not self.schedule.flush:
+            raise PlanningError(
+                f"float16 loss scaling needs a flushing schedule (every stage's gradient of a step before any "
+                f"update, to skip an overflowed step on all stages); {self.schedule.family!r} updates stages at "
+                "different times: use bfloat16 (no loss scale) or a flushing schedule (gpipe, 1f1b, interleaved, zb)"
+            )
+        self.loss_scale = loss_scale
+        self.deferring = self.schedule.flush and (clip_grad_norm is not None or loss_scale is not None)
         self.deferred: list[Action] = []
         self.loss_key: tuple[int, int] | None = None
         dist.barrier()
@@ -475,7 +490,7 @@ class PipelineExecutor:
                 self.timeline.append(
                     Interval(self.rank, action, start - self.epoch, end - self.epoch, self.transport.waited - waited)
                 )
-            if self.global_clipping:
+            if self.deferring:
                 self._deferred_updates()
         except Exception as error:
             self._stop(error)
@@ -501,14 +516,15 @@ class PipelineExecutor:
             self._backward(action, weights_too=action.kind is Kind.B, early=early)
         elif action.kind is Kind.W:
             self._weight_gradient(action)
-        elif action.kind is Kind.UPDATE and self.global_clipping:
+        elif action.kind is Kind.UPDATE and self.deferring:
             self.deferred.append(action)  # after every stage's gradient of the step: the global norm
         elif action.kind is Kind.UPDATE:
             self._update(action, self.clip_grad_norm)
 
-    def _update(self, action: Action, stage_norm: float | None) -> None:
+    def _update(self, action: Action, stage_norm: float | None, skip: bool = False) -> None:
         """Apply a stage's step: clip (by ``stage_norm`` over its own gradient, and by value), set the
-        step's hyper-parameters, step the optimizer."""
+        step's hyper-parameters, step the optimizer (``skip``: drop the gradient, the version still
+        advances)."""
         weights = self.weights[action.stage]
 
         def prepare(grads: list[torch.Tensor | None]) -> None:
@@ -519,24 +535,34 @@ class PipelineExecutor:
             if self.before_update is not None:
                 self.before_update(action.stage, action.step, weights.optimizer)
 
-        weights.update(action.step, self._versions_kept(action.stage) if weights.snapshots else set(), prepare)
+        kept = self._versions_kept(action.stage) if weights.snapshots else set()
+        weights.update(action.step, kept, prepare, skip=skip)
 
     def _deferred_updates(self) -> None:
-        """The updates of a flushing call under global-norm clipping: every worker sums its stages'
-        squared norms (a stage's replicas each count ``1/r`` of it) in one all-reduce over all
-        workers, scales its gradients by the unsplit model's factor, then updates. Every worker takes
-        part at the end of every call, with or without updates."""
+        """The updates of a flushing call under global-norm clipping or loss scaling: every worker
+        unscales its stages' gradients, sums their squared norms (a stage's replicas each count
+        ``1/r`` of it) in one all-reduce over all workers, scales its gradients by the unsplit
+        model's clipping factor, then updates, or skips every update if the sum is not finite (an
+        overflow, under loss scaling). Every worker takes part at the end of every call, with or
+        without updates."""
         grads = [self.weights[a.stage].summed_gradients(a.step) for a in self.deferred]
+        if self.loss_scale is not None:
+            for stage_grads in grads:
+                scale(stage_grads, self.loss_scale.inverse)
         total = torch.zeros((), dtype=torch.float64)
         for action, stage_grads in zip(self.deferred, grads, strict=True):
             total += squared_norm(stage_grads).cpu() / len(self.schedule.owners[action.stage])
         total = total.to(self.device)
         dist.all_reduce(total, group=self.group)
-        coefficient = norm_coefficient(float(total) ** 0.5, self.clip_grad_norm)
-        for stage_grads in grads:
-            scale(stage_grads, coefficient)
+        overflowed = self.loss_scale is not None and not math.isfinite(float(total))
+        if self.clip_grad_norm is not None and not overflowed:
+            coefficient = norm_coefficient(float(total) ** 0.5, self.clip_grad_norm)
+            for stage_grads in grads:
+                scale(stage_grads, coefficient)
         for action in self.deferred:
-            self._update(action, None)
+            self._update(action, None, skip=overflowed)
+        if self.loss_scale is not None and self.deferred:
+            self.loss_scale.update(overflowed)
         self.deferred.clear()
 
     def _forward(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
@@ -631,7 +657,8 @@ class PipelineExecutor:
         if self.recompute[s]:
             self._recompute(action, state)
         if s == self.schedule.stages - 1:
-            state.roots, state.root_grads = [state.loss], None
+            loss = state.loss if self.loss_scale is None else state.loss * self.loss_scale.scale
+            state.roots, state.root_grads = [loss], None
             return
         grads = tensors(self._incoming(("B", s, mb, t)))
         outputs = tensors(state.outputs)

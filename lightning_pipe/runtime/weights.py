@@ -146,18 +146,24 @@ class StageWeights:
         return buffer
 
     def update(
-        self, step: int, keep: set[int], prepare: Callable[[list[torch.Tensor | None]], None] | None = None
+        self,
+        step: int,
+        keep: set[int],
+        prepare: Callable[[list[torch.Tensor | None]], None] | None = None,
+        skip: bool = False,
     ) -> None:
         """Apply ``step``'s gradient (summed over replicas); versions outside ``keep`` are dropped.
-        ``prepare(gradients)`` runs just before the optimizer steps (clipping, hyper-parameters)."""
+        ``prepare(gradients)`` runs just before the optimizer steps (clipping, hyper-parameters).
+        ``skip`` drops the gradient instead (an overflowed float16 step): the weights and the
+        optimizer stay as they are, the version counter still advances (versions count steps)."""
         if self.snapshots and self.version in keep:
             self.leaves(self.version)  # the outgoing version stays usable after the in-place update
         buffer = self.summed_gradients(step)
         del self.gradients[step]
         self._summed.discard(step)
-        if prepare is not None:
+        if prepare is not None and not skip:
             prepare(buffer)
-        if self.optimizer is not None:
+        if self.optimizer is not None and not skip:
             for param, grad in zip(self.params, buffer, strict=True):
                 param.grad = grad
             self.optimizer.step()

@@ -20,6 +20,8 @@ from lightning_pipe.schedule.versions import RULES, assign_versions
 __all__ = [
     "COMPUTE",
     "FAMILIES",
+    "FAMILY_RULES",
+    "NON_FLUSHING_FAMILIES",
     "RULES",
     "SLACK_FAMILIES",
     "Action",
@@ -53,6 +55,29 @@ FAMILIES: dict[str, str] = {
     "fslpp": "fully sharded looped pipeline parallel (Rahimi 2025)",
 }
 SLACK_FAMILIES: tuple[str, ...] = ("1f1b", "pipedream", "2bw")
+NON_FLUSHING_FAMILIES: tuple[str, ...] = ("pipedream", "2bw", "cdp")  # steps overlap: updates are delayed
+FAMILY_RULES: dict[str, tuple[str, ...]] = {
+    "pipedream": ("stash", "vertical"),
+    "2bw": ("2bw", "stash"),
+    "cdp": ("cdp_v1", "cdp_v2"),
+}
+"""The update rules a family runs (its default first); every other family runs ``sync``."""
+
+
+def rules_of(family: str) -> tuple[str, ...]:
+    """The update rules ``family`` runs, its default first."""
+    return FAMILY_RULES.get(family, ("sync",))
+
+
+def check_rule(family: str, rule: str | None) -> None:
+    """Refuse an update rule ``family`` does not run, naming the families that run it."""
+    if rule is None or rule in rules_of(family):
+        return
+    runners = [name for name in FAMILIES if rule in rules_of(name)]
+    raise PlanningError(
+        f"{family} runs the {' or '.join(map(repr, rules_of(family)))} update rule, not {rule!r}; {rule!r} runs on "
+        + ", ".join(runners)
+    )
 
 
 def _generate(
@@ -165,6 +190,7 @@ def build_schedule(
         slack: extra warm-up forwards per link for ``1f1b``, ``pipedream`` and ``2bw``, so messages cross
             while the sender computes (:mod:`~lightning_pipe.schedule.pipeline`; 0: plain 1F1B).
     """
+    check_rule(family, rule)
     schedule = _generate(
         family,
         stages,
@@ -184,11 +210,6 @@ def build_schedule(
         stage_replicas=stage_replicas,
         slack=slack,
     )
-    if rule is not None and rule != schedule.rule:
-        raise PlanningError(
-            f"{family} runs the {schedule.rule!r} update rule; {rule!r} applies to "
-            + "pipedream (stash, vertical), 2bw (2bw, stash) and cdp (cdp_v1, cdp_v2)"
-        )
     return validate(assign_versions(schedule, schedule.rule))
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from lightning_pipe.errors import PlanningError, check_whole
-from lightning_pipe.schedule import FAMILIES, make_schedule
+from lightning_pipe.schedule import FAMILIES, check_rule, make_schedule
 from lightning_pipe.schedule.ir import Schedule
 
 __all__ = ["ScheduleOptions"]
@@ -48,6 +48,7 @@ class ScheduleOptions:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise PlanningError(f"unknown schedule {self.family!r}; choose one of {', '.join(FAMILIES)}")
+        check_rule(self.family, self.rule)
         check_whole("microbatches", self.microbatches, 1, optional=True)
         check_whole("slack", self.slack, 0)
         check_whole("virtual_stages", self.virtual_stages, 1)

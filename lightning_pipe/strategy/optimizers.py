@@ -10,6 +10,7 @@ would use at that step, even when a non-flushing schedule applies the step a cal
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,9 @@ GROUP_KEY = "template_group"  # index of the template's parameter group a stage 
 
 def stage_optimizers(template: torch.optim.Optimizer) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer | None]:
     """``build(params)``: an optimizer like ``template`` over ``params`` (``None`` if the template
-    optimizes none of them: frozen layers)."""
+    optimizes none of them: frozen layers). A parameter the template has state for (momentum, Adam's
+    moments: restored from a checkpoint of an unsplit run, by Lightning on one device or DDP) starts
+    with a copy of that state, so such a run resumes as a pipeline without losing it."""
     group_of = {id(p): index for index, group in enumerate(template.param_groups) for p in group["params"]}
 
     def build(params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
@@ -38,12 +41,16 @@ def stage_optimizers(template: torch.optim.Optimizer) -> Callable[[list[nn.Param
         if not groups:
             return None
         try:
-            return type(template)(groups, **template.defaults)
+            optimizer = type(template)(groups, **template.defaults)
         except TypeError as error:
             raise PlanningError(
                 f"cannot build a {type(template).__name__} per stage as {type(template).__name__}(param_groups, "
                 f"**defaults): {error}; use a torch.optim optimizer (or one whose constructor takes its defaults)"
             ) from error
+        for param in params:
+            if param in template.state:
+                optimizer.state[param] = copy.deepcopy(template.state[param])
+        return optimizer
 
     return build
 

@@ -90,6 +90,14 @@ class StagePlan:
         """The stage modules: each an ``nn.Sequential`` of the model's own layers (shared, not copied)."""
         return [nn.Sequential(*layers[first : last + 1]) for first, last in self.bounds]
 
+    def to_dict(self) -> dict[str, object]:
+        """The plan as ``lightning-pipe plan --json`` writes it (with the profile's name), or the
+        stages' layer ranges when they were given; ``PipelineStrategy(plan=path)`` reads either."""
+        if self.plan is not None:
+            return {"profile": self.costs.name if self.costs is not None else None, **self.plan.to_dict()}
+        replicas = self.replicas or (1,) * len(self.bounds)
+        return {"stages": [{"layers": [a, b], "replicas": r} for (a, b), r in zip(self.bounds, replicas, strict=True)]}
+
 
 def memory_schedule(family: str) -> str:
     """The memory model's schedule closest to ``family`` (activations in flight, weight versions)."""

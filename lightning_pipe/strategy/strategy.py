@@ -63,6 +63,8 @@ from lightning_pipe.nested import map_tensors, tensors
 from lightning_pipe.runtime import PipelineAborted, PipelineExecutor
 from lightning_pipe.runtime.executor import split_batch
 from lightning_pipe.runtime.failure import FailureBoard
+from lightning_pipe.runtime.loss_scaling import LossScale
+from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
 from lightning_pipe.strategy.contract import Entry, find_entry
@@ -402,10 +404,16 @@ class PipelineStrategy(ParallelStrategy):
                 "Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm'|'value') instead"
             )
         precision = str(trainer.precision)
-        if precision not in ("32-true", "32", "bf16-mixed", "bf16-true"):
+        if precision not in ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed"):
             raise PlanningError(
-                f"precision={precision!r} is not supported by the pipeline yet: use '32-true' or 'bf16-mixed' "
-                "(16-mixed needs a loss scale shared by the stages)"
+                f"precision={precision!r} is not supported by the pipeline: use '32-true', 'bf16-mixed', "
+                "'bf16-true' or '16-mixed'"
+            )
+        if precision == "16-mixed" and self.schedule_options.family in NON_FLUSHING_FAMILIES:
+            raise PlanningError(
+                f"precision='16-mixed' needs a loss scale that skips an overflowed step on every stage, which "
+                f"a non-flushing schedule ({self.schedule_options.family!r}) cannot do without a flush: use "
+                "precision='bf16-mixed' (no loss scale), or a flushing schedule (gpipe, 1f1b, interleaved, zb_h1)"
             )
 
     def model_to_device(self) -> None:
@@ -455,12 +463,41 @@ class PipelineStrategy(ParallelStrategy):
             clip_grad_norm=float(clip) if clip and algorithm == "norm" else None,
             clip_grad_value=float(clip) if clip and algorithm == "value" else None,
             before_update=self._before_update,
+            loss_scale=self._loss_scale(),
             pipelines=self.pipelines,
         )
+        if optimizer is not None:
+            optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
         if self._restored is not None:
             self._load_pipeline_state(self._restored)
             self._restored = None
         return self.executor
+
+    def _loss_scale(self) -> LossScale | None:
+        """float16's loss scale, from the precision plugin's ``GradScaler`` (its settings, or its
+        state restored from a checkpoint); the executor updates it, :meth:`_keep_loss_scale` hands
+        it back to the scaler for checkpoints."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return LossScale.from_state_dict(scaler.state_dict())
+
+    def _keep_loss_scale(self) -> None:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and self.executor is not None and self.executor.loss_scale is not None:
+            scaler.load_state_dict(self.executor.loss_scale.state_dict())
+
+    @property
+    def prediction(self) -> Simulation | None:
+        """The schedule simulated with the profiled costs at planning (rank 0; ``None`` elsewhere or
+        when the stages were given rather than planned)."""
+        return self._prediction
+
+    @property
+    def measured_step_seconds(self) -> float | None:
+        """The median wall time of this rank's training steps, the first two (warm-up) left out."""
+        steps = sorted(self._step_seconds[2:])
+        return steps[len(steps) // 2] if steps else None
 
     @property
     def _first(self) -> bool:
@@ -515,6 +552,7 @@ class PipelineStrategy(ParallelStrategy):
             drained = self._drain_after_this_batch()
             if drained:
                 output.microbatch_losses.update(executor.drain().microbatch_losses)
+            self._keep_loss_scale()
         self._relay_training_logs(output.microbatch_losses, wait=drained or executor.schedule.flush)
         return self._last_loss.to(self.root_device)
 
