@@ -77,6 +77,7 @@ def _train(rank: int, family: str, stages, steps: int, microbatches: int = 3, **
         "buffers": {s: [b.clone() for b in w.module.buffers()] for s, w in executor.weights.items()},
         "peak_saved_bytes": executor.peak_saved_bytes,
         "timeline": executor.timeline,
+        "copies_inputs": executor.copies_inputs,
     }
 
 
@@ -110,6 +111,32 @@ def _weightless_worker(rank: int) -> dict:
 @pytest.mark.timeout(120)
 def test_a_stage_without_weights() -> None:
     _assert_trained_like_the_reference(run_local(_weightless_worker, 3, timeout=90), _weightless_model())
+
+
+def _in_place_model() -> list[nn.Module]:
+    torch.manual_seed(5)
+    return [
+        nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8)),
+        nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8), nn.BatchNorm1d(8)),
+        nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 3)),
+    ]
+
+
+def _in_place_worker(rank: int, recompute: bool) -> dict:
+    return _train(rank, "1f1b", _in_place_model(), 3, recompute=recompute)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_stages_that_start_with_an_in_place_layer(recompute: bool) -> None:
+    """A cut just before ``ReLU(inplace=True)`` (as torchvision's ResNets and VGGs have after every
+    batch norm and convolution): the received input is a leaf that requires grad, which autograd
+    forbids to change in place; the stage gets a copy and trains as the reference, with and without
+    recomputation. Guards against the error reaching the user and against a recomputation that
+    sees an input its first forward changed in place."""
+    results = run_local(_in_place_worker, 3, recompute, timeout=90)
+    _assert_trained_like_the_reference(results, _in_place_model())
+    assert [result["copies_inputs"] for result in results] == [set(), {1}, {2}]
 
 
 def _short_timeline_worker(rank: int) -> dict:

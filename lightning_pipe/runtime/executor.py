@@ -20,7 +20,7 @@ import traceback
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,8 @@ from lightning_pipe.schedule.simulate import Interval, StageCosts
 from lightning_pipe.schedule.validate import validate
 
 __all__ = ["PipelineExecutor", "StepOutput", "split_batch"]
+_T = TypeVar("_T")
+_IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
 
 _Key = tuple[str, int, int, int]
 """A message: ``("F", receiving stage, micro-batch, step)`` or ``("B", ...)``."""
@@ -247,6 +249,7 @@ class PipelineExecutor:
         self.loss_scale = loss_scale
         self.deferring = self.schedule.flush and (clip_grad_norm is not None or loss_scale is not None)
         self.deferred: list[Action] = []
+        self.copies_inputs: set[int] = set()  # stages whose first layer works in place on the received input
         self.loss_key: tuple[int, int] | None = None
         dist.barrier()
         self.epoch = time.perf_counter()
@@ -573,10 +576,12 @@ class PipelineExecutor:
         try:
             if self.recompute[s]:
                 state.rng = self._rng_state()
-                with torch.no_grad():
-                    state.outputs = weights.forward(state.leaves, inputs)
+                with torch.no_grad():  # on a copy: a first layer working in place would change the input kept
+                    state.outputs = weights.forward(state.leaves, map_tensors(torch.Tensor.clone, inputs))
             else:
-                state.outputs, state.saved_bytes = self._forward_saving(weights, state.leaves, inputs)
+                state.outputs, state.saved_bytes = self._in_place_safe(
+                    s, inputs, lambda x: self._forward_saving(weights, state.leaves, x)
+                )
         except Exception as error:
             raise self._mismatch(action, inputs, error) from error
         if s == self.schedule.stages - 1:
@@ -622,6 +627,21 @@ class PipelineExecutor:
         self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
         return result, saved
 
+    def _in_place_safe(self, stage: int, inputs: Any, forward: Callable[[Any], _T]) -> _T:
+        """``forward(inputs)``, or ``forward`` of a copy of them for a stage whose first layer works in
+        place on its input (``ReLU(inplace=True)`` after a cut, common in torchvision models): a
+        received input is a leaf that requires grad, on which autograd forbids in-place operations.
+        A stage is found out by that error on its first forward and gets copies from then on."""
+        if stage in self.copies_inputs:
+            return forward(map_tensors(torch.Tensor.clone, inputs))
+        try:
+            return forward(inputs)
+        except RuntimeError as error:
+            if stage == 0 or _IN_PLACE_ON_LEAF not in str(error):
+                raise
+        self.copies_inputs.add(stage)
+        return forward(map_tensors(torch.Tensor.clone, inputs))
+
     def _loss(self, result: Any, step: int, mb: int) -> torch.Tensor:
         target = self.targets[step][mb]
         self.loss_key = (step, mb)  # which micro-batch loss_fn is computing, for callers that log
@@ -644,10 +664,13 @@ class PipelineExecutor:
             torch.set_rng_state(state.rng[0])
             if accelerated:
                 torch.cuda.set_rng_state(state.rng[1], self.device)
-            state.outputs, state.saved_bytes = self._forward_saving(weights, state.leaves, state.inputs)
-        with torch.no_grad():
-            for buffer, before in buffers:
-                buffer.copy_(before)
+            state.outputs, state.saved_bytes = self._in_place_safe(
+                action.stage, state.inputs, lambda x: self._forward_saving(weights, state.leaves, x)
+            )
+        for buffer, before in buffers:
+            # through .data: batch norm's backward node holds the running statistics it was given and
+            # checks their version, though training mode's gradient does not read them
+            buffer.data.copy_(before)
         if action.stage == self.schedule.stages - 1:
             state.loss = self._loss(state.outputs, action.step, action.microbatch) / len(self.pipelines)
 
