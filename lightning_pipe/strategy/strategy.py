@@ -55,7 +55,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import MemoryModel
@@ -426,29 +426,10 @@ class PipelineStrategy(ParallelStrategy):
             return self.executor
         assert self._entry is not None
         layers = self._entry.layers
-        sample = None
-        if self.plan_options.balance is None and self.plan_options.plan is None and self.plan_options.profile is None:
-            batch_input = self._entry.capture(step, *args) if self.global_rank == 0 else None
-            sample = split_batch(batch_input, self.microbatches)[0] if batch_input is not None else None
         optimizer = self.optimizers[0] if self.optimizers else None
-        memory = MemoryModel(
-            memory_schedule(self.schedule_options.family), self.microbatches, optimizer_copies(optimizer)
-        )
-        stage_plan: StagePlan | PlanningError | None = None
-        if self.global_rank == 0:
-            try:
-                stage_plan = plan_stages(
-                    layers, sample, self.stages, self.plan_options, memory, self.root_device, self._replicated
-                )
-            except PlanningError as error:
-                stage_plan = error
-        stage_plan = self.broadcast(stage_plan)
-        if isinstance(stage_plan, PlanningError):
-            raise stage_plan
-        self.stage_plan = stage_plan
-        if self.global_rank == 0:
-            self._prediction = predict(stage_plan, self.schedule_options, self.microbatches)
-            rank_zero_info(report(stage_plan, self._prediction))
+        if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(layers) - 1:
+            self.stage_plan = self._plan(layers, optimizer, step, args)
+        stage_plan = self.stage_plan
         trainer = self.lightning_module.trainer
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"  # a str enum: compares equal to its value
@@ -472,6 +453,35 @@ class PipelineStrategy(ParallelStrategy):
             self._load_pipeline_state(self._restored)
             self._restored = None
         return self.executor
+
+    def _plan(
+        self, layers: list[nn.Module], optimizer: Any, step: Callable[..., Any], args: tuple[Any, ...]
+    ) -> StagePlan:
+        """Profile and partition on rank 0 (with a real micro-batch), broadcast the plan or the error,
+        print the plan and the prediction. A later ``validate``/``test``/``predict`` (or ``fit``) of
+        a module with as many layers keeps the plan."""
+        sample = None
+        if self.plan_options.balance is None and self.plan_options.plan is None and self.plan_options.profile is None:
+            batch_input = self._entry.capture(step, *args) if self.global_rank == 0 else None
+            sample = split_batch(batch_input, self.microbatches)[0] if batch_input is not None else None
+        memory = MemoryModel(
+            memory_schedule(self.schedule_options.family), self.microbatches, optimizer_copies(optimizer)
+        )
+        stage_plan: StagePlan | PlanningError | None = None
+        if self.global_rank == 0:
+            try:
+                stage_plan = plan_stages(
+                    layers, sample, self.stages, self.plan_options, memory, self.root_device, self._replicated
+                )
+            except PlanningError as error:
+                stage_plan = error
+        stage_plan = self.broadcast(stage_plan)
+        if isinstance(stage_plan, PlanningError):
+            raise stage_plan
+        if self.global_rank == 0:
+            self._prediction = predict(stage_plan, self.schedule_options, self.microbatches)
+            rank_zero_info(report(stage_plan, self._prediction))
+        return stage_plan
 
     def _loss_scale(self) -> LossScale | None:
         """float16's loss scale, from the precision plugin's ``GradScaler`` (its settings, or its

@@ -1,0 +1,178 @@
+"""``lightning-pipe-train``: the Hydra configuration (every group option composes and builds, bad
+values fail at compose time with Hydra's message or before anything runs with ours), the main job end
+to end with an accuracy floor and the files it leaves in the run directory, a multirun sweep on 2
+processes per run, and the configs found from a non-editable install."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import DictConfig
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.strategy import PipelineStrategy
+from lightning_pipe.train import build
+from lightning_pipe.train.config import register_configs
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+MAIN_JOB_FLOOR = 0.95  # the main job reaches 0.978 (README); a floor with room for other machines' rounding
+
+
+def _compose(*overrides: str) -> DictConfig:
+    register_configs()
+    with initialize_config_module("lightning_pipe.conf", version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def _options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["partitioner", "schedule", "update_rule", "memory", "model", "data", "trainer"])
+def test_every_option_of_a_group_composes_and_builds_its_strategy(group: str) -> None:
+    """Each YAML file matches its schema (a typo in a file fails here) and gives a strategy the
+    constructor accepts (a family, rule or partitioner name it does not know fails here)."""
+    for option in _options(group):
+        cfg = _compose(f"{group}={option}")
+        build.check(cfg)
+        assert isinstance(build.strategy(cfg, multirun=False), PipelineStrategy), option
+
+
+def test_update_rule_picks_a_schedule_that_runs_it_unless_one_is_given() -> None:
+    expected = {"sync": "1f1b", "stash": "pipedream", "vertical": "pipedream", "2bw": "2bw", "cdp_v1": "cdp"}
+    for rule, family in expected.items():
+        cfg = _compose(f"update_rule={rule}")
+        assert (cfg.schedule.family.value, cfg.update_rule.name.value) == (family, rule)
+    cfg = _compose("update_rule=stash", "schedule=2bw")  # PipeDream-2BW with weight stashing
+    assert (cfg.schedule.family.value, cfg.update_rule.name.value) == ("2bw", "stash")
+    cfg = _compose()
+    assert (cfg.schedule.family.value, cfg.update_rule.name) == ("1f1b", None)
+
+
+@pytest.mark.parametrize(
+    ("override", "error", "pattern"),
+    [
+        ("schedule=zigzag", MissingConfigException, r"Could not find 'schedule/zigzag'"),
+        ("schedule.family=zigzag", ValidationError, r"Invalid value 'zigzag', expected one of \[gpipe, 1f1b"),
+        ("schedule.family=ddp", ValidationError, r"Invalid value 'ddp'"),  # simulated only
+        ("schedule.microbatchs=4", ConfigKeyError, r"Key 'microbatchs' not in 'ScheduleConfig'"),
+        ("trainer.devices=two", ValidationError, r"'two' of type 'str' could not be converted to Integer"),
+        ("partitioner.name=balanced", ValidationError, r"Invalid value 'balanced'"),
+        ("trainer.precision=fp8", ValidationError, r"Invalid value 'fp8'"),
+        ("data.batch_sise=3", ConfigKeyError, r"Key 'batch_sise' not in 'DigitsConfig'"),
+    ],
+)
+def test_bad_values_fail_at_compose_time(override: str, error: type[Exception], pattern: str) -> None:
+    with pytest.raises((ConfigCompositionException, error)) as raised:
+        _compose(override)
+    messages = f"{raised.value} {raised.value.__cause__}"
+    assert __import__("re").search(pattern, messages), messages
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["memory.limit=banana"], r"memory.limit='banana' is not understood .* use a value such as 8GB"),
+        (["pipeline.bandwidth=fast"], r"pipeline.bandwidth='fast' is not understood .* 10Gbit/s"),
+        (["update_rule=cdp_v2", "schedule=gpipe"], r"schedule=gpipe update_rule=cdp_v2: gpipe runs the 'sync'"),
+    ],
+)
+def test_values_the_schema_cannot_check_fail_before_anything_runs(overrides: list[str], pattern: str) -> None:
+    cfg = _compose(*overrides)
+    with pytest.raises(PlanningError, match=pattern):
+        build.check(cfg)
+
+
+def _train(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _run_directories(root: Path) -> list[Path]:
+    return sorted(path.parent for path in root.rglob("results.json"))
+
+
+@pytest.mark.timeout(300)
+def test_main_job_trains_to_the_stated_accuracy_and_writes_its_run_directory(tmp_path: Path) -> None:
+    """``lightning-pipe-train`` with no arguments (from a directory outside the repository): 2
+    pipeline stages on 2 processes, the digits to at least the floor, and in the run directory the
+    composed config, the plan (table and reusable JSON), the metrics, the timeline and the results."""
+    done = _train(["lightning-pipe-train", "trainer.enable_progress_bar=false"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = _run_directories(tmp_path / "logs")
+    results = json.loads((run / "results.json").read_text())
+    assert results["test"]["test_acc"] >= MAIN_JOB_FLOOR, results
+    assert results["measured_step_seconds"] > 0 and results["predicted_step_seconds"] > 0
+    for name in (".hydra/config.yaml", "plan.txt", "metrics.csv", "pipeline_timeline.png", "pipeline_trace.json"):
+        assert (run / name).stat().st_size > 0, name
+    plan = json.loads((run / "plan.json").read_text())
+    (first, cut), (after, last) = (stage["layers"] for stage in plan["stages"])  # 2 stages of consecutive layers
+    assert (first, after, last) == (0, cut + 1, 5)
+    assert "Partition (time)" in (run / "plan.txt").read_text()
+    assert "Predicted schedule" in done.stderr and "results:" in done.stderr  # logged by rank 0
+
+
+@pytest.mark.timeout(400)
+def test_multirun_sweeps_update_rules_on_two_processes_per_run(tmp_path: Path) -> None:
+    """``-m update_rule=sync,cdp_v2``: Hydra runs the jobs in one process, so the strategy spawns each
+    run's two processes (``start_method: auto``); each run trains and writes its own directory."""
+    args = [sys.executable, "-m", "lightning_pipe.train", "-m", "update_rule=sync,cdp_v2", "trainer.max_epochs=2"]
+    done = _train([*args, "trainer.enable_progress_bar=false"], tmp_path, timeout=360)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = _run_directories(tmp_path / "logs")
+    assert len(runs) == 2
+    rules = {json.loads((run / "results.json").read_text())["test"]["test_acc"] > 0.5 for run in runs}
+    assert rules == {True}
+    assert {(run / ".hydra" / "overrides.yaml").read_text().split("update_rule=")[1].split()[0] for run in runs} == {
+        "sync",
+        "cdp_v2",
+    }
+
+
+@pytest.mark.timeout(200)
+def test_configs_are_found_from_a_non_editable_install(tmp_path: Path) -> None:
+    """A wheel installed into a plain directory (no source tree on the path) composes the same
+    configuration: the YAML files travel as package data."""
+    root = Path(__file__).resolve().parent.parent
+    wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheel_dir),
+            str(root),
+        ],
+        check=True,
+        timeout=150,
+        capture_output=True,
+    )
+    (wheel,) = wheel_dir.glob("*.whl")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        timeout=150,
+        capture_output=True,
+    )
+    code = "import lightning_pipe, sys; print(lightning_pipe.__file__); sys.argv[1:] = ['--cfg', 'job']; "
+    code += "from lightning_pipe.train import main; main()"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith(str(site))
+    assert "family: 1f1b" in done.stdout and "_target_: lightning_pipe.data.DigitsDataModule" in done.stdout
