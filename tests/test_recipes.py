@@ -3,11 +3,15 @@ committed results, on the digits for two epochs."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,3 +34,56 @@ def test_cdp_table2_smoke(tmp_path: Path) -> None:
     for row in by_rule.values():
         assert int(row[2]) == 1 and float(row[3]) > 50.0, row
     assert (tmp_path / "accuracy.png").stat().st_size > 0
+
+
+@functools.cache
+def _recipe(name: str):
+    """A recipe script as a module (recipes/ is not a package: each script runs on its own)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / name / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@settings(deadline=None)
+@given(
+    levels=st.lists(st.integers(0, 1000), min_size=1, max_size=12),
+    workers=st.integers(1, 6),
+)
+def test_cdp_memory_extrapolation_against_a_direct_sum(levels: list[int], workers: int) -> None:
+    """The per-worker memory of N cyclic workers is the mean of the N shifted curves, computed here
+    directly with loops; DP's is the curve itself."""
+    per_worker = _recipe("cdp_memory").per_worker
+    curve = [level for level in levels for _ in range(workers)]  # a multiple of N samples
+    dp, cdp = per_worker(torch.tensor(curve, dtype=torch.float64), workers)
+    shift = len(curve) // workers
+    for t in range(len(curve)):
+        expected = sum(curve[(t - i * shift) % len(curve)] for i in range(workers)) / workers
+        assert abs(float(cdp[t]) - expected) < 1e-9
+    assert dp.tolist() == curve
+
+
+def test_cdp_memory_of_the_papers_step_model() -> None:
+    """§4.1's model: a pass of 2N time steps; stage k's activation is held from its forward (step
+    k) through its backward (step 2N + 1 - k); workers delayed by 2 steps. DP peaks at N units per
+    worker, CDP at exactly (N + 1) / 2 ("(N+1)/2 B Psi_A" for the N workers together, in units of
+    one stage's activations), so the reduction tends to the paper's half."""
+    per_worker = _recipe("cdp_memory").per_worker
+    for n in (2, 3, 4, 8, 32):
+        curve = torch.tensor([*range(1, n + 1), *range(n, 0, -1)], dtype=torch.float64)
+        dp, cdp = per_worker(curve, n)
+        assert float(dp.max()) == n
+        assert float(cdp.max()) == pytest.approx((n + 1) / 2, abs=1e-12)
+
+
+@pytest.mark.timeout(200)
+def test_cdp_memory_smoke(tmp_path: Path) -> None:
+    """The memory recipe at its smoke size: a table row per model and N, CDP below DP, the plot."""
+    _recipe("cdp_memory").main(["--size", "smoke", "--output", str(tmp_path)])
+    rows = [line.split("|") for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| ")]
+    assert len(rows[2:]) == 6
+    for row in rows[2:]:
+        assert 0 < float(row[5]) < float(row[4]), row
+    assert (tmp_path / "memory.png").stat().st_size > 0
