@@ -12,7 +12,7 @@ Peers, run on the same costs in the same process:
 Every split is evaluated with the same measured per-layer times, and the table shows how much slower
 each heuristic's bottleneck is than ours (1.00 = as good). The last column compares the two FLOP
 splits on their own objective, the largest stage FLOPs. PipeDream's published profiles
-(../shared/data/pipedream-profiles) carry no FLOP counts, so the FLOP columns use models profiled
+(tests/data/pipedream-profiles) carry no FLOP counts, so the FLOP columns use models profiled
 here on the CPU with torch.utils.flop_counter.
 """
 
@@ -30,7 +30,7 @@ from lightning_pipe.partition import Plan, PlanRequest, partition
 from lightning_pipe.profile_file import load_profile
 from lightning_pipe.profiler import profile_layers
 
-PROFILES = Path(__file__).resolve().parents[2] / "shared" / "data" / "pipedream-profiles"
+PROFILES = Path(__file__).resolve().parents[1] / "tests" / "data" / "pipedream-profiles"
 
 
 def _evaluate(request: PlanRequest, sizes: list[int], name: str) -> Plan:

@@ -1,4 +1,5 @@
-"""Shared fixtures: where the shared PipeDream profiles live (tests using them skip when absent)."""
+"""Shared fixtures: the PipeDream profiles (``graph.txt`` of the PipeDream repository, MIT licence,
+kept in ``tests/data/pipedream-profiles``)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,9 @@ from pathlib import Path
 
 import pytest
 
-PROFILES = Path(__file__).resolve().parents[2] / "shared" / "data" / "pipedream-profiles"
+PROFILES = Path(__file__).resolve().parent / "data" / "pipedream-profiles"
 
 
 @pytest.fixture
 def pipedream_profiles() -> Path:
-    if not PROFILES.is_dir():
-        pytest.skip(f"PipeDream profiles not found at {PROFILES}")
     return PROFILES
