@@ -101,3 +101,32 @@ def test_rahimi_table1_rows_equal_the_papers_formulas(tmp_path: Path) -> None:
             simulated, formula = cell.strip().split(" (", 1)
             assert float(simulated) == float(formula.rstrip(")").split(" = ")[-1]), row
     assert len(list(tmp_path.glob("*.png"))) == 6
+
+
+def test_pipedream_plans_have_the_papers_configurations(tmp_path: Path) -> None:
+    """On PipeDream's own profiles with 16 workers: VGG-16 gets the configuration PipeDream's paper
+    reports for it, 15-1 (15 replicas of the convolutions, one worker for the classifier), and
+    ResNet-50 pure data parallelism; every plan is at least as fast as data parallelism."""
+    _recipe("pipedream").main(["--plans-only", "--output", str(tmp_path)])
+    rows = [line.split("|") for line in (tmp_path / "plans.md").read_text().splitlines() if line.startswith("| ")]
+    configuration = {(row[1].strip(), int(row[3])): row[4].strip() for row in rows[2:]}
+    assert configuration[("vgg16", 16)] == "15-1"
+    assert configuration[("resnet50", 16)] == "16"
+    assert all(float(row[8].strip().rstrip("x")) >= 1.0 for row in rows[2:])
+
+
+@pytest.mark.timeout(400)
+def test_pipedream_rules_smoke(tmp_path: Path) -> None:
+    """Sync, weight stashing, vertical sync and 2BW each train on 2 processes (multirun) to well above
+    chance and land in the accuracy table."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "pipedream" / "run.py"), "--size", "smoke", "--output", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=380,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|") for line in (tmp_path / "accuracy.md").read_text().splitlines() if line.startswith("| ")]
+    assert [row[1].strip() for row in rows[2:]] == ["sync", "stash", "vertical", "2bw"]
+    assert all(float(row[3]) > 50.0 for row in rows[2:])

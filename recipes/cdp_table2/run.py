@@ -15,13 +15,10 @@ experiment is one of Table 2's) and ``accuracy.png`` (mean and each seed per rul
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-import yaml
+from lightning_pipe.train.sweep import accuracy_plot, accuracy_table, collect, sweep
 
 RULES = ("sync", "cdp_v1", "cdp_v2")
 PAPER = {  # Table 2, top-1 %: (cdp_v1, cdp_v2, dp)
@@ -37,73 +34,8 @@ SIZES = {
 }
 
 
-def sweep(experiment: str, seeds: list[int], overrides: list[str], directory: Path) -> None:
-    """One multirun over the rules and seeds, its runs under ``directory``."""
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_pipe.train",
-        "-m",
-        f"experiment={experiment}",
-        f"update_rule={','.join(RULES)}",
-        f"seed={','.join(map(str, seeds))}",
-        f"hydra.sweep.dir={directory}",
-        "trainer.enable_progress_bar=false",
-        *overrides,
-    ]
-    print(" ".join(command[1:]), flush=True)
-    subprocess.run(command, check=True)
-
-
-def collect(directory: Path) -> dict[str, dict[int, float]]:
-    """``{rule: {seed: test accuracy}}`` of the runs under ``directory``."""
-    accuracies: dict[str, dict[int, float]] = {rule: {} for rule in RULES}
-    for results in sorted(directory.glob("*/results.json")):
-        config = yaml.safe_load((results.parent / ".hydra" / "config.yaml").read_text())
-        rule = config["update_rule"]["name"]
-        accuracies[rule][int(config["seed"])] = json.loads(results.read_text())["test"]["test_acc"]
-    return accuracies
-
-
-def table(experiment: str, accuracies: dict[str, dict[int, float]], command: str) -> str:
-    paper = dict(zip(("cdp_v1", "cdp_v2", "sync"), PAPER.get(experiment, (None,) * 3), strict=True))
-    lines = [
-        f"`{command}` (experiment `{experiment}`): test accuracy (%) per update rule.",
-        "",
-        "| rule | runs | mean | std | per seed | paper (Table 2) |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for rule in RULES:
-        values = [100 * accuracies[rule][seed] for seed in sorted(accuracies[rule])]
-        if not values:
-            continue
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        seeds = ", ".join(f"{v:.2f}" for v in values)
-        reference = "-" if paper[rule] is None else f"{paper[rule]:.1f}"
-        lines.append(
-            f"| {rule} | {len(values)} | {statistics.fmean(values):.2f} | {spread:.2f} | {seeds} | {reference} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plot(accuracies: dict[str, dict[int, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(4.5, 3.2))
-    for position, rule in enumerate(RULES):
-        values = [100 * v for v in accuracies[rule].values()]
-        if values:
-            axes.scatter([position] * len(values), values, color="0.5", s=14, zorder=2)
-            axes.errorbar(position, statistics.fmean(values), fmt="o", color="C0", zorder=3)
-    axes.set_xticks(range(len(RULES)), RULES)
-    axes.set_ylabel("test accuracy (%)")
-    axes.set_title("synchronous vs CDP-v1 vs CDP-v2")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+def _order(item: tuple[str, dict[int, float]]) -> int:
+    return RULES.index(item[0])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,11 +49,13 @@ def main(argv: list[str] | None = None) -> None:
     experiment = args.experiment or size["experiment"]
     output = args.output or Path(__file__).parent / "results" / args.size
     output.mkdir(parents=True, exist_ok=True)
-    sweep(experiment, size["seeds"], [*size["overrides"], *args.overrides], output / "runs")
-    accuracies = collect(output / "runs")
+    sweep(experiment, list(RULES), size["seeds"], [*size["overrides"], *args.overrides], output / "runs")
+    accuracies = {rule: by_seed for rule, by_seed in sorted(collect(output / "runs").items(), key=_order)}
     command = "python recipes/cdp_table2/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (output / "table.md").write_text(table(experiment, accuracies, command.strip()))
-    plot(accuracies, output / "accuracy.png")
+    paper = dict(zip(("cdp_v1", "cdp_v2", "sync"), PAPER.get(experiment, ()), strict=False))
+    heading = f"`{command.strip()}` (experiment `{experiment}`): test accuracy (%) per update rule."
+    (output / "table.md").write_text(accuracy_table(accuracies, heading, paper))
+    accuracy_plot(accuracies, output / "accuracy.png", "synchronous vs CDP-v1 vs CDP-v2")
     print((output / "table.md").read_text())
 
 
