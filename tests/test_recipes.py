@@ -153,3 +153,20 @@ def test_beaumont_examples_equal_the_papers_values(tmp_path: Path) -> None:
         assert row[1].strip() == row[2].strip() and row[3].strip() == row[4].strip()
     for row in star:
         assert row[1].strip() == row[2].strip()
+
+
+@pytest.mark.timeout(200)
+def test_black_gpipe_partitions_trade_time_for_memory(tmp_path: Path) -> None:
+    """As the slides' table: per model, a looser memory limit never gives a slower plan, the loosest
+    (the whole model's need) is plain data parallelism over the 4 devices, and a limit nothing fits
+    under names the smallest one that does."""
+    _recipe("black_gpipe").main(["--size", "smoke", "--output", str(tmp_path)])
+    rows = [line.split("|")[1:-1] for line in (tmp_path / "partitions.md").read_text().splitlines()]
+    rows = [row for row in rows if row and row[0].strip() in ("vgg11", "resnet18")]
+    for model in ("vgg11", "resnet18"):
+        mine = [row for row in rows if row[0].strip() == model]
+        fitted = [float(row[5]) for row in mine if row[5].strip() != "-"]
+        assert fitted == sorted(fitted, reverse=True)  # same profile: a looser limit only adds plans
+        assert mine[-1][4].strip().endswith("x4") and len(mine[-1][4].split()) == 2
+        for row in mine:
+            assert row[5].strip() != "-" or "smallest limit:" in row[4]
