@@ -16,18 +16,19 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _run_smoke(recipe: str, output: Path) -> None:
+    """A recipe that trains, at its smoke size, in its own process (its sweep spawns the runs')."""
+    script = ROOT / "recipes" / recipe / "run.py"
+    command = [sys.executable, str(script), "--size", "smoke", "--output", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=380, cwd=output)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.timeout(400)
 def test_cdp_table2_smoke(tmp_path: Path) -> None:
     """Sync, CDP-v1 and CDP-v2 each train (multirun, 2 processes per run) and land in the table
     with an accuracy well above chance (10 classes), and the plot is drawn."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "cdp_table2" / "run.py"), "--size", "smoke", "--output", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=380,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_smoke("cdp_table2", tmp_path)
     rows = [line.split("|") for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| ")]
     by_rule = {row[1].strip(): row for row in rows[2:]}
     assert set(by_rule) == {"sync", "cdp_v1", "cdp_v2"}
@@ -119,14 +120,7 @@ def test_pipedream_plans_have_the_papers_configurations(tmp_path: Path) -> None:
 def test_pipedream_rules_smoke(tmp_path: Path) -> None:
     """Sync, weight stashing, vertical sync and 2BW each train on 2 processes (multirun) to well above
     chance and land in the accuracy table."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "pipedream" / "run.py"), "--size", "smoke", "--output", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=380,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_smoke("pipedream", tmp_path)
     rows = [line.split("|") for line in (tmp_path / "accuracy.md").read_text().splitlines() if line.startswith("| ")]
     assert [row[1].strip() for row in rows[2:]] == ["sync", "stash", "vertical", "2bw"]
     assert all(float(row[3]) > 50.0 for row in rows[2:])

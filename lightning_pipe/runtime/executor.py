@@ -43,7 +43,7 @@ from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulate import Interval, StageCosts
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["PipelineExecutor", "StepOutput", "split_batch"]
+__all__ = ["PipelineExecutor", "StepOutput", "rows_of", "split_batch"]
 _T = TypeVar("_T")
 _IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
 
@@ -95,8 +95,12 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     return [unflatten(skeleton, [c[i] for c in chunks]) for i in range(parts)]
 
 
-def _rows(batch: Any) -> int:
-    return tensors(batch)[0].shape[0]
+def rows_of(batch: Any) -> int:
+    """The samples in ``batch``: the first dimension of its first tensor."""
+    found = tensors(batch)
+    if not found:
+        raise PlanningError("a batch must hold at least one tensor to be split into micro-batches")
+    return found[0].shape[0]
 
 
 def _floating_leaves(obj: Any) -> Any:
@@ -477,7 +481,7 @@ class PipelineExecutor:
             if targets is None:
                 raise PlanningError(f"rank {self.rank} runs the last stage: step() needs the targets")
             self.targets[step] = [map_tensors(lambda t: t.to(self.device), y) for y in split_batch(targets, m)]
-            self.batch_rows[step] = _rows(targets)
+            self.batch_rows[step] = rows_of(targets)
             self.targets_left[step] = m
 
     def _run(self, actions: list[Action], peers: Callable[[int], list[Action]], return_outputs: bool) -> StepOutput:
@@ -645,7 +649,7 @@ class PipelineExecutor:
     def _loss(self, result: Any, step: int, mb: int) -> torch.Tensor:
         target = self.targets[step][mb]
         self.loss_key = (step, mb)  # which micro-batch loss_fn is computing, for callers that log
-        return self.loss_fn(result, target) * (_rows(target) / self.batch_rows[step])
+        return self.loss_fn(result, target) * (rows_of(target) / self.batch_rows[step])
 
     def _rng_state(self) -> tuple[torch.Tensor, ...]:
         """The random state a forward starts from (CPU, and the GPU's when computing there)."""

@@ -59,9 +59,9 @@ from torch import Tensor, nn
 
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import MemoryModel
-from lightning_pipe.nested import map_tensors, tensors
+from lightning_pipe.nested import map_tensors
 from lightning_pipe.runtime import PipelineAborted, PipelineExecutor
-from lightning_pipe.runtime.executor import split_batch
+from lightning_pipe.runtime.executor import rows_of, split_batch
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
@@ -101,13 +101,6 @@ _REGISTERED = {
     "pipe_cdp": ("cdp", "popen"),
     "pipe_cdp_spawn": ("cdp", "spawn"),
 }
-
-
-def _batch_rows(batch: Any) -> int:
-    found = tensors(batch)
-    if not found:
-        raise PlanningError("a batch must hold at least one tensor to be split into micro-batches")
-    return found[0].shape[0]
 
 
 def _concatenate(parts: list[Any]) -> Any:
@@ -486,7 +479,7 @@ class PipelineStrategy(ParallelStrategy):
     def _loss_scale(self) -> LossScale | None:
         """float16's loss scale, from the precision plugin's ``GradScaler`` (its settings, or its
         state restored from a checkpoint); the executor updates it, :meth:`_keep_loss_scale` hands
-        it back to the scaler for checkpoints."""
+        it back to the scaler when a checkpoint is written and at the end of fit."""
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is None or not scaler.is_enabled():
             return None
@@ -531,7 +524,7 @@ class PipelineStrategy(ParallelStrategy):
         """The user's ``training_step`` on one micro-batch, with the pipeline's output as the layers'."""
         assert self.executor is not None and self._entry is not None and self.executor.loss_key is not None
         step, mb = self.executor.loss_key
-        record = Record(_batch_rows(batch))
+        record = Record(rows_of(batch))
         module = self.lightning_module
         with self._entry.inject(output), recording(module, record):
             result = module.training_step(batch, *self._step_args[step])
@@ -562,7 +555,6 @@ class PipelineStrategy(ParallelStrategy):
             drained = self._drain_after_this_batch()
             if drained:
                 output.microbatch_losses.update(executor.drain().microbatch_losses)
-            self._keep_loss_scale()
         self._relay_training_logs(output.microbatch_losses, wait=drained or executor.schedule.flush)
         return self._last_loss.to(self.root_device)
 
@@ -641,6 +633,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def on_train_end(self) -> None:
         self.drain()
+        self._keep_loss_scale()
         self._report()
         self._gather_weights()
 
@@ -678,13 +671,13 @@ class PipelineStrategy(ParallelStrategy):
         step = getattr(module, hook)
         executor = self._pipeline(step, args)
         self.drain()
-        parts = min(self.microbatches, _batch_rows(args[0]))
+        parts = min(self.microbatches, rows_of(args[0]))
         outputs: list[Any] = []
         inputs = self._entry.capture(step, *args) if self._evaluates(0) else None
         executor.evaluate(inputs, parts, lambda mb, output: outputs.append(output))
         if not self._evaluates(-1):
             return None, None
-        record = Record(_batch_rows(args[0]))
+        record = Record(rows_of(args[0]))
         with self._entry.inject(_concatenate(outputs)), recording(module, record):
             result = step(*args)
         return record, result
@@ -730,6 +723,7 @@ class PipelineStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full module's state (a collective: drains, then gathers every stage)."""
         self.drain()
+        self._keep_loss_scale()  # Lightning saves the precision plugin's state after the module's
         self._gather_weights()
         return self.lightning_module.state_dict()
 

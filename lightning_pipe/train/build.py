@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
@@ -62,8 +62,7 @@ def data_module(cfg: DictConfig) -> L.LightningDataModule:
 def model(cfg: DictConfig, data: L.LightningDataModule) -> L.LightningModule:
     """The classifier of ``cfg.model`` for ``data``'s classes and input shape."""
     options = {key: _plain(value) for key, value in cfg.model.items() if key != "_target_"}
-    target = instantiate({"_target_": cfg.model._target_, "_partial_": True})
-    return target(**options, num_classes=data.num_classes, input_shape=tuple(data.input_shape))
+    return get_class(cfg.model._target_)(**options, num_classes=data.num_classes, input_shape=tuple(data.input_shape))
 
 
 def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:

@@ -5,6 +5,7 @@ against synchronous training) are this comparison on their experiments."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def collect(directory: Path) -> dict[str, dict[int, float]]:
     for results in sorted(directory.glob("*/results.json")):
         config = yaml.safe_load((results.parent / ".hydra" / "config.yaml").read_text())
         rule = config["update_rule"]["name"] or config["schedule"]["family"]
-        test = yaml.safe_load(results.read_text())["test"]
+        test = json.loads(results.read_text())["test"]
         accuracies.setdefault(rule, {})[int(config["seed"])] = test["test_acc"]
     return accuracies
 
