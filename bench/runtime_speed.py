@@ -2,8 +2,11 @@
 process, and measured vs simulated time per step — all in one run on this machine.
 
 Run: ``python bench/runtime_speed.py [--steps 8] [--rounds 8] [--width 512] [--depth 4] [--batch 1024]
-[--features 768] [--microbatches 2 4] [--post-ahead-bytes N]`` (the last: our executor's
-``post_ahead_bytes``, default its own).
+[--rows 32 512] [--features 768] [--microbatches 2 4] [--post-ahead-bytes N]``: every micro-batch count
+with mini-batches of ``--batch`` rows, or, with ``--rows``, with micro-batches of each of those sizes
+(a mini-batch of ``m x rows``); ``--post-ahead-bytes`` is our executor's ``post_ahead_bytes`` (default
+its own). The settings of ``docs/runtime.md``: ``--microbatches 2 4 8 16 --rows 32`` and
+``--microbatches 2 4 8 16 --rows 512 --width 256``.
 
 Every configuration trains the same balanced 2-stage MLP on the same mini-batches, 2 processes x 1
 thread over gloo (the peer: torch's ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe``, SGD
@@ -32,6 +35,16 @@ stage's mean compute per action in the timed steps, waits for messages excluded)
 the configuration's own run, ``from 1f1b`` from our 1F1B's run of the same round (a calibration run
 of one schedule predicting the others), with the same latency and bandwidth but no processor time per
 message on top (the measured actions include it).
+``in-run vs alone`` is what each action costs inside a pipeline beyond its compute: a stage's mean
+forward (backward) inside the pipeline, waits excluded, less the same forward (backward) in the two-
+stages-alone run of the same round (both processes busy in both), median over the rounds, in
+milliseconds and as a share of the action alone; it includes the processor time of sending and receiving
+the action's message, printed on the gloo line, and the two processes slowing each other. ``executor``
+is the executor's own cost per action (bookkeeping, versions, loss weighting, timeline; no messages):
+the whole model trained in one process as a one-stage pipeline of each family, against a plain loop of
+the same forwards, backwards and update, interleaved in rounds, per action (``2m + 1`` per step). The
+summary ends each run: per setting, 2BW and CDP against our 1F1B, measured and as the simulator predicts
+from our 1F1B's costs (``from 1f1b``), and our 1F1B and GPipe against torch's.
 ``spread`` is (slowest - fastest round) / median. Every configuration, torch's peer and the baselines
 included, runs under our executor's garbage-collection policy (``lightning_pipe/runtime/garbage.py``):
 the heap of imports frozen, automatic collection off, a full collection before each configuration.
@@ -305,6 +318,54 @@ def stages_alone(rank: int, microbatches: int, steps: int, model: argparse.Names
     )
 
 
+OVERHEAD_FAMILIES = ("1f1b", "gpipe", "2bw", "cdp")
+
+
+def _one_stage(model: argparse.Namespace) -> nn.Module:
+    return nn.Sequential(stage_module(0, model), stage_module(1, model))
+
+
+def overhead_worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict[str, list[float]]:
+    """One process, one thread, no messages: per round, seconds per step of the whole model as a
+    one-stage pipeline of each family in :data:`OVERHEAD_FAMILIES` and as a plain loop of the same
+    forwards, backwards and update; the difference is what the executor itself costs."""
+    garbage = AlignedCollection(every=1)
+    batches = data(model.steps + WARMUP, model)
+    times: dict[str, list[float]] = {}
+
+    def plain() -> None:
+        module = _one_stage(model)
+        optimizer = _sgd(list(module.parameters()))
+
+        def run_step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+            for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches), strict=True):
+                (nn.functional.cross_entropy(module(x), y) * (len(y) / len(targets))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        times.setdefault("plain", []).append(_timed(run_step, batches))
+
+    def executor(family: str) -> None:
+        options = {"rule": "cdp_v2"} if family == "cdp" else {}
+        pipeline = PipelineExecutor(
+            lambda k: make_schedule(family, 1, microbatches, k, **options),
+            [_one_stage(model)],
+            nn.functional.cross_entropy,
+            _sgd,
+        )
+        times.setdefault(family, []).append(_timed(lambda x, y: pipeline.step(x, y), batches))
+        pipeline.drain()
+        pipeline.close()
+
+    runs = [plain] + [functools.partial(executor, family) for family in OVERHEAD_FAMILIES]
+    for round_index in range(model.rounds):
+        for run in random.Random(round_index).sample(runs, len(runs)):
+            garbage.full()
+            run()
+    garbage.close()
+    return times
+
+
 def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
     """Everything measured in the two processes: network, and every configuration once per round
     (the stages alone giving the round's profile)."""
@@ -394,70 +455,130 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--features", type=int, help="inputs of the first layer (default: 1.5 width, balanced)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rows", type=int, nargs="+", help="micro-batch sizes (default: --batch / m)")
     parser.add_argument("--post-ahead-bytes", type=int, help="our executor's post_ahead_bytes (default: its own)")
     args = parser.parse_args()
     args.features = args.features or args.width * 3 // 2
     print(
-        f"model: 2 stages x {args.depth} blocks of {args.width} ({args.features} inputs), batch {args.batch}; "
+        f"model: 2 stages x {args.depth} blocks of {args.width} ({args.features} inputs), "
+        f"{f'micro-batches of {args.rows} rows' if args.rows else f'batch {args.batch}'}; "
         f"{args.rounds} rounds of {args.steps} steps"
     )
+    summary: list[str] = []
+    for microbatches, rows in itertools.product(args.microbatches, args.rows or [None]):
+        cell = argparse.Namespace(**vars(args))
+        cell.batch = microbatches * rows if rows else args.batch
+        summary.append(_run_cell(microbatches, cell))
+    print(
+        f"\nsummary: {'m':>3} {'rows':>5} {'2bw/1f1b':>8} {'predicted':>9} {'cdp/1f1b':>8} {'predicted':>9} "
+        f"{'1f1b/torch':>10} {'gpipe/torch':>11}   (paired medians; speed-ups, > 1: faster)"
+    )
+    print("\n".join(summary))
+
+
+def _run_cell(microbatches: int, args: argparse.Namespace) -> str:
+    """Every configuration at ``microbatches`` micro-batches of ``args.batch / microbatches`` rows:
+    prints its rows of the table, returns its summary line."""
+    rows = args.batch // microbatches
+    print(f"\n--- m = {microbatches}, micro-batches of {rows} rows (mini-batch {args.batch})")
     print(
         f"{'run':>20} {'m':>3} {'ms/step':>8} {'spread':>6} {'speed-up':>22} {'vs 1 proc':>9} {'simulated':>9} "
         f"{'error':>6} {'in-run sim':>10} {'error':>6} {'from 1f1b':>9} {'error':>6}"
     )
-    for microbatches in args.microbatches:
-        results = run_local(worker, 2, microbatches, args, timeout=1800)
-        networks = results[0]["network"]  # per round
-        net = [statistics.median(column) for column in zip(*networks, strict=True)]
-        costs = [_profile(pair) for pair in zip(*(r["costs"] for r in results), strict=True)]  # per round
-        nbytes = args.batch // microbatches * args.width * 4
-        per_round = {
-            label: [max(pair) for pair in zip(*(r["times"][label] for r in results), strict=True)]
-            for label in results[0]["times"]
-        }
-        step = {label: statistics.median(times) for label, times in per_round.items()}
-        spread = {label: (max(times) - min(times)) / step[label] for label, times in per_round.items()}
-        alone = step["one process"]
-        in_run = results[0]["in-run costs"]  # per family and round: every stage's costs (alike on both ranks)
-        # measured actions already hold the processor time of their messages: no overhead on top
-        wires = [(latency, bandwidth, 0.0) for latency, bandwidth, _ in networks]
-        for family in OURS:
-            label = f"ours {family}"
-            baseline = f"torch {family}" if family in PEERS else "ours 1f1b"
-            speedup = f"{_paired(per_round[baseline], per_round[label]):.2f}x vs {LABELS.get(family, '1f1b')}"
-            expected, error = _prediction(family, microbatches, costs, networks, nbytes, per_round[label])
-            replayed, replay_error = _prediction(family, microbatches, in_run[family], wires, nbytes, per_round[label])
-            calibrated, calibrated_error = _prediction(
-                family, microbatches, in_run["1f1b"], wires, nbytes, per_round[label]
-            )
-            print(
-                f"{label:>20} {microbatches:>3} {step[label] * 1e3:>8.1f} {spread[label]:>6.0%} {speedup:>22} "
-                f"{_paired(per_round['one process'], per_round[label]):>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%} "
-                f"{replayed * 1e3:>8.1f}ms {replay_error:>5.0%} {calibrated * 1e3:>7.1f}ms {calibrated_error:>5.0%}"
-            )
-            if family in PEERS:
-                other = f"torch {family}"
-                name = f"torch {LABELS[family]}"
-                print(f"{name:>20} {microbatches:>3} {step[other] * 1e3:>8.1f} {spread[other]:>6.0%}")
-        for reference in ("bare loop", "two stages alone"):
-            print(
-                f"{reference:>20} {microbatches:>3} {step[reference] * 1e3:>8.1f} {spread[reference]:>6.0%} "
-                f"{'':>22} {_paired(per_round['one process'], per_round[reference]):>8.2f}x"
-            )
-        print(f"{'one process':>20} {microbatches:>3} {alone * 1e3:>8.1f} {spread['one process']:>6.0%}")
-        for stage in range(2):
-            forward, backward, update = (
-                statistics.median(getattr(c, name)[stage] for c in costs) * 1e3
-                for name in ("forward", "backward", "update")
-            )
-            print(
-                f"{'':>20} stage {stage}: F {forward:.2f} ms, B {backward:.2f} ms, update {update:.2f} ms "
-                "(median of the rounds' means)"
-            )
-        print(
-            f"{'':>20} gloo: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s, "
-            f"{net[2] * 1e6:.0f} us of processor per activation at each end (medians of the rounds)"
+    results = run_local(worker, 2, microbatches, args, timeout=3600)
+    networks = results[0]["network"]  # per round
+    net = [statistics.median(column) for column in zip(*networks, strict=True)]
+    costs = [_profile(pair) for pair in zip(*(r["costs"] for r in results), strict=True)]  # per round
+    nbytes = rows * args.width * 4
+    per_round = {
+        label: [max(pair) for pair in zip(*(r["times"][label] for r in results), strict=True)]
+        for label in results[0]["times"]
+    }
+    step = {label: statistics.median(times) for label, times in per_round.items()}
+    spread = {label: (max(times) - min(times)) / step[label] for label, times in per_round.items()}
+    in_run = results[0]["in-run costs"]  # per family and round: every stage's costs (alike on both ranks)
+    # measured actions already hold the processor time of their messages: no overhead on top
+    wires = [(latency, bandwidth, 0.0) for latency, bandwidth, _ in networks]
+    for family in OURS:
+        label = f"ours {family}"
+        baseline = f"torch {family}" if family in PEERS else "ours 1f1b"
+        speedup = f"{_paired(per_round[baseline], per_round[label]):.2f}x vs {LABELS.get(family, '1f1b')}"
+        expected, error = _prediction(family, microbatches, costs, networks, nbytes, per_round[label])
+        replayed, replay_error = _prediction(family, microbatches, in_run[family], wires, nbytes, per_round[label])
+        calibrated, calibrated_error = _prediction(
+            family, microbatches, in_run["1f1b"], wires, nbytes, per_round[label]
         )
+        print(
+            f"{label:>20} {microbatches:>3} {step[label] * 1e3:>8.1f} {spread[label]:>6.0%} {speedup:>22} "
+            f"{_paired(per_round['one process'], per_round[label]):>8.2f}x {expected * 1e3:>7.1f}ms {error:>5.0%} "
+            f"{replayed * 1e3:>8.1f}ms {replay_error:>5.0%} {calibrated * 1e3:>7.1f}ms {calibrated_error:>5.0%}"
+        )
+        if family in PEERS:
+            other = f"torch {family}"
+            name = f"torch {LABELS[family]}"
+            print(f"{name:>20} {microbatches:>3} {step[other] * 1e3:>8.1f} {spread[other]:>6.0%}")
+    for reference in ("bare loop", "two stages alone"):
+        print(
+            f"{reference:>20} {microbatches:>3} {step[reference] * 1e3:>8.1f} {spread[reference]:>6.0%} "
+            f"{'':>22} {_paired(per_round['one process'], per_round[reference]):>8.2f}x"
+        )
+    print(f"{'one process':>20} {microbatches:>3} {step['one process'] * 1e3:>8.1f} {spread['one process']:>6.0%}")
+    for stage in range(2):
+        forward, backward, update = (
+            statistics.median(getattr(c, name)[stage] for c in costs) * 1e3
+            for name in ("forward", "backward", "update")
+        )
+        print(
+            f"{'':>20} stage {stage}: F {forward:.2f} ms, B {backward:.2f} ms, update {update:.2f} ms "
+            "(median of the rounds' means)"
+        )
+    print(
+        f"{'':>20} gloo: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s, "
+        f"{net[2] * 1e6:.0f} us of processor per activation at each end (medians of the rounds)"
+    )
+    for family in OURS:
+        print(f"{'in-run vs alone ' + family:>20} {_overhead(in_run[family], costs)}")
+    own = run_local(overhead_worker, 1, microbatches, args, timeout=3600)[0]
+    actions = 2 * microbatches + 1
+    compute = statistics.median(own["plain"]) / actions
+    for family in OVERHEAD_FAMILIES:
+        extra = statistics.median(t - p for t, p in zip(own[family], own["plain"], strict=True)) / actions
+        print(
+            f"{'executor ' + family:>20} {extra * 1e6:+.0f} us per action ({extra / compute:+.1%} of a plain action, "
+            f"{compute * 1e3:.2f} ms): one process, one stage, no messages, median of paired rounds"
+        )
+    ratios = [
+        f"{_paired(per_round['ours 1f1b'], per_round[f'ours {family}']):>7.2f}x "
+        f"{_predicted_ratio(family, microbatches, in_run['1f1b'], wires, nbytes):>8.2f}x"
+        for family in ("2bw", "cdp")
+    ]
+    peers = [_paired(per_round[f"torch {family}"], per_round[f"ours {family}"]) for family in PEERS]
+    return f"{'':>8} {microbatches:>3} {rows:>5} {ratios[0]} {ratios[1]} {peers[0]:>9.2f}x {peers[1]:>10.2f}x"
+
+
+def _overhead(in_run: list[StageCosts], alone: list[StageCosts]) -> str:
+    """Per stage, what a forward and a backward cost inside the pipeline beyond the same compute alone
+    (median over the rounds of the difference of the rounds' means), in ms and as a share of alone."""
+    parts = []
+    for stage in range(2):
+        for kind in ("forward", "backward"):
+            extra = statistics.median(
+                getattr(i, kind)[stage] - getattr(a, kind)[stage] for i, a in zip(in_run, alone, strict=True)
+            )
+            base = statistics.median(getattr(a, kind)[stage] for a in alone)
+            parts.append(f"{kind[0].upper()}{stage} {extra * 1e3:+.3f} ms ({extra / base:+.1%})")
+    return ", ".join(parts)
+
+
+def _predicted_ratio(
+    name: str, microbatches: int, costs: list[StageCosts], networks: list[tuple[float, ...]], nbytes: float
+) -> float:
+    """Median over the rounds of the simulated step of our 1F1B over that of ``name``, each round
+    simulated with its own costs (a calibration run's) and network: the predicted speed-up."""
+    return statistics.median(
+        predicted("1f1b", microbatches, c, nbytes, n) / predicted(name, microbatches, c, nbytes, n)
+        for c, n in zip(costs, networks, strict=True)
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ serves the test data.
   grey images with values 0..16, shipped inside scikit-learn, nothing is downloaded). The images are
   divided by 16, then normalised with the mean and standard deviation of the training split's pixels.
   A permutation drawn from ``torch.Generator().manual_seed(seed)`` splits them into train, validation
-  and test sets (:func:`split_indices`).
+  and test sets (:func:`split_indices`). ``channels=3`` repeats the grey channel into an RGB image, the
+  input the torchvision models take (their CIFAR variants run on 8x8 images).
 * :class:`CIFAR10DataModule` reads the python version of CIFAR-10 with torchvision's
   ``datasets.CIFAR10`` (``download=False``). Training images are augmented as in He et al., "Deep
   Residual Learning for Image Recognition" (CVPR 2016), section 4.2: a random 32x32 crop of the image
@@ -216,12 +217,15 @@ class DigitsDataModule(_SplitDataModule):
         test_fraction: float = 0.15,
         seed: int = 0,
         num_workers: int = 0,
+        channels: int = 1,
     ) -> None:
         super().__init__(batch_size, num_workers, seed)
         split_indices(DIGITS_COUNT, val_fraction, test_fraction, seed)  # validates without reading data
+        if channels not in (1, 3):
+            raise PlanningError(f"channels must be 1 (grey) or 3 (grey repeated as RGB); got {channels!r}")
         self.save_hyperparameters()
         self.num_classes = 10
-        self.input_shape = (1, 8, 8)
+        self.input_shape = (channels, 8, 8)
         self.indices: dict[str, torch.Tensor] = {}
         self.mean: float | None = None
         self.std: float | None = None
@@ -234,7 +238,7 @@ class DigitsDataModule(_SplitDataModule):
         self.indices = {"train": train, "val": val, "test": test}
         self.mean = images[train].mean().item()
         self.std = images[train].std().item()
-        normalised = (images - self.mean) / self.std
+        normalised = ((images - self.mean) / self.std).repeat(1, self.hparams.channels, 1, 1)
         self.train_dataset = TensorDataset(normalised[train], labels[train])
         self.val_dataset = TensorDataset(normalised[val], labels[val])
         self.test_dataset = TensorDataset(normalised[test], labels[test])

@@ -92,6 +92,19 @@ def test_digits_batches_and_normalisation() -> None:
     torch.testing.assert_close(val[:, 0], raw_val)
 
 
+def test_digits_as_rgb_repeat_the_grey_channel() -> None:
+    """``channels=3`` (the torchvision models' input): the same normalised image in every channel."""
+    grey, rgb = DigitsDataModule(seed=3), DigitsDataModule(seed=3, channels=3)
+    assert rgb.input_shape == (3, 8, 8)
+    grey.setup(), rgb.setup()
+    images, labels = rgb.train_dataset.tensors
+    assert images.shape[1:] == (3, 8, 8) and torch.equal(labels, grey.train_dataset.tensors[1])
+    for channel in range(3):
+        assert torch.equal(images[:, channel], grey.train_dataset.tensors[0][:, 0])
+    with pytest.raises(PlanningError, match=r"channels must be 1 .* or 3"):
+        DigitsDataModule(channels=2)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     val_fraction=st.floats(0.01, 0.45),

@@ -36,7 +36,9 @@ def _options(group: str) -> list[str]:
     return sorted(path.stem for path in (CONF / group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize("group", ["partitioner", "schedule", "update_rule", "memory", "model", "data", "trainer"])
+@pytest.mark.parametrize(
+    "group", ["partitioner", "schedule", "update_rule", "memory", "model", "data", "trainer", "experiment"]
+)
 def test_every_option_of_a_group_composes_and_builds_its_strategy(group: str) -> None:
     """Each YAML file matches its schema (a typo in a file fails here) and gives a strategy the
     constructor accepts (a family, rule or partitioner name it does not know fails here)."""

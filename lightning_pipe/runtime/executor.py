@@ -255,6 +255,8 @@ class PipelineExecutor:
         self.deferred: list[Action] = []
         self.copies_inputs: set[int] = set()  # stages whose first layer works in place on the received input
         self.loss_key: tuple[int, int] | None = None
+        self._running: list[Action] = []  # the actions of the call (or drain) being run
+        self._position = 0  # the index of the one running
         dist.barrier()
         self.epoch = time.perf_counter()
 
@@ -389,7 +391,7 @@ class PipelineExecutor:
             self.calls = 0
             self._calls_cache.clear()
             for weights in self.weights.values():  # the next fill starts from the live weights
-                weights.versions.clear()
+                weights.forget_versions()
             self.garbage.full()
         return self._share(output) if share_losses else output
 
@@ -490,7 +492,9 @@ class PipelineExecutor:
             self.transport.next_call()
             self._expect(peers)
             early = cooldown_backwards(actions, self.early_gradients)
+            self._running = actions
             for position, action in enumerate(actions):
+                self._position = position
                 start, waited = time.perf_counter(), self.transport.waited
                 self._execute(action, output, return_outputs, position in early)
                 end = time.perf_counter()
@@ -748,9 +752,10 @@ class PipelineExecutor:
                     store.pop(t, None)
 
     def _versions_kept(self, stage: int) -> set[int]:
-        """Versions of ``stage`` that micro-batches in flight or the next calls of this worker use."""
-        calls = range(self.calls, self.calls + self.program.period + 2)
-        upcoming = [a for call in calls for a in self._actions(self.rank, call)]
+        """Versions of ``stage`` that micro-batches in flight, the rest of this call or the next calls of
+        this worker use."""
+        calls = range(self.calls + 1, self.calls + self.program.period + 2)
+        upcoming = self._running[self._position + 1 :] + [a for call in calls for a in self._actions(self.rank, call)]
         kept = {a.version for a in upcoming if a.stage == stage and a.kind in COMPUTE}
         kept |= {state.version for (s, _, _), state in self.in_flight.items() if s == stage}
         return kept

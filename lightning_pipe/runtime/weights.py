@@ -1,16 +1,20 @@
 """Weight versions, gradient accumulation and updates of one stage on one worker.
 
 A stage computes with a *version* of its weights: version ``v`` is the weights after ``v`` updates
-(DESIGN.md, update rules). Forward passes run on the leaves of the version they use (through
-:func:`torch.func.functional_call` for a snapshot), so a backward always differentiates the weights
-its forward saw, however many updates happened in between (weight stashing, Narayanan et al. 2019
-§3.3).
+(DESIGN.md, update rules). A backward always differentiates the weights its forward saw, however many
+updates happened in between (weight stashing, Narayanan et al. 2019 §3.3).
 
 - When every use of a version ends before the next update (flushing schedules), the live parameters
-  are those leaves: no copy.
-- Otherwise each version in use is a detached snapshot taken while it is current; the optimizer then
-  updates the live parameters in place without disturbing pending backwards. Snapshots no future
-  action needs are dropped.
+  are the leaves the forwards use: no copy.
+- Otherwise (non-flushing schedules) forwards run on a :class:`WeightCopy`: detached leaves of the
+  stage's weights and a replica of the stage's module computing with them (its buffers, e.g. batch
+  norm's running statistics, are the live module's own). The live parameters, which the optimizer
+  updates in place, share the storage of the copy of the current version, so taking a version costs
+  nothing. Only an update whose outgoing version is still in use moves the live parameters to another
+  storage first (one copy of the weights, into the storage of a version no longer used when there is
+  one), leaving the outgoing version's values where its micro-batches saw them. A stage therefore holds
+  as many copies of its weights as versions are in use at once, plus at most one spare: two for
+  PipeDream-2BW (Narayanan et al. 2021, §3.1), and no allocation from one step to the next.
 
 Gradients are accumulated per step (two steps can be in flight): the step's first backward keeps the
 gradients autograd made (nothing to zero), later ones are added into them in place. Frozen
@@ -23,6 +27,7 @@ Everything that carries over between calls is in :meth:`StageWeights.state_dict`
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +36,36 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-__all__ = ["StageWeights"]
+__all__ = ["StageWeights", "WeightCopy"]
+
+
+class WeightCopy(dict[str, torch.Tensor]):
+    """One copy of a stage's weights: parameter name -> detached leaf, and :attr:`module`, a replica of
+    the stage's module whose parameters are those leaves (``None`` when the module cannot be copied:
+    the forward then goes through :func:`torch.func.functional_call`)."""
+
+    module: nn.Module | None = None
+
+    @classmethod
+    def of(cls, module: nn.Module, storages: dict[str, torch.Tensor]) -> WeightCopy:
+        """A copy whose leaves are views of ``storages`` (name -> tensor) with their own version
+        counters, so in-place changes of the tensors in ``storages`` never fail a backward that saved
+        a leaf (the caller makes sure none is in flight then)."""
+        leaves = cls()
+        for name, param in module.named_parameters():
+            source = storages[name]
+            view = torch.empty(0, dtype=source.dtype, device=source.device)
+            view.set_(source.untyped_storage(), source.storage_offset(), source.shape, source.stride())
+            leaves[name] = nn.Parameter(view, requires_grad=param.requires_grad)
+        # the replica shares the module's buffers; only the parameters are replaced (deepcopy's memo
+        # maps the originals to the replacements)
+        memo: dict[int, Any] = {id(p): leaves[name] for name, p in module.named_parameters()}
+        memo.update({id(buffer): buffer for buffer in module.buffers()})
+        try:
+            leaves.module = copy.deepcopy(module, memo)
+        except Exception:  # a module holding something deepcopy refuses (a lock, a process group)
+            leaves.module = None
+        return leaves
 
 
 class StageWeights:
@@ -63,9 +97,11 @@ class StageWeights:
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.gradients: dict[int, list[torch.Tensor]] = {}
         self._summed: set[int] = set()  # steps whose buffer already holds the replicas' sum
+        self._bound: WeightCopy | None = None  # the copy sharing the live parameters' storage
+        self._spare: WeightCopy | None = None  # a copy no version uses, whose storage the next move takes
 
     def leaves(self, version: int) -> dict[str, torch.Tensor]:
-        """The tensors to compute with for ``version`` (the current version or a kept snapshot)."""
+        """The tensors to compute with for ``version`` (the current version or a kept copy)."""
         if not self.snapshots:
             if version != self.version:
                 raise RuntimeError(f"version {version} asked while the stage is at version {self.version}")
@@ -76,10 +112,9 @@ class StageWeights:
                     f"version {version} is gone (the stage is at version {self.version}, keeps "
                     f"{sorted(self.versions)}): the schedule uses a version it did not keep"
                 )
-            self.versions[version] = {
-                name: p.detach().clone().requires_grad_(p.requires_grad)
-                for name, p in zip(self.names, self.params, strict=True)
-            }
+            if self._bound is None:
+                self._bound = WeightCopy.of(self.module, self._live)
+            self.versions[version] = self._bound
         return self.versions[version]
 
     def differentiable(self, leaves: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -88,10 +123,36 @@ class StageWeights:
         return [values[i] for i in self.trainable]
 
     def forward(self, leaves: dict[str, torch.Tensor], inputs: Any) -> Any:
-        """The stage's forward with ``leaves`` as its weights (a plain call for the live ones)."""
+        """The stage's forward with ``leaves`` as its weights (a plain call for the live ones and for a
+        :class:`WeightCopy` with a replica)."""
         if leaves is self._live:
             return self.module(inputs)
+        replica = getattr(leaves, "module", None)
+        if replica is not None:
+            return replica(inputs)
         return functional_call(self.module, leaves, (inputs,))
+
+    def weight_copies(self) -> int:
+        """How many copies of the stage's weights this worker holds (live ones and spare included)."""
+        held = [self._live, *self.versions.values(), *([self._spare] if self._spare is not None else [])]
+        return len({leaves[self.names[0]].untyped_storage().data_ptr() for leaves in held}) if self.names else 0
+
+    def forget_versions(self) -> None:
+        """Drop every kept version and spare copy (after a drain: the next fill starts from the live
+        weights, with replicas made anew so they follow changes of the module's training mode)."""
+        self.versions.clear()
+        self._bound = self._spare = None
+
+    def _move_live(self) -> None:
+        """Give the live parameters a storage of their own (the spare copy's, or a new one) holding
+        the same values, so the optimizer's in-place update leaves the bound copy as it is."""
+        target = self._spare or WeightCopy.of(self.module, {n: torch.empty_like(p) for n, p in self._live.items()})
+        self._spare = None
+        with torch.no_grad():
+            for name, param in self._live.items():
+                target[name].copy_(param)
+                param.data = target[name].detach()
+        self._bound = target
 
     def _buffer(self, step: int) -> list[torch.Tensor | None]:
         """``step``'s gradients so far (``None`` for a weight none reached yet)."""
@@ -156,8 +217,8 @@ class StageWeights:
         ``prepare(gradients)`` runs just before the optimizer steps (clipping, hyper-parameters).
         ``skip`` drops the gradient instead (an overflowed float16 step): the weights and the
         optimizer stay as they are, the version counter still advances (versions count steps)."""
-        if self.snapshots and self.version in keep:
-            self.leaves(self.version)  # the outgoing version stays usable after the in-place update
+        if self.snapshots:
+            self._retire(keep)
         buffer = self.summed_gradients(step)
         del self.gradients[step]
         self._summed.discard(step)
@@ -170,7 +231,16 @@ class StageWeights:
             for param in self.params:
                 param.grad = None
         self.version += 1
-        self.versions = {v: leaves for v, leaves in self.versions.items() if v in keep}
+
+    def _retire(self, keep: set[int]) -> None:
+        """Before an update: versions outside ``keep`` are dropped (one copy kept as the spare); when
+        the outgoing version is kept and shares the live storage, the live parameters move away."""
+        for version in [v for v in self.versions if v not in keep]:
+            dropped = self.versions.pop(version)
+            if dropped is not self._bound:
+                self._spare = dropped
+        if self.version in keep and self.leaves(self.version) is self._bound:
+            self._move_live()  # the outgoing version stays usable after the in-place update
 
     def _sum_replicas(self, buffer: list[torch.Tensor | None]) -> None:
         """Sum ``buffer`` over the stage's replicas in place: a weight some replica has a gradient
@@ -202,11 +272,9 @@ class StageWeights:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.version = int(state["version"])
+        self.forget_versions()
         self.versions = {
-            int(v): {
-                k: t.to(self._live[k].device, copy=True).requires_grad_(self._live[k].requires_grad)
-                for k, t in leaves.items()
-            }
+            int(v): WeightCopy.of(self.module, {k: t.to(self._live[k].device, copy=True) for k, t in leaves.items()})
             for v, leaves in state["versions"].items()
         }
         self.gradients = {

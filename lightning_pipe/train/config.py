@@ -136,6 +136,7 @@ class DigitsConfig(DataConfig):
     test_fraction: float = 0.15
     seed: int = 0
     num_workers: int = 0
+    channels: int = 1  # 3: the grey channel repeated as RGB, for the torchvision models
 
 
 @dataclass

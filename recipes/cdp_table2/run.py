@@ -3,6 +3,7 @@
 
     python recipes/cdp_table2/run.py --size smoke     # 1 seed, 2 epochs on the digits (CI)
     python recipes/cdp_table2/run.py --size reduced   # 5 seeds x 20 epochs on the digits, 2 CPUs
+    python recipes/cdp_table2/run.py --size reduced_resnet   # CIFAR ResNet-18, 3 seeds x 20 epochs
     python recipes/cdp_table2/run.py --size full --experiment cdp_resnet18_cifar10 data.root=/data/cifar10
 
 Each size runs one Hydra multirun of ``lightning-pipe-train`` over ``update_rule`` x ``seed`` (two or
@@ -30,6 +31,7 @@ PAPER = {  # Table 2, top-1 %: (cdp_v1, cdp_v2, dp)
 SIZES = {
     "smoke": {"experiment": "cdp_digits", "seeds": [0], "overrides": ["trainer.max_epochs=2"]},
     "reduced": {"experiment": "cdp_digits", "seeds": [0, 1, 2, 3, 4], "overrides": []},
+    "reduced_resnet": {"experiment": "cdp_resnet18_digits", "seeds": [0, 1, 2], "overrides": []},
     "full": {"experiment": "cdp_resnet18_cifar10", "seeds": [0, 1, 2], "overrides": []},
 }
 
