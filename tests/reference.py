@@ -8,7 +8,8 @@ optimizer step from ``θ^j_t`` with the mean of those gradients:
 - sync:   ``v = t``                                 θ_{t+1} = θ_t − γ/N Σ ∇f_i(θ_t)
 - 2bw / cdp_v1: ``v = t − 1``                       θ_{t+1} = θ_t − γ/N Σ ∇f_i(θ_{t−1})
 - cdp_v2: ``v = t`` if ``i + j >= N − 1`` else ``t − 1`` (0-based, Fournier & Oyallon Eq. CDP-v2)
-- stash / vertical: the versions the schedule's order gives (PipeDream), read off the IR.
+- stash / vertical: PipeDream's, from the in-flight counts of its 1F1B order (:func:`pipedream_stash`,
+  :func:`pipedream_vertical`), not read off a schedule.
 """
 
 from __future__ import annotations
@@ -41,12 +42,28 @@ def cdp_v2(stages: int) -> Rule:
     return version
 
 
-def from_schedule(family: str, stages: int, microbatches: int, steps: int, **options: object) -> Rule:
-    schedule = make_schedule(family, stages, microbatches, steps, **options)
-    used = {(a.stage, a.microbatch, a.step): a.version for _, _, a in schedule.actions() if a.kind is Kind.F}
+def pipedream_stash(stages: int, microbatches: int, slack: int = 0) -> Rule:
+    """Weight stashing (Narayanan et al. 2019, §3.3) on PipeDream's 1F1B order, from the paper's
+    definitions rather than from a schedule: a forward uses the newest version its stage has. In the
+    steady state stage ``j`` keeps ``P - j`` micro-batches in flight, plus ``slack`` for each link
+    downstream of it, so the forward of the ``n``-th micro-batch (``n = t m + i``) follows the
+    backward of micro-batch ``n - in_flight``; a stage updates right after a step's ``m``-th backward.
+    Its version is therefore ``floor((n - in_flight + 1) / m)``, and 0 during the fill."""
 
     def version(stage: int, microbatch: int, step: int) -> int:
-        return used[(stage, microbatch, step)]
+        in_flight = stages - stage + slack * (stages - 1 - stage)
+        return max(step * microbatches + microbatch - in_flight + 1, 0) // microbatches
+
+    return version
+
+
+def pipedream_vertical(stages: int, microbatches: int, slack: int = 0) -> Rule:
+    """Vertical sync (Narayanan et al. 2019, §3.3): every stage of a micro-batch uses the version
+    its first stage used, :func:`pipedream_stash`'s version of stage 0."""
+    stash = pipedream_stash(stages, microbatches, slack)
+
+    def version(stage: int, microbatch: int, step: int) -> int:
+        return stash(0, microbatch, step)
 
     return version
 

@@ -16,9 +16,10 @@ from tests.reference import (
     batches,
     build_stages,
     cdp_v2,
-    from_schedule,
     leading_forwards,
     one_step_late,
+    pipedream_stash,
+    pipedream_vertical,
     reference,
     run_pipeline,
     sync,
@@ -36,7 +37,8 @@ def _rule(case: dict):
     family, options = case["family"], case.get("options", {})
     rule = options.get("rule")
     if family in ("pipedream",) or (family == "2bw" and rule == "stash"):
-        return from_schedule(family, case["stages"], case["microbatches"], case["steps"], **options)
+        make = pipedream_vertical if rule == "vertical" else pipedream_stash
+        return make(case["stages"], case["microbatches"], options.get("slack", 0))
     if family == "2bw" or (family == "cdp" and rule == "cdp_v1"):
         return one_step_late
     if family == "cdp":

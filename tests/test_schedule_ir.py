@@ -6,12 +6,13 @@ import json
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule import FAMILIES, Action, Kind, Schedule, StageCosts, make_schedule, simulate, validate
 from lightning_pipe.schedule.versions import assign_versions
+from tests.reference import pipedream_stash, pipedream_vertical
 
 GRID = [(p, m, steps) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 8) for steps in (1, 2, 3)]
 
@@ -215,3 +216,28 @@ def test_lowered_1f1b_matches_torch_conventions() -> None:
     orders = with_transfers(make_schedule("1f1b", 2, 2)).to_torch()
     assert orders[0] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
     assert orders[1] == ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    family=st.sampled_from(["pipedream", "2bw"]),
+    rule=st.sampled_from(["stash", "vertical"]),
+    stages=st.integers(2, 5),
+    microbatches=st.integers(1, 4),
+    slack=st.integers(0, 2),
+    steps=st.integers(1, 5),
+)
+def test_stash_and_vertical_versions_follow_pipedreams_definitions(
+    family: str, rule: str, stages: int, microbatches: int, slack: int, steps: int
+) -> None:
+    """Every forward and backward carries the version PipeDream's definitions give (the in-flight
+    counts of its 1F1B order, ``tests/reference.py``), not one read off the schedule itself. Guards
+    against vertical sync made to behave like stashing, or stashing reading a newer version."""
+    # 2BW runs stashing only, and needs the first stage's warm-up to fit in a step
+    assume(family == "pipedream" or (rule == "stash" and microbatches >= (stages - 1) * (1 + slack)))
+    rules = {"stash": pipedream_stash, "vertical": pipedream_vertical}
+    expected = rules[rule](stages, microbatches, slack)
+    schedule = make_schedule(family, stages, microbatches, steps, rule=rule, slack=slack)
+    for _, _, action in schedule.actions():
+        if action.kind in (Kind.F, Kind.B):
+            assert action.version == expected(action.stage, action.microbatch, action.step), action
