@@ -241,3 +241,39 @@ def test_stash_and_vertical_versions_follow_pipedreams_definitions(
     for _, _, action in schedule.actions():
         if action.kind in (Kind.F, Kind.B):
             assert action.version == expected(action.stage, action.microbatch, action.step), action
+
+
+def _with_version(schedule: Schedule, stage: int, microbatch: int, step: int, version: int) -> Schedule:
+    """``schedule`` with the forward and backward of one micro-batch on one stage set to ``version``."""
+    return schedule.with_orders(
+        [
+            [
+                replace(a, version=version)
+                if a.kind in (Kind.F, Kind.B) and (a.stage, a.microbatch, a.step) == (stage, microbatch, step)
+                else a
+                for a in order
+            ]
+            for order in schedule.orders
+        ]
+    )
+
+
+def test_versions_that_do_not_exist_yet_and_missing_or_extra_updates_are_refused() -> None:
+    """Each check of the validator's version and update rules, with the schedule a plausible bug
+    would make. Guards against the "uses a version before it exists" check (and the others) being
+    disabled: no generator produces these schedules."""
+    late = make_schedule("2bw", 2, 2, 3)
+    first = next(a for a in late.orders[0] if a.kind is Kind.F and a.step == 1)
+    assert first.version == 0  # runs before stage 0's UPDATE of step 0 (2BW's delayed weights)
+    with pytest.raises(PlanningError, match=r"uses version 1 before this worker's UPDATE of step 0 produces it"):
+        validate(_with_version(late, 0, first.microbatch, 1, 1))
+    flushing = make_schedule("1f1b", 2, 2, 2)
+    with pytest.raises(PlanningError, match=r"uses version 1, but step 0 can see at most version 0"):
+        validate(_with_version(flushing, 1, 0, 0, 1))
+    update = Action(Kind.UPDATE, 0, None, 1)
+    twice = _edit(flushing, 0, lambda order: order.append(update))
+    with pytest.raises(PlanningError, match=r"worker 0 owns stage 0 but updates it 2 times in step 1"):
+        validate(twice)
+    never = _edit(flushing, 0, lambda order: order.remove(update))
+    with pytest.raises(PlanningError, match=r"worker 0 owns stage 0 but updates it 0 times in step 1"):
+        validate(never)

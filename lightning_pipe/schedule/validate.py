@@ -124,8 +124,8 @@ def validate(schedule: Schedule) -> Graph:
         raise PlanningError(f"{schedule.family}: the schedule has no workers or no actions")
     _check_ranges(schedule)
     _check_work(schedule)
+    _check_versions(schedule)  # first: a version beyond its step is the cause, not a late update
     _check_updates(schedule)
-    _check_versions(schedule)
     graph = build_graph(schedule)
     graph.order()
     return graph
