@@ -13,6 +13,7 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.memory import MemoryModel
 from lightning_pipe.network import Network
 from lightning_pipe.partition import PARTITIONERS, PlanRequest, next_fit, partition
+from lightning_pipe.partition.plan import evaluate
 
 WEIGHTS_ONLY = MemoryModel(extra_copies=0)
 
@@ -191,3 +192,40 @@ def test_large_noncontiguous_uses_heuristics_and_beats_contiguous() -> None:
     assert plan.bottleneck_seconds == pytest.approx(sum(seconds) / 8)  # list scheduling balances it perfectly
     assert "too many for the exact search" in plan.notes[-1]
     assert sorted(layer for stage in plan.stages for layer in stage.layers) == list(range(1500))
+
+
+@pytest.mark.parametrize("partitioner", ["time", "pipedream", "memory", "exact"])
+def test_equal_bottlenecks_are_broken_by_the_smaller_peak_memory(partitioner: str) -> None:
+    """Three layers of 1 s on 2 devices: {0 | 1, 2} and {0, 1 | 2} both have a 2 s bottleneck. Under
+    1F1B the first stage keeps 2 micro-batches, the second 1, so with saved bytes [10, 1, 1] the peaks
+    are max(2*10, 1+1) = 20 and max(2*11, 1) = 22, and with [1, 1, 10] they are max(2, 11) = 11 and
+    max(4, 10) = 10: the planner must take the first split, then the second. Guards against the
+    tie-break on peak memory being dropped (300 random chains compare bottlenecks only)."""
+    memory = MemoryModel("1f1b", 8, extra_copies=0)
+    for saved, groups, peak in (([10, 1, 1], [(0,), (1, 2)], 20), ([1, 1, 10], [(0, 1), (2,)], 10)):
+        costs = ChainCosts.from_lists([1.0] * 3, saved=saved)
+        limit = 100.0 if partitioner == "memory" else None  # the memory partitioner needs one
+        plan = partition(PlanRequest(costs, 2, memory=memory, memory_limit=limit, straight=True), partitioner)
+        assert [stage.layers for stage in plan.stages] == groups
+        assert (plan.bottleneck_seconds, plan.peak_memory_bytes) == (2.0, peak)
+
+
+def test_replicated_stages_keep_ceil_k_over_r_micro_batches_in_flight() -> None:
+    """The memory of replicated stages, worked by hand (PipeDream's NOAM: a stage followed, itself
+    included, by k workers and replicated r times keeps ceil(k / r) micro-batches in flight, and under
+    weight stashing as many versions). Layers of 100 parameter bytes and 10 saved bytes; stages
+    {0, 1} x2, {2} x1, {3} x1 on 4 workers; momentum SGD (2 extra copies).
+    - last stage: k = 1, r = 1: 1 in flight; 1F1B: (1 + 2) * 100 + 1 * 10 = 310.
+    - middle stage: k = 2, r = 1: 2 in flight: (1 + 2) * 100 + 2 * 10 = 320.
+    - first stage: k = 4, r = 2: ceil(4 / 2) = 2 in flight, not 4: (1 + 2) * 200 + 2 * 20 = 640 per replica.
+    PipeDream (stashing) keeps as many versions as micro-batches in flight: 3 * 100 + 10 = 310 (last),
+    (2 + 2) * 100 + 20 = 420, (2 + 2) * 200 + 40 = 840. Guards against ceil(k / r) replaced by k
+    (first stage 680 and 1280)."""
+    costs = ChainCosts.from_lists([1.0] * 4, params=[100.0] * 4, saved=[10.0] * 4)
+    groups, replicas = [(0, 1), (2,), (3,)], [2, 1, 1]
+    for schedule, expected in (("1f1b", [640, 320, 310]), ("pipedream", [840, 420, 310])):
+        memory = MemoryModel(schedule, None if schedule == "pipedream" else 8, extra_copies=2)
+        plan = evaluate(costs, groups, replicas, partitioner="hand", devices=4, memory=memory)
+        assert [stage.memory_bytes for stage in plan.stages] == expected, schedule
+    assert MemoryModel("2bw").in_flight(7, 3) == 3 and MemoryModel("2bw").weight_versions(7, 3) == 2
+    assert MemoryModel("1f1b", 2).in_flight(5, 2) == 2  # min(ceil(5 / 2), m)
