@@ -186,6 +186,7 @@ class PipelineExecutor:
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
         self.schedule = make(1)
         validate(self.schedule)
+        _check_owned(self.schedule)
         self.global_rank = dist.get_rank()
         self.pipelines = _pipelines(pipelines, self.schedule.workers)
         self.ranks = next(ranks for ranks in self.pipelines if self.global_rank in ranks)
@@ -759,6 +760,22 @@ class PipelineExecutor:
         kept = {a.version for a in upcoming if a.stage == stage and a.kind in COMPUTE}
         kept |= {state.version for (s, _, _), state in self.in_flight.items() if s == stage}
         return kept
+
+
+def _check_owned(schedule: Schedule) -> None:
+    """Refuse a schedule in which a worker computes a stage whose weights it does not hold (FSDP and
+    FSLPP, Rahimi et al. 2025 §3: the weights are fetched from their owner for each use and the
+    gradients sent back), which this runtime does not do. Every rank refuses alike: none waits."""
+    for worker, order in enumerate(schedule.orders):
+        for action in order:
+            owners = schedule.owners[action.stage]
+            if action.kind in COMPUTE and worker not in owners:
+                raise PlanningError(
+                    f"{schedule.family}: worker {worker} computes stage {action.stage}, whose weights live on "
+                    f"worker(s) {list(owners)}; the runtime does not fetch weights from their owner and send the "
+                    "gradients back (FSDP, FSLPP): simulate this family (lightning-pipe simulate), or run ddp, "
+                    "lpp or pp"
+                )
 
 
 def _pipelines(pipelines: Sequence[Sequence[int]] | None, workers: int) -> list[list[int]]:
