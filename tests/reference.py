@@ -111,10 +111,18 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
 }
 
 
-def reference(stages: list[nn.Module], data, microbatches: int, rule: Rule, optimizer: str) -> list[list[torch.Tensor]]:
+def reference(
+    stages: list[nn.Module],
+    data,
+    microbatches: int,
+    rule: Rule,
+    optimizer: str,
+    record: dict[tuple[int, int], tuple[float, torch.Tensor]] | None = None,
+) -> list[list[torch.Tensor]]:
     """Train ``stages`` in one process following ``rule``; returns each stage's final parameters. A
     parameter without gradient in a step (frozen, or unused) is skipped by the optimizer, as in
-    plain PyTorch training."""
+    plain PyTorch training. ``record`` receives, per ``(step, micro-batch)``, the micro-batch's loss
+    weighted by its share of the mini-batch and the last stage's output."""
     stages = copy.deepcopy(stages)
     optimizers = [OPTIMIZERS[optimizer](list(s.parameters())) if list(s.parameters()) else None for s in stages]
     history = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in stages]
@@ -134,6 +142,8 @@ def reference(stages: list[nn.Module], data, microbatches: int, rule: Rule, opti
             for j, stage in enumerate(stages):
                 out = functional_call(stage, weights[j], (out,))
             loss = nn.functional.cross_entropy(out, y) * (len(y) / len(targets))
+            if record is not None:
+                record[(step, i)] = (float(loss.detach()), out.detach().clone())
             loss.backward()
             for j in range(len(stages)):
                 for index, leaf in enumerate(weights[j].values()):

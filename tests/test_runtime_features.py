@@ -16,7 +16,7 @@ from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead
 from lightning_pipe.runtime.launch import LocalRunError, run_local
 from lightning_pipe.schedule import Kind, make_schedule
 from lightning_pipe.schedule.draw import chrome_trace
-from tests.reference import OPTIMIZERS, batches, build_stages, reference, sync
+from tests.reference import OPTIMIZERS, batches, build_stages, one_step_late, reference, sync
 
 
 class Head(nn.Module):
@@ -356,3 +356,43 @@ def test_small_receives_wait_until_needed_on_cpus_only_by_default() -> None:
     assert _post_ahead(None, cpu) == 256 * 1024
     assert _post_ahead(None, gpu) == 0  # NCCL: a pending send waits for its receive, so post them all
     assert _post_ahead(0, cpu) == 0 and _post_ahead(4096, gpu) == 4096
+
+
+def _losses_worker(rank: int, family: str, options: dict, early: bool) -> dict:
+    executor = PipelineExecutor(
+        lambda k: make_schedule(family, 2, 3, k, **options),
+        build_stages(2),
+        nn.functional.cross_entropy,
+        OPTIMIZERS["sgd"],
+        early_gradients=early,
+    )
+    losses, microbatch_losses, outputs = {}, {}, {}
+    for inputs, targets in batches(4, rows=11):  # micro-batches of 4, 4 and 3 rows
+        output = executor.step(inputs, targets, share_losses=True, return_outputs=True)
+        losses.update(output.losses), microbatch_losses.update(output.microbatch_losses), outputs.update(output.outputs)
+    output = executor.drain(share_losses=True, return_outputs=True)
+    losses.update(output.losses), microbatch_losses.update(output.microbatch_losses), outputs.update(output.outputs)
+    executor.close()
+    return {"losses": losses, "microbatch": microbatch_losses, "outputs": outputs}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("family", "options", "rule", "early"),
+    [("1f1b", {}, sync, True), ("1f1b", {}, sync, False), ("2bw", {}, one_step_late, True)],
+)
+def test_losses_and_outputs_equal_the_references(family: str, options: dict, rule, early: bool) -> None:
+    """Every micro-batch's weighted loss, every step's loss and every last-stage output, as every rank
+    gets them, equal a one-process run of the same update rule (uneven micro-batches included); with
+    and without early input gradients in the cool-down. Guards against a loss weighted wrongly, an
+    output of the wrong micro-batch, or a backward that sends a stale input gradient."""
+    record: dict = {}
+    reference(build_stages(2), batches(4, rows=11), 3, rule, "sgd", record)
+    for result in run_local(_losses_worker, 2, family, options, early, timeout=120):
+        assert sorted(result["microbatch"]) == sorted(record) == sorted(result["outputs"])
+        for key, (loss, output) in record.items():
+            assert result["microbatch"][key] == pytest.approx(loss, abs=1e-6)
+            torch.testing.assert_close(result["outputs"][key], output, atol=1e-6, rtol=0)
+        for step in range(4):
+            expected = sum(record[(step, i)][0] for i in range(3))
+            assert result["losses"][step] == pytest.approx(expected, abs=1e-6)
