@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -270,3 +271,42 @@ def test_unavailable_device_is_rejected():
 def test_failing_layer_is_named():
     with pytest.raises(PlanningError, match=r"layer 1:Linear failed on its input \(tensor shapes \[\(3, 5\)\]\)"):
         profile_layers(nn.Sequential(nn.Linear(7, 5), nn.Linear(4, 2)), torch.randn(3, 7))
+
+
+class _Slow(torch.autograd.Function):
+    """Identity whose forward sleeps ``forward`` seconds and backward ``backward`` seconds."""
+
+    @staticmethod
+    def forward(ctx, x, forward: float, backward: float):
+        ctx.backward = backward
+        time.sleep(forward)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward)
+        return grad, None, None
+
+
+class _Timed(nn.Module):
+    def __init__(self, forward: float, backward: float) -> None:
+        super().__init__()
+        self.times = (forward, backward)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Slow.apply(x * self.scale, *self.times)
+
+
+def test_forward_and_backward_times_are_each_layers_own() -> None:
+    """Layers that sleep known times in their forward and backward: each measured time is at least
+    its sleep, and the longer half is measured longer, per layer. Guards against forward and backward times
+    swapped, or attributed to the neighbouring layer (only positivity was checked)."""
+    costs = profile_layers(
+        nn.Sequential(_Timed(0.002, 0.030), _Timed(0.030, 0.002)), torch.randn(4, 3), warmup=1, repeats=2
+    )
+    first, second = costs.layers
+    assert first.forward_seconds >= 0.002 and first.backward_seconds >= 0.030
+    assert second.backward_seconds >= 0.002 and second.forward_seconds >= 0.030
+    assert first.backward_seconds > first.forward_seconds + 0.02  # a 28 ms difference, measured
+    assert second.forward_seconds > second.backward_seconds + 0.02
