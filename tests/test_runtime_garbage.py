@@ -117,6 +117,29 @@ def test_collection_comes_back_when_the_last_holder_closes() -> None:
     assert not gc.isenabled()
 
 
+def test_the_heap_alive_at_the_start_is_frozen_out_of_later_collections() -> None:
+    """Objects alive when collection is taken over (imports, the model) are frozen: a full
+    collection no longer walks them (it costs only what was made since), while a cycle made
+    afterwards is still freed by it. Guards against the freeze being dropped, which would bring back
+    0.1 s pauses at every aligned collection (``bench/gc_pause.py``)."""
+    gc.enable()
+    gc.unfreeze()
+    old = [[] for _ in range(1000)]  # long-lived objects, alive before the executor starts
+    tracked = len(gc.get_objects())
+    collection = AlignedCollection(3)
+    try:
+        assert gc.get_freeze_count() >= 0.9 * tracked  # the heap of the moment, less its garbage
+        assert not any(item is old for item in gc.get_objects())  # no generation holds it any more
+        cycle = _Cycle()
+        alive = weakref.ref(cycle)
+        del cycle
+        collection.full()
+        assert alive() is None
+    finally:
+        collection.close()
+        gc.unfreeze()
+
+
 @pytest.mark.parametrize("every", [0, -3, True, 2.5, "10"])
 def test_bad_interval_is_refused(every: object) -> None:
     with pytest.raises(PlanningError, match=r"gc_every must be a whole number of calls >= 1, or None; got"):
