@@ -133,6 +133,9 @@ def test_multirun_sweeps_update_rules_on_two_processes_per_run(tmp_path: Path) -
     assert len(runs) == 2
     rules = {json.loads((run / "results.json").read_text())["test"]["test_acc"] > 0.5 for run in runs}
     assert rules == {True}
+    for run in runs:  # the fit's metrics survive the test's spawned processes
+        assert "train_loss_epoch" in (run / "metrics.csv").read_text().splitlines()[0]
+        assert "test_acc" in (run / "test" / "metrics.csv").read_text().splitlines()[0]
     assert {(run / ".hydra" / "overrides.yaml").read_text().split("update_rule=")[1].split()[0] for run in runs} == {
         "sync",
         "cdp_v2",

@@ -5,7 +5,9 @@ measured:
 - ``.hydra/config.yaml`` (the composed configuration; Hydra writes it) and ``overrides.yaml``;
 - ``plan.txt`` (the plan table and the prediction the strategy printed) and ``plan.json``
   (reusable with ``pipeline.plan=<path>``);
-- ``metrics.csv`` (and TensorBoard events with ``logger=tensorboard``), ``pipeline_timeline.png``
+- ``metrics.csv`` (and TensorBoard events with ``logger=tensorboard``; in a multirun, whose runs
+  spawn their processes, the test's metrics go to ``test/metrics.csv``: a spawned test starts a fresh
+  CSV writer, which would rewrite ``metrics.csv`` with the test's columns only), ``pipeline_timeline.png``
   (measured timeline beside the predictions) and ``pipeline_trace.json``;
 - ``results.json``: the test metrics, the predicted and measured step times.
 
@@ -48,6 +50,8 @@ def run(cfg: DictConfig, directory: Path, multirun: bool = False) -> dict[str, A
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     metrics: dict[str, Any] = {}
     if cfg.test:
+        if multirun and trainer.loggers:  # spawned again: keep the fit's metrics.csv as it is
+            trainer.loggers = build.logger_list(cfg, directory / "test")
         (metrics,) = trainer.test(module, datamodule=data, verbose=False)
     if trainer.global_rank == 0:
         metrics = {key: float(value) for key, value in metrics.items()}
