@@ -78,10 +78,10 @@ PEERS = ("1f1b", "gpipe")
 _Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def schedule(name: str, microbatches: int, steps: int) -> Schedule:
-    """The 2-stage schedule of ``name``: a family, or a family with options (:data:`VARIANTS`)."""
+def schedule(name: str, microbatches: int, steps: int, stages: int = 2) -> Schedule:
+    """The schedule of ``name``: a family, or a family with options (:data:`VARIANTS`)."""
     family, options = VARIANTS.get(name, (name, {}))
-    return make_schedule(family, 2, microbatches, steps, **options)
+    return make_schedule(family, stages, microbatches, steps, **options)
 
 
 def stage_module(stage: int, model: argparse.Namespace) -> nn.Module:
@@ -346,9 +346,8 @@ def overhead_worker(rank: int, microbatches: int, model: argparse.Namespace) -> 
         times.setdefault("plain", []).append(_timed(run_step, batches))
 
     def executor(family: str) -> None:
-        options = {"rule": "cdp_v2"} if family == "cdp" else {}
         pipeline = PipelineExecutor(
-            lambda k: make_schedule(family, 1, microbatches, k, **options),
+            lambda k: schedule(family, microbatches, k, stages=1),
             [_one_stage(model)],
             nn.functional.cross_entropy,
             _sgd,

@@ -3,6 +3,8 @@ reused from step to step instead of allocated anew, and that a long run does not
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -28,9 +30,8 @@ def _copies_worker(rank: int, family: str, options: dict, steps: int) -> dict:
 
     def counted(self: StageWeights, *args, **kwargs) -> None:
         update(self, *args, **kwargs)
-        seen.append(self.weight_copies())
-        held = [self._live, *self.versions.values(), *([self._spare] if self._spare is not None else [])]
-        storages.append({leaves[self.names[0]].untyped_storage().data_ptr() for leaves in held})
+        storages.append(self.weight_storages())
+        seen.append(len(storages[-1]))
 
     StageWeights.update = counted
     try:
@@ -144,7 +145,7 @@ def test_an_update_keeps_the_outgoing_version_where_its_forwards_saw_it() -> Non
     before = {name: p.detach().clone() for name, p in weights.module.named_parameters()}
     _train_once(weights, 0, 0, x)
     weights.update(0, keep={0})  # version 0 still used by a micro-batch in flight
-    assert weights.version == 1 and weights.weight_copies() == 2
+    assert weights.version == 1 and len(weights.weight_storages()) == 2
     leaves = weights.leaves(0)
     out = weights.forward(leaves, x)
     expected = torch.func.functional_call(weights.module, {n: t.clone() for n, t in before.items()}, (x,))
@@ -156,3 +157,27 @@ def test_an_update_keeps_the_outgoing_version_where_its_forwards_saw_it() -> Non
     assert sorted(restored.versions) == [0] and restored.version == 1
     torch.testing.assert_close(restored.forward(restored.leaves(0), x), expected)
     assert isinstance(restored.versions[0], WeightCopy) and restored.versions[0].module is not None
+
+
+class _Uncopyable(nn.Linear):
+    """A layer holding something :func:`copy.deepcopy` refuses (a lock)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.lock = threading.Lock()
+
+
+def test_a_module_that_cannot_be_copied_computes_through_functional_call() -> None:
+    """No replica when the module refuses deepcopy: the kept version still computes with its own
+    leaves (through functional_call) and gives them the gradient. Guards the fallback path."""
+    torch.manual_seed(0)
+    weights = StageWeights(_Uncopyable(), OPTIMIZERS["sgd"], snapshots=True)
+    x = torch.randn(3, 4)
+    leaves = weights.leaves(0)
+    assert isinstance(leaves, WeightCopy) and leaves.module is None
+    before = {name: t.detach().clone() for name, t in leaves.items()}
+    weights.backward(0, leaves, [weights.forward(leaves, x).square().sum()], None, [])
+    weights.update(0, keep={0})
+    expected = torch.func.functional_call(weights.module, before, (x,))
+    torch.testing.assert_close(weights.forward(weights.leaves(0), x), expected)
+    assert not torch.equal(weights.module.weight, before["weight"])  # the live weights moved on

@@ -132,10 +132,11 @@ class StageWeights:
             return replica(inputs)
         return functional_call(self.module, leaves, (inputs,))
 
-    def weight_copies(self) -> int:
-        """How many copies of the stage's weights this worker holds (live ones and spare included)."""
+    def weight_storages(self) -> set[int]:
+        """The storages of the copies of the stage's weights this worker holds (live, kept versions and
+        spare), by address: how many copies there are, and whether they are the same from step to step."""
         held = [self._live, *self.versions.values(), *([self._spare] if self._spare is not None else [])]
-        return len({leaves[self.names[0]].untyped_storage().data_ptr() for leaves in held}) if self.names else 0
+        return {leaves[self.names[0]].untyped_storage().data_ptr() for leaves in held} if self.names else set()
 
     def forget_versions(self) -> None:
         """Drop every kept version and spare copy (after a drain: the next fill starts from the live
@@ -146,7 +147,9 @@ class StageWeights:
     def _move_live(self) -> None:
         """Give the live parameters a storage of their own (the spare copy's, or a new one) holding
         the same values, so the optimizer's in-place update leaves the bound copy as it is."""
-        target = self._spare or WeightCopy.of(self.module, {n: torch.empty_like(p) for n, p in self._live.items()})
+        target = self._spare
+        if target is None:
+            target = WeightCopy.of(self.module, {n: torch.empty_like(p) for n, p in self._live.items()})
         self._spare = None
         with torch.no_grad():
             for name, param in self._live.items():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["accuracy_plot", "accuracy_table", "collect", "sweep"]
+__all__ = ["accuracy_plot", "accuracy_table", "collect", "compare", "sweep"]
 
 
 def sweep(experiment: str, rules: list[str], seeds: list[int], overrides: list[str], directory: Path) -> None:
@@ -79,3 +79,25 @@ def accuracy_plot(accuracies: dict[str, dict[int, float]], path: Path, title: st
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def compare(
+    experiment: str,
+    rules: tuple[str, ...],
+    seeds: list[int],
+    overrides: list[str],
+    output: Path,
+    table: str,
+    heading: str,
+    title: str,
+    paper: dict[str, float] | None = None,
+) -> str:
+    """The comparison a recipe runs: :func:`sweep` into ``output/runs``, then the table (``output/table``,
+    rules in the order given) and ``output/accuracy.png``; returns the table."""
+    sweep(experiment, list(rules), seeds, overrides, output / "runs")
+    found = collect(output / "runs")
+    accuracies = {rule: found[rule] for rule in rules if rule in found}
+    text = accuracy_table(accuracies, heading, paper)
+    (output / table).write_text(text)
+    accuracy_plot(accuracies, output / "accuracy.png", title)
+    return text

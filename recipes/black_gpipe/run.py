@@ -17,9 +17,7 @@ device / data parallel / GPipe on 1-8 GPUs at 448x448) needs GPUs and is not par
 
 from __future__ import annotations
 
-import argparse
 import re
-from pathlib import Path
 
 import torch
 
@@ -28,6 +26,7 @@ from lightning_pipe.memory import MemoryModel
 from lightning_pipe.models import torchvision_chain
 from lightning_pipe.partition import PlanRequest, partition
 from lightning_pipe.profiler import profile_layers
+from lightning_pipe.train.recipe import output_directory, sized_parser
 
 DEVICES, MICROBATCHES = 4, 8
 FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
@@ -75,12 +74,9 @@ def partitions(size: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="reduced")
-    parser.add_argument("--output", type=Path)
+    parser = sized_parser(__doc__, SIZES)
     args = parser.parse_args(argv)
-    output = args.output or Path(__file__).parent / "results" / args.size
-    output.mkdir(parents=True, exist_ok=True)
+    output = output_directory(args, __file__)
     (output / "partitions.md").write_text(partitions(args.size))
     print((output / "partitions.md").read_text())
 

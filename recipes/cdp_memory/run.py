@@ -20,7 +20,6 @@ period, DP full and CDP dashed, as Fig. 4).
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,8 @@ from pathlib import Path
 import torch
 import torchvision
 from torch import nn
+
+from lightning_pipe.train.recipe import output_directory, sized_parser
 
 WORKERS = (4, 8, 32)
 PAPER = {"resnet50": 30.0, "vit_b_16": 42.0}  # % reduction of the activation-memory peak, §5
@@ -168,12 +169,9 @@ def plot(results: dict[str, dict[str, object]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="reduced")
-    parser.add_argument("--output", type=Path)
+    parser = sized_parser(__doc__, SIZES)
     args = parser.parse_args(argv)
-    output = args.output or Path(__file__).parent / "results" / args.size
-    output.mkdir(parents=True, exist_ok=True)
+    output = output_directory(args, __file__)
     results = measure(args.size)
     (output / "table.md").write_text(table(results, f"python recipes/cdp_memory/run.py --size {args.size}"))
     plot(results, output / "memory.png")

@@ -15,11 +15,10 @@ experiment is one of Table 2's) and ``accuracy.png`` (mean and each seed per rul
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-from lightning_pipe.train.sweep import accuracy_plot, accuracy_table, collect, sweep
+from lightning_pipe.train.recipe import output_directory, sized_parser
+from lightning_pipe.train.sweep import compare
 
 RULES = ("sync", "cdp_v1", "cdp_v2")
 PAPER = {  # Table 2, top-1 %: (cdp_v1, cdp_v2, dp)
@@ -36,29 +35,20 @@ SIZES = {
 }
 
 
-def _order(item: tuple[str, dict[int, float]]) -> int:
-    return RULES.index(item[0])
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="reduced")
+    parser = sized_parser(__doc__, SIZES)
     parser.add_argument("--experiment", help="a Hydra experiment (default: the size's)")
-    parser.add_argument("--output", type=Path, help="where the table, the plot and the runs go")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. data.root=/data/cifar10")
     args = parser.parse_args(argv)
     size = SIZES[args.size]
     experiment = args.experiment or size["experiment"]
-    output = args.output or Path(__file__).parent / "results" / args.size
-    output.mkdir(parents=True, exist_ok=True)
-    sweep(experiment, list(RULES), size["seeds"], [*size["overrides"], *args.overrides], output / "runs")
-    accuracies = {rule: by_seed for rule, by_seed in sorted(collect(output / "runs").items(), key=_order)}
+    output = output_directory(args, __file__)
     command = "python recipes/cdp_table2/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
     paper = dict(zip(("cdp_v1", "cdp_v2", "sync"), PAPER.get(experiment, ()), strict=False))
     heading = f"`{command.strip()}` (experiment `{experiment}`): test accuracy (%) per update rule."
-    (output / "table.md").write_text(accuracy_table(accuracies, heading, paper))
-    accuracy_plot(accuracies, output / "accuracy.png", "synchronous vs CDP-v1 vs CDP-v2")
-    print((output / "table.md").read_text())
+    overrides = [*size["overrides"], *args.overrides]
+    title = "synchronous vs CDP-v1 vs CDP-v2"
+    print(compare(experiment, RULES, size["seeds"], overrides, output, "table.md", heading, title, paper))
 
 
 if __name__ == "__main__":

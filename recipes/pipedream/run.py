@@ -17,13 +17,13 @@ optimizer's plans for PipeDream's own profiles, and its update rules against syn
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from lightning_pipe.network import Network
 from lightning_pipe.partition import PlanRequest, partition
 from lightning_pipe.profile_file import load_profile
-from lightning_pipe.train.sweep import accuracy_plot, accuracy_table, collect, sweep
+from lightning_pipe.train.recipe import output_directory, sized_parser
+from lightning_pipe.train.sweep import compare
 
 PROFILES = Path(__file__).resolve().parents[2] / "tests" / "data" / "pipedream-profiles"
 RULES = ("sync", "stash", "vertical", "2bw")
@@ -59,25 +59,18 @@ def plans() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="reduced")
-    parser.add_argument("--output", type=Path)
+    parser = sized_parser(__doc__, SIZES)
     parser.add_argument("--plans-only", action="store_true", help="only the plans (a second)")
     args = parser.parse_args(argv)
-    output = args.output or Path(__file__).parent / "results" / args.size
-    output.mkdir(parents=True, exist_ok=True)
+    output = output_directory(args, __file__)
     (output / "plans.md").write_text(plans())
     print((output / "plans.md").read_text())
     if args.plans_only:
         return
     size = SIZES[args.size]
-    sweep("pipedream_digits", list(RULES), size["seeds"], size["overrides"], output / "runs")
-    accuracies = collect(output / "runs")
-    accuracies = {rule: accuracies[rule] for rule in RULES if rule in accuracies}
     heading = f"`python recipes/pipedream/run.py --size {args.size}`: test accuracy (%) per update rule."
-    (output / "accuracy.md").write_text(accuracy_table(accuracies, heading))
-    accuracy_plot(accuracies, output / "accuracy.png", "PipeDream's rules vs synchronous")
-    print((output / "accuracy.md").read_text())
+    title = "PipeDream's rules vs synchronous"
+    print(compare("pipedream_digits", RULES, size["seeds"], size["overrides"], output, "accuracy.md", heading, title))
 
 
 if __name__ == "__main__":
