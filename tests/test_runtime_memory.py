@@ -3,6 +3,7 @@ reused from step to step instead of allocated anew, and that a long run does not
 
 from __future__ import annotations
 
+import io
 import threading
 
 import pytest
@@ -157,6 +158,33 @@ def test_an_update_keeps_the_outgoing_version_where_its_forwards_saw_it() -> Non
     assert sorted(restored.versions) == [0] and restored.version == 1
     torch.testing.assert_close(restored.forward(restored.leaves(0), x), expected)
     assert isinstance(restored.versions[0], WeightCopy) and restored.versions[0].module is not None
+
+
+def test_a_state_with_a_version_and_a_gradient_in_flight_resumes_exactly() -> None:
+    """2BW's state between micro-batches: version 0 kept for a micro-batch in flight, the live weights
+    at version 1, and step 1's gradient half accumulated. A fresh stage loaded from the state_dict
+    finishes the step exactly as the original does: the same kept leaves, the same gradient (the
+    half saved plus the second half) and the same weights after the update. Guards against a state
+    that drops the pending gradient or restores it into the wrong step."""
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    stages = [_stage(), _stage()]
+    _train_once(stages[0], 0, 0, x)
+    stages[0].update(0, keep={0})
+    _train_once(stages[0], 1, 0, x)  # step 1's first micro-batch, on the version kept
+    file = io.BytesIO()  # through bytes, as a checkpoint: the optimizer's state_dict refers to its live tensors
+    torch.save({"module": stages[0].module.state_dict(), **stages[0].state_dict()}, file)  # as the executor saves
+    file.seek(0)
+    state = torch.load(file)
+    stages[1].module.load_state_dict(state["module"])
+    stages[1].load_state_dict(state)
+    assert stages[1].version == 1 and sorted(stages[1].versions) == [0] and sorted(stages[1].gradients) == [1]
+    for weights in stages:
+        _train_once(weights, 1, 0, y)  # its second micro-batch
+        weights.update(1, keep=set())
+    assert stages[1].version == stages[0].version == 2
+    for restored, original in zip(stages[1].params, stages[0].params, strict=True):
+        assert torch.equal(restored, original)
+    assert not torch.equal(stages[1].params[0], _stage().params[0])  # both really trained
 
 
 class _Uncopyable(nn.Linear):

@@ -458,7 +458,15 @@ class PipelineExecutor:
         return stage_costs(gathered, self.schedule.stages, **network)
 
     def state_dict(self) -> dict[str, object]:
-        """Weights, versions kept, gradients accumulated and optimizer states of this worker's stages."""
+        """Weights, versions kept, gradients accumulated and optimizer states of this worker's stages.
+        A non-flushing schedule must be drained first: the activations of the micro-batches still in
+        the pipeline cannot be saved, so a restored run could not finish them."""
+        if self.calls and not self.schedule.flush:
+            raise PlanningError(
+                f"state_dict() with {self.schedule.family} steps in flight: the micro-batches still in the "
+                "pipeline hold activations a checkpoint cannot keep; call drain() first, on every worker "
+                "(the Lightning strategy drains before it saves)"
+            )
         return {
             "calls": self.calls,
             "origin": self.origin,
@@ -625,11 +633,11 @@ class PipelineExecutor:
             output.losses[step] = sum(self.loss_parts.pop(step).values())
 
     def _forward_saving(self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any) -> tuple[Any, int]:
-        """Forward with autograd; also the bytes it saved for backward (parameters excluded) when
-        memory is tracked."""
+        """Forward with autograd; also the bytes it saved for backward when memory is tracked (model
+        state excluded: the parameters, and buffers such as batch norm's running statistics)."""
         if not self.track_memory:
             return weights.forward(leaves, inputs), 0
-        with saved_bytes(leaves.values()) as counted:
+        with saved_bytes([*leaves.values(), *weights.module.buffers()]) as counted:
             result = weights.forward(leaves, inputs)
             saved = counted()
         self.saved_bytes += saved
