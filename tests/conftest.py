@@ -3,9 +3,15 @@ kept in ``tests/data/pipedream-profiles``)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import Phase, settings
+
+if "MUTANT_UNDER_TEST" in os.environ:  # under mutmut (docs/mutation.md): a failure is enough, no need to shrink it
+    settings.register_profile("mutation", phases=[Phase.explicit, Phase.generate], database=None)
+    settings.load_profile("mutation")
 
 PROFILES = Path(__file__).resolve().parent / "data" / "pipedream-profiles"
 

@@ -15,6 +15,7 @@ optimizer step from ``θ^j_t`` with the mean of those gradients:
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_pipe.runtime.executor import PipelineExecutor
-from lightning_pipe.schedule import Action, Kind, make_schedule
+from lightning_pipe.schedule import Action, Kind, Schedule, make_schedule
 
 Rule = Callable[[int, int, int], int]
 
@@ -185,3 +186,31 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
         results[case["name"]] = {s: [p.detach().clone() for p in w.params] for s, w in executor.weights.items()}
         results["leading forwards"][case["name"]] = leading_forwards([i.action for i in executor.timeline])
     return results
+
+
+_HAND_TOKEN = re.compile(r"^(\d+)(UPDATE|SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d*)(?:@(\d+))?(?:v(\d+))?(?:>(\d+))?$")
+
+
+def hand_action(token: str) -> Action:
+    """An action written as the IR prints it, plus a peer: ``1F0@2v1`` is the forward of stage 1,
+    micro-batch 0, step 2 at version 1 (step and version optional); ``>w`` names a peer."""
+    match = _HAND_TOKEN.match(token)
+    if match is None:
+        raise ValueError(f"not an action: {token!r}")
+    stage, kind, microbatch, step, version, peer = match.groups()
+    return Action(
+        Kind(kind),
+        int(stage),
+        int(microbatch) if microbatch else None,
+        int(step or 0),
+        None if version is None else int(version),
+        None if peer is None else int(peer),
+    )
+
+
+def hand_schedule(
+    orders: list[str], owners: tuple[tuple[int, ...], ...], stages: int, microbatches: int, steps: int
+) -> Schedule:
+    """A schedule written by hand: one line of space-separated :func:`hand_action` tokens per worker."""
+    parsed = [[hand_action(token) for token in line.split()] for line in orders]
+    return Schedule("hand", stages, microbatches, steps, parsed, owners)

@@ -203,7 +203,14 @@ def test_spelled_out_transfers_validate_and_simulate_the_same(family: str) -> No
     lowered = with_transfers(schedule)
     validate(lowered)
     costs = StageCosts.uniform(4, activation_bytes=[1.0] * 4, weight_bytes=[1.0] * 4, bandwidth=2.0)
-    assert simulate(lowered, costs).makespan == simulate(schedule, costs).makespan
+    spelled, implied = simulate(lowered, costs), simulate(schedule, costs)
+    assert spelled.makespan == implied.makespan
+    # each message once: on its RECV, not again on the compute that uses it
+    assert (spelled.sent_bytes, spelled.received_bytes, spelled.transfers) == (
+        implied.sent_bytes,
+        implied.received_bytes,
+        implied.transfers,
+    )
     kinds = [a.kind for order in lowered.orders for a in order]
     assert kinds.count(Kind.SEND_F) == kinds.count(Kind.RECV_F)
     assert kinds.count(Kind.SEND_B) == kinds.count(Kind.RECV_B)

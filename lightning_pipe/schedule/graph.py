@@ -190,6 +190,21 @@ def _sender(schedule: Schedule, index: _Index, node: Node, action: Action) -> No
     return dep
 
 
+def _received(index: _Index, worker: int, action: Action, dep: Node, key: _Key) -> Node:
+    """Where ``action`` gets the data of ``key`` (run at ``dep``): from the spelled-out ``RECV`` on its
+    own worker when the schedule has one (the message is then the ``RECV``'s, not counted twice),
+    else from the producer itself."""
+    if dep[0] == worker:
+        return dep
+    if key[0] is Kind.F and action.kind is Kind.F:
+        receive = Kind.RECV_F
+    elif key[1] == action.stage + 1:  # the gradient of the next stage
+        receive = Kind.RECV_B
+    else:
+        return dep
+    return index.where.get((receive, action.stage, action.microbatch, action.step, worker), dep)
+
+
 def build_graph(schedule: Schedule) -> Graph:
     """Index the actions and derive every dependency; raises a PlanningError for an action that
     appears twice or a dependency that never happens. Dependencies already implied by the worker's
@@ -210,7 +225,7 @@ def build_graph(schedule: Schedule) -> Graph:
                         raise PlanningError(
                             f"{_where(schedule, node, action)} needs {Action(*key)} which no worker runs"
                         )
-                    edges.append((dep, "act"))
+                    edges.append((_received(index, worker, action, dep, key), "act"))
                 if action.version:
                     edges.append((_weight_producer(schedule, index, node, action), "weight"))
             elif kind is Kind.UPDATE:

@@ -84,8 +84,8 @@ class StageCosts:
             raise PlanningError(f"{source}: unknown keys {unknown}; known: {sorted(known)}")
         try:
             return cls(**{key: float(v) if key in _SCALARS else v for key, v in document.items()})
-        except (TypeError, ValueError) as error:
-            raise PlanningError(f"{source}: {error}") from None
+        except (TypeError, ValueError) as error:  # StageCosts' own checks say "costs: ..."
+            raise PlanningError(f"{source}: {str(error).removeprefix('costs: ')}") from None
 
     @classmethod
     def from_plan(cls, document: object, source: str = "plan", replicated: bool = False) -> StageCosts:
@@ -300,7 +300,8 @@ class _Replay:
         self.received[category][worker] += nbytes
         self.count[category][worker] += 1
         sent = self.end[dep]
-        if dep in self.early:  # the input gradient leaves before the weight gradients are computed
+        if dep in self.early and label != "grad":
+            # the input gradient leaves before the weight gradients are computed; a reduce carries those
             source = self.schedule.orders[dep[0]][dep[1]]
             sent = self.start[dep] + self.costs.duration(replace(source, kind=Kind.I))
         return sent + self.costs.transfer(nbytes)
