@@ -179,6 +179,11 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
             recompute=case.get("recompute", False),
             post_ahead_bytes=case.get("post_ahead_bytes"),
         )
+        if case.get("foreign_init"):  # stages this rank computes but does not own start from other weights
+            torch.manual_seed(100 + rank)
+            for weights in executor.borrowed.values():
+                for param in weights.params:
+                    nn.init.normal_(param.data)
         for inputs, targets in batches(case["steps"], rows=case.get("rows", 10)):
             executor.step(inputs, targets)
         executor.drain()

@@ -76,7 +76,9 @@ def test_constructor_refusals() -> None:
     with pytest.raises(PlanningError, match="banana"):
         PipelineStrategy(memory_limit="banana")
     for family in ("ddp", "fsdp", "lpp", "fslpp"):
-        with pytest.raises(PlanningError, match=f"{family} moves weights between workers.*data_parallel=N"):
+        with pytest.raises(
+            PlanningError, match=f"{family} places stages on workers by.*PipelineExecutor.*data_parallel=N"
+        ):
             PipelineStrategy(family)
     with pytest.raises(PlanningError, match="start_method must be 'popen' or 'spawn'"):
         PipelineStrategy(start_method="fork")

@@ -64,7 +64,7 @@ def test_update_rule_picks_a_schedule_that_runs_it_unless_one_is_given() -> None
     [
         ("schedule=zigzag", MissingConfigException, r"Could not find 'schedule/zigzag'"),
         ("schedule.family=zigzag", ValidationError, r"Invalid value 'zigzag', expected one of \[gpipe, 1f1b"),
-        ("schedule.family=ddp", ValidationError, r"Invalid value 'ddp'"),  # simulated only
+        ("schedule.family=ddp", ValidationError, r"Invalid value 'ddp'"),  # w(s, b, d): runtime only
         ("schedule.microbatchs=4", ConfigKeyError, r"Key 'microbatchs' not in 'ScheduleConfig'"),
         ("trainer.devices=two", ValidationError, r"'two' of type 'str' could not be converted to Integer"),
         ("partitioner.name=balanced", ValidationError, r"Invalid value 'balanced'"),

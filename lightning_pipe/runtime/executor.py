@@ -28,6 +28,14 @@ from torch import nn
 
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
+from lightning_pipe.runtime.borrowing import (
+    Lending,
+    check_borrowing,
+    last_gradients,
+    load_weights,
+    returned_gradients,
+    weights_message,
+)
 from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
 from lightning_pipe.runtime.clipping import clip_by_value, norm_coefficient, scale, squared_norm
 from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
@@ -186,7 +194,7 @@ class PipelineExecutor:
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
         self.schedule = make(1)
         validate(self.schedule)
-        _check_owned(self.schedule)
+        check_borrowing(self.schedule)
         self.global_rank = dist.get_rank()
         self.pipelines = _pipelines(pipelines, self.schedule.workers)
         self.ranks = next(ranks for ranks in self.pipelines if self.global_rank in ranks)
@@ -205,7 +213,18 @@ class PipelineExecutor:
         data_group, overflow_group, self.group = pipeline_groups[self.pipelines.index(self.ranks)]
         groups = self._replica_groups()
         snapshots = not self.schedule.flush
-        self.weights = {s: StageWeights(modules[s].to(self.device), optimizer, snapshots, groups.get(s)) for s in mine}
+        self.lending = Lending.of(self.schedule, self.rank)
+        self.weights = {
+            s: StageWeights(modules[s].to(self.device), optimizer, snapshots, groups.get(s))
+            for s in mine
+            if s not in self.lending.lenders
+        }
+        # stages computed here with another worker's weights (FSDP, FSLPP): no optimizer, lent every call
+        self.borrowed = {
+            s: StageWeights(modules[s].to(self.device), _no_optimizer, False) for s in self.lending.lenders
+        }
+        self._returning: dict[int, tuple[int, int]] = {}  # position in the call -> (borrowed stage, step)
+        self._lent: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stage, step, borrower) -> message
         flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)
         self.recompute = {s: bool(flags[s]) for s in mine}
         self.failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
@@ -303,13 +322,51 @@ class PipelineExecutor:
         for peer in range(self.world):
             if peer == self.rank:
                 continue
-            for action in actions_of(peer):
+            actions = actions_of(peer)
+            lent = {s for s, borrowers in self.lending.borrowers.items() if peer in borrowers}
+            returns = last_gradients(actions, lent)
+            sender = self.ranks[peer]
+            for position, action in enumerate(actions):
                 if action.kind not in COMPUTE:
                     continue
                 for key, kind in self._consumers(action):
                     if self._destination(key, kind) == self.rank:
-                        sender = self.ranks[peer]
                         self.expected[key] = (sender, self.transport.expect(sender, key[:3]))
+                if position in returns:  # after its last backward of a stage lent to it: the gradients
+                    stage, step = returns[position]
+                    self._lent[(stage, step, peer)] = (sender, self.transport.expect(sender, ("G", stage, 0)))
+
+    def _lend(self, peers: Callable[[int], list[Action]]) -> None:
+        """Send the live weights of each stage this worker lends to the workers computing it in this call."""
+        for stage, borrowers in self.lending.borrowers.items():
+            for borrower in borrowers:
+                if any(a.stage == stage and a.kind in COMPUTE for a in peers(borrower)):
+                    self.transport.send(self.ranks[borrower], weights_message(self.weights[stage]), ("P", stage, 0))
+
+    def _borrow(self, actions: list[Action]) -> None:
+        """Take the lenders' weights of the stages this worker borrows and computes in this call."""
+        for stage, lender in self.lending.lenders.items():
+            using = next((a for a in actions if a.stage == stage and a.kind in COMPUTE), None)
+            if using is not None:
+                peer = self.ranks[lender]
+                message = self.transport.receive(peer, self.transport.expect(peer, ("P", stage, 0)))
+                load_weights(self.borrowed[stage], message, using.version)
+
+    def _return_gradients(self, stage: int, step: int) -> None:
+        """A borrower's last backward of ``stage`` in ``step`` ran: its gradients go to the lender."""
+        peer = self.ranks[self.lending.lenders[stage]]
+        self.transport.send(peer, returned_gradients(self.borrowed[stage], step), ("G", stage, 0))
+
+    def _collect_lent(self, action: Action) -> None:
+        """Before a lent stage's update: add the gradients its borrowers computed in the step."""
+        for borrower in self.lending.borrowers.get(action.stage, ()):
+            expected = self._lent.pop((action.stage, action.step, borrower), None)
+            if expected is not None:
+                self.weights[action.stage].add(action.step, self.transport.receive(*expected))
+
+    def _computing(self, stage: int) -> StageWeights:
+        """The weights this worker computes ``stage`` with: its own, or borrowed."""
+        return self.weights[stage] if stage in self.weights else self.borrowed[stage]
 
     def _deliver(self, action: Action, obj: Any) -> None:
         for key, kind in self._consumers(action):
@@ -499,13 +556,18 @@ class PipelineExecutor:
         output = StepOutput()
         try:
             self.transport.next_call()
+            self._lend(peers)
+            self._borrow(actions)
             self._expect(peers)
             early = cooldown_backwards(actions, self.early_gradients)
             self._running = actions
+            self._returning = last_gradients(actions, self.borrowed)
             for position, action in enumerate(actions):
                 self._position = position
                 start, waited = time.perf_counter(), self.transport.waited
                 self._execute(action, output, return_outputs, position in early)
+                if position in self._returning:
+                    self._return_gradients(*self._returning[position])
                 end = time.perf_counter()
                 self.timeline.append(
                     Interval(self.rank, action, start - self.epoch, end - self.epoch, self.transport.waited - waited)
@@ -537,8 +599,10 @@ class PipelineExecutor:
         elif action.kind is Kind.W:
             self._weight_gradient(action)
         elif action.kind is Kind.UPDATE and self.deferring:
+            self._collect_lent(action)
             self.deferred.append(action)  # after every stage's gradient of the step: the global norm
         elif action.kind is Kind.UPDATE:
+            self._collect_lent(action)
             self._update(action, self.clip_grad_norm)
 
     def _update(self, action: Action, stage_norm: float | None, skip: bool = False) -> None:
@@ -588,7 +652,7 @@ class PipelineExecutor:
     def _forward(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
         s, mb, t = action.stage, action.microbatch, action.step
         inputs = self.inputs[t][mb] if s == 0 else _floating_leaves(self._incoming(("F", s, mb, t)))
-        weights = self.weights[s]
+        weights = self._computing(s)
         state = _InFlight(inputs=inputs, version=action.version, leaves=weights.leaves(action.version))
         try:
             if self.recompute[s]:
@@ -674,7 +738,7 @@ class PipelineExecutor:
         """GPipe rematerialisation: the forward again, with autograd, under the forward's RNG state (same
         dropout masks), leaving the module's buffers as they were (batch norm's running statistics are
         updated once per micro-batch, by the first forward)."""
-        weights = self.weights[action.stage]
+        weights = self._computing(action.stage)
         accelerated = [self.device] if self.device.type == "cuda" else []
         buffers = [(buffer, buffer.clone()) for buffer in weights.module.buffers()]
         with torch.random.fork_rng(devices=accelerated):
@@ -722,11 +786,11 @@ class PipelineExecutor:
         split = not weights_too or (early and bool(inputs))
         if split:
             state.split = SplitBackward(
-                state.roots, state.root_grads, inputs, self.weights[s].differentiable(state.leaves)
+                state.roots, state.root_grads, inputs, self._computing(s).differentiable(state.leaves)
             )
             grads = state.split.input_gradients()
         else:
-            grads = self.weights[s].backward(t, state.leaves, state.roots, state.root_grads, inputs)
+            grads = self._computing(s).backward(t, state.leaves, state.roots, state.root_grads, inputs)
         if s > 0:
             self._send_input_grads(action, state, grads)
         if weights_too and split:
@@ -737,7 +801,7 @@ class PipelineExecutor:
     def _weight_gradient(self, action: Action) -> None:
         """``W``: the weight gradients of a micro-batch whose ``I`` ran."""
         state = self.in_flight[(action.stage, action.microbatch, action.step)]
-        self.weights[action.stage].add(action.step, state.split.weight_gradients())
+        self._computing(action.stage).add(action.step, state.split.weight_gradients())
         self._release(action)
 
     def _send_input_grads(self, action: Action, state: _InFlight, grads: list[torch.Tensor | None]) -> None:
@@ -781,20 +845,8 @@ def _as_floats(output: StepOutput) -> StepOutput:
     return output
 
 
-def _check_owned(schedule: Schedule) -> None:
-    """Refuse a schedule in which a worker computes a stage whose weights it does not hold (FSDP and
-    FSLPP, Rahimi et al. 2025 §3: the weights are fetched from their owner for each use and the
-    gradients sent back), which this runtime does not do. Every rank refuses alike: none waits."""
-    for worker, order in enumerate(schedule.orders):
-        for action in order:
-            owners = schedule.owners[action.stage]
-            if action.kind in COMPUTE and worker not in owners:
-                raise PlanningError(
-                    f"{schedule.family}: worker {worker} computes stage {action.stage}, whose weights live on "
-                    f"worker(s) {list(owners)}; the runtime does not fetch weights from their owner and send the "
-                    "gradients back (FSDP, FSLPP): simulate this family (lightning-pipe simulate), or run ddp, "
-                    "lpp or pp"
-                )
+def _no_optimizer(params: list[nn.Parameter]) -> None:
+    """A borrowed stage has no optimizer: its lender updates it."""
 
 
 def _pipelines(pipelines: Sequence[Sequence[int]] | None, workers: int) -> list[list[int]]:

@@ -86,7 +86,7 @@ from lightning_pipe.units import parse_bandwidth, parse_bytes
 
 __all__ = ["PipelineStrategy"]
 
-_SIMULATED_ONLY = ("ddp", "fsdp", "lpp", "fslpp")
+_NOT_PLANNED = ("ddp", "fsdp", "lpp", "fslpp")  # Rahimi's w(s, b, d) placement: not one stage per device
 _SYNC_DIST_ADVICE = r"It is recommended to use `self.log\(.*sync_dist=True"
 
 _REGISTERED = {
@@ -207,11 +207,12 @@ class PipelineStrategy(ParallelStrategy):
             repeats=profile_repeats,
         )
         check_whole("profile_repeats", profile_repeats, 1)
-        if schedule in _SIMULATED_ONLY:
+        if schedule in _NOT_PLANNED:
             raise PlanningError(
-                f"{schedule} moves weights between workers, which the simulator models (lightning-pipe simulate) but "
-                "the runtime does not run; for data parallelism give data_parallel=N with any pipeline family (or use "
-                "Lightning's ddp/fsdp); pp is the runnable member of that family"
+                f"{schedule} places stages on workers by Rahimi et al.'s w(s, b, d), not one stage per device as this "
+                "strategy plans them: run it with the runtime (PipelineExecutor, docs/runtime.md) or simulate it "
+                "(lightning-pipe simulate); for data parallelism give data_parallel=N with any pipeline family (or use "
+                "Lightning's ddp/fsdp); pp is the member of that family the strategy runs"
             )
         check_whole("stages", stages, 1, optional=True)
         check_whole("data_parallel", data_parallel, 1, optional=True)

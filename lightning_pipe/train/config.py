@@ -37,14 +37,14 @@ __all__ = [
     "register_configs",
 ]
 
-SIMULATED_ONLY = ("ddp", "fsdp", "lpp", "fslpp")  # the runtime does not run them (lightning-pipe simulate does)
+NOT_PLANNED = ("ddp", "fsdp", "lpp", "fslpp")  # placed by w(s, b, d): the runtime runs them, the strategy does not
 
 
 def _names(kind: str, names: Any) -> type[Enum]:
     return Enum(kind, {name: name for name in names})  # type: ignore[return-value]
 
 
-Family = _names("Family", [name for name in FAMILIES if name not in SIMULATED_ONLY])
+Family = _names("Family", [name for name in FAMILIES if name not in NOT_PLANNED])
 Rule = _names("Rule", RULES)
 Partitioner = _names("Partitioner", PARTITIONERS)
 Model = _names("Model", ("mlp", *MODEL_NAMES))

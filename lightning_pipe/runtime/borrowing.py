@@ -1,0 +1,106 @@
+"""Stages computed away from their weights: FSDP and FSLPP (Rahimi et al. 2025, §3).
+
+In these families a worker computes stages whose weights another worker owns (each stage's weights
+live on one worker, or a few, and the others fetch them for each use). Here a worker *borrows* such a
+stage: at the start of every call in which it computes the stage, the stage's first owner (the
+*lender*) sends it the live weights and buffers; the borrower computes with them, and after its last
+backward of the stage in the call sends the weight gradients back. The lender adds them to its own
+before its update (and before the stage's owners, if several, reduce theirs), so the update is the
+one of the whole mini-batch. Flushing schedules only: every call then computes with the weights of
+the last update, which is what the lender holds when the call starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.weights import StageWeights
+from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
+
+__all__ = ["Lending", "check_borrowing", "last_gradients", "load_weights", "returned_gradients", "weights_message"]
+
+
+@dataclass(frozen=True)
+class Lending:
+    """Who lends what, seen from one worker.
+
+    Attributes:
+        lenders: stage this worker borrows → the worker that lends it (the stage's first owner).
+        borrowers: stage this worker lends → the workers that borrow it.
+    """
+
+    lenders: dict[int, int]
+    borrowers: dict[int, list[int]]
+
+    @classmethod
+    def of(cls, schedule: Schedule, worker: int) -> Lending:
+        computing: dict[int, set[int]] = {s: set() for s in range(schedule.stages)}
+        for w, order in enumerate(schedule.orders):
+            for action in order:
+                if action.kind in COMPUTE:
+                    computing[action.stage].add(w)
+        lenders = {s: schedule.owners[s][0] for s, ws in computing.items() if worker in ws - set(schedule.owners[s])}
+        borrowers = {
+            s: sorted(ws - set(schedule.owners[s]))
+            for s, ws in computing.items()
+            if schedule.owners[s][0] == worker and ws - set(schedule.owners[s])
+        }
+        return cls(lenders, borrowers)
+
+
+def check_borrowing(schedule: Schedule) -> None:
+    """Refuse a non-flushing schedule in which a worker computes a stage it does not own: its calls
+    overlap steps, so the weights a call needs may not be the lender's live ones. Every rank refuses
+    alike: none waits."""
+    if schedule.flush:
+        return
+    for worker, order in enumerate(schedule.orders):
+        for action in order:
+            owners = schedule.owners[action.stage]
+            if action.kind in COMPUTE and worker not in owners:
+                raise PlanningError(
+                    f"{schedule.family}: worker {worker} computes stage {action.stage}, whose weights live on "
+                    f"worker(s) {list(owners)}, in a schedule without flushes; the runtime lends a stage's weights "
+                    "to the workers that compute it only in flushing schedules (fsdp, fslpp)"
+                )
+
+
+def last_gradients(actions: Sequence[Action], stages: set[int] | dict[int, object]) -> dict[int, tuple[int, int]]:
+    """Position of the last gradient action (``B`` or ``W``) of each (stage, step) of ``stages`` in
+    ``actions`` → that (stage, step): where a borrower sends the step's gradients back."""
+    last: dict[tuple[int, int], int] = {}
+    for position, action in enumerate(actions):
+        if action.kind in (Kind.B, Kind.W) and action.stage in stages:
+            last[(action.stage, action.step)] = position
+    return {position: key for key, position in last.items()}
+
+
+def weights_message(weights: StageWeights) -> list[torch.Tensor]:
+    """What a lender sends: the stage's live parameters, then its buffers (batch-norm statistics)."""
+    return [p.detach() for p in weights.params] + list(weights.module.buffers())
+
+
+def load_weights(weights: StageWeights, message: list[torch.Tensor], version: int) -> None:
+    """A borrower takes the lender's parameters and buffers (weight version ``version``) into its copy
+    of the stage, in place."""
+    targets = [*weights.params, *weights.module.buffers()]
+    if len(targets) != len(message):
+        raise PlanningError(
+            f"a lent stage has {len(message)} parameters and buffers, the borrower's copy {len(targets)}: every "
+            "worker must build the same stage modules"
+        )
+    with torch.no_grad():
+        for target, value in zip(targets, message, strict=True):
+            target.copy_(value)
+    weights.version = version
+
+
+def returned_gradients(weights: StageWeights, step: int) -> list[torch.Tensor | None]:
+    """What a borrower sends back after its last backward of ``step``: the gradient of each trainable
+    weight (``None`` where none of its micro-batches reached it), taken out of its buffer."""
+    buffer = weights.gradients.pop(step, None) or [None] * len(weights.params)
+    return [buffer[index] for index in weights.trainable]
