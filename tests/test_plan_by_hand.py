@@ -489,3 +489,32 @@ def test_next_fit_at_exact_capacity() -> None:
     assert next_fit([1.0, 1.0, 1.0, 1.0], 2, 3.0) == [[0, 1, 2], [3]]
     assert next_fit([0.0, 0.0, 2.0, 0.0], 1, 2.0) == [[0, 1, 2, 3]]
     assert next_fit([1.0, 2.0, 1.0], 2, 2.0) is None
+
+
+def test_an_infeasible_memory_limit_says_which_limit_or_device_count_fits() -> None:
+    """Four layers of 4 B of weights (nothing else), one second each, 2 devices, limit 5 B: no device
+    holds two layers. The best 2-device plan (2 s) is two layers per device: 8 B is the smallest
+    limit; one layer per device fits 5 B on 4 devices. Guards the hint's figures (the least memory
+    among the fastest plans, the device count of a straight split) and the micro-batch count."""
+    costs = ChainCosts.from_lists([1.0] * 4, params=[4] * 4)
+    request = PlanRequest(costs, 2, memory_limit=5.0, memory=MemoryModel("1f1b", 2, extra_copies=0))
+    with pytest.raises(PlanningError) as refused:
+        partition(request, "pipedream")
+    assert str(refused.value) == (
+        "no partition on 2 device(s) fits the memory limit of 5 B per device under 1f1b, 2 micro-batches: "
+        "the smallest limit that fits 2 device(s) is 8 B; 5 B fits on 4 devices"
+    )
+
+
+def test_a_layer_larger_than_the_limit_is_named() -> None:
+    """Weights (4, 9, 4) B, limit 5 B: no device count helps, layer 1 alone needs 9 B; the fastest
+    2-device plan (2 s, e.g. {0, 1} and {2}) needs 13 B. No micro-batch count in the message when the
+    memory model has none. Guards which layer is named and its own figure."""
+    costs = ChainCosts.from_lists([1.0] * 3, params=[4, 9, 4])
+    request = PlanRequest(costs, 2, memory_limit=5.0, memory=MemoryModel("1f1b", None, extra_copies=0))
+    with pytest.raises(PlanningError) as refused:
+        partition(request, "pipedream")
+    assert str(refused.value) == (
+        "no partition on 2 device(s) fits the memory limit of 5 B per device under 1f1b: the smallest limit "
+        "that fits 2 device(s) is 13 B; no device count fits 5 B: layer 1 alone needs 9 B"
+    )

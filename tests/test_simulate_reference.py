@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
@@ -421,3 +421,48 @@ def test_a_run_interrupted_by_one_owned_action_fetches_again(data: st.DataObject
     costs = data.draw(stage_costs(2))
     assert simulate(schedule, costs).transfers["weight"] == [2, 1]
     assert_matches(schedule, costs, early_gradients=False)
+
+
+def _scaled(costs: StageCosts, factor: float) -> StageCosts:
+    """The same costs in another unit of time: every duration times ``factor``, bandwidth divided by it."""
+
+    def times(values: object) -> list[float] | None:
+        return None if values is None else [v * factor for v in values]
+
+    return replace(
+        costs,
+        forward=times(costs.forward),
+        backward=times(costs.backward),
+        input_grad=times(costs.input_grad),
+        weight_grad=times(costs.weight_grad),
+        update=times(costs.update),
+        latency=costs.latency * factor,
+        overhead=costs.overhead * factor,
+        bandwidth=costs.bandwidth / factor,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(family=st.sampled_from(sorted(FAMILIES)), stages=st.integers(1, 3), data=st.data())
+def test_predictions_do_not_depend_on_the_unit_of_time(family: str, stages: int, data: st.DataObject) -> None:
+    """Costs in seconds or in 1/64 s predict the same schedule: times scale, bubble, memory and traffic
+    do not. Guards against a threshold written in absolute time (``makespan > 1`` for ``> 0``, a weight
+    copy born at t = 1), which every test with costs of about a second passes."""
+    try:
+        schedule = make_schedule(family, stages, 2, 2, **_family_options(family, stages))
+    except PlanningError:
+        reject()
+    costs = data.draw(stage_costs(stages))
+    whole, small = simulate(schedule, costs), simulate(schedule, _scaled(costs, 1 / 64))
+    assert small.makespan == whole.makespan / 64 and small.step_end == [t / 64 for t in whole.step_end]
+    assert small.steady_step == whole.steady_step / 64
+    assert small.throughput == whole.throughput * 64
+    assert [(i.start, i.end) for i in small.timeline] == [(i.start / 64, i.end / 64) for i in whole.timeline]
+    assert small.bubble_fraction == whole.bubble_fraction
+    assert (small.nca, small.peak_activations, small.peak_activation_bytes) == (
+        whole.nca,
+        whole.peak_activations,
+        whole.peak_activation_bytes,
+    )
+    assert (small.weight_versions, small.peak_weight_bytes) == (whole.weight_versions, whole.peak_weight_bytes)
+    assert (small.sent_bytes, small.transfers) == (whole.sent_bytes, whole.transfers)
