@@ -10,9 +10,9 @@ where consecutive layers sit on different devices). Each maximal run of consecut
 device is a pipeline stage for the schedule's memory model (:func:`~lightning_pipe.partition.plan.evaluate`).
 
 :func:`noncontiguous` starts from the best of two heuristics (the optimal contiguous split, which
-is no worse than Next-Fit's 2-approximation, and longest-processing-time-first list scheduling with a
-local search), then runs a branch and bound over device assignments, which proves the result optimal
-when it finishes within its node budget (small instances); the plan's notes say which it is.
+is no worse than Next-Fit's 2-approximation, and longest-processing-time-first list scheduling),
+then runs a branch and bound over device assignments, which proves the result optimal when it
+finishes within its node budget (small instances); the plan's notes say which it is.
 """
 
 from __future__ import annotations
@@ -74,29 +74,15 @@ def _contiguous(request: PlanRequest) -> list[int] | None:
 
 
 def _list_scheduling(request: PlanRequest) -> list[int]:
-    """Longest processing time first onto the least loaded device, then move layers off the
-    most loaded device while that lowers the period."""
+    """Longest processing time first onto the least loaded device. (Moving a layer off the most loaded
+    device never helps afterwards: its last layer went to it when it was the least loaded, and every
+    layer on it is at least as long as that one.)"""
     seconds = request.costs.column("seconds")
     loads = [0.0] * request.devices
     owner = [0] * len(seconds)
     for layer in sorted(range(len(seconds)), key=lambda i: -seconds[i]):
         device = min(range(request.devices), key=loads.__getitem__)
         owner[layer] = device
-        loads[device] += seconds[layer]
-    for _ in range(4 * len(seconds)):
-        worst = max(range(request.devices), key=loads.__getitem__)
-        moves = [
-            (loads[d] + seconds[layer], layer, d)
-            for layer in range(len(seconds))
-            if owner[layer] == worst
-            for d in range(request.devices)
-            if loads[d] + seconds[layer] < loads[worst]
-        ]
-        if not moves:
-            break
-        _, layer, device = min(moves)
-        owner[layer] = device
-        loads[worst] -= seconds[layer]
         loads[device] += seconds[layer]
     return owner
 
