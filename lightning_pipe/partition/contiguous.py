@@ -129,10 +129,13 @@ class ChainProblem:
 
     # -- decision procedure -------------------------------------------------------------------
     def cover(self, bound: float, memory_limit: float, devices: int | None = None) -> dict[int, list[StageSpan]]:
-        """All ``k <= devices`` for which the chain fits in exactly ``k`` workers, with a plan each.
+        """Worker counts ``k <= devices`` whose greedy cover ends exactly at layer 0, with its plan.
 
-        Every stage takes at most ``bound`` seconds (cuts included) and at most ``memory_limit``
-        bytes per replica.
+        From the last layer back, each stage (of each replica count) reaches as far toward the front
+        as taking at most ``bound`` seconds (cuts included) and ``memory_limit`` bytes per replica
+        allows. The chain fits in at most ``devices`` workers exactly when the result is not empty;
+        a count is not listed when fewer workers already cover the chain (the greedy never leaves a
+        worker idle), so a tie-break between counts sees only those listed.
         """
         devices = self.devices if devices is None else devices
         n = self.layers
