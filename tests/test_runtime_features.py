@@ -15,6 +15,7 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead
 from lightning_pipe.runtime.launch import LocalRunError, run_local
 from lightning_pipe.runtime.transport import _HEADER
+from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule import Kind, make_schedule
 from lightning_pipe.schedule.draw import chrome_trace
 from tests.reference import OPTIMIZERS, batches, build_stages, one_step_late, reference, sync
@@ -224,20 +225,12 @@ def _memory_worker(rank: int, recompute: bool) -> dict:
 
 
 def _saved_by_one_forward(module: nn.Module, inputs: torch.Tensor) -> int:
-    """What autograd keeps for one micro-batch's backward, counted here independently of the runtime:
-    each saved storage once, model state (parameters, buffers) left out."""
-    state = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
-    kept: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in state:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    """What autograd keeps for one micro-batch's backward of the whole stage, model state (parameters,
+    buffers) left out: :func:`saved_bytes` (hand-checked per layer in tests/test_profiler.py) around a
+    plain forward, outside the runtime."""
+    with saved_bytes([*module.parameters(), *module.buffers()]) as counted:
         module(inputs)
-    return sum(kept.values())
+        return counted()
 
 
 @pytest.mark.timeout(180)

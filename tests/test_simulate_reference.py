@@ -26,6 +26,7 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule import FAMILIES, Action, Kind, Schedule, StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.graph import build_graph
 from lightning_pipe.schedule.lower import with_transfers
+from tests.reference import hand_schedule
 
 CATEGORIES = ("activation", "gradient", "reduce", "weight")
 CROSS_LABELS = ("act", "grad", "msg")  # edges that move data between workers; "weight"/"sync" do not
@@ -371,27 +372,8 @@ def test_simulate_equals_the_reference_replay(
 def _replicated_owner_with_a_fetcher() -> Schedule:
     """Stage 0 owned by workers 0 and 1 (replicas), and computed, for micro-batch 2, by worker 2,
     which owns nothing and fetches it: version 1 after step 0's updates."""
-    F, B, U = Kind.F, Kind.B, Kind.UPDATE
-    orders = [
-        [
-            Action(F, 0, 0, 0, 0),
-            Action(B, 0, 0, 0, 0),
-            Action(U, 0, None, 0),
-            Action(F, 0, 0, 1, 1),
-            Action(B, 0, 0, 1, 1),
-            Action(U, 0, None, 1),
-        ],
-        [
-            Action(F, 0, 1, 0, 0),
-            Action(B, 0, 1, 0, 0),
-            Action(U, 0, None, 0),
-            Action(F, 0, 1, 1, 1),
-            Action(B, 0, 1, 1, 1),
-            Action(U, 0, None, 1),
-        ],
-        [Action(F, 0, 2, 0, 0), Action(B, 0, 2, 0, 0), Action(F, 0, 2, 1, 1), Action(B, 0, 2, 1, 1)],
-    ]
-    return Schedule("hand", 1, 3, 2, orders, owners=((0, 1),))
+    orders = ["0F0v0 0B0v0 0UPDATE 0F0@1v1 0B0@1v1 0UPDATE@1", "0F1v0 0B1v0 0UPDATE 0F1@1v1 0B1@1v1 0UPDATE@1"]
+    return hand_schedule([*orders, "0F2v0 0B2v0 0F2@1v1 0B2@1v1"], ((0, 1),), 1, 3, 2)
 
 
 @settings(max_examples=60, deadline=None)
@@ -404,12 +386,7 @@ def test_a_fetch_from_replicated_owners_matches_the_reference(data: st.DataObjec
 def _fetch_again_after_one_owned_action() -> Schedule:
     """Worker 0 owns stage 1 and runs F0 (stage 0, fetched), F1 (owned), B0 (stage 0 again: fetched
     again, its copy was freed at F1); worker 1 owns stage 0 and runs B1 (stage 1, fetched) and U0."""
-    F, B, U = Kind.F, Kind.B, Kind.UPDATE
-    orders = [
-        [Action(F, 0, 0, 0, 0), Action(F, 1, 0, 0, 0), Action(B, 0, 0, 0, 0), Action(U, 1, None, 0)],
-        [Action(B, 1, 0, 0, 0), Action(U, 0, None, 0)],
-    ]
-    return Schedule("hand", 2, 1, 1, orders, owners=((1,), (0,)))
+    return hand_schedule(["0F0v0 1F0v0 0B0v0 1UPDATE", "1B0v0 0UPDATE"], ((1,), (0,)), 2, 1, 1)
 
 
 @settings(max_examples=40, deadline=None)

@@ -72,6 +72,8 @@ def check_borrowing(schedule: Schedule) -> None:
 def last_gradients(actions: Sequence[Action], stages: set[int] | dict[int, object]) -> dict[int, tuple[int, int]]:
     """Position of the last gradient action (``B`` or ``W``) of each (stage, step) of ``stages`` in
     ``actions`` → that (stage, step): where a borrower sends the step's gradients back."""
+    if not stages:  # the common case, every call of a schedule without borrowing: nothing to scan
+        return {}
     last: dict[tuple[int, int], int] = {}
     for position, action in enumerate(actions):
         if action.kind in (Kind.B, Kind.W) and action.stage in stages:

@@ -220,10 +220,7 @@ class PipelineExecutor:
             if s not in self.lending.lenders
         }
         # stages computed here with another worker's weights (FSDP, FSLPP): no optimizer, lent every call
-        self.borrowed = {
-            s: StageWeights(modules[s].to(self.device), _no_optimizer, False) for s in self.lending.lenders
-        }
-        self._returning: dict[int, tuple[int, int]] = {}  # position in the call -> (borrowed stage, step)
+        self.borrowed = {s: StageWeights(modules[s].to(self.device), None, False) for s in self.lending.lenders}
         self._lent: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stage, step, borrower) -> message
         flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)
         self.recompute = {s: bool(flags[s]) for s in mine}
@@ -561,13 +558,13 @@ class PipelineExecutor:
             self._expect(peers)
             early = cooldown_backwards(actions, self.early_gradients)
             self._running = actions
-            self._returning = last_gradients(actions, self.borrowed)
+            returning = last_gradients(actions, self.borrowed)  # position -> (borrowed stage, step)
             for position, action in enumerate(actions):
                 self._position = position
                 start, waited = time.perf_counter(), self.transport.waited
                 self._execute(action, output, return_outputs, position in early)
-                if position in self._returning:
-                    self._return_gradients(*self._returning[position])
+                if position in returning:
+                    self._return_gradients(*returning[position])
                 end = time.perf_counter()
                 self.timeline.append(
                     Interval(self.rank, action, start - self.epoch, end - self.epoch, self.transport.waited - waited)
@@ -843,10 +840,6 @@ def _as_floats(output: StepOutput) -> StepOutput:
         output.microbatch_losses = {key: next(numbers) for key in output.microbatch_losses}
         output.losses = {key: next(numbers) for key in output.losses}
     return output
-
-
-def _no_optimizer(params: list[nn.Parameter]) -> None:
-    """A borrowed stage has no optimizer: its lender updates it."""
 
 
 def _pipelines(pipelines: Sequence[Sequence[int]] | None, workers: int) -> list[list[int]]:

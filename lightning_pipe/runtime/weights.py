@@ -73,7 +73,7 @@ class StageWeights:
 
     Args:
         module: the stage's layers (its parameters are the live weights).
-        optimizer: builds the stage's optimizer from its parameters.
+        optimizer: builds the stage's optimizer from its parameters; ``None`` for a stage updated elsewhere.
         snapshots: keep versions as snapshots (non-flushing schedules).
         group: process group of the stage's replicas (``None``: not replicated).
     """
@@ -81,7 +81,7 @@ class StageWeights:
     def __init__(
         self,
         module: nn.Module,
-        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None,
         snapshots: bool,
         group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -90,7 +90,8 @@ class StageWeights:
         self.params = [p for _, p in module.named_parameters()]
         self._live = dict(zip(self.names, self.params, strict=True))
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
-        self.optimizer = optimizer(self.params) if self.params else None  # a stage without weights
+        # none for a stage without weights, or one computed here but updated by its owner (borrowed)
+        self.optimizer = optimizer(self.params) if self.params and optimizer is not None else None
         self.snapshots = snapshots
         self.group = group
         self.version = 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 
-__all__ = ["Graph", "Node", "build_graph", "data_dependencies"]
+__all__ = ["Graph", "Node", "build_graph", "data_dependencies", "message_kinds"]
 
 Node = tuple[int, int]
 """``(worker, position)`` of an action."""
@@ -190,19 +190,24 @@ def _sender(schedule: Schedule, index: _Index, node: Node, action: Action) -> No
     return dep
 
 
-def _received(index: _Index, worker: int, action: Action, dep: Node, key: _Key) -> Node:
-    """Where ``action`` gets the data of ``key`` (run at ``dep``): from the spelled-out ``RECV`` on its
-    own worker when the schedule has one (the message is then the ``RECV``'s, not counted twice),
-    else from the producer itself."""
-    if dep[0] == worker:
+def message_kinds(action: Action, producer: Action) -> tuple[Kind, Kind] | None:
+    """``(send kind, receive kind)`` of the message carrying the data ``action`` takes from ``producer``
+    when they run on different workers (an activation or a gradient), else ``None``."""
+    if action.kind is Kind.F and producer.kind is Kind.F:
+        return Kind.SEND_F, Kind.RECV_F
+    if producer.kind in (Kind.B, Kind.I) and producer.stage == action.stage + 1:
+        return Kind.SEND_B, Kind.RECV_B
+    return None
+
+
+def _received(schedule: Schedule, index: _Index, worker: int, action: Action, dep: Node) -> Node:
+    """Where ``action`` gets the data made at ``dep``: from the spelled-out ``RECV`` on its own worker
+    when the schedule has one (the message is then the ``RECV``'s, not counted twice), else from the
+    producer itself."""
+    kinds = None if dep[0] == worker else message_kinds(action, schedule.orders[dep[0]][dep[1]])
+    if kinds is None:
         return dep
-    if key[0] is Kind.F and action.kind is Kind.F:
-        receive = Kind.RECV_F
-    elif key[1] == action.stage + 1:  # the gradient of the next stage
-        receive = Kind.RECV_B
-    else:
-        return dep
-    return index.where.get((receive, action.stage, action.microbatch, action.step, worker), dep)
+    return index.where.get((kinds[1], action.stage, action.microbatch, action.step, worker), dep)
 
 
 def build_graph(schedule: Schedule) -> Graph:
@@ -225,7 +230,7 @@ def build_graph(schedule: Schedule) -> Graph:
                         raise PlanningError(
                             f"{_where(schedule, node, action)} needs {Action(*key)} which no worker runs"
                         )
-                    edges.append((_received(index, worker, action, dep, key), "act"))
+                    edges.append((_received(schedule, index, worker, action, dep), "act"))
                 if action.version:
                     edges.append((_weight_producer(schedule, index, node, action), "weight"))
             elif kind is Kind.UPDATE:

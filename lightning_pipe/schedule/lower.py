@@ -11,19 +11,10 @@ validates and simulates like the original.
 
 from __future__ import annotations
 
-from lightning_pipe.schedule.graph import build_graph, data_dependencies
+from lightning_pipe.schedule.graph import build_graph, data_dependencies, message_kinds
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 
 __all__ = ["with_transfers"]
-
-
-def _message(action: Action, producer: Action) -> tuple[Kind, Kind] | None:
-    """``(send kind, receive kind)`` for the data ``action`` takes from ``producer`` on another worker."""
-    if action.kind is Kind.F and producer.kind is Kind.F:
-        return Kind.SEND_F, Kind.RECV_F
-    if producer.kind in (Kind.B, Kind.I) and producer.stage == action.stage + 1:
-        return Kind.SEND_B, Kind.RECV_B
-    return None
 
 
 def with_transfers(schedule: Schedule) -> Schedule:
@@ -43,7 +34,7 @@ def with_transfers(schedule: Schedule) -> Schedule:
             source = graph.where[key]
             if source[0] == worker:
                 continue
-            message = _message(action, schedule.orders[source[0]][source[1]])
+            message = message_kinds(action, schedule.orders[source[0]][source[1]])
             if message is None:
                 continue
             send, receive = message
