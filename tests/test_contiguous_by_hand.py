@@ -230,22 +230,52 @@ def test_bisection_of_a_subnormal_optimum_ends(low: float, start: float) -> None
     assert _bisect_search(low, start, start) == (start, 0)
 
 
+def _skewed(replicate: bool, limit: float) -> ChainProblem:
+    return _chain(
+        [1.0] * 4,
+        devices=3,
+        replicate=replicate,
+        params=[5.0, 6.0, 4.0, 2.0],
+        saved=[2.0, 0.0, 0.0, 0.0],
+        memory=MemoryModel("2bw", None, extra_copies=0),
+        memory_limit=limit,
+    )
+
+
+def _refusal(problem: ChainProblem) -> str:
+    with pytest.raises(PlanningError) as refused:
+        problem.solve()
+    return str(refused.value).split(": ", 1)[1]
+
+
 def test_a_straight_request_is_not_told_a_device_count_only_replication_reaches() -> None:
     """Weights (5, 6, 4, 2) B, saved (2, 0, 0, 0) B, 2BW (two weight versions), limit 15 B, straight
     pipeline on 3 devices. With P stages the first one holds layer 0 and keeps P in flight: alone it
     needs 2*5 + 2P B, 14 B only for P = 2, and then {1, 2, 3} needs 2*12 = 24 B; so no straight split
-    on any count fits. (Replicating {0} twice in front of {1} and {2, 3} would fit on 4 devices, but a
-    straight request cannot replicate.) Guards the straight copy used for the device-count hint."""
-    problem = _chain(
-        [1.0] * 4,
-        devices=3,
-        replicate=False,
-        params=[5.0, 6.0, 4.0, 2.0],
-        saved=[2.0, 0.0, 0.0, 0.0],
-        memory=MemoryModel("2bw", None, extra_copies=0),
-        memory_limit=15.0,
+    on any count fits, although every layer alone with one micro-batch in flight would (layer 0: 12 B).
+    The best 3-device plan {0}, {1}, {2, 3} needs 2*5 + 3*2 = 16 B. Guards against offering a count
+    only replication reaches, and against blaming a layer that fits alone."""
+    assert _refusal(_skewed(False, 15.0)) == (
+        "the smallest limit that fits 3 device(s) is 16 B; no straight pipeline on any device count fits 15 B"
     )
-    with pytest.raises(PlanningError) as refused:
-        problem.solve()
-    assert "no device count fits 15 B" in str(refused.value)
-    assert "fits on" not in str(refused.value)
+
+
+def test_a_replicating_request_is_told_the_count_replication_reaches() -> None:
+    """The same chain with replication allowed: no 3-device plan fits 15 B (replicating layer 0 on 2
+    workers leaves one worker for 12 B of weights, 24 B with two versions), but 4 devices do: {0} on
+    2 replicas keeps ⌈4/2⌉ = 2 in flight, 2*5 + 2*2 = 14 B; {1} keeps 2 and needs 12 B; {2, 3} 12 B.
+    Guards against searching the hint's device counts without replication, or only up to the layer
+    count's straight pipelines."""
+    assert _refusal(_skewed(True, 15.0)) == (
+        "the smallest limit that fits 3 device(s) is 16 B; 15 B fits on 4 devices with replicated stages"
+    )
+
+
+def test_a_replicating_search_names_how_far_it_looked() -> None:
+    """Limit 13 B: layer 0 alone with one micro-batch in flight needs 12 B, but in front of any other
+    stage it keeps at least 2 in flight (``⌈(r + later)/r⌉ >= 2``): 14 B; only one worker holding all
+    layers (2*17 + 2 = 36 B) would keep one. No count fits; the search stops at max(4 layers, 4·3
+    devices) = 12. Guards the search bound in the message."""
+    assert _refusal(_skewed(True, 13.0)) == (
+        "the smallest limit that fits 3 device(s) is 16 B; no plan on up to 12 devices fits 13 B"
+    )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -166,7 +166,7 @@ class ChainProblem:
     ) -> np.ndarray:
         """Smallest first layer of a stage ending before ``ends`` that meets time, sync and memory."""
         first = np.searchsorted(self._time, self._time[ends] - replicas * bound, side="left")
-        factors = self._allreduce_factors(max(self.devices, self.layers) + 1)[replicas]
+        factors = self._allreduce_factors(int(replicas.max()) + 1)[replicas]
         syncing = factors > 0
         if syncing.any():
             allowance = replicas[syncing] * bound / factors[syncing]
@@ -239,18 +239,30 @@ class ChainProblem:
 
     # -- explaining infeasibility ---------------------------------------------------------------
     def infeasible(self) -> PlanningError:
-        """Why no plan fits the memory limit, and which limit or device count would."""
+        """Why no plan fits the memory limit, and which limit or device count would.
+
+        The device-count hint searches up to ``layers`` workers for a straight pipeline (it has at most
+        one stage per layer) and up to ``max(layers, 4·devices)`` with replication, where more replicas
+        of a stage keep fewer micro-batches in flight per replica (``⌈k/r⌉``) and the count that fits
+        can grow without bound.
+        """
         limit = float(self.memory_limit)  # only a memory limit can make cover(inf) fail
         smallest = self.least_memory(self.best(self.cover(math.inf, math.inf)), math.inf)
         hint = f"the smallest limit that fits {self.devices} device(s) is {format_bytes(self.peak_memory(smallest))}"
-        straight = replace(self, replicate=False)
-        enough = sorted(straight.cover(math.inf, limit, devices=self.layers)) if self.layers > self.devices else []
-        if enough:
-            hint += f"; {format_bytes(limit)} fits on {enough[0]} devices"
-        else:
-            alone = max(range(self.layers), key=lambda layer: self.peak_memory([(layer, layer, 1)]))
-            need = self.peak_memory([(alone, alone, 1)])
+        alone = max(range(self.layers), key=lambda layer: self.peak_memory([(layer, layer, 1)]))
+        need = self.peak_memory([(alone, alone, 1)])  # the least any plan can give a layer: one in flight
+        most = max(self.layers, 4 * self.devices) if self.replicate else self.layers
+        enough = self.cover(math.inf, limit, devices=most) if need <= limit and most > self.devices else {}
+        if need > limit:
             hint += f"; no device count fits {format_bytes(limit)}: layer {alone} alone needs {format_bytes(need)}"
+        elif enough:
+            count = min(enough)
+            replicated = " with replicated stages" if any(r > 1 for _, _, r in enough[count]) else ""
+            hint += f"; {format_bytes(limit)} fits on {count} devices{replicated}"
+        elif self.replicate:
+            hint += f"; no plan on up to {most} devices fits {format_bytes(limit)}"
+        else:
+            hint += f"; no straight pipeline on any device count fits {format_bytes(limit)}"
         micro = "" if self.memory.microbatches is None else f", {self.memory.microbatches} micro-batches"
         return PlanningError(
             f"no partition on {self.devices} device(s) fits the memory limit of {format_bytes(limit)} per device "
