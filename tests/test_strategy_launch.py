@@ -1,12 +1,20 @@
 """The strategy started as users start Lightning: ``python train.py`` (Lightning re-runs the script
 for the other processes) and a spawn-based start, with a registered name in ``Trainer(strategy=...)``,
-profiling and planning on the first batch, and the end-of-fit report in the log directory."""
+profiling and planning on the first batch, and the end-of-fit report in the log directory; and started
+from outside, one process per device on every node, as ``torchrun`` and SLURM's ``srun`` do (two
+nodes simulated on this machine), where Lightning's cluster environment gives each process its rank."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import os
+import random
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +63,173 @@ def test_launched_by_lightning(tmp_path: Path, strategy: str) -> None:
     expected = _plain(tmp_path)
     for name, value in expected.items():
         assert torch.allclose(final[name], value, atol=1e-5), name
+
+
+# what a launcher tells its processes: none may leak from this process into the launch under test
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+_LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PL_")
+_WAIT_SECONDS = 100  # for all processes of one launch (each run takes ~10 s alone)
+
+
+def _environment() -> dict[str, str]:
+    """This process's environment without any launcher's variables, one thread per process (two cores)."""
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in _LAUNCH_VARIABLES and not name.startswith(_LAUNCH_PREFIXES)
+    }
+    environment["OMP_NUM_THREADS"] = "1"
+    return environment
+
+
+def _free_port() -> int:
+    """A TCP port nothing listens on, in 15000-24999 (where SLURMEnvironment puts a job's port)."""
+    for port in random.sample(range(15000, 25000), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 15000-24999")
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s descendants, from ``/proc`` (torchrun starts its workers in sessions of their own)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def _kill_tree(process: subprocess.Popen[bytes]) -> None:
+    for pid in [*_descendants(process.pid), process.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def _run_together(commands: list[list[str]], environments: list[dict[str, str]], logs: Path) -> list[str]:
+    """Start one process per command (as one would on each node), wait for all of them; when one fails
+    or they run out of time, kill every process (and what it started) and fail with their output."""
+    logs.mkdir()
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for index, (command, environment) in enumerate(zip(commands, environments, strict=True)):
+            with open(logs / f"process{index}.log", "wb") as output:
+                processes.append(
+                    subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=subprocess.STDOUT)
+                )
+        deadline = time.monotonic() + _WAIT_SECONDS
+        while True:
+            codes = [process.poll() for process in processes]  # every one polled: any() would stop early
+            if None not in codes or any(codes) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        running = [index for index, process in enumerate(processes) if process.poll() is None]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                _kill_tree(process)
+    outputs = [(logs / f"process{index}.log").read_text() for index in range(len(commands))]
+    report = f"killed: processes {running} (another failed, or {_WAIT_SECONDS} s passed)\n" + "\n".join(
+        f"----- process {index}: exit {process.returncode} -----\n{output[-2500:]}"
+        for index, (process, output) in enumerate(zip(processes, outputs, strict=True))
+    )
+    assert all(process.returncode == 0 for process in processes), report
+    return outputs
+
+
+def _check_ranks(outputs: list[str], ranks: list[tuple[int, int, int]], environment: str) -> None:
+    """Process ``i`` trained as global rank, node and local rank ``ranks[i]`` under ``environment``."""
+    world = len(ranks)
+    for output, (rank, node, local) in zip(outputs, ranks, strict=True):
+        line = f"launch: rank={rank} world={world} node={node} local={local} environment={environment}"
+        assert line in output, output[-2500:]
+
+
+def _check_result(tmp_path: Path) -> None:
+    """Global rank 0 wrote the trained model, which equals plain Lightning's, and the report."""
+    (logs,) = (tmp_path / "lightning_logs").iterdir()
+    assert (logs / "pipeline_timeline.png").stat().st_size > 10_000
+    with open(logs / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert sum(1 for row in rows if row.get("train_loss_step")) == 16
+    assert any(row.get("pipeline/step_ms_measured") for row in rows)
+    final = torch.load(tmp_path / "final.pt")
+    for name, value in _plain(tmp_path).items():
+        assert torch.allclose(final[name], value, atol=1e-5), name
+
+
+def _script_command(tmp_path: Path, devices: int, num_nodes: int) -> list[str]:
+    return ["-m", "tests.strategy_script", str(tmp_path), "pipe", f"--devices={devices}", f"--num-nodes={num_nodes}"]
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_two_nodes(tmp_path: Path) -> None:
+    """``Trainer(devices=1, num_nodes=2, strategy="pipe")`` started by ``torchrun --nnodes 2`` on each
+    of two (simulated) nodes: Lightning takes the ranks from TorchElasticEnvironment, the stage on
+    node 1 is global rank 1, and training equals plain Lightning's. Guards against a strategy that
+    loses ``num_nodes`` (Lightning's launcher refuses devices x nodes != world size), derives ranks
+    from the local rank only, or only works when Lightning starts the processes itself."""
+    port = _free_port()
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={node}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            *_script_command(tmp_path, devices=1, num_nodes=2),
+        ]
+        for node in (0, 1)
+    ]
+    outputs = _run_together(commands, [_environment(), _environment()], tmp_path / "processes")
+    _check_ranks(outputs, [(0, 0, 0), (1, 1, 0)], "TorchElasticEnvironment")
+    _check_result(tmp_path)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("devices", "num_nodes"), [(2, 1), (1, 2)])
+def test_slurm(tmp_path: Path, devices: int, num_nodes: int) -> None:
+    """``Trainer(devices=..., num_nodes=..., strategy="pipe")`` in processes started as ``srun`` starts
+    them (``--ntasks-per-node=devices --nodes=num_nodes``: SLURM's variables and nothing else, the
+    address and port derived by Lightning from the node list and job id): Lightning picks
+    SLURMEnvironment, its check of devices and nodes against the tasks passes, and training equals
+    plain Lightning's. Guards against a strategy that starts processes of its own under SLURM, or
+    takes its ranks from anything but the cluster environment."""
+    port = _free_port()
+    tasks = devices * num_nodes
+    environments = [
+        {
+            **_environment(),
+            "SLURM_JOB_ID": f"42{port - 15000:04d}",  # Lightning's port: 15000 + the id's last four digits
+            "SLURM_JOB_NAME": "train",
+            "SLURM_NODELIST": "127.0.0.1",
+            "SLURM_NNODES": str(num_nodes),
+            "SLURM_NTASKS": str(tasks),
+            "SLURM_NTASKS_PER_NODE": str(devices),
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank % devices),
+            "SLURM_NODEID": str(rank // devices),
+        }
+        for rank in range(tasks)
+    ]
+    commands = [[sys.executable, *_script_command(tmp_path, devices, num_nodes)]] * tasks
+    outputs = _run_together(commands, environments, tmp_path / "processes")
+    ranks = [(rank, rank // devices, rank % devices) for rank in range(tasks)]
+    _check_ranks(outputs, ranks, "SLURMEnvironment")
+    _check_result(tmp_path)
