@@ -21,6 +21,7 @@ KNOWN_KEYS = [
     "activation_bytes",
     "backward",
     "bandwidth",
+    "contention",
     "forward",
     "input_grad",
     "latency",

@@ -105,7 +105,15 @@ class Reference:
     report: dict[str, object] = field(default_factory=dict)
 
 
-def reference_replay(schedule: Schedule, costs: StageCosts, early_gradients: bool = False) -> Reference:
+def reference_replay(
+    schedule: Schedule,
+    costs: StageCosts,
+    early_gradients: bool = False,
+    seconds: dict[tuple[int, int], float] | None = None,
+    leaves: dict[tuple[int, int], float] | None = None,
+) -> Reference:
+    """The replay; ``seconds`` replaces each action's own time (its cost plus message overheads) and
+    ``leaves`` the time each early input gradient leaves."""
     graph = build_graph(schedule)
     orders, workers = schedule.orders, schedule.workers
     early = early_backwards(schedule) if early_gradients else set()
@@ -152,11 +160,14 @@ def reference_replay(schedule: Schedule, costs: StageCosts, early_gradients: boo
                 ref.sent[category][dep[0]] += nbytes
                 ref.received[category][worker] += nbytes
                 ref.transfers[category][worker] += 1
-                leaves = ref.end[dep]
-                if dep in early and label != "grad":  # only the input gradient leaves early
+                if dep in early and label != "grad" and leaves is not None:
+                    leaves_at = leaves[dep]
+                elif dep in early and label != "grad":  # only the input gradient leaves early
                     producer = orders[dep[0]][dep[1]]
-                    leaves = ref.start[dep] + duration(costs, Action(Kind.I, producer.stage))
-                ready = max(ready, leaves + seconds_on_wire(costs, nbytes))
+                    leaves_at = ref.start[dep] + duration(costs, Action(Kind.I, producer.stage))
+                else:
+                    leaves_at = ref.end[dep]
+                ready = max(ready, leaves_at + seconds_on_wire(costs, nbytes))
             else:
                 ready = max(ready, ref.end[dep])
         compute = action.kind in (Kind.F, Kind.B, Kind.I, Kind.W)
@@ -183,7 +194,8 @@ def reference_replay(schedule: Schedule, costs: StageCosts, early_gradients: boo
             ready = max(ready, issued + seconds_on_wire(costs, nbytes))
             copies.append([worker, action.stage, issued, None])
             fetched[worker] = (action.stage, version)
-        end = ready + duration(costs, action) + costs.overhead * messages[node]
+        own = duration(costs, action) + costs.overhead * messages[node] if seconds is None else seconds[node]
+        end = ready + own
         ref.start[node], ref.end[node] = ready, end
         free[worker] = end + holding[node]
         if compute or action.kind is Kind.UPDATE:

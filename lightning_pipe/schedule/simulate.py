@@ -33,7 +33,7 @@ from lightning_pipe.schedule.validate import validate
 __all__ = ["Interval", "Simulation", "StageCosts", "simulate"]
 
 
-_SCALARS = ("bandwidth", "latency", "overhead")
+_SCALARS = ("bandwidth", "latency", "overhead", "contention")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,10 @@ class StageCosts:
         latency: seconds every message takes on top of ``bytes / bandwidth`` (wake-ups, handshakes).
         overhead: seconds of processor time a message costs its sender and, again, its receiver.
         overlap: transfers overlap compute (else the sender is busy while sending).
+        contention: how many times longer an action takes while every worker computes at once than
+            alone: the workers share one machine's cores and memory bandwidth (1: they do not, e.g.
+            one GPU each). With ``n`` of ``W`` workers computing, each runs ``1 + (contention - 1)
+            (n - 1) / (W - 1)`` times slower than alone; an action's cost is its time alone.
     """
 
     forward: Sequence[float]
@@ -65,6 +69,7 @@ class StageCosts:
     latency: float = 0.0
     overhead: float = 0.0
     overlap: bool = True
+    contention: float = 1.0
 
     @classmethod
     def uniform(cls, stages: int, forward: float = 1.0, backward: float = 2.0, **kwargs: object) -> StageCosts:
@@ -75,7 +80,7 @@ class StageCosts:
     def from_dict(cls, document: object, source: str = "costs") -> StageCosts:
         """Costs from JSON: ``{"forward": [...], "backward": [...]}`` plus any optional per-stage list
         (``input_grad``, ``weight_grad``, ``update``, ``activation_bytes``, ``saved_bytes``,
-        ``weight_bytes``) and ``bandwidth``/``latency``/``overhead``/``overlap``."""
+        ``weight_bytes``) and ``bandwidth``/``latency``/``overhead``/``contention``/``overlap``."""
         if not isinstance(document, dict) or "forward" not in document or "backward" not in document:
             raise PlanningError(f'{source}: a costs file is a JSON object with "forward" and "backward" lists')
         known = {f for f in cls.__dataclass_fields__}
@@ -132,6 +137,10 @@ class StageCosts:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise PlanningError(f"costs: {name} must be a finite number of seconds >= 0, got {value!r}")
+        if not 1 <= self.contention < math.inf:
+            raise PlanningError(
+                f"costs: contention must be a finite factor >= 1 (1: no sharing), got {self.contention!r}"
+            )
 
     @property
     def stages(self) -> int:
@@ -279,6 +288,7 @@ class _Replay:
         self.copies: list[tuple[int, int, float, float]] = []  # (worker, stage, arrival, release) of fetched weights
         self.run: list[tuple[int, int] | None] = [None] * workers
         self.previous_start = [0.0] * workers
+        self.left: dict[Node, float] = {}  # when the early input gradient of a cool-down backward left
         self.sending: dict[Node, float] = defaultdict(float)  # seconds a blocking sender spends per action
         self.messages: dict[Node, int] = defaultdict(int)  # messages an action sends or receives
         for node, deps in self.graph.deps.items():
@@ -299,12 +309,17 @@ class _Replay:
         self.sent[category][dep[0]] += nbytes
         self.received[category][worker] += nbytes
         self.count[category][worker] += 1
-        sent = self.end[dep]
-        if dep in self.early and label != "grad":
-            # the input gradient leaves before the weight gradients are computed; a reduce carries those
-            source = self.schedule.orders[dep[0]][dep[1]]
-            sent = self.start[dep] + self.costs.duration(replace(source, kind=Kind.I))
+        # an early input gradient leaves before the weight gradients are computed; a reduce carries those
+        sent = self.left[dep] if dep in self.early and label != "grad" else self.end[dep]
         return sent + self.costs.transfer(nbytes)
+
+    def input_grad_seconds(self, node: Node) -> float:
+        """The input-gradient share of a backward's own time (it leaves early after it)."""
+        return self.costs.duration(replace(self.schedule.orders[node[0]][node[1]], kind=Kind.I))
+
+    def has_left(self, dep: Node, label: str) -> bool:
+        """Whether what ``dep`` sends along an edge labelled ``label`` has left it."""
+        return dep in self.end or (label != "grad" and dep in self.left)
 
     def fetch(self, worker: int, action: Action, ready: float) -> float:
         """Weights of a stage this worker does not own: fetched (prefetched while its previous action
@@ -323,6 +338,13 @@ class _Replay:
         return max(ready, arrival)
 
     def execute(self, node: Node) -> None:
+        """Run ``node`` alone on its worker: as soon as it can start, for its own seconds."""
+        ready, seconds = self.prepare(node)
+        self.commit(node, ready, ready + seconds)
+
+    def prepare(self, node: Node) -> tuple[float, float]:
+        """When ``node`` can start (its worker free, its inputs and weights arrived) and the seconds it
+        takes alone; every action it depends on has ended."""
         worker, position = node
         action = self.schedule.orders[worker][position]
         ready = self.free[worker]
@@ -335,17 +357,25 @@ class _Replay:
                     arrival = self.end[dep]
                 if arrival > ready:
                     ready = arrival
-        compute = action.kind in COMPUTE
-        if compute:
+        if action.kind in COMPUTE:
             ready = self._weights(worker, action, ready)
-        end = ready + self.costs.duration(action) + self.costs.overhead * self.messages.get(node, 0)
-        self.start[node] = ready
+        return ready, self.costs.duration(action) + self.costs.overhead * self.messages.get(node, 0)
+
+    def commit(self, node: Node, start: float, end: float) -> None:
+        """Record that ``node`` ran from ``start`` to ``end``."""
+        worker, position = node
+        action = self.schedule.orders[worker][position]
+        compute = action.kind in COMPUTE
+        self.start[node] = start
         self.end[node] = end
+        if node in self.early:
+            self.left.setdefault(node, start + self.input_grad_seconds(node))
         if compute or action.kind is Kind.UPDATE:  # prefetches start with the previous real work
-            self.previous_start[worker] = ready
+            self.previous_start[worker] = start
         self.free[worker] = max(self.free[worker], end + self.sending.get(node, 0.0))
         if action.kind is Kind.UPDATE:
-            self.produced.setdefault((action.stage, action.step + 1), end)
+            version = (action.stage, action.step + 1)
+            self.produced[version] = min(self.produced.get(version, end), end)
             self.updated[(worker, action.stage, action.step + 1)] = end
         elif compute:
             key = (worker, action.stage, action.version or 0)
@@ -394,10 +424,71 @@ def simulate(
         for worker, order in enumerate(schedule.orders):
             early |= {(worker, position) for position in cooldown_backwards(order, schedule.flush)}
     replay = _Replay(schedule, costs, graph or validate(schedule), early)
-    for node in replay.graph.order():
-        replay.execute(node)
+    if costs.contention == 1 or schedule.workers == 1:
+        for node in replay.graph.order():
+            replay.execute(node)
+    else:
+        _share(replay, costs.contention)
     replay.finish()
     return _report(replay)
+
+
+def _share(replay: _Replay, contention: float) -> None:
+    """Replay with the workers sharing one machine: time advances from event to event (an action
+    ready to start, an action done, an early input gradient computed); between two events the ``n``
+    computing workers each progress at ``1 / (1 + (contention - 1)(n - 1)/(W - 1))`` seconds of their
+    own work per second (processor sharing). With ``contention = 1`` the timeline equals the one-pass
+    replay's."""
+    orders, deps, kinds = replay.schedule.orders, replay.graph.deps, replay.graph.kinds
+    workers = len(orders)
+    cursor = [0] * workers
+    waiting: dict[int, tuple[Node, float, float]] = {}  # worker -> (node, start, seconds alone)
+    running: dict[int, tuple[Node, float, float]] = {}  # worker -> (node, start, seconds alone left)
+    early: dict[Node, float] = {}  # running cool-down backward -> seconds left once its input gradient is done
+    now, left = 0.0, sum(len(order) for order in orders)
+    while left:
+        moved = False  # anything started, reached or ended at ``now``: look again before time moves
+        for worker in range(workers):
+            node = (worker, cursor[worker])
+            idle = worker not in waiting and worker not in running and node[1] < len(orders[worker])
+            if idle and all(
+                replay.has_left(d, k) for d, k in zip(deps.get(node, ()), kinds.get(node, ()), strict=True)
+            ):
+                ready, seconds = replay.prepare(node)
+                waiting[worker] = (node, max(ready, now), seconds)
+                moved = True
+        for worker in [w for w, (_, start, _) in waiting.items() if start <= now]:
+            node, _, seconds = running[worker] = waiting.pop(worker)
+            if node in replay.early:
+                early[node] = seconds - replay.input_grad_seconds(node)
+            moved = True
+        for node in [n for n, rest in early.items() if running[n[0]][2] <= rest]:
+            replay.left[node] = now
+            del early[node]
+            moved = True
+        for worker in [w for w, (_, _, rest) in running.items() if rest <= 0]:
+            node, start, _ = running.pop(worker)
+            replay.commit(node, start, now)
+            cursor[worker] += 1
+            left -= 1
+            moved = True
+        if moved:
+            continue
+        slowdown = 1 + (contention - 1) * (len(running) - 1) / (workers - 1)
+        ends = {w: now + rest * slowdown for w, (_, _, rest) in running.items()}
+        marks = {n: now + (running[n[0]][2] - rest) * slowdown for n, rest in early.items()}
+        later = min([*ends.values(), *marks.values(), *(start for _, start, _ in waiting.values())], default=math.inf)
+        if math.isinf(later):
+            raise PlanningError("the replay stalled: no action can start (the schedule deadlocks)")
+        for worker, (node, start, rest) in running.items():
+            if ends[worker] <= later:
+                rest = 0.0
+            elif marks.get(node, math.inf) <= later:
+                rest = early[node]
+            else:
+                rest -= (later - now) / slowdown
+            running[worker] = (node, start, rest)
+        now = later
 
 
 def _report(replay: _Replay) -> Simulation:
