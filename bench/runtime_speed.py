@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe.runtime.calibration import alone_costs
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.launch import run_local
@@ -280,17 +281,43 @@ def network(rank: int, rows: int, width: int) -> tuple[float, float, float]:
     return empty, nbytes / (full / 2 - empty) if full / 2 > empty else math.inf, overhead
 
 
-def stages_alone(rank: int, microbatches: int, steps: int, model: argparse.Namespace) -> tuple[float, ...]:
-    """Each worker trains its own stage on its own, both at once, with no messages: seconds per step,
-    and the stage's mean forward, backward and update seconds (the profile the simulator uses: the
-    time per step it predicts is a mean over steps, as the one measured is)."""
+def stages_alone(
+    rank: int, microbatches: int, steps: int, model: argparse.Namespace, together: bool = True
+) -> tuple[float, ...]:
+    """Each worker trains its own stage on its own, with no messages, both at once (``together``) or
+    one after the other while the other waits: seconds per step, and the stage's mean forward,
+    backward and update seconds (the profile the simulator uses: the time per step it predicts is a
+    mean over steps, as the one measured is)."""
     module = stage_module(rank, model)
     optimizer = _sgd(list(module.parameters()))
     rows = model.batch // microbatches
     inputs = [stage_input(rank, model, rows) for _ in range(microbatches)]
     targets = torch.randint(0, 10, (rows,))
     forward, backward, update, per_step = [], [], [], []
+    for turn in [None] if together else [0, 1]:
+        dist.barrier()
+        if turn in (None, rank):
+            _train_alone(rank, module, optimizer, inputs, targets, steps, (forward, backward, update, per_step))
     dist.barrier()
+    skip = WARMUP * microbatches
+    return (
+        statistics.fmean(per_step[WARMUP:]),
+        statistics.fmean(forward[skip:]),
+        statistics.fmean(backward[skip:]),
+        statistics.fmean(update[WARMUP:]),
+    )
+
+
+def _train_alone(
+    rank: int,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: list[torch.Tensor],
+    targets: torch.Tensor,
+    steps: int,
+    record: tuple[list[float], ...],
+) -> None:
+    forward, backward, update, per_step = record
     for _ in range(WARMUP + steps):
         begin = time.perf_counter()
         for x in inputs:
@@ -308,14 +335,6 @@ def stages_alone(rank: int, microbatches: int, steps: int, model: argparse.Names
         optimizer.zero_grad()
         update.append(time.perf_counter() - start)
         per_step.append(time.perf_counter() - begin)
-    dist.barrier()
-    skip = WARMUP * microbatches
-    return (
-        statistics.fmean(per_step[WARMUP:]),
-        statistics.fmean(forward[skip:]),
-        statistics.fmean(backward[skip:]),
-        statistics.fmean(update[WARMUP:]),
-    )
 
 
 OVERHEAD_FAMILIES = ("1f1b", "gpipe", "2bw", "cdp")
@@ -372,13 +391,16 @@ def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
     # frozen, automatic collection off, a full collection before each configuration
     garbage = AlignedCollection(every=1)
     batches = data(model.steps + WARMUP, model)
-    result: dict = {"network": [], "costs": [], "times": {}, "in-run costs": {}}
+    result: dict = {"network": [], "costs": [], "times": {}, "in-run costs": {}, "in turn": []}
     times = result["times"]
 
     def alone() -> None:
         seconds, *costs = stages_alone(rank, microbatches, model.steps, model)
         result["costs"].append(tuple(costs))
         times.setdefault("two stages alone", []).append(seconds)
+
+    def in_turn() -> None:
+        result["in turn"].append(stages_alone(rank, microbatches, model.steps, model, together=False)[0])
 
     def run_ours(name: str) -> None:
         seconds, in_run = ours(rank, name, microbatches, batches, model)
@@ -394,7 +416,7 @@ def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
     def run_bare() -> None:
         times.setdefault("bare loop", []).append(bare(rank, microbatches, batches, model))
 
-    runs = [alone, one_process, run_bare]
+    runs = [alone, in_turn, one_process, run_bare]
     runs += [functools.partial(run_ours, name) for name in OURS] + [functools.partial(run_peer, name) for name in PEERS]
     for round_index in range(model.rounds):
         result["network"].append(network(rank, model.batch // microbatches, model.width))
@@ -415,10 +437,11 @@ def _profile(per_rank: tuple[tuple[float, float, float], ...]) -> StageCosts:
 def predicted(name: str, microbatches: int, costs: StageCosts, nbytes: float, net: tuple[float, ...]) -> float:
     """Simulated steady-state time per step of ``name`` (:func:`schedule`) with ``costs`` and the
     network ``net`` (latency, bandwidth, processor time per message)."""
-    priced = dataclasses.replace(
-        costs, activation_bytes=[nbytes, 0.0], latency=net[0], bandwidth=net[1], overhead=net[2]
-    )
-    return simulate(schedule(name, microbatches, 8), priced, early_gradients=True).steady_step
+    return simulate(schedule(name, microbatches, 8), _priced(costs, nbytes, net), early_gradients=True).steady_step
+
+
+def _priced(costs: StageCosts, nbytes: float, net: tuple[float, ...]) -> StageCosts:
+    return dataclasses.replace(costs, activation_bytes=[nbytes, 0.0], latency=net[0], bandwidth=net[1], overhead=net[2])
 
 
 def _prediction(
@@ -469,7 +492,8 @@ def main() -> None:
         cell.batch = microbatches * rows if rows else args.batch
         summary.append(_run_cell(microbatches, cell))
     print(
-        f"\nsummary: {'m':>3} {'rows':>5} {'2bw/1f1b':>8} {'predicted':>9} {'cdp/1f1b':>8} {'predicted':>9} "
+        f"\nsummary: {'m':>3} {'rows':>5} {'2bw/1f1b':>8} {'predicted':>9} {'shared':>7} {'cdp/1f1b':>8} "
+        f"{'predicted':>9} {'shared':>7} "
         f"{'1f1b/torch':>10} {'gpipe/torch':>11}   (paired medians; speed-ups, > 1: faster)"
     )
     print("\n".join(summary))
@@ -546,9 +570,18 @@ def _run_cell(microbatches: int, args: argparse.Namespace) -> str:
             f"{'executor ' + family:>20} {extra * 1e6:+.0f} us per action ({extra / compute:+.1%} of a plain action, "
             f"{compute * 1e3:.2f} ms): one process, one stage, no messages, median of paired rounds"
         )
+    # the machine's contention, per round: both stages' time at once over their time one at a time
+    together = [sum(pair) for pair in zip(*(r["times"]["two stages alone"] for r in results), strict=True)]
+    in_turn = [sum(pair) for pair in zip(*(r["in turn"] for r in results), strict=True)]
+    contention = [max(t / s, 1.0) for t, s in zip(together, in_turn, strict=True)]  # below 1: noise
+    print(
+        f"{'contention':>20} {statistics.median(contention):.2f}x: each stage's step with both stages at once over "
+        "one at a time (median of the rounds)"
+    )
     ratios = [
         f"{_paired(per_round['ours 1f1b'], per_round[f'ours {family}']):>7.2f}x "
-        f"{_predicted_ratio(family, microbatches, in_run['1f1b'], wires, nbytes):>8.2f}x"
+        f"{_predicted_ratio(family, microbatches, in_run['1f1b'], wires, nbytes):>8.2f}x "
+        f"{_predicted_ratio(family, microbatches, in_run['1f1b'], wires, nbytes, contention):>6.2f}x"
         for family in ("2bw", "cdp")
     ]
     peers = [_paired(per_round[f"torch {family}"], per_round[f"ours {family}"]) for family in PEERS]
@@ -570,14 +603,25 @@ def _overhead(in_run: list[StageCosts], alone: list[StageCosts]) -> str:
 
 
 def _predicted_ratio(
-    name: str, microbatches: int, costs: list[StageCosts], networks: list[tuple[float, ...]], nbytes: float
+    name: str,
+    microbatches: int,
+    costs: list[StageCosts],
+    networks: list[tuple[float, ...]],
+    nbytes: float,
+    contention: list[float] | None = None,
 ) -> float:
     """Median over the rounds of the simulated step of our 1F1B over that of ``name``, each round
-    simulated with its own costs (a calibration run's) and network: the predicted speed-up."""
-    return statistics.median(
-        predicted("1f1b", microbatches, c, nbytes, n) / predicted(name, microbatches, c, nbytes, n)
-        for c, n in zip(costs, networks, strict=True)
-    )
+    simulated with its own costs (our 1F1B run's, the calibration) and network: the predicted
+    speed-up. With the round's ``contention``, the 1F1B run's costs are first made costs alone
+    (:func:`~lightning_pipe.runtime.calibration.alone_costs`), and both schedules replayed on
+    workers sharing the machine."""
+    ratios = []
+    for index, (c, n) in enumerate(zip(costs, networks, strict=True)):
+        if contention is not None:
+            shared = dataclasses.replace(c, contention=contention[index])
+            c = alone_costs(_priced(shared, nbytes, n), schedule("1f1b", microbatches, 8), early_gradients=True)
+        ratios.append(predicted("1f1b", microbatches, c, nbytes, n) / predicted(name, microbatches, c, nbytes, n))
+    return statistics.median(ratios)
 
 
 if __name__ == "__main__":

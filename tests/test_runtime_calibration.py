@@ -4,6 +4,7 @@ measured."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -15,10 +16,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
+from lightning_pipe.runtime.calibration import alone_costs, measured_seconds, stage_costs
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.launch import run_local
-from lightning_pipe.schedule import Kind, make_schedule, simulate
+from lightning_pipe.schedule import Kind, StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.ir import Action
 from lightning_pipe.schedule.simulate import Interval
 from tests.reference import batches, build_stages
@@ -116,3 +117,54 @@ def test_executor_measures_the_same_costs_on_every_rank(family: str) -> None:
     assert all(f > 0 for f in costs.forward) and all(u > 0 for u in costs.update)
     assert (costs.input_grad is not None) == (family == "zb_h1")
     assert simulate(make_schedule("gpipe", 2, 4, 2), costs).steady_step > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    family=st.sampled_from(["1f1b", "gpipe", "2bw", "cdp", "zb_h1", "pipedream"]),
+    stages=st.integers(2, 3),
+    microbatches=st.integers(2, 5),
+    contention=st.sampled_from([1.2, 1.6, 2.5]),
+    data=st.data(),
+)
+def test_alone_costs_replay_to_the_means_a_shared_run_measured(
+    family: str, stages: int, microbatches: int, contention: float, data: st.DataObject
+) -> None:
+    """Round trip: replay a schedule on workers sharing a machine with known costs alone, take each
+    stage's mean seconds per action from the replayed timeline as a measurement would, and find costs
+    alone that replay to the same means (never above them; not always the original costs: ties
+    between actions can make several costs give the same means). Guards against dividing by the wrong stretch (another kind's, the whole
+    schedule's, none) and against stopping the iteration early."""
+    seconds = st.floats(0.1, 3.0)
+    forward = data.draw(st.lists(seconds, min_size=stages, max_size=stages))
+    backward = data.draw(st.lists(seconds, min_size=stages, max_size=stages))
+    update = data.draw(st.lists(st.floats(0.0, 1.0), min_size=stages, max_size=stages))
+    truth = StageCosts(forward, backward, input_grad=[b / 3 for b in backward], update=update)
+    schedule = make_schedule(family, stages, microbatches, 3)
+    shared = simulate(schedule, dataclasses.replace(truth, contention=contention), early_gradients=True)
+    measured = stage_costs([measured_seconds(shared.timeline)], stages, contention=contention)
+    recovered = alone_costs(measured, schedule, early_gradients=True)
+    assert recovered.contention == contention
+    replayed = simulate(schedule, recovered, early_gradients=True)
+    again = stage_costs([measured_seconds(replayed.timeline)], stages, contention=contention)
+    names = ("forward", "update", *(("input_grad", "weight_grad") if family == "zb_h1" else ("backward",)))
+    for name in names:
+        assert getattr(again, name) == pytest.approx(getattr(measured, name), rel=1e-6, abs=1e-12), name
+        assert all(
+            a <= m * (1 + 1e-9) + 1e-12 for a, m in zip(getattr(recovered, name), getattr(measured, name), strict=True)
+        )
+
+
+def test_alone_costs_of_the_worked_one_f_one_b() -> None:
+    """The 1F1B timeline of tests/test_simulate_contention.py (2 stages, 2 micro-batches, F = 1 and
+    B = 2 s alone, contention 2) measures stage 0's forwards at 1 and 2 s and its backwards at 4 and
+    2 s, stage 1's forwards at 2 and 2 s and its backwards at 2 and 3 s: from those means the
+    costs alone come back."""
+    measured = StageCosts([1.5, 2.0], [3.0, 2.5], contention=2.0)
+    recovered = alone_costs(measured, make_schedule("1f1b", 2, 2, 1))
+    assert recovered.forward == pytest.approx([1.0, 1.0]) and recovered.backward == pytest.approx([2.0, 2.0])
+
+
+def test_alone_costs_without_contention_are_the_measured_ones() -> None:
+    measured = StageCosts([1.0, 2.0], [2.0, 3.0])
+    assert alone_costs(measured, make_schedule("1f1b", 2, 4, 2)) is measured

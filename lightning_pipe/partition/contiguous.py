@@ -252,7 +252,7 @@ class ChainProblem:
         alone = max(range(self.layers), key=lambda layer: self.peak_memory([(layer, layer, 1)]))
         need = self.peak_memory([(alone, alone, 1)])  # the least any plan can give a layer: one in flight
         most = max(self.layers, 4 * self.devices) if self.replicate else self.layers
-        enough = self.cover(math.inf, limit, devices=most) if need <= limit and most > self.devices else {}
+        enough = self.cover(math.inf, limit, devices=most) if need <= limit else {}
         if need > limit:
             hint += f"; no device count fits {format_bytes(limit)}: layer {alone} alone needs {format_bytes(need)}"
         elif enough:
