@@ -133,8 +133,8 @@ def test_alone_costs_replay_to_the_means_a_shared_run_measured(
     """Round trip: replay a schedule on workers sharing a machine with known costs alone, take each
     stage's mean seconds per action from the replayed timeline as a measurement would, and find costs
     alone that replay to the same means (never above them; not always the original costs: ties
-    between actions can make several costs give the same means). Guards against dividing by the wrong stretch (another kind's, the whole
-    schedule's, none) and against stopping the iteration early."""
+    between actions can make several costs give the same means). Guards against dividing by the wrong
+    stretch (another kind's, the whole schedule's, none) and against stopping the iteration early."""
     seconds = st.floats(0.1, 3.0)
     forward = data.draw(st.lists(seconds, min_size=stages, max_size=stages))
     backward = data.draw(st.lists(seconds, min_size=stages, max_size=stages))
