@@ -224,6 +224,11 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:
         "--overhead", type=float, help="seconds of processor time a message costs its sender and its receiver"
     )
     parser.add_argument(
+        "--contention",
+        type=float,
+        help="how many times slower an action runs while every worker computes (workers sharing one machine)",
+    )
+    parser.add_argument(
         "--early-gradients",
         action="store_true",
         help="cool-down backwards send their input gradient first, as the runtime does (flushing schedules)",
@@ -265,7 +270,7 @@ def _stage_costs(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
         changes["bandwidth"] = args.bandwidth
     if args.no_overlap:
         changes["overlap"] = False
-    for name in ("latency", "overhead"):
+    for name in ("latency", "overhead", "contention"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     return (replace(costs, **changes) if changes else costs), replicas

@@ -185,6 +185,7 @@ def test_simulate_a_plan_and_a_costs_file(pipedream_profiles: Path, tmp_path: Pa
     assert _json(capsys, *gpipe, "--overhead", "1")["makespan"] == 21
     unit = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2"]
     assert _json(capsys, *unit)["makespan"] == 9
+    assert _json(capsys, *unit, "--contention", "2")["makespan"] == 12  # tests/test_simulate_contention.py
     assert _json(capsys, *unit, "--early-gradients")["makespan"] == 8  # (P - 1) W sooner, W = B / 2 = 1
 
 
@@ -195,6 +196,7 @@ def test_simulate_a_plan_and_a_costs_file(pipedream_profiles: Path, tmp_path: Pa
         (["--schedule", "2bw", "--stages", "4", "--microbatches", "2"], "2BW needs m >= P - 1"),
         (["--schedule", "kperiodic", "--stages", "4", "--microbatches", "2"], "kperiodic needs k"),
         (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--plot", "x.gif"], "suffixes .png, .svg"),
+        (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--contention", "0.5"], "factor >= 1"),
     ],
 )
 def test_simulate_errors(argv: list[str], message: str, capsys) -> None:

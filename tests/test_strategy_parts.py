@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,10 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_pipe.costs import ChainCosts
 from lightning_pipe.models import chain_from_model, torchvision_model
+from lightning_pipe.partition import PlanRequest, partition
 from lightning_pipe.runtime import run_local
+from lightning_pipe.schedule import StageCosts, make_schedule, simulate
+from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import find_entry
 from lightning_pipe.strategy.logs import Record, combine
+from lightning_pipe.strategy.planning import StagePlan, predict
 from lightning_pipe.strategy.relay import Relay
 
 
@@ -82,3 +88,19 @@ def test_a_torchvision_resnet_through_the_hook() -> None:
     inside = {id(p) for layer in entry.layers for p in layer.parameters()}
     assert inside == {id(p) for p in module.parameters()}
     assert entry.layers[-1] is module.model.fc and entry.name == "self.forward"
+
+
+def test_the_prediction_shares_the_machine_by_the_contention_given() -> None:
+    """Four layers of 1 s split into two equal stages, 1F1B with 4 micro-batches: on devices that
+    share one machine by 1.5 the prediction is the simulator's with that contention, slower than on
+    devices that share nothing, and at most 1.5 times slower. Guards against the option not
+    reaching the prediction."""
+    costs = ChainCosts.from_lists([1.0, 1.0, 1.0, 1.0])
+    plan = partition(PlanRequest(costs, 2), "time")
+    stage_plan = StagePlan(tuple((s.layers[0], s.layers[-1]) for s in plan.stages), plan, costs)
+    options = ScheduleOptions("1f1b", 4)
+    alone, shared = (predict(stage_plan, options, 4, contention) for contention in (1.0, 1.5))
+    priced = StageCosts.from_plan(plan.to_dict())
+    expected = simulate(make_schedule("1f1b", 2, 4, 3), replace(priced, contention=1.5), early_gradients=True)
+    assert shared.makespan == expected.makespan
+    assert alone.makespan < shared.makespan <= 1.5 * alone.makespan

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,8 @@ class PlanOptions:
         partitioner: a key of :data:`~lightning_pipe.partition.PARTITIONERS`.
         memory_limit: bytes per device (``None``: no limit).
         bandwidth: bytes per second between devices (``inf``: communication is free).
+        contention: how many times slower an action runs while every device computes, for the
+            prediction (``StageCosts.contention``; 1: devices share nothing, e.g. GPUs).
         profile: a saved profile (JSON or PipeDream ``graph.txt``) to use instead of profiling.
         plan: a plan from ``lightning-pipe plan --json`` to use as is.
         balance: layers per stage (e.g. ``[3, 2]``), instead of planning.
@@ -64,6 +67,7 @@ class PlanOptions:
     partitioner: str = "time"
     memory_limit: float | None = None
     bandwidth: float = float("inf")
+    contention: float = 1.0
     profile: str | None = None
     plan: str | None = None
     balance: Sequence[int] | None = None
@@ -75,6 +79,10 @@ class PlanOptions:
             raise PlanningError(f"unknown partitioner {self.partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
         if sum(x is not None for x in (self.plan, self.balance)) > 1:
             raise PlanningError("give at most one of plan= and balance=")
+        if not 1 <= self.contention < math.inf:
+            raise PlanningError(
+                f"contention must be a finite factor >= 1 (1: devices share nothing), got {self.contention!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -213,11 +221,15 @@ def schedule_of(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: 
     return schedule.make(len(stage_plan.bounds), microbatches, **extra)
 
 
-def predict(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: int) -> Simulation | None:
-    """The schedule simulated with the plan's measured costs (``None`` without a profile)."""
+def predict(
+    stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: int, contention: float = 1.0
+) -> Simulation | None:
+    """The schedule simulated with the plan's measured costs (``None`` without a profile), on devices
+    sharing one machine by ``contention``."""
     if stage_plan.plan is None:
         return None
     costs = StageCosts.from_plan(stage_plan.plan.to_dict(), replicated=stage_plan.replicas is not None)
+    costs = replace(costs, contention=contention)
     return simulate(schedule_of(stage_plan, schedule, microbatches)(3), costs, early_gradients=True)
 
 

@@ -131,6 +131,9 @@ class PipelineStrategy(ParallelStrategy):
         memory_limit: bytes per device (a number or a string such as ``"8GB"``); the partitioner plans
             within it and refuses what cannot fit.
         bandwidth: between devices (``"10GB/s"``), for planning; default free.
+        contention: for the printed prediction, how many times slower a stage computes while every
+            device computes (processes sharing one machine's cores and memory bandwidth: measure it
+            with ``bench/runtime_speed.py``); default 1, devices that share nothing.
         recompute: recompute activations in the backward instead of keeping them.
         profile: a saved profile to plan with instead of profiling.
         plan: a saved plan (``lightning-pipe plan --json``) to run as is.
@@ -162,6 +165,7 @@ class PipelineStrategy(ParallelStrategy):
         partitioner: str = "time",
         memory_limit: float | str | None = None,
         bandwidth: float | str | None = None,
+        contention: float = 1.0,
         recompute: bool = False,
         profile: str | None = None,
         plan: str | None = None,
@@ -200,6 +204,7 @@ class PipelineStrategy(ParallelStrategy):
             partitioner=partitioner,
             memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
             bandwidth=float("inf") if bandwidth is None else parse_bandwidth(bandwidth),
+            contention=contention,
             profile=profile,
             plan=plan,
             balance=balance,
@@ -473,7 +478,9 @@ class PipelineStrategy(ParallelStrategy):
         if isinstance(stage_plan, PlanningError):
             raise stage_plan
         if self.global_rank == 0:
-            self._prediction = predict(stage_plan, self.schedule_options, self.microbatches)
+            self._prediction = predict(
+                stage_plan, self.schedule_options, self.microbatches, self.plan_options.contention
+            )
             rank_zero_info(report(stage_plan, self._prediction))
         return stage_plan
 

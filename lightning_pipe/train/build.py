@@ -88,6 +88,7 @@ def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:
         memory_limit=cfg.memory.limit,
         recompute=cfg.memory.recompute,
         bandwidth=pipe.bandwidth,
+        contention=pipe.contention,
         profile=pipe.profile,
         plan=pipe.plan,
         balance=_plain(pipe.balance),

@@ -95,6 +95,7 @@ class PipelineConfig:
     stages: int | None = None  # default: every device of a pipeline copy
     data_parallel: int | None = None  # copies of the pipeline (devices = workers x copies)
     bandwidth: str | None = None  # between stages, e.g. 10Gbit/s (default: free transfers)
+    contention: float = 1.0  # for the prediction: slowdown of a stage while every process computes (one machine)
     profile: str | None = None  # a saved profile to plan from (lightning-pipe profile)
     plan: str | None = None  # a saved plan to run (lightning-pipe plan)
     balance: list[int] | None = None  # layers per stage, instead of planning
