@@ -8,7 +8,10 @@ the pipeline (``--steps`` steps after 10 warm-up ones) and with the rank trainin
 alone while the other does the same (``runtime_speed.py``'s "two stages alone"). Then a micro-
 benchmark: the wall time of ``dist.isend`` of one activation, and of the send plus 20 matrix
 products of the next action, with the receiver idle or computing and its receive posted early or
-late (medians of 50).
+late (medians of 50). Last, how long a 64 KiB message takes to arrive at a receiver waiting for it
+while the sender computes on or idles, and how long a receiver's wait takes when it computed for
+5 ms after posting the receive (the message sent meanwhile): whether gloo moves the bytes while
+both processes compute (medians of 70).
 """
 
 from __future__ import annotations
@@ -90,6 +93,30 @@ def send_cost(rank: int, nbytes: int, busy_receiver: bool, posted: bool) -> tupl
     return (statistics.median(calls[10:]), statistics.median(totals[10:])) if rank == 0 else None
 
 
+def delivery(rank: int, nbytes: int, sender_busy: bool, receiver_busy: bool) -> float | None:
+    """Median seconds from the send to the end of the receiver's wait (receiver idle), or of the
+    receiver's wait alone after it computed for about 5 ms (receiver busy)."""
+    message, buffer = torch.zeros(nbytes // 8, dtype=torch.float64), torch.zeros(nbytes // 8, dtype=torch.float64)
+    weights, rows = torch.randn(512, 512), torch.randn(32, 512)
+    seconds = []
+    for tag in range(80):
+        dist.barrier()
+        if rank == 0:
+            message[0] = time.perf_counter()
+            work = dist.isend(message, 1, tag=tag)
+            for _ in range(40 if sender_busy else 0):
+                rows @ weights
+            work.wait()
+        else:
+            work = dist.irecv(buffer, 0, tag=tag)
+            for _ in range(60 if receiver_busy else 0):
+                rows @ weights
+            start = time.perf_counter()
+            work.wait()
+            seconds.append(time.perf_counter() - (start if receiver_busy else float(buffer[0])))
+    return statistics.median(seconds[10:]) if rank == 1 else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="1f1b")
@@ -108,6 +135,14 @@ def main() -> None:
                 f"isend of {nbytes // 1024} KiB, receiver {'computing' if busy else 'idle'}, its receive posted "
                 f"{'early' if posted else 'late'}: call {call * 1e6:.0f} us, send + 20 products {total * 1e6:.0f} us"
             )
+    for sender_busy in (False, True):
+        seconds = run_local(delivery, 2, nbytes, sender_busy, False, timeout=300)[1]
+        print(
+            f"{nbytes // 1024} KiB to a waiting receiver, sender {'computing' if sender_busy else 'idle'}: "
+            f"{seconds * 1e6:.0f} us"
+        )
+    seconds = run_local(delivery, 2, nbytes, True, True, timeout=300)[1]
+    print(f"receiver's wait after 5 ms of its own compute, both computing: {seconds * 1e6:.0f} us")
 
 
 if __name__ == "__main__":
