@@ -9,6 +9,7 @@ training on one device without the strategy, the oracle of the synchronous sched
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -158,10 +159,24 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
     strategy = case.get("lightning_strategy") or PipelineStrategy(**case["strategy"])
     run = trainer(root, strategy, torch.distributed.get_world_size(), **options)
     run.fit(model, loader(case["batches"]), loader(2, seed=7), ckpt_path=case.get("resume"))
-    result: dict[str, Any] = {"final": state(model), "initial": initial, "precision": run.precision_plugin.state_dict()}
+    result: dict[str, Any] = {
+        "final": state(model),
+        "initial": initial,
+        "precision": run.precision_plugin.state_dict(),
+        "placements": placements(),
+    }
     if case.get("evaluate"):
         result.update(_evaluations(run, model))
     return result
+
+
+def placements() -> list[tuple[int, ...]]:
+    """The distinct sets of cores this process's threads may run on."""
+    found = set()
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            found.add(tuple(sorted(os.sched_getaffinity(int(thread)))))
+    return sorted(found)
 
 
 def _precision(case: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ with the parameters of :func:`reference.reference` under their update rule.
 from __future__ import annotations
 
 import csv
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from lightning_pipe.runtime import run_local
+from lightning_pipe.runtime.affinity import cores_of
 from tests import reference
 from tests.lightning_cases import Chain, batch_list, fit_case, plain_fit, stage_modules
 
@@ -66,7 +68,11 @@ def _assert_same_metrics(got: list[dict[str, str]], expected: list[dict[str, str
 
 
 SYNC_CASES = [
-    {"name": "gpipe", "batches": 5, "strategy": {"schedule": "gpipe", "microbatches": 2, "balance": [3, 4]}},
+    {
+        "name": "gpipe_pinned",
+        "batches": 5,
+        "strategy": {"schedule": "gpipe", "microbatches": 2, "balance": [3, 4], "pin_cpus": True},
+    },
     {
         "name": "1f1b_scheduler_clip",
         "batches": 5,
@@ -127,6 +133,10 @@ def test_sync_families_train_and_log_as_plain_lightning(tmp_path: Path) -> None:
         _assert_same_metrics(_metrics(tmp_path / case["name"]), _metrics(tmp_path / "plain" / case["name"]), 1e-5)
         if case.get("early_stopping"):  # stopped at the second validation (step 4), before max_steps
             assert max(int(row["step"]) for row in _metrics(tmp_path / case["name"])) == 3
+        if case["strategy"].get("pin_cpus"):  # every thread of each rank on the rank's own core(s)
+            allowed = os.sched_getaffinity(0)
+            expected = [[tuple(sorted(cores_of(rank, 2, allowed)))] for rank in range(2)]
+            assert [rank_result["placements"] for rank_result in results[case["name"]]] == expected
 
 
 NONFLUSH_CASES = [

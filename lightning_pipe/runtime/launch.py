@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_pipe.runtime.affinity import pin_threads
+
 __all__ = ["LocalRunError", "run_local"]
 
 
@@ -42,12 +44,21 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, threads: int, fn: Callable[..., Any], args: tuple, results: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    threads: int,
+    pin_cpus: bool,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        if pin_cpus:
+            pin_threads(rank, world_size)
         buffer = io.BytesIO()
         torch.save(fn(rank, *args), buffer)  # plain bytes: shared-memory tensors die with this process
         results.put((rank, "ok", buffer.getvalue()))
@@ -59,9 +70,15 @@ def _worker(
 
 
 def run_local(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    threads: int = 1,
+    pin_cpus: bool = False,
 ) -> list[Any]:
-    """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each in its own process.
+    """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each in its own process (with
+    ``pin_cpus``, each on cores of its own: :func:`~lightning_pipe.runtime.affinity.pin_threads`).
 
     Raises:
         LocalRunError: a rank raised (its error and traceback are in the message), a process died
@@ -71,7 +88,9 @@ def run_local(
     results = context.Queue()
     port = _free_port()
     processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, threads, fn, args, results), daemon=True)
+        context.Process(
+            target=_worker, args=(rank, world_size, port, threads, pin_cpus, fn, args, results), daemon=True
+        )
         for rank in range(world_size)
     ]
     for process in processes:

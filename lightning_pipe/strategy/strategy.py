@@ -61,6 +61,7 @@ from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import MemoryModel
 from lightning_pipe.nested import map_tensors
 from lightning_pipe.runtime import PipelineAborted, PipelineExecutor
+from lightning_pipe.runtime.affinity import pin_threads
 from lightning_pipe.runtime.executor import rows_of, split_batch
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.loss_scaling import LossScale
@@ -145,6 +146,9 @@ class PipelineStrategy(ParallelStrategy):
         data_parallel: copies of the whole pipeline (``devices = workers per pipeline × copies``);
             each reads its own shard of the data, and a stage's gradients are averaged over them.
         start_method: ``popen`` (re-run the script, as ``ddp``) or ``spawn`` (notebooks, Hydra multirun).
+        pin_cpus: keep each process's threads on cores of its own (Linux; CPU training with one process
+            per core or per group of cores: 2BW and CDP ran 1.14-1.18x faster on 2 cores,
+            ``bench/pinning.py``); data-loader workers inherit the placement.
         timeout: of the process group and of any single pipeline wait (a hang fails after it).
         process_group_backend: ``gloo``/``nccl``; default from the device.
     """
@@ -175,6 +179,7 @@ class PipelineStrategy(ParallelStrategy):
         stages: int | None = None,
         data_parallel: int | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
+        pin_cpus: bool = False,
         timeout: timedelta = default_pg_timeout,
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -228,6 +233,7 @@ class PipelineStrategy(ParallelStrategy):
             raise PlanningError(f"start_method must be 'popen' or 'spawn'; got {start_method!r}")
         self.recompute = recompute
         self._start_method = start_method
+        self.pin_cpus = pin_cpus
         self._timeout = timeout
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -357,6 +363,8 @@ class PipelineStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        if self.pin_cpus:
+            pin_threads(self.local_rank, self.num_processes)
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)

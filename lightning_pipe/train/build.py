@@ -95,6 +95,7 @@ def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:
         stages=pipe.stages,
         data_parallel=pipe.data_parallel,
         start_method=start,
+        pin_cpus=pipe.pin_cpus,
         timeout=timedelta(minutes=pipe.timeout_minutes),
     )
 

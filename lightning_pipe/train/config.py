@@ -100,6 +100,7 @@ class PipelineConfig:
     plan: str | None = None  # a saved plan to run (lightning-pipe plan)
     balance: list[int] | None = None  # layers per stage, instead of planning
     start_method: StartMethod = StartMethod["auto"]  # auto: popen for a run, spawn under multirun
+    pin_cpus: bool = False  # each process's threads on cores of its own (Linux, CPU training)
     timeout_minutes: float = 30.0
 
 
