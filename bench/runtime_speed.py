@@ -2,10 +2,12 @@
 process, and measured vs simulated time per step — all in one run on this machine.
 
 Run: ``python bench/runtime_speed.py [--steps 8] [--rounds 8] [--width 512] [--depth 4] [--batch 1024]
-[--rows 32 512] [--features 768] [--microbatches 2 4] [--post-ahead-bytes N]``: every micro-batch count
+[--rows 32 512] [--features 768] [--microbatches 2 4] [--post-ahead-bytes N] [--pin]``: every micro-batch count
 with mini-batches of ``--batch`` rows, or, with ``--rows``, with micro-batches of each of those sizes
 (a mini-batch of ``m x rows``); ``--post-ahead-bytes`` is our executor's ``post_ahead_bytes`` (default
-its own). The settings of ``docs/runtime.md``: ``--microbatches 2 4 8 16 --rows 32`` and
+its own); ``--pin`` keeps each process's threads on a core of its own for every configuration, torch's
+peer and the baselines included (``pin_cpus``). The settings of ``docs/runtime.md``:
+``--microbatches 2 4 8 16 --rows 32`` and
 ``--microbatches 2 4 8 16 --rows 512 --width 256``.
 
 Every configuration trains the same balanced 2-stage MLP on the same mini-batches, 2 processes x 1
@@ -479,6 +481,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rows", type=int, nargs="+", help="micro-batch sizes (default: --batch / m)")
     parser.add_argument("--post-ahead-bytes", type=int, help="our executor's post_ahead_bytes (default: its own)")
+    parser.add_argument("--pin", action="store_true", help="each process's threads on a core of its own (pin_cpus)")
     args = parser.parse_args()
     args.features = args.features or args.width * 3 // 2
     print(
@@ -508,7 +511,7 @@ def _run_cell(microbatches: int, args: argparse.Namespace) -> str:
         f"{'run':>20} {'m':>3} {'ms/step':>8} {'spread':>6} {'speed-up':>22} {'vs 1 proc':>9} {'simulated':>9} "
         f"{'error':>6} {'in-run sim':>10} {'error':>6} {'from 1f1b':>9} {'error':>6}"
     )
-    results = run_local(worker, 2, microbatches, args, timeout=3600)
+    results = run_local(worker, 2, microbatches, args, timeout=3600, pin_cpus=args.pin)
     networks = results[0]["network"]  # per round
     net = [statistics.median(column) for column in zip(*networks, strict=True)]
     costs = [_profile(pair) for pair in zip(*(r["costs"] for r in results), strict=True)]  # per round
