@@ -148,8 +148,10 @@ def test_alone_costs_replay_to_the_means_a_shared_run_measured(
     replayed = simulate(schedule, recovered, early_gradients=True)
     again = stage_costs([measured_seconds(replayed.timeline)], stages, contention=contention)
     names = ("forward", "update", *(("input_grad", "weight_grad") if family == "zb_h1" else ("backward",)))
+    every = ("forward", "backward", "input_grad", "weight_grad", "update")
+    scale = max(max(getattr(measured, name) or [0.0]) for name in every)  # alone_costs' tolerance: relative to it
     for name in names:
-        assert getattr(again, name) == pytest.approx(getattr(measured, name), rel=1e-6, abs=1e-12), name
+        assert getattr(again, name) == pytest.approx(getattr(measured, name), rel=1e-6, abs=1e-6 * scale), name
         assert all(
             a <= m * (1 + 1e-9) + 1e-12 for a, m in zip(getattr(recovered, name), getattr(measured, name), strict=True)
         )

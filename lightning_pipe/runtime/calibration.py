@@ -101,13 +101,16 @@ def alone_costs(
 
     Found by fixed-point iteration: each stage's seconds of each kind become the measured ones divided
     by how much longer the replay makes those actions than they take alone, until the replay gives
-    back the mean of every kind the schedule runs to ``tolerance`` (relative). Several costs alone
+    back the mean of every kind the schedule runs to ``tolerance`` (relative to it or to the largest
+    mean, whichever is larger: the replay's times resolve no finer). Several costs alone
     can give the same means (ties between workers' actions); any of them predicts alike. A kind the
     schedule never runs is scaled like its halves or whole, or not at all; a backward only run as
     its two halves is their sum.
     """
     if measured.contention == 1:
         return measured
+    # what the replay's floating-point times can resolve: relative to the largest cost, not to each one
+    scale = max(v for kind, name in _FIELDS.items() for v in getattr(measured, name) or ())
     costs = measured
     for _ in range(100):
         shared = simulate(schedule, costs, early_gradients=early_gradients)
@@ -122,7 +125,7 @@ def alone_costs(
             for stage, (want, now) in enumerate(zip(getattr(measured, name), getattr(costs, name), strict=True)):
                 if (stage, kind) in stretch:  # a kind the schedule runs: its replayed mean is the measured one
                     replayed = now * stretch[(stage, kind)]
-                    settled &= math.isclose(replayed, want, rel_tol=tolerance, abs_tol=1e-15)
+                    settled &= math.isclose(replayed, want, rel_tol=tolerance, abs_tol=tolerance * scale)
                 values.append(want / _factor(stretch, stage, kind))
             fields[name] = values
         if settled:
