@@ -4,7 +4,7 @@ to the scheduler: the same two processes, configurations in a shuffled order, pa
 Run: ``python bench/pinning.py [--rounds 8] [--steps 20] [--rows 32] [--microbatches 2 4 8]
 [--families 1f1b 2bw cdp]``. The model and timing are ``bench/runtime_speed.py``'s (2 stages of 4
 Linear+ReLU blocks of 512, one thread per process, gloo). Pinned: every thread of rank ``r`` (gloo's
-included) may only run on the ``r``-th core of the process's allowed set; unpinned: on all of them.
+included) may only run on its share of the allowed cores, as ``pin_cpus`` places it; unpinned: on all.
 Printed: ms per step (median over the rounds) and the median of the rounds' pinned/unpinned speed-ups.
 """
 
@@ -18,30 +18,22 @@ import statistics
 
 import runtime_speed as bench
 
+from lightning_pipe.runtime.affinity import cores_of, place_threads
 from lightning_pipe.runtime.launch import run_local
-
-
-def _place(cores: set[int]) -> None:
-    """Every thread of this process (those started later inherit it) on ``cores``."""
-    for thread in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(thread), cores)
 
 
 def worker(rank: int, args: argparse.Namespace) -> dict[tuple[str, int, bool], list[float]]:
     everywhere = os.sched_getaffinity(0)
-    own = {sorted(everywhere)[rank % len(everywhere)]}
+    own = cores_of(rank, 2, everywhere)  # what pin_cpus gives this rank
     runs = list(itertools.product(args.families, args.microbatches, (False, True)))
     times: dict[tuple[str, int, bool], list[float]] = {run: [] for run in runs}
     for round_index in range(args.rounds):
         for family, microbatches, pinned in random.Random(round_index).sample(runs, len(runs)):
-            rows = args.rows * microbatches
-            model = argparse.Namespace(
-                width=512, depth=4, features=768, batch=rows, steps=args.steps, post_ahead_bytes=None
-            )
+            model = bench.default_model(args.rows, microbatches, args.steps)
             batches = bench.data(args.steps + bench.WARMUP, model)
-            _place(own if pinned else everywhere)
+            place_threads(own if pinned else everywhere)
             seconds, _ = bench.ours(rank, family, microbatches, batches, model)
-            _place(everywhere)
+            place_threads(everywhere)
             times[(family, microbatches, pinned)].append(seconds)
     return times
 

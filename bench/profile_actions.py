@@ -32,15 +32,9 @@ from lightning_pipe.runtime.launch import run_local
 WARMUP = 10
 
 
-def _model(args: argparse.Namespace) -> argparse.Namespace:
-    return argparse.Namespace(
-        width=512, depth=4, features=768, batch=args.rows * args.microbatches, steps=args.steps, post_ahead_bytes=None
-    )
-
-
 def operators(rank: int, args: argparse.Namespace) -> tuple[str, str]:
     """The profiler's tables of this rank: in the pipeline, and training its stage alone."""
-    model = _model(args)
+    model = bench.default_model(args.rows, args.microbatches, args.steps)
     batches = bench.data(WARMUP + args.steps, model)
     executor = PipelineExecutor(
         lambda k: bench.schedule(args.family, args.microbatches, k),

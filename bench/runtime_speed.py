@@ -87,6 +87,14 @@ def schedule(name: str, microbatches: int, steps: int, stages: int = 2) -> Sched
     return make_schedule(family, stages, microbatches, steps, **options)
 
 
+def default_model(rows: int, microbatches: int, steps: int) -> argparse.Namespace:
+    """The settings of this benchmark's defaults (4 blocks of 512, 768 inputs, the executor's own
+    ``post_ahead_bytes``) with micro-batches of ``rows`` rows: for other scripts that reuse it."""
+    return argparse.Namespace(
+        width=512, depth=4, features=768, batch=rows * microbatches, steps=steps, post_ahead_bytes=None
+    )
+
+
 def stage_module(stage: int, model: argparse.Namespace) -> nn.Module:
     torch.manual_seed(stage)
     widths = [model.features if stage == 0 else model.width] + [model.width] * model.depth
@@ -581,10 +589,19 @@ def _run_cell(microbatches: int, args: argparse.Namespace) -> str:
         f"{'contention':>20} {statistics.median(contention):.2f}x: each stage's step with both stages at once over "
         "one at a time (median of the rounds)"
     )
+    # each round's 1F1B costs made costs alone with the round's contention (the calibration, once)
+    calibration = [
+        alone_costs(
+            _priced(dataclasses.replace(c, contention=k), nbytes, n),
+            schedule("1f1b", microbatches, 8),
+            early_gradients=True,
+        )
+        for c, n, k in zip(in_run["1f1b"], wires, contention, strict=True)
+    ]
     ratios = [
         f"{_paired(per_round['ours 1f1b'], per_round[f'ours {family}']):>7.2f}x "
         f"{_predicted_ratio(family, microbatches, in_run['1f1b'], wires, nbytes):>8.2f}x "
-        f"{_predicted_ratio(family, microbatches, in_run['1f1b'], wires, nbytes, contention):>6.2f}x"
+        f"{_predicted_ratio(family, microbatches, calibration, wires, nbytes):>6.2f}x"
         for family in ("2bw", "cdp")
     ]
     peers = [_paired(per_round[f"torch {family}"], per_round[f"ours {family}"]) for family in PEERS]
@@ -606,25 +623,15 @@ def _overhead(in_run: list[StageCosts], alone: list[StageCosts]) -> str:
 
 
 def _predicted_ratio(
-    name: str,
-    microbatches: int,
-    costs: list[StageCosts],
-    networks: list[tuple[float, ...]],
-    nbytes: float,
-    contention: list[float] | None = None,
+    name: str, microbatches: int, costs: list[StageCosts], networks: list[tuple[float, ...]], nbytes: float
 ) -> float:
     """Median over the rounds of the simulated step of our 1F1B over that of ``name``, each round
-    simulated with its own costs (our 1F1B run's, the calibration) and network: the predicted
-    speed-up. With the round's ``contention``, the 1F1B run's costs are first made costs alone
-    (:func:`~lightning_pipe.runtime.calibration.alone_costs`), and both schedules replayed on
-    workers sharing the machine."""
-    ratios = []
-    for index, (c, n) in enumerate(zip(costs, networks, strict=True)):
-        if contention is not None:
-            shared = dataclasses.replace(c, contention=contention[index])
-            c = alone_costs(_priced(shared, nbytes, n), schedule("1f1b", microbatches, 8), early_gradients=True)
-        ratios.append(predicted("1f1b", microbatches, c, nbytes, n) / predicted(name, microbatches, c, nbytes, n))
-    return statistics.median(ratios)
+    simulated with its own costs (a calibration run's; with a contention, the costs alone) and
+    network: the predicted speed-up."""
+    return statistics.median(
+        predicted("1f1b", microbatches, c, nbytes, n) / predicted(name, microbatches, c, nbytes, n)
+        for c, n in zip(costs, networks, strict=True)
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.affinity import cores_of, pin_threads
+from tests.lightning_cases import placements
 
 
 @given(allowed=st.sets(st.integers(0, 63), min_size=1, max_size=16), data=st.data())
@@ -39,8 +40,7 @@ def _placements_after_pinning(rank: int) -> tuple[list[tuple[int, ...]], list[tu
     later = threading.Thread(target=lambda: seen.append(tuple(sorted(os.sched_getaffinity(0)))))
     later.start()
     later.join()
-    now = {tuple(sorted(os.sched_getaffinity(int(thread)))) for thread in os.listdir("/proc/self/task")}
-    return sorted(now), seen
+    return placements(), seen
 
 
 @pytest.mark.timeout(120)

@@ -82,7 +82,7 @@ def test_constructor_refusals() -> None:
             PipelineStrategy(family)
     with pytest.raises(PlanningError, match="start_method must be 'popen' or 'spawn'"):
         PipelineStrategy(start_method="fork")
-    with pytest.raises(PlanningError, match=r"contention must be a finite factor >= 1 \(1: devices share nothing\)"):
+    with pytest.raises(PlanningError, match=r"^contention must be a finite factor >= 1 \(1: no sharing\), got 0.5$"):
         PipelineStrategy(contention=0.5)
 
 

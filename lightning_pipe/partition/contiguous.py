@@ -252,10 +252,9 @@ class ChainProblem:
         alone = max(range(self.layers), key=lambda layer: self.peak_memory([(layer, layer, 1)]))
         need = self.peak_memory([(alone, alone, 1)])  # the least any plan can give a layer: one in flight
         most = max(self.layers, 4 * self.devices) if self.replicate else self.layers
-        enough = self.cover(math.inf, limit, devices=most) if need <= limit else {}
         if need > limit:
             hint += f"; no device count fits {format_bytes(limit)}: layer {alone} alone needs {format_bytes(need)}"
-        elif enough:
+        elif enough := self.cover(math.inf, limit, devices=most):
             count = min(enough)
             replicated = " with replicated stages" if any(r > 1 for _, _, r in enough[count]) else ""
             hint += f"; {format_bytes(limit)} fits on {count} devices{replicated}"

@@ -110,7 +110,7 @@ def alone_costs(
     if measured.contention == 1:
         return measured
     # what the replay's floating-point times can resolve: relative to the largest cost, not to each one
-    scale = max(v for kind, name in _FIELDS.items() for v in getattr(measured, name) or ())
+    scale = max(v for name in _FIELDS.values() for v in getattr(measured, name) or ())
     costs = measured
     for _ in range(100):
         shared = simulate(schedule, costs, early_gradients=early_gradients)

@@ -30,7 +30,7 @@ from lightning_pipe.schedule.graph import Graph, Node
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["Interval", "Simulation", "StageCosts", "simulate"]
+__all__ = ["Interval", "Simulation", "StageCosts", "check_contention", "simulate"]
 
 
 _SCALARS = ("bandwidth", "latency", "overhead", "contention")
@@ -137,10 +137,7 @@ class StageCosts:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise PlanningError(f"costs: {name} must be a finite number of seconds >= 0, got {value!r}")
-        if not 1 <= self.contention < math.inf:
-            raise PlanningError(
-                f"costs: contention must be a finite factor >= 1 (1: no sharing), got {self.contention!r}"
-            )
+        check_contention(self.contention, "costs: ")
 
     @property
     def stages(self) -> int:
@@ -170,6 +167,12 @@ class StageCosts:
     def _bytes(self, name: str, stage: int) -> float:
         values = getattr(self, name)
         return 0.0 if values is None else float(values[stage])
+
+
+def check_contention(value: float, prefix: str = "") -> None:
+    """Refuse a :attr:`StageCosts.contention` below 1 or not finite."""
+    if not 1 <= value < math.inf:
+        raise PlanningError(f"{prefix}contention must be a finite factor >= 1 (1: no sharing), got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,7 +29,7 @@ from lightning_pipe.profiler import profile_layers
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.schedule.simulate import Simulation
+from lightning_pipe.schedule.simulate import Simulation, check_contention
 
 __all__ = [
     "PlanOptions",
@@ -79,10 +78,7 @@ class PlanOptions:
             raise PlanningError(f"unknown partitioner {self.partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
         if sum(x is not None for x in (self.plan, self.balance)) > 1:
             raise PlanningError("give at most one of plan= and balance=")
-        if not 1 <= self.contention < math.inf:
-            raise PlanningError(
-                f"contention must be a finite factor >= 1 (1: devices share nothing), got {self.contention!r}"
-            )
+        check_contention(self.contention)
 
 
 @dataclass(frozen=True)
