@@ -565,13 +565,18 @@ class PipelineStrategy(ParallelStrategy):
             self._hyper.record(step)
             self._step_args[step] = args[1:]
             inputs = self._entry.capture(module.training_step, *args) if self._first else None
+            # a rank with no last stage has nothing to add after the step: its part leaves now, so
+            # the gather is complete as soon as the last stage's part arrives
+            posted = None if self._last else self._post_logs({})
             start = time.perf_counter()
             output = executor.step(inputs, args[0] if self._last else None)
             self._step_seconds.append(time.perf_counter() - start)
             drained = self._drain_after_this_batch()
             if drained:
                 output.microbatch_losses.update(executor.drain().microbatch_losses)
-        self._relay_training_logs(output.microbatch_losses, wait=drained or executor.schedule.flush)
+        if posted is None:
+            posted = self._post_logs(output.microbatch_losses)
+        self._relay_training_logs(posted, wait=drained or executor.schedule.flush)
         return self._last_loss.to(self.root_device)
 
     def _drain_after_this_batch(self) -> bool:
@@ -580,18 +585,23 @@ class PipelineStrategy(ParallelStrategy):
             return True
         return 0 < trainer.max_steps <= trainer.global_step + 1
 
-    def _relay_training_logs(self, microbatch_losses: dict[tuple[int, int], float], wait: bool) -> None:
-        """Send this call's micro-batch records to every rank and log every step whose micro-batches
-        are all in. A flushing schedule (and a drain) waits for them: the step's values are logged
-        with the step. A non-flushing one collects them during the next call instead, so no rank
-        waits for the last stage at a step boundary (the values are logged one step later)."""
+    def _post_logs(self, microbatch_losses: dict[tuple[int, int], float]) -> Any:
+        """Start sending this call's micro-batch records (none but on a last stage) and this rank's
+        SIGTERM flag to every rank."""
         trainer = self.lightning_module.trainer
-        mine = {
-            "pipeline": self.pipeline_index,
-            "records": {key: (self._records.pop(key), loss) for key, loss in microbatch_losses.items()},
-            "sigterm": bool(getattr(trainer, "received_sigterm", False)),
-        }
-        posted = self._relay.post(mine)
+        return self._relay.post(
+            {
+                "pipeline": self.pipeline_index,
+                "records": {key: (self._records.pop(key), loss) for key, loss in microbatch_losses.items()},
+                "sigterm": bool(getattr(trainer, "received_sigterm", False)),
+            }
+        )
+
+    def _relay_training_logs(self, posted: Any, wait: bool) -> None:
+        """Receive the records of ``posted`` (this call's gather) and log every step whose
+        micro-batches are all in. A flushing schedule (and a drain) waits for them: the step's values
+        are logged with the step. A non-flushing one collects them during the next call instead, so
+        no rank waits for the last stage at a step boundary (the values are logged one step later)."""
         self._collect_relayed()
         if wait:
             self._collect(self._relay.wait(posted))
