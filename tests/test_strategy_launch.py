@@ -233,3 +233,94 @@ def test_slurm(tmp_path: Path, devices: int, num_nodes: int) -> None:
     ranks = [(rank, rank // devices, rank % devices) for rank in range(tasks)]
     _check_ranks(outputs, ranks, "SLURMEnvironment")
     _check_result(tmp_path)
+
+
+def _plain_steps(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
+    model = Chain(blocks=4, width=32)
+    trainer(tmp_path / "plain", "auto", 1, max_epochs=2, max_steps=steps).fit(model, loader(8), loader(2, seed=7))
+    return state(model)
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_stops_every_rank_at_one_batch(tmp_path: Path) -> None:
+    """SIGTERM to one rank of a 1F1B pipeline started by Lightning (``python train.py``), as a cluster
+    preempting a job: every rank raises Lightning's ``SIGTERMException`` at the same batch (the one
+    after the batch whose logs carried the flag), its ``on_exception`` callback saves a checkpoint
+    (a collective every rank joins), and that checkpoint holds what plain Lightning has after as
+    many steps. Guards against Lightning's own handler, whose broadcast from inside the signal
+    handler waits for ever under a pipeline, and against ranks stopping at different batches."""
+    command = [sys.executable, "-m", "tests.strategy_script", str(tmp_path), "pipe", "--send=SIGTERM", "--to-rank=1"]
+    # exit 0: SIGTERMException is a SystemExit
+    (output,) = _run_together([command], [_environment()], tmp_path / "processes")
+    lines = sorted(line for line in output.splitlines() if line.startswith("stopped: "))
+    assert lines == [f"stopped: rank={rank} step=4 exception=SIGTERMException" for rank in (0, 1)], output[-3000:]
+    checkpoint = torch.load(tmp_path / "stopped.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 4
+    for name, value in _plain_steps(tmp_path, 4).items():
+        assert torch.allclose(checkpoint["state_dict"][name], value, atol=1e-5), name
+    Chain.load_from_checkpoint(tmp_path / "stopped.ckpt")
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_under_torchrun_with_a_non_flushing_schedule(tmp_path: Path) -> None:
+    """SIGTERM to rank 0 of a 2BW pipeline started by ``torchrun``: the flag reaches the other rank
+    with the logs one batch later (2BW leaves them in flight), and both stop at step 5, the
+    checkpoint saved on the way out loading without the strategy."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        "-m",
+        "tests.strategy_script",
+        str(tmp_path),
+        "pipe_2bw",
+        "--send=SIGTERM",
+        "--to-rank=0",
+    ]
+    (output,) = _run_together([command], [_environment()], tmp_path / "processes")
+    lines = sorted(line for line in output.splitlines() if line.startswith("stopped: "))
+    assert lines == [f"stopped: rank={rank} step=5 exception=SIGTERMException" for rank in (0, 1)], output[-3000:]
+    assert torch.load(tmp_path / "stopped.ckpt", weights_only=False)["global_step"] == 5
+    Chain.load_from_checkpoint(tmp_path / "stopped.ckpt")
+
+
+@pytest.mark.timeout(150)
+def test_slurm_requeue_signal(tmp_path: Path) -> None:
+    """SLURM's warning before preemption (SIGUSR1, ``--signal=USR1@90``) to one task of a 1F1B
+    pipeline: at the next batch every rank saves Lightning's ``hpc_ckpt_1.ckpt`` (a collective, not
+    from inside the handler), ``scontrol requeue JOB`` runs once (a stand-in ``scontrol`` on the
+    path records it), and training goes on to the same result as plain Lightning's."""
+    port = _free_port()
+    job = f"42{port - 15000:04d}"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.calls"}\n')
+    scontrol.chmod(0o755)
+    environments = [
+        {
+            **_environment(),
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "SLURM_JOB_ID": job,
+            "SLURM_JOB_NAME": "train",
+            "SLURM_NODELIST": "127.0.0.1",
+            "SLURM_NNODES": "1",
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+        }
+        for rank in range(2)
+    ]
+    command = [sys.executable, *_script_command(tmp_path, 2, 1), "--send=SIGUSR1", "--to-rank=1"]
+    _run_together([command] * 2, environments, tmp_path / "processes")
+    assert (tmp_path / "scontrol.calls").read_text() == f"requeue {job}\n"
+    checkpoint = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 4
+    for name, value in _plain_steps(tmp_path, 4).items():
+        assert torch.allclose(checkpoint["state_dict"][name], value, atol=1e-5), name
+    _check_result(tmp_path)

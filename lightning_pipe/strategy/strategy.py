@@ -51,7 +51,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
@@ -83,6 +82,7 @@ from lightning_pipe.strategy.planning import (
 )
 from lightning_pipe.strategy.relay import Relay
 from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps
+from lightning_pipe.strategy.signals import Signals
 from lightning_pipe.units import parse_bandwidth, parse_bytes
 
 __all__ = ["PipelineStrategy"]
@@ -249,7 +249,7 @@ class PipelineStrategy(ParallelStrategy):
         self._prediction: Simulation | None = None
         self._step_seconds: list[float] = []
         self._posted: Any = None
-        self._sigterm = False
+        self._signals: Signals | None = None
 
     # -- process set-up, as Lightning's DDP ------------------------------------------------------
     @property
@@ -382,14 +382,15 @@ class PipelineStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self._refuse_unsupported(trainer)
         self._entry = find_entry(self.lightning_module)
+        self._signals = Signals(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # one: Lightning refuses several under automatic optimization
             self._hyper = HyperParameters(self.optimizers[0])
             epoch_loop = trainer.fit_loop.epoch_loop
-            if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # Lightning's per-batch collective
-                epoch_loop._broadcast_sigterm_tensor = self._check_sigterm
+            if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # Lightning's per-batch collective: the
+                epoch_loop._broadcast_sigterm_tensor = lambda: None  # flag travels in the log relay (.signals)
         self.setup_precision_plugin()
 
     def _refuse_unsupported(self, trainer: Trainer) -> None:
@@ -587,13 +588,13 @@ class PipelineStrategy(ParallelStrategy):
 
     def _post_logs(self, microbatch_losses: dict[tuple[int, int], float]) -> Any:
         """Start sending this call's micro-batch records (none but on a last stage) and this rank's
-        SIGTERM flag to every rank."""
-        trainer = self.lightning_module.trainer
+        signal notes to every rank."""
+        assert self._signals is not None
         return self._relay.post(
             {
                 "pipeline": self.pipeline_index,
                 "records": {key: (self._records.pop(key), loss) for key, loss in microbatch_losses.items()},
-                "sigterm": bool(getattr(trainer, "received_sigterm", False)),
+                "signals": self._signals.outgoing(),
             }
         )
 
@@ -622,16 +623,16 @@ class PipelineStrategy(ParallelStrategy):
 
     def _collect(self, payloads: list[dict[str, Any]]) -> None:
         for payload in payloads:
-            self._sigterm |= payload["sigterm"]
+            self._signals.collect(payload["signals"])
             if payload["pipeline"] == self.pipeline_index:
                 for (step, mb), entry in payload["records"].items():
                     self._pending.setdefault(step, {})[mb] = entry
 
-    def _check_sigterm(self) -> None:
-        """Stands in for Lightning's per-batch SIGTERM broadcast: the relay already carries every
-        rank's flag, so all ranks stop at the same batch without a collective of their own."""
-        if self._sigterm:
-            raise SIGTERMException()
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Act on the signals the relay has brought every rank (:mod:`.signals`): all ranks at the
+        same batch."""
+        assert self._signals is not None
+        self._signals.act()
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The backward already ran in the pipeline step; only the hooks around it run here."""
