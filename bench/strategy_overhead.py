@@ -3,7 +3,9 @@ plain Lightning on one device, the bare executor on two processes and Lightning'
 processes, all in one run.
 
 Run: ``python bench/strategy_overhead.py [--steps 20] [--rounds 5] [--width 512] [--depth 4]
-[--batch 1024] [--features 768] [--microbatches 2 8] [--no-log]`` (about 4 minutes on 2 cores).
+[--batch 1024] [--features 768] [--microbatches 2 8] [--no-log] [--pin]`` (about 5 minutes on 2 cores);
+``--pin`` keeps each process's threads on a core of its own for every configuration, Lightning's and
+DDP's included (``pin_cpus`` of ``run_local``).
 
 The module (:class:`MLP`) is ``bench/runtime_speed.py``'s balanced 2-stage MLP in one ``nn.Sequential``
 ``self.net`` that ``forward`` calls (the strategy's contract): ``depth`` Linear+ReLU blocks of ``width``
@@ -355,23 +357,25 @@ def main() -> None:
     parser.add_argument("--features", type=int, help="inputs of the first layer (default: 1.5 width, balanced)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--no-log", dest="log", action="store_false", help="training_step calls no self.log")
+    parser.add_argument("--pin", action="store_true", help="each process's threads on a core of its own (pin_cpus)")
     args = parser.parse_args()
     args.features = args.features or args.width * 3 // 2
     print(
         f"model: 2 x {args.depth} blocks of {args.width} ({args.features} inputs) + head, batch {args.batch}, "
-        f"self.log {'on' if args.log else 'off'}; {args.rounds} rounds of {args.steps} timed steps (+{WARMUP}); "
+        f"self.log {'on' if args.log else 'off'}, {'pinned' if args.pin else 'not pinned'}; "
+        f"{args.rounds} rounds of {args.steps} timed steps (+{WARMUP}); "
         f"torch {torch.__version__}, lightning {L.__version__}"
     )
     began, load = time.monotonic(), os.getloadavg()[0]
 
-    step, between = _per_round(run_local(one_device, 1, args, timeout=1800))
+    step, between = _per_round(run_local(one_device, 1, args, timeout=1800, pin_cpus=args.pin))
     table = _Table("(a) one process x one thread (between: ms/step outside the batch hooks)", step, between, args.batch)
     table.row((PLAIN, 1))
     table.row((f"{STRATEGY} 1f1b", 1), table.time_ratio((f"{STRATEGY} 1f1b", 1), (PLAIN, 1), target=True))
     for reference in (TORCH, f"{EXECUTOR} 1 stage"):
         table.row((reference, 1), table.time_ratio((reference, 1), (PLAIN, 1)))
 
-    step, between = _per_round(run_local(two_processes, 2, args, timeout=3600))
+    step, between = _per_round(run_local(two_processes, 2, args, timeout=3600, pin_cpus=args.pin))
     table = _Table(
         "(b) two processes x one thread: the strategy against the bare executor (same schedule, stages, batches); "
         f"{GATHER}/{BCAST}: the executor with one collective per call",

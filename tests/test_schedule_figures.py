@@ -233,7 +233,7 @@ def test_early_gradients_simulate_as_a_backward_split_in_place(
     )
     orders = []
     for order in schedule.orders:
-        early = cooldown_backwards(order, flush=True)
+        early = cooldown_backwards(order, True, schedule.stages)
         orders.append(
             tuple(
                 part
@@ -252,12 +252,18 @@ def test_early_gradients_simulate_as_a_backward_split_in_place(
         assert early.makespan == pytest.approx(plain - (stages - 1) * weight_grad)
 
 
-def test_early_gradients_are_the_cool_down_backwards_of_stages_after_the_first() -> None:
+def test_early_gradients_are_the_short_cool_down_backwards_of_stages_after_the_first() -> None:
+    """Stage ``s > 0`` splits its backwards after its last forward of the step when they are at most
+    ``P - s``: 1F1B's cool-down, one hop of the drain each; GPipe's ``m`` are not split (the split
+    would be paid ``m`` times for one ``W`` of gain), except with ``m = 1``."""
     from lightning_pipe.schedule.early import cooldown_backwards
 
     one_f_one_b = make_schedule("1f1b", 2, 3)  # worker 1: F0 B0 F1 B1 F2 B2
-    assert cooldown_backwards(one_f_one_b.orders[1], flush=True) == {5}
-    assert cooldown_backwards(one_f_one_b.orders[0], flush=True) == set()  # stage 0 sends no gradient
+    assert cooldown_backwards(one_f_one_b.orders[1], True, 2) == {5}
+    assert cooldown_backwards(one_f_one_b.orders[0], True, 2) == set()  # stage 0 sends no gradient
+    four = make_schedule("1f1b", 4, 6)
+    assert [len(cooldown_backwards(order, True, 4)) for order in four.orders] == [0, 3, 2, 1]
     gpipe = make_schedule("gpipe", 2, 3)  # worker 1: F0 F1 F2 B0 B1 B2
-    assert cooldown_backwards(gpipe.orders[1], flush=True) == {3, 4, 5}
-    assert cooldown_backwards(gpipe.orders[1], flush=False) == set()
+    assert cooldown_backwards(gpipe.orders[1], True, 2) == set()
+    assert cooldown_backwards(make_schedule("gpipe", 2, 1).orders[1], True, 2) == {1}  # F0 B0
+    assert cooldown_backwards(one_f_one_b.orders[1], False, 2) == set()

@@ -66,8 +66,8 @@ def seconds_on_wire(costs: StageCosts, nbytes: float) -> float:
 
 
 def early_backwards(schedule: Schedule) -> set[tuple[int, int]]:
-    """Cool-down backwards: a B of a stage > 0 placed after its worker's last F of that step (flushing
-    schedules only)."""
+    """Cool-down backwards: a B of a stage s > 0 placed after its worker's last F of that step
+    (flushing schedules only), when that stage has at most P - s of them in the step."""
     if not schedule.flush:
         return set()
     early = set()
@@ -78,7 +78,16 @@ def early_backwards(schedule: Schedule) -> set[tuple[int, int]]:
             ]  # none may follow
             if action.kind is Kind.B and action.stage > 0 and not later_forwards:
                 early.add((worker, position))
-    return early
+
+    def tail(worker: int, position: int) -> list[tuple[int, int]]:
+        action = schedule.orders[worker][position]
+        return [
+            (w, p)
+            for w, p in early
+            if w == worker and schedule.orders[w][p].stage == action.stage and schedule.orders[w][p].step == action.step
+        ]
+
+    return {(w, p) for w, p in early if len(tail(w, p)) <= schedule.stages - schedule.orders[w][p].stage}
 
 
 def peaks(events: list[tuple[float, int, float]]) -> tuple[int, float, list[tuple[float, float]]]:

@@ -556,7 +556,7 @@ class PipelineExecutor:
             self._lend(peers)
             self._borrow(actions)
             self._expect(peers)
-            early = cooldown_backwards(actions, self.early_gradients)
+            early = cooldown_backwards(actions, self.early_gradients, self.schedule.stages)
             self._running = actions
             returning = last_gradients(actions, self.borrowed)  # position -> (borrowed stage, step)
             for position, action in enumerate(actions):

@@ -425,7 +425,7 @@ def simulate(
     early = set()
     if early_gradients:
         for worker, order in enumerate(schedule.orders):
-            early |= {(worker, position) for position in cooldown_backwards(order, schedule.flush)}
+            early |= {(worker, position) for position in cooldown_backwards(order, schedule.flush, schedule.stages)}
     replay = _Replay(schedule, costs, graph or validate(schedule), early)
     if costs.contention == 1 or schedule.workers == 1:
         for node in replay.graph.order():
