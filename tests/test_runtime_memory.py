@@ -99,13 +99,14 @@ def _resident_worker(rank: int, steps: int) -> list[int]:
 @pytest.mark.timeout(180)
 def test_two_hundred_2bw_steps_do_not_grow_the_process() -> None:
     """Resident memory of 2BW from step 50 to step 200 does not grow: the least resident memory of
-    steps 150-199 is at most 16 MiB above that of steps 50-99. The least, because the allocator hands
-    blocks back and forth with the transient tensors of a step (the resident size wanders by about
-    +-10 MiB here, with no trend over 1000 steps); a copy of the weights is 1 MiB here, so a leak of
-    one per step would add 100 MiB."""
+    steps 150-199 is at most 32 MiB above that of steps 50-99. The least, because the allocator hands
+    blocks back and forth with the transient tensors of a step: the resident size wanders by 13-38
+    MiB within a run when another process loads the machine, with no trend over 1000 steps, and
+    one CI run saw the least rise by 24 MiB. A copy of the weights is 1 MiB here, so a leak of one
+    per step would add 100 MiB, and of one every four steps 37 MiB."""
     for resident in run_local(_resident_worker, 2, 200, timeout=150):
         early, late = min(resident[:50]), min(resident[100:])
-        assert late - early < 16 << 20, (early / 2**20, late / 2**20)
+        assert late - early < 32 << 20, (early / 2**20, late / 2**20)
 
 
 def test_a_replica_shares_buffers_and_computes_with_its_own_leaves() -> None:
