@@ -22,6 +22,8 @@ Lifecycle (Lightning calls these in this order):
 7. **Checkpoints**: the ``state_dict`` is the full module with its own names (every stage's weights
    broadcast from their owners), so ``load_from_checkpoint`` works without the strategy; the
    stages' optimizer states travel in ``optimizer_states``.
+8. **Signals**: SIGTERM (preemption) and SLURM's requeue signal are noted by the handler and acted on
+   by every rank at the start of the same training batch (:mod:`.signals`).
 """
 
 from __future__ import annotations
