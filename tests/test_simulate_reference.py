@@ -16,7 +16,7 @@ ties (frees before allocations at equal times) are real ties.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 
 from hypothesis import given, reject, settings
@@ -78,16 +78,13 @@ def early_backwards(schedule: Schedule) -> set[tuple[int, int]]:
             ]  # none may follow
             if action.kind is Kind.B and action.stage > 0 and not later_forwards:
                 early.add((worker, position))
-
-    def tail(worker: int, position: int) -> list[tuple[int, int]]:
-        action = schedule.orders[worker][position]
-        return [
-            (w, p)
-            for w, p in early
-            if w == worker and schedule.orders[w][p].stage == action.stage and schedule.orders[w][p].step == action.step
-        ]
-
-    return {(w, p) for w, p in early if len(tail(w, p)) <= schedule.stages - schedule.orders[w][p].stage}
+    per_stage_step = Counter((w, schedule.orders[w][p].stage, schedule.orders[w][p].step) for w, p in early)
+    return {
+        (w, p)
+        for w, p in early
+        if per_stage_step[(w, schedule.orders[w][p].stage, schedule.orders[w][p].step)]
+        <= schedule.stages - schedule.orders[w][p].stage
+    }
 
 
 def peaks(events: list[tuple[float, int, float]]) -> tuple[int, float, list[tuple[float, float]]]:

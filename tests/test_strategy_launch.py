@@ -37,9 +37,10 @@ def _script(tmp_path: Path, strategy: str) -> tuple[str, Path]:
     return run.stdout + run.stderr, tmp_path / "lightning_logs" / "version_0"
 
 
-def _plain(tmp_path: Path) -> dict[str, torch.Tensor]:
+def _plain(tmp_path: Path, steps: int = -1) -> dict[str, torch.Tensor]:
+    """The script's model trained by plain Lightning on one device (``steps``: stopped after them)."""
     model = Chain(blocks=4, width=32)
-    trainer(tmp_path / "plain", "auto", 1, max_epochs=2).fit(model, loader(8), loader(2, seed=7))
+    trainer(tmp_path / "plain", "auto", 1, max_epochs=2, max_steps=steps).fit(model, loader(8), loader(2, seed=7))
     return state(model)
 
 
@@ -171,6 +172,31 @@ def _check_result(tmp_path: Path) -> None:
         assert torch.allclose(final[name], value, atol=1e-5), name
 
 
+def _slurm_job() -> str:
+    """A job id whose port (Lightning's: 15000 + the id's last four digits) nothing listens on."""
+    return f"42{_free_port() - 15000:04d}"
+
+
+def _slurm_environments(job: str, devices: int, num_nodes: int) -> list[dict[str, str]]:
+    """What ``srun --ntasks-per-node=devices --nodes=num_nodes`` gives each task, on this machine."""
+    tasks = devices * num_nodes
+    return [
+        {
+            **_environment(),
+            "SLURM_JOB_ID": job,
+            "SLURM_JOB_NAME": "train",
+            "SLURM_NODELIST": "127.0.0.1",
+            "SLURM_NNODES": str(num_nodes),
+            "SLURM_NTASKS": str(tasks),
+            "SLURM_NTASKS_PER_NODE": str(devices),
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank % devices),
+            "SLURM_NODEID": str(rank // devices),
+        }
+        for rank in range(tasks)
+    ]
+
+
 def _script_command(tmp_path: Path, devices: int, num_nodes: int) -> list[str]:
     return ["-m", "tests.strategy_script", str(tmp_path), "pipe", f"--devices={devices}", f"--num-nodes={num_nodes}"]
 
@@ -211,23 +237,8 @@ def test_slurm(tmp_path: Path, devices: int, num_nodes: int) -> None:
     SLURMEnvironment, its check of devices and nodes against the tasks passes, and training equals
     plain Lightning's. Guards against a strategy that starts processes of its own under SLURM, or
     takes its ranks from anything but the cluster environment."""
-    port = _free_port()
     tasks = devices * num_nodes
-    environments = [
-        {
-            **_environment(),
-            "SLURM_JOB_ID": f"42{port - 15000:04d}",  # Lightning's port: 15000 + the id's last four digits
-            "SLURM_JOB_NAME": "train",
-            "SLURM_NODELIST": "127.0.0.1",
-            "SLURM_NNODES": str(num_nodes),
-            "SLURM_NTASKS": str(tasks),
-            "SLURM_NTASKS_PER_NODE": str(devices),
-            "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(rank % devices),
-            "SLURM_NODEID": str(rank // devices),
-        }
-        for rank in range(tasks)
-    ]
+    environments = _slurm_environments(_slurm_job(), devices, num_nodes)
     commands = [[sys.executable, *_script_command(tmp_path, devices, num_nodes)]] * tasks
     outputs = _run_together(commands, environments, tmp_path / "processes")
     ranks = [(rank, rank // devices, rank % devices) for rank in range(tasks)]
@@ -235,10 +246,10 @@ def test_slurm(tmp_path: Path, devices: int, num_nodes: int) -> None:
     _check_result(tmp_path)
 
 
-def _plain_steps(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
-    model = Chain(blocks=4, width=32)
-    trainer(tmp_path / "plain", "auto", 1, max_epochs=2, max_steps=steps).fit(model, loader(8), loader(2, seed=7))
-    return state(model)
+def _check_stopped(output: str, step: int) -> None:
+    """Both ranks raised ``SIGTERMException`` at ``step`` (the script's ``stopped:`` lines)."""
+    lines = sorted(line for line in output.splitlines() if line.startswith("stopped: "))
+    assert lines == [f"stopped: rank={rank} step={step} exception=SIGTERMException" for rank in (0, 1)], output[-3000:]
 
 
 @pytest.mark.timeout(150)
@@ -252,11 +263,10 @@ def test_sigterm_stops_every_rank_at_one_batch(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "tests.strategy_script", str(tmp_path), "pipe", "--send=SIGTERM", "--to-rank=1"]
     # exit 0: SIGTERMException is a SystemExit
     (output,) = _run_together([command], [_environment()], tmp_path / "processes")
-    lines = sorted(line for line in output.splitlines() if line.startswith("stopped: "))
-    assert lines == [f"stopped: rank={rank} step=4 exception=SIGTERMException" for rank in (0, 1)], output[-3000:]
+    _check_stopped(output, step=4)
     checkpoint = torch.load(tmp_path / "stopped.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 4
-    for name, value in _plain_steps(tmp_path, 4).items():
+    for name, value in _plain(tmp_path, 4).items():
         assert torch.allclose(checkpoint["state_dict"][name], value, atol=1e-5), name
     Chain.load_from_checkpoint(tmp_path / "stopped.ckpt")
 
@@ -281,8 +291,7 @@ def test_sigterm_under_torchrun_with_a_non_flushing_schedule(tmp_path: Path) -> 
         "--to-rank=0",
     ]
     (output,) = _run_together([command], [_environment()], tmp_path / "processes")
-    lines = sorted(line for line in output.splitlines() if line.startswith("stopped: "))
-    assert lines == [f"stopped: rank={rank} step=5 exception=SIGTERMException" for rank in (0, 1)], output[-3000:]
+    _check_stopped(output, step=5)
     assert torch.load(tmp_path / "stopped.ckpt", weights_only=False)["global_step"] == 5
     Chain.load_from_checkpoint(tmp_path / "stopped.ckpt")
 
@@ -293,34 +302,20 @@ def test_slurm_requeue_signal(tmp_path: Path) -> None:
     pipeline: at the next batch every rank saves Lightning's ``hpc_ckpt_1.ckpt`` (a collective, not
     from inside the handler), ``scontrol requeue JOB`` runs once (a stand-in ``scontrol`` on the
     path records it), and training goes on to the same result as plain Lightning's."""
-    port = _free_port()
-    job = f"42{port - 15000:04d}"
+    job = _slurm_job()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.calls"}\n')
     scontrol.chmod(0o755)
     environments = [
-        {
-            **_environment(),
-            "PATH": f"{bin_dir}:{os.environ['PATH']}",
-            "SLURM_JOB_ID": job,
-            "SLURM_JOB_NAME": "train",
-            "SLURM_NODELIST": "127.0.0.1",
-            "SLURM_NNODES": "1",
-            "SLURM_NTASKS": "2",
-            "SLURM_NTASKS_PER_NODE": "2",
-            "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(rank),
-            "SLURM_NODEID": "0",
-        }
-        for rank in range(2)
+        {**environment, "PATH": f"{bin_dir}:{os.environ['PATH']}"} for environment in _slurm_environments(job, 2, 1)
     ]
     command = [sys.executable, *_script_command(tmp_path, 2, 1), "--send=SIGUSR1", "--to-rank=1"]
     _run_together([command] * 2, environments, tmp_path / "processes")
     assert (tmp_path / "scontrol.calls").read_text() == f"requeue {job}\n"
     checkpoint = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 4
-    for name, value in _plain_steps(tmp_path, 4).items():
+    for name, value in _plain(tmp_path, 4).items():
         assert torch.allclose(checkpoint["state_dict"][name], value, atol=1e-5), name
     _check_result(tmp_path)

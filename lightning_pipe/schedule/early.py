@@ -9,7 +9,7 @@ and arithmetic.
 
 The split is not free: besides a few extra autograd calls, the weight gradients are computed after
 the whole input-gradient pass instead of next to it, from inputs no longer in cache. On two CPU
-cores it costs 1.1 ms on a 32-row backward of 1.9 ms and 3.5 ms on a 512-row one of 22 ms
+cores it costs 1.1 ms on a 32-row backward of 1.9 ms and 3.5 ms on a 512-row one of 14 ms
 (``docs/runtime.md``). The gain is at most one ``W`` per hop and step, however many backwards are
 split, so only a short cool-down is split: at most ``P - s`` backwards of stage ``s`` in a step, as in
 1F1B's, where each is one hop of the drain. GPipe's cool-down is all ``m`` backwards of the step,
