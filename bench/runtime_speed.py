@@ -2,10 +2,12 @@
 process, and measured vs simulated time per step — all in one run on this machine.
 
 Run: ``python bench/runtime_speed.py [--steps 8] [--rounds 8] [--width 512] [--depth 4] [--batch 1024]
-[--rows 32 512] [--features 768] [--microbatches 2 4] [--post-ahead-bytes N] [--pin]``: every micro-batch count
+[--rows 32 512] [--features 768] [--microbatches 2 4] [--post-ahead-bytes N] [--shared-memory-bytes N]
+[--pin]``: every micro-batch count
 with mini-batches of ``--batch`` rows, or, with ``--rows``, with micro-batches of each of those sizes
 (a mini-batch of ``m x rows``); ``--post-ahead-bytes`` is our executor's ``post_ahead_bytes`` (default
-its own); ``--pin`` keeps each process's threads on a core of its own for every configuration, torch's
+its own), ``--shared-memory-bytes`` its ``shared_memory_bytes`` (default its own, 64 MiB rings in shared
+memory between the two processes; 0: gloo, as torch's peer); ``--pin`` keeps each process's threads on a core of its own for every configuration, torch's
 peer and the baselines included (``pin_cpus``). The settings of ``docs/runtime.md``:
 ``--microbatches 2 4 8 16 --rows 32`` and
 ``--microbatches 2 4 8 16 --rows 512 --width 256``.
@@ -69,9 +71,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.runtime.calibration import alone_costs
-from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.runtime.executor import DEFAULT_SHARED_MEMORY_BYTES, PipelineExecutor
+from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.launch import run_local
+from lightning_pipe.runtime.shared_memory import open_links
+from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.schedule import Schedule, StageCosts, make_schedule, simulate
 
 WARMUP = 3
@@ -91,7 +96,13 @@ def default_model(rows: int, microbatches: int, steps: int) -> argparse.Namespac
     """The settings of this benchmark's defaults (4 blocks of 512, 768 inputs, the executor's own
     ``post_ahead_bytes``) with micro-batches of ``rows`` rows: for other scripts that reuse it."""
     return argparse.Namespace(
-        width=512, depth=4, features=768, batch=rows * microbatches, steps=steps, post_ahead_bytes=None
+        width=512,
+        depth=4,
+        features=768,
+        batch=rows * microbatches,
+        steps=steps,
+        post_ahead_bytes=None,
+        shared_memory_bytes=None,
     )
 
 
@@ -148,6 +159,7 @@ def ours(
         nn.functional.cross_entropy,
         _sgd,
         post_ahead_bytes=model.post_ahead_bytes,
+        shared_memory_bytes=model.shared_memory_bytes,
     )
     # a non-flushing schedule is timed in steady state: per call, with the pipeline kept full
     seconds = _timed(lambda x, y: executor.step(x, y), batches)
@@ -255,38 +267,53 @@ def single_process(rank: int, batches: _Batches, model: argparse.Namespace) -> f
     return statistics.fmean(times[WARMUP:]) if rank == 0 else 0.0
 
 
-def _ping_pong(rank: int, tensor: torch.Tensor) -> None:
+def _messenger(model: argparse.Namespace) -> Transport:
+    """Our transport between the two processes, as the executor makes it: through shared memory
+    (unless ``--shared-memory-bytes 0``), else gloo."""
+    rank = dist.get_rank()
+    capacity = DEFAULT_SHARED_MEMORY_BYTES if model.shared_memory_bytes is None else model.shared_memory_bytes
+    groups = (dist.new_group([0, 1]), dist.new_group([0, 1]))
+    links = open_links([(0, 1), (1, 0)], groups[0], capacity) if capacity else None
+    board = FailureBoard(dist.distributed_c10d._get_default_store(), rank)
+    return Transport(rank, torch.device("cpu"), board, groups, links=links)
+
+
+def _ping_pong(rank: int, transport: Transport, tensor: torch.Tensor) -> None:
     """Rank 0 sends ``tensor`` to rank 1, which sends it back."""
+    peer = 1 - rank
+    if rank == 1:
+        transport.receive(peer, transport.expect(peer, "ping"))
+    transport.send(peer, tensor, "ping")
     if rank == 0:
-        dist.send(tensor, 1)
-        dist.recv(tensor, 1)
-    else:
-        dist.recv(tensor, 0)
-        dist.send(tensor, 0)
+        transport.receive(peer, transport.expect(peer, "ping"))
+    transport.flush()
 
 
-def _round_trip(rank: int, tensor: torch.Tensor, repeats: int = 30) -> tuple[float, float]:
+def _round_trip(rank: int, transport: Transport, tensor: torch.Tensor, repeats: int = 30) -> tuple[float, float]:
     """Median seconds of a ping-pong of ``tensor`` between the two processes, and this process's CPU
     seconds (all its threads) per message sent or received."""
     times = []
     dist.barrier()
     for _ in range(3):  # warm-up
-        _ping_pong(rank, tensor)
+        _ping_pong(rank, transport, tensor)
     cpu = time.process_time()
     for _ in range(repeats):
         start = time.perf_counter()
-        _ping_pong(rank, tensor)
+        _ping_pong(rank, transport, tensor)
         times.append(time.perf_counter() - start)
     return statistics.median(times), (time.process_time() - cpu) / (2 * repeats)
 
 
-def network(rank: int, rows: int, width: int) -> tuple[float, float, float]:
+def network(rank: int, rows: int, model: argparse.Namespace) -> tuple[float, float, float]:
     """Latency (seconds per message), bandwidth (bytes per second; ``inf`` when the activation goes
-    no slower than an empty message) and processor seconds per activation at each end, of gloo
-    between the two processes, from ping-pongs of one element and of one activation."""
-    empty = _round_trip(rank, torch.zeros(1))[0] / 2
-    activation = torch.zeros(rows, width)
-    full, overhead = _round_trip(rank, activation)
+    no slower than an empty message) and processor seconds per activation at each end, of our
+    transport between the two processes (as our executor's messages go), from ping-pongs of one
+    element and of one activation."""
+    transport = _messenger(model)
+    empty = _round_trip(rank, transport, torch.zeros(1))[0] / 2
+    activation = torch.zeros(rows, model.width)
+    full, overhead = _round_trip(rank, transport, activation)
+    transport.abort()
     nbytes = activation.numel() * activation.element_size()
     return empty, nbytes / (full / 2 - empty) if full / 2 > empty else math.inf, overhead
 
@@ -429,7 +456,7 @@ def worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict:
     runs = [alone, in_turn, one_process, run_bare]
     runs += [functools.partial(run_ours, name) for name in OURS] + [functools.partial(run_peer, name) for name in PEERS]
     for round_index in range(model.rounds):
-        result["network"].append(network(rank, model.batch // microbatches, model.width))
+        result["network"].append(network(rank, model.batch // microbatches, model))
         # a new order every round, the same on both ranks: no configuration always follows another
         for run in random.Random(round_index).sample(runs, len(runs)):
             garbage.full()
@@ -489,6 +516,9 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rows", type=int, nargs="+", help="micro-batch sizes (default: --batch / m)")
     parser.add_argument("--post-ahead-bytes", type=int, help="our executor's post_ahead_bytes (default: its own)")
+    parser.add_argument(
+        "--shared-memory-bytes", type=int, help="our executor's shared_memory_bytes (default: its own; 0: gloo)"
+    )
     parser.add_argument("--pin", action="store_true", help="each process's threads on a core of its own (pin_cpus)")
     args = parser.parse_args()
     args.features = args.features or args.width * 3 // 2
@@ -567,7 +597,7 @@ def _run_cell(microbatches: int, args: argparse.Namespace) -> str:
             "(median of the rounds' means)"
         )
     print(
-        f"{'':>20} gloo: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s, "
+        f"{'':>20} {'gloo' if args.shared_memory_bytes == 0 else 'shared memory'}: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s, "
         f"{net[2] * 1e6:.0f} us of processor per activation at each end (medians of the rounds)"
     )
     for family in OURS:

@@ -178,6 +178,7 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
             OPTIMIZERS[case["optimizer"]],
             recompute=case.get("recompute", False),
             post_ahead_bytes=case.get("post_ahead_bytes"),
+            shared_memory_bytes=case.get("shared_memory_bytes"),
         )
         if case.get("foreign_init"):  # stages this rank computes but does not own start from other weights
             torch.manual_seed(100 + rank)

@@ -44,7 +44,15 @@ class Trap(nn.Module):
         return self.inner(x)
 
 
-def _train(rank: int, victim: int, how: str, family: str, world: int, timeout_seconds: float = 300.0) -> float:
+def _train(
+    rank: int,
+    victim: int,
+    how: str,
+    family: str,
+    world: int,
+    timeout_seconds: float = 300.0,
+    shared_memory_bytes: int | None = None,
+) -> float:
     stages = build_stages(world)
     if rank == victim:
         stages[victim] = Trap(stages[victim], when=5, how=how)
@@ -54,6 +62,7 @@ def _train(rank: int, victim: int, how: str, family: str, world: int, timeout_se
         nn.functional.cross_entropy,
         OPTIMIZERS["sgd"],
         timeout_seconds=timeout_seconds,
+        shared_memory_bytes=shared_memory_bytes,
     )
     start = time.monotonic()
     try:
@@ -67,22 +76,27 @@ def _train(rank: int, victim: int, how: str, family: str, world: int, timeout_se
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("victim", "how", "family", "world"),
+    ("victim", "how", "family", "world", "shared_memory_bytes"),
     [
-        (1, "raise", "1f1b", 2),
-        (0, "raise", "2bw", 2),
-        (1, "kill", "1f1b", 2),
-        (0, "kill", "2bw", 2),
-        (2, "raise", "1f1b", 3),  # rank 0 waits on rank 1, which waits on rank 2: the stop travels
-        (1, "kill", "2bw", 3),
+        (1, "raise", "1f1b", 2, None),
+        (0, "raise", "2bw", 2, None),
+        (1, "kill", "1f1b", 2, None),
+        (0, "kill", "2bw", 2, None),
+        (2, "raise", "1f1b", 3, None),  # rank 0 waits on rank 1, which waits on rank 2: the stop travels
+        (1, "kill", "2bw", 3, None),
+        # gloo instead of shared memory: what workers on other hosts use
+        (1, "kill", "1f1b", 2, 0),
+        (2, "raise", "1f1b", 3, 0),
     ],
 )
-def test_every_rank_stops_naming_the_failed_one(victim: int, how: str, family: str, world: int) -> None:
+def test_every_rank_stops_naming_the_failed_one(
+    victim: int, how: str, family: str, world: int, shared_memory_bytes: int | None
+) -> None:
     """The survivors stop because the failure reached them, not by their own 30 s timeout: their
     error names the failed rank, and the step they were in (timed from its start, not from the spawn
     of the processes) ended before the timeout."""
     with pytest.raises(LocalRunError) as caught:
-        run_local(_train, world, victim, how, family, world, SURVIVOR_TIMEOUT, timeout=90)
+        run_local(_train, world, victim, how, family, world, SURVIVOR_TIMEOUT, shared_memory_bytes, timeout=90)
     for survivor in (caught.value.errors[rank] for rank in range(world) if rank != victim):
         assert survivor.startswith("PipelineAborted")
         if how == "raise":
@@ -99,11 +113,12 @@ def test_every_rank_stops_naming_the_failed_one(victim: int, how: str, family: s
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_that_hangs_stops_the_others_after_the_timeout() -> None:
+@pytest.mark.parametrize("shared_memory_bytes", [None, 0])
+def test_a_rank_that_hangs_stops_the_others_after_the_timeout(shared_memory_bytes: int | None) -> None:
     """Rank 1 hangs for 8 s; rank 0, with a 2 s timeout, stops by its timeout, after at least 2 s and
-    before the hang would have ended (timed from the start of its step)."""
+    before the hang would have ended (timed from the start of its step), over shared memory and gloo."""
     with pytest.raises(LocalRunError) as caught:
-        run_local(_train, 2, 1, "hang", "1f1b", 2, 2.0, timeout=60)
+        run_local(_train, 2, 1, "hang", "1f1b", 2, 2.0, shared_memory_bytes, timeout=60)
     survivor = caught.value.errors[0]
     assert survivor.startswith("PipelineAborted")
     assert "rank 0 waited 2 s for a message from rank 1" in survivor

@@ -108,12 +108,35 @@ TWO_WORKERS = [
     _case("1f1b-frozen-first-stage", "1f1b", 2, 3, frozen=((0, "0.weight"), (0, "0.bias"))),
     _case("2bw-frozen-weight", "2bw", 2, 2, frozen=((1, "weight"),)),
     _case("zb_h1-frozen-bias", "zb_h1", 2, 3, optimizer="adam", frozen=((0, "0.bias"), (1, "bias"))),
-    # receives posted ahead (the default posts these small messages when needed), and a mix: 3-row
-    # micro-batches (160 bytes) ahead, 2-row ones (128) and first messages (a header) when needed
-    _case("2bw-all-ahead", "2bw", 2, 2, steps=5, post_ahead_bytes=0),
-    _case("interleaved-all-ahead", "interleaved", 4, 4, options={"virtual_stages": 2}, post_ahead_bytes=0),
-    _case("1f1b-uneven-mixed-posting", "1f1b", 2, 4, rows=10, post_ahead_bytes=150),
-    _case("cdp-v2-mixed-posting", "cdp", 2, 4, rows=10, options={"rule": "cdp_v2"}, post_ahead_bytes=150),
+    # gloo instead of shared memory (what other hosts use), with receives posted ahead (the default
+    # posts these small messages when needed), and a mix: 3-row micro-batches (160 bytes) ahead, 2-row
+    # ones (128) and first messages (a header) when needed
+    _case("2bw-gloo", "2bw", 2, 2, steps=5, shared_memory_bytes=0),
+    _case("2bw-all-ahead", "2bw", 2, 2, steps=5, post_ahead_bytes=0, shared_memory_bytes=0),
+    _case(
+        "interleaved-all-ahead",
+        "interleaved",
+        4,
+        4,
+        options={"virtual_stages": 2},
+        post_ahead_bytes=0,
+        shared_memory_bytes=0,
+    ),
+    _case("1f1b-uneven-mixed-posting", "1f1b", 2, 4, rows=10, post_ahead_bytes=150, shared_memory_bytes=0),
+    _case(
+        "cdp-v2-mixed-posting",
+        "cdp",
+        2,
+        4,
+        rows=10,
+        options={"rule": "cdp_v2"},
+        post_ahead_bytes=150,
+        shared_memory_bytes=0,
+    ),
+    # a shared-memory ring of 512 bytes: messages wrap around its end, and those that find it full
+    # (the first ones, with their layout's description) go through gloo, in order with the others
+    _case("1f1b-small-ring", "1f1b", 2, 4, rows=10, shared_memory_bytes=512),
+    _case("2bw-small-ring", "2bw", 2, 4, steps=5, shared_memory_bytes=512),
     # slack: extra warm-up forwards per link (more micro-batches and, for pipedream, versions in flight)
     _case("1f1b-slack", "1f1b", 2, 4, options={"slack": 1}),
     _case("2bw-slack", "2bw", 2, 2, steps=5, options={"slack": 1}),
@@ -133,7 +156,8 @@ FOUR_WORKERS = [
     _case("2bw", "2bw", 4, 4, optimizer="adam"),
     _case("cdp-v2", "cdp", 4, 4, options={"rule": "cdp_v2"}),
     _case("1f1b_star", "1f1b_star", 4, 4, options={"period": 6.0}),
-    _case("gpipe-uneven-all-ahead", "gpipe", 4, 3, rows=11, post_ahead_bytes=0),
+    _case("gpipe-uneven-all-ahead", "gpipe", 4, 3, rows=11, post_ahead_bytes=0, shared_memory_bytes=0),
+    _case("interleaved-small-ring", "interleaved", 8, 4, options={"virtual_stages": 2}, shared_memory_bytes=512),
     _case("2bw-slack", "2bw", 4, 6, options={"slack": 1}),
 ]
 

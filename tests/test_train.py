@@ -48,6 +48,12 @@ def test_every_option_of_a_group_composes_and_builds_its_strategy(group: str) ->
         assert isinstance(build.strategy(cfg, multirun=False), PipelineStrategy), option
 
 
+@pytest.mark.parametrize(("value", "expected"), [("64MiB", 64 * 2**20), ("1GB", 10**9), ("0", 0)])
+def test_shared_memory_reaches_the_strategy(value: str, expected: int) -> None:
+    strategy = build.strategy(_compose(f"pipeline.shared_memory={value}"), multirun=False)
+    assert strategy.shared_memory_bytes == expected
+
+
 def test_update_rule_picks_a_schedule_that_runs_it_unless_one_is_given() -> None:
     expected = {"sync": "1f1b", "stash": "pipedream", "vertical": "pipedream", "2bw": "2bw", "cdp_v1": "cdp"}
     for rule, family in expected.items():
@@ -84,6 +90,7 @@ def test_bad_values_fail_at_compose_time(override: str, error: type[Exception], 
     [
         (["memory.limit=banana"], r"memory.limit='banana' is not understood .* use a value such as 8GB"),
         (["pipeline.bandwidth=fast"], r"pipeline.bandwidth='fast' is not understood .* 10Gbit/s"),
+        (["pipeline.shared_memory=lots"], r"pipeline.shared_memory='lots' is not understood .* 0 \(gloo only\)"),
         (["update_rule=cdp_v2", "schedule=gpipe"], r"schedule=gpipe update_rule=cdp_v2: gpipe runs the 'sync'"),
     ],
 )

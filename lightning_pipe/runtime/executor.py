@@ -14,6 +14,7 @@ micro-batch is smaller.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import traceback
@@ -42,6 +43,7 @@ from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, shift
+from lightning_pipe.runtime.shared_memory import open_links
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.runtime.weights import StageWeights
@@ -53,6 +55,8 @@ from lightning_pipe.schedule.validate import validate
 
 __all__ = ["PipelineExecutor", "StepOutput", "rows_of", "split_batch"]
 _T = TypeVar("_T")
+DEFAULT_SHARED_MEMORY_BYTES = 64 * 1024 * 1024
+"""Each shared-memory ring between CPU workers of one host (``shared_memory_bytes``)."""
 _IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
 
 _Key = tuple[str, int, int, int]
@@ -160,6 +164,10 @@ class PipelineExecutor:
             cost more than a small transfer saves (``bench/runtime_speed.py --width 256 --batch 256
             --microbatches 8``); 0 on GPUs, where NCCL's pending sends would otherwise wait for
             their receives.
+        shared_memory_bytes: on the CPU, messages between workers on the same host go through a ring
+            buffer of this many bytes per direction in shared memory instead of gloo's sockets
+            (:mod:`lightning_pipe.runtime.shared_memory`; a message that finds the ring full goes by
+            gloo). Default 64 MiB on the CPU; 0 (gloo only) on GPUs, whose messages NCCL carries.
 
     :attr:`timeline` holds the actions run: each one's start and end (seconds since the executor was
     made) and the seconds it waited for messages; the rest is its own compute.
@@ -180,6 +188,7 @@ class PipelineExecutor:
         timeline_length: int | None = 100_000,
         gc_every: int | None = 50,
         post_ahead_bytes: int | None = None,
+        shared_memory_bytes: int | None = None,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         before_update: Callable[[int, int, torch.optim.Optimizer | None], None] | None = None,
@@ -189,6 +198,7 @@ class PipelineExecutor:
         check_whole("timeline_length", timeline_length, 0, "actions", optional=True)
         check_whole("gc_every", gc_every, 1, "calls", optional=True)
         check_whole("post_ahead_bytes", post_ahead_bytes, 0, "bytes", optional=True)
+        check_whole("shared_memory_bytes", shared_memory_bytes, 0, "bytes", optional=True)
         make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
@@ -203,7 +213,9 @@ class PipelineExecutor:
         self.program = self.programs[self.rank]
         self.device = torch.device(device) if device is not None else _default_device()
         self.loss_fn = loss_fn
-        self._placement = self._placements(make)
+        span = max(p.base for p in self.programs) + 2 * max(p.period for p in self.programs) + 1
+        generated = make(span)
+        self._placement = self._placements(generated)
         modules = dict(stages) if isinstance(stages, Mapping) else dict(enumerate(stages))
         mine = sorted({a.stage for a in self.schedule.orders[self.rank] if a.kind in COMPUTE})
         missing = [s for s in mine if s not in modules]
@@ -225,6 +237,9 @@ class PipelineExecutor:
         flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)
         self.recompute = {s: bool(flags[s]) for s in mine}
         self.failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
+        self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
+        capacity = _shared_memory(shared_memory_bytes, self.device)
+        pairs = [(self.ranks[a], self.ranks[b]) for a, b in self._message_pairs(generated)] if capacity else []
         self.transport = Transport(
             self.global_rank,
             self.device,
@@ -233,8 +248,8 @@ class PipelineExecutor:
             timeout_seconds=timeout_seconds,
             keep_sends=2 * max(p.period for p in self.programs) + 2,
             post_ahead_bytes=_post_ahead(post_ahead_bytes, self.device),
+            links=open_links(pairs, data_group, capacity) if capacity else None,
         )
-        self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
         self.needs_inputs = any(a.stage == 0 for a in ours)
         self.needs_targets = any(a.stage == self.schedule.stages - 1 for a in ours)
@@ -278,9 +293,9 @@ class PipelineExecutor:
         self.epoch = time.perf_counter()
 
     # -- placement and messages -----------------------------------------------------------------
-    def _placements(self, make: Callable[[int], Schedule]) -> Callable[[Kind, int, int, int], int]:
-        span = max(p.base for p in self.programs) + 2 * max(p.period for p in self.programs) + 1
-        generated = make(span)
+    def _placements(self, generated: Schedule) -> Callable[[Kind, int, int, int], int]:
+        """Which worker runs an action, from ``generated``: enough steps to hold the fill, two periods
+        of the steady state and the drain of every worker's program."""
         where = {a.key: w for w, _, a in generated.actions() if a.kind in COMPUTE}
         for stage, mb, step in {
             (a.stage, a.microbatch, a.step) for _, _, a in generated.actions() if a.kind in COMPUTE
@@ -301,6 +316,22 @@ class PipelineExecutor:
             return where[(kind, stage, mb, step)]
 
         return worker
+
+    def _message_pairs(self, generated: Schedule) -> set[tuple[int, int]]:
+        """The ``(sender, receiver)`` workers that exchange messages: activations and gradients of
+        ``generated``, lent weights and their gradients, and :meth:`evaluate`'s activations."""
+        pairs = set()
+        for sender, _, action in generated.actions():
+            if action.kind in COMPUTE:
+                for key, kind in self._consumers(action):
+                    pairs.add((sender, self._placement(kind, key[1], key[2], key[3])))
+        for lender in self.lending.lenders.values():  # weights one way, their gradients back
+            pairs |= {(lender, self.rank), (self.rank, lender)}
+        for borrower in {b for borrowers in self.lending.borrowers.values() for b in borrowers}:
+            pairs |= {(self.rank, borrower), (borrower, self.rank)}
+        first = [owners[0] for owners in self.schedule.owners]
+        pairs |= set(itertools.pairwise(first))
+        return {(a, b) for a, b in pairs if a != b}
 
     def _consumers(self, action: Action) -> list[tuple[_Key, Kind]]:
         """Messages ``action`` produces, with the kind of action that consumes each."""
@@ -878,6 +909,13 @@ def _post_ahead(requested: int | None, device: torch.device) -> int:
     if requested is not None:
         return requested
     return 256 * 1024 if device.type == "cpu" else 0
+
+
+def _shared_memory(requested: int | None, device: torch.device) -> int:
+    """Bytes of each shared-memory ring (see ``shared_memory_bytes``); 0: no rings."""
+    if device.type != "cpu":
+        return 0
+    return DEFAULT_SHARED_MEMORY_BYTES if requested is None else requested
 
 
 def _default_device() -> torch.device:

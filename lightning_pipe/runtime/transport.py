@@ -16,6 +16,11 @@ Both groups see the operations of each pair of workers in the same order on both
 requires; on gloo the message index is also the tag): a receiver posts a stream's message only once
 the stream's previous message from that peer is in, and completes messages from a peer in order.
 
+Between CPU workers on one host, messages go through shared memory instead
+(:mod:`~lightning_pipe.runtime.shared_memory`): the sender packs a message into a ring buffer both
+processes map, the receiver copies it out when it waits for it, in the same order; a message that
+finds the ring full goes through the data group, and the record the receiver waits on says so.
+
 Everything runs on the caller's thread (no helper threads competing for the cores with the compute).
 A wait ends when the data is in, when the peer's connection closes (the peer died, or tore its
 groups down after a failure: :meth:`Transport.abort`), or after ``timeout_seconds``; each of these
@@ -40,6 +45,7 @@ import torch.distributed as dist
 
 from lightning_pipe.nested import flatten, unflatten
 from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
+from lightning_pipe.runtime.shared_memory import Links
 
 __all__ = ["Transport"]
 
@@ -82,11 +88,17 @@ def _pack(
             buffer[:_FIELDS].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
         else:
             buffer[:_FIELDS].zero_()
+    _fill(buffer, prefix, start, tensors)
+    return buffer
+
+
+def _fill(buffer: torch.Tensor, prefix: bytes, start: int, tensors: list[torch.Tensor]) -> None:
+    """Write ``prefix`` at the start of ``buffer`` and each tensor's bytes from byte ``start``, aligned."""
     if prefix:
         buffer[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    specs = [(t.dtype, tuple(t.shape)) for t in tensors]
     for tensor, view in zip(tensors, _unpack(buffer, start, specs), strict=True):
         view.copy_(tensor.detach())
-    return buffer
 
 
 def _unpack(buffer: torch.Tensor, start: int, specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
@@ -117,6 +129,8 @@ class Transport:
             be in flight; older ones are waited for, so their buffers can be freed.
         post_ahead_bytes: receives of messages at least this large (by their stream's last layout)
             are posted as soon as they are expected; smaller ones when they are waited for.
+        links: shared-memory links to peers on this host (:mod:`~lightning_pipe.runtime.shared_memory`):
+            messages to and from them go through it, and through the data group when its ring is full.
     """
 
     def __init__(
@@ -128,8 +142,10 @@ class Transport:
         timeout_seconds: float = 300.0,
         keep_sends: int = 2,
         post_ahead_bytes: int = 0,
+        links: Links | None = None,
     ) -> None:
         self.rank, self.device, self.failures = rank, device, failures
+        self.links = links if links is not None else Links()
         self.post_ahead_bytes = post_ahead_bytes
         self.group, self.overflow = groups
         self.timeout = timedelta(seconds=timeout_seconds)
@@ -156,6 +172,10 @@ class Transport:
         skeleton, tensors = flatten(obj)
         layout = (skeleton, [(t.dtype, tuple(t.shape)) for t in tensors])
         previous = self._sent_layout.get((peer, slot))
+        if peer in self.links.outboxes:
+            self._send_by_link(peer, tag, layout, tensors, fresh=previous != layout)
+            self._sent_layout[(peer, slot)] = layout
+            return
         if previous == layout:
             posts = [(self.group, _pack((0, 0, 0), b"", tensors, self.device))]
         else:  # the peer posted ``previous``: fill it, then the new layout and the data on the overflow group
@@ -170,6 +190,23 @@ class Transport:
         except RuntimeError as error:
             raise self._lost(peer, error) from error
         self._sends.append((self._call, peer, works, [t for _, t in posts]))
+
+    def _send_by_link(self, peer: int, tag: int, layout: _Layout, tensors: list[torch.Tensor], fresh: bool) -> None:
+        """Pack the message into the link's ring (its layout's description first when ``fresh``), or
+        into a buffer sent through the data group when the ring has no room for it now."""
+        described = pickle.dumps(layout) if fresh else b""
+        start = _aligned(len(described))
+        nbytes = start + _packed_bytes(layout[1])
+        outbox = self.links.outboxes[peer]
+        reserved = outbox.reserve(nbytes)
+        offset, buffer = reserved if reserved is not None else (-1, torch.empty(nbytes, dtype=torch.uint8))
+        _fill(buffer, described, start, tensors)
+        try:
+            outbox.post(offset, nbytes, len(described), self.timeout.total_seconds())
+            if reserved is None:
+                self._sends.append((self._call, peer, [dist.isend(buffer, peer, group=self.group, tag=tag)], [buffer]))
+        except (OSError, RuntimeError) as error:
+            raise self._lost(peer, error) from error
 
     def next_call(self) -> None:
         """A new call of the executor starts: wait for the sends of calls older than ``keep_sends``."""
@@ -203,6 +240,8 @@ class Transport:
         """Post the receives of ``peer``'s messages ahead, in order, up to the first whose stream still
         has an earlier message in flight (its layout may change) or that is smaller than
         ``post_ahead_bytes`` (posted when it is waited for, the later ones after it)."""
+        if peer in self.links.inboxes:  # nothing to post: the message is in the ring when its record is
+            return
         busy: set[Hashable] = set()
         for incoming in self._inbox[peer]:
             if incoming.buffer is None:
@@ -237,6 +276,9 @@ class Transport:
 
     def _complete_next(self, peer: int) -> None:
         incoming = self._inbox[peer][0]
+        if peer in self.links.inboxes:
+            self._complete_by_link(peer, incoming)
+            return
         if incoming.buffer is None:
             self._post_one(peer, incoming, self._size(peer, incoming.slot))
         self._wait(incoming.work, peer, "a message from")
@@ -256,6 +298,30 @@ class Transport:
         self._inbox[peer].popleft()
         self._post(peer)
 
+    def _complete_by_link(self, peer: int, incoming: _Incoming) -> None:
+        inbox = self.links.inboxes[peer]
+        start = time.perf_counter()
+        try:
+            record = inbox.next(self.timeout.total_seconds())
+        except TimeoutError as error:
+            self.failures.report(self._stalled("a message from", peer))
+            raise self._lost(peer, error) from error
+        except OSError as error:
+            raise self._lost(peer, error) from error
+        finally:
+            self.waited += time.perf_counter() - start
+        if record.offset >= 0:
+            buffer = inbox.take(record)
+        else:  # the ring was full: the message came through the data group
+            buffer = torch.empty(record.nbytes, dtype=torch.uint8)
+            self._wait(self._irecv(buffer, peer, self.group, incoming.sequence % _TAG_SPACE), peer, "a message from")
+        key = (peer, incoming.slot)
+        if record.described:
+            self._layouts[key] = pickle.loads(buffer[: record.described].numpy().tobytes())
+        layout = self._layouts[key]
+        incoming.value = unflatten(layout[0], _unpack(buffer, _aligned(record.described), layout[1]))
+        self._inbox[peer].popleft()
+
     # -- failures -------------------------------------------------------------------------------
     def _wait(self, work: dist.Work, peer: int, what: str) -> None:
         """Wait for ``work``. On gloo the wait blocks the caller for at most the timeout; on NCCL it
@@ -268,13 +334,16 @@ class Transport:
                 work.wait()
         except RuntimeError as error:
             if "timed out" in str(error).lower() or "timeout" in str(error).lower():
-                self.failures.report(
-                    f"rank {self.rank} waited {self.timeout.total_seconds():.0f} s for {what} rank {peer}: the "
-                    "schedule deadlocks or that rank hangs"
-                )
+                self.failures.report(self._stalled(what, peer))
             raise self._lost(peer, error) from error
         finally:
             self.waited += time.perf_counter() - start
+
+    def _stalled(self, what: str, peer: int) -> str:
+        return (
+            f"rank {self.rank} waited {self.timeout.total_seconds():.0f} s for {what} rank {peer}: the schedule "
+            "deadlocks or that rank hangs"
+        )
 
     def _lost(self, peer: int, error: BaseException) -> PipelineAborted:
         """The error to raise when the connection to ``peer`` failed: the failure the job's store
@@ -285,6 +354,7 @@ class Transport:
     def abort(self) -> None:
         """Tear the pipeline's groups down: peers waiting on this worker fail at once (their
         connections close) and stop in turn. The transport is unusable afterwards."""
+        self.links.close()  # first: peers waiting on a link fail at once
         self._sends.clear()
         self._inbox.clear()
         self._announced.clear()

@@ -151,6 +151,10 @@ class PipelineStrategy(ParallelStrategy):
         pin_cpus: keep each process's threads on cores of its own (Linux; CPU training with one process
             per core or per group of cores: 2BW and CDP ran 1.14-1.18x faster on 2 cores,
             ``bench/pinning.py``); data-loader workers inherit the placement.
+        shared_memory_bytes: CPU training: messages between processes on one host go through ring
+            buffers of this many bytes per direction in ``/dev/shm`` instead of gloo's sockets
+            (default 64 MiB; 0: gloo only; a message that finds the ring full goes by gloo);
+            :mod:`lightning_pipe.runtime.shared_memory`.
         timeout: of the process group and of any single pipeline wait (a hang fails after it).
         process_group_backend: ``gloo``/``nccl``; default from the device.
     """
@@ -182,6 +186,7 @@ class PipelineStrategy(ParallelStrategy):
         data_parallel: int | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
         pin_cpus: bool = False,
+        shared_memory_bytes: int | None = None,
         timeout: timedelta = default_pg_timeout,
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -236,6 +241,8 @@ class PipelineStrategy(ParallelStrategy):
         self.recompute = recompute
         self._start_method = start_method
         self.pin_cpus = pin_cpus
+        check_whole("shared_memory_bytes", shared_memory_bytes, 0, "bytes", optional=True)
+        self.shared_memory_bytes = shared_memory_bytes
         self._timeout = timeout
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -451,6 +458,7 @@ class PipelineStrategy(ParallelStrategy):
             device=self.root_device,
             recompute=self.recompute,
             timeout_seconds=self._timeout.total_seconds(),
+            shared_memory_bytes=self.shared_memory_bytes,
             clip_grad_norm=float(clip) if clip and algorithm == "norm" else None,
             clip_grad_value=float(clip) if clip and algorithm == "value" else None,
             before_update=self._before_update,

@@ -39,6 +39,7 @@ def check(cfg: DictConfig) -> None:
     for key, value, parse, example in (
         ("memory.limit", cfg.memory.limit, parse_bytes, "8GB, 512MiB or a number of bytes"),
         ("pipeline.bandwidth", cfg.pipeline.bandwidth, parse_bandwidth, "10Gbit/s, 1.25GB/s or bytes per second"),
+        ("pipeline.shared_memory", cfg.pipeline.shared_memory, _ring_bytes, "64MiB, 0 (gloo only) or bytes"),
     ):
         if value is None:
             continue
@@ -52,6 +53,11 @@ def check(cfg: DictConfig) -> None:
         check_rule(family, rule)
     except PlanningError as error:
         raise PlanningError(f"schedule={family} update_rule={rule}: {error}") from None
+
+
+def _ring_bytes(text: str) -> int:
+    """``pipeline.shared_memory``: a size, or 0 for gloo only."""
+    return 0 if text.strip() in ("0", "0B") else int(parse_bytes(text))
 
 
 def data_module(cfg: DictConfig) -> L.LightningDataModule:
@@ -96,6 +102,7 @@ def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:
         data_parallel=pipe.data_parallel,
         start_method=start,
         pin_cpus=pipe.pin_cpus,
+        shared_memory_bytes=_ring_bytes(pipe.shared_memory),
         timeout=timedelta(minutes=pipe.timeout_minutes),
     )
 

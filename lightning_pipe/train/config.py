@@ -101,6 +101,7 @@ class PipelineConfig:
     balance: list[int] | None = None  # layers per stage, instead of planning
     start_method: StartMethod = StartMethod["auto"]  # auto: popen for a run, spawn under multirun
     pin_cpus: bool = False  # each process's threads on cores of its own (Linux, CPU training)
+    shared_memory: str = "64MiB"  # CPU: ring per direction between processes of one host (0: gloo only)
     timeout_minutes: float = 30.0
 
 

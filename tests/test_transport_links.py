@@ -1,0 +1,200 @@
+"""Messages between processes of one host through shared-memory links
+(:mod:`lightning_pipe.runtime.shared_memory`): every message arrives whole and in order whether it
+went through the ring, wrapped around its end or found it full and went by gloo; nothing is left in
+``/dev/shm``; a pair that cannot share memory stays on gloo, with a warning."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import itertools
+import os
+import random
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.nested import map_tensors
+from lightning_pipe.runtime import shared_memory
+from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
+from lightning_pipe.runtime.launch import LocalRunError, run_local
+from lightning_pipe.runtime.transport import Transport
+
+_LEFTOVERS = "/dev/shm/lightning_pipe-*"
+
+
+def _messages(seed: int, count: int) -> list[tuple[str, object]]:
+    """``count`` messages on three streams: float and integer tensors of random sizes (empty ones
+    included), nested in tuples and dicts, whose layouts change from one message to the next."""
+    generator = random.Random(seed)
+    result = []
+    for index in range(count):
+        rows = generator.choice([0, 1, 3, 7, 20, 60])
+        kind = generator.choice(["tensor", "tuple", "dict"])
+        values = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + index
+        if kind == "tensor":
+            result.append(("a", values))
+        elif kind == "tuple":
+            result.append(("b", (values, torch.full((rows,), index, dtype=torch.int64))))
+        else:
+            result.append(("c", {"x": values.double(), "skip": [values[:1], torch.tensor(index)]}))
+    return result
+
+
+def _transport(rank: int, links: shared_memory.Links, timeout: float = 30.0) -> Transport:
+    board = FailureBoard(dist.distributed_c10d._get_default_store(), rank)
+    return Transport(rank, torch.device("cpu"), board, (dist.new_group(), dist.new_group()), timeout, links=links)
+
+
+def _exchange(rank: int, capacity: int, fail: str | None = None) -> dict:
+    """Rank 1 sends 80 messages to rank 0 in bursts of 1-12, rank 0 receives each burst after it,
+    and rank 0 sends every one back; returns what each side received, and how the sender posted its
+    messages (ring offsets, -1 for gloo)."""
+    before = set(glob.glob(_LEFTOVERS))
+    if fail == "no room" and rank == 1:
+        shared_memory.os.posix_fallocate = _no_room
+    if fail == "not visible" and rank == 0:
+        shared_memory._join = _not_visible
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        links = shared_memory.open_links([(0, 1), (1, 0)], dist.group.WORLD, capacity)
+    transport = _transport(rank, links)
+    offsets: list[int] = []
+    for outbox in links.outboxes.values():
+        post = outbox.post
+        outbox.post = lambda offset, *rest, post=post: (offsets.append(offset), post(offset, *rest))[1]
+    messages = _messages(seed=0, count=80)
+    generator = random.Random(1)
+    received, echoed = [], []
+    start = 0
+    while start < len(messages):
+        burst = messages[start : start + generator.randint(1, 12)]
+        start += len(burst)
+        if rank == 1:
+            for slot, message in burst:
+                transport.send(0, message, slot)
+            echoed += [transport.receive(0, transport.expect(0, slot)) for slot, _ in burst]
+        else:
+            received += [transport.receive(1, transport.expect(1, slot)) for slot, _ in burst]
+            for (slot, _), message in zip(burst, received[-len(burst) :], strict=True):
+                transport.send(1, message, slot)
+    transport.flush()
+    dist.barrier()
+    leftovers = set(glob.glob(_LEFTOVERS)) - before
+    ends = (sorted(links.outboxes), sorted(links.inboxes))
+    transport.abort()
+    return {
+        "received": map_tensors(torch.Tensor.clone, received if rank == 0 else echoed),  # views of one buffer
+        "offsets": offsets,
+        "links": ends,
+        "warnings": [str(w.message) for w in caught],
+        "leftovers": leftovers,
+    }
+
+
+def _no_room(fd: int, offset: int, length: int) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _not_visible(path: str, token: bytes, capacity: int) -> None:
+    raise OSError(errno.ENOENT, f"{path}/ring is not visible here")
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, tuple | list):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.timeout(120)
+def test_a_small_ring_wraps_and_overflows_to_gloo_in_order() -> None:
+    """A ring of 4 KiB: messages of 0-3 KiB wrap around its end, and those that find it full go by
+    gloo; both directions get every message, equal in dtype, shape and value, in the order sent."""
+    expected = [message for _, message in _messages(seed=0, count=80)]
+    for result in run_local(_exchange, 2, 4096, timeout=90):
+        assert len(result["received"]) == len(expected)
+        assert all(_same(got, sent) for got, sent in zip(result["received"], expected, strict=True))
+        offsets = result["offsets"]
+        assert -1 in offsets, "no message found the ring full"
+        ring = [o for o in offsets if o >= 0]
+        assert any(b < a for a, b in itertools.pairwise(ring)), "no message wrapped around"
+        assert len(ring) > len(offsets) // 2
+        assert result["warnings"] == [] and result["leftovers"] == set()
+
+
+@pytest.mark.timeout(120)
+def test_large_ring_carries_every_message() -> None:
+    """With the default size, nothing goes by gloo."""
+    for result in run_local(_exchange, 2, 64 * 1024 * 1024, timeout=90):
+        assert min(result["offsets"]) >= 0
+        assert result["leftovers"] == set()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("fail", "sender", "reason"),
+    [("no room", 1, "No space left on device"), ("not visible", 1, "is not visible here")],
+)
+def test_a_pair_that_cannot_share_memory_stays_on_gloo(fail: str, sender: int, reason: str) -> None:
+    """No room in ``/dev/shm`` on the sender, or a receiver that cannot see the sender's file
+    (another host or container): that direction goes by gloo, said in a warning on the rank that
+    found out; the other direction keeps its link; every message arrives."""
+    expected = [message for _, message in _messages(seed=0, count=80)]
+    results = run_local(_exchange, 2, 1 << 20, fail, timeout=90)
+    receiver = 1 - sender
+    assert results[sender]["links"] == ([], [receiver])
+    assert results[receiver]["links"] == ([sender], [])
+    noticed = results[1 if fail == "no room" else 0]["warnings"]
+    assert any("go through gloo instead of shared memory" in w and reason in w for w in noticed)
+    for result in results:
+        assert all(_same(got, sent) for got, sent in zip(result["received"], expected, strict=True))
+        assert result["leftovers"] == set()
+
+
+def _wait_for_nothing(rank: int, how: str) -> str:
+    """Rank 0 waits for a message rank 1 never sends: rank 1 dies, or aborts, or just waits."""
+    links = shared_memory.open_links([(1, 0)], dist.group.WORLD, 1 << 20)
+    transport = _transport(rank, links, timeout=2.0)
+    dist.barrier()
+    if rank == 1:
+        if how == "dies":
+            os._exit(3)
+        if how == "aborts":
+            transport.abort()
+        else:
+            dist.barrier()
+        return ""
+    try:
+        transport.receive(1, transport.expect(1, "a"))
+    except PipelineAborted as error:
+        if how == "dies":
+            raise
+        if how == "is silent":
+            dist.barrier()
+        return str(error)
+    return "received"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["dies", "aborts", "is silent"])
+def test_a_receiver_waiting_on_a_link_stops(how: str) -> None:
+    """The receiver's wait ends at once with an error naming rank 1 when rank 1's process dies or
+    tears its links down, and after the timeout when rank 1 lives on without sending."""
+    if how == "dies":
+        with pytest.raises(LocalRunError) as caught:
+            run_local(_wait_for_nothing, 2, how, timeout=60)
+        message = caught.value.errors[0]
+    else:
+        message = run_local(_wait_for_nothing, 2, how, timeout=60)[0]
+    assert "rank 1" in message
+    if how == "is silent":
+        assert "rank 0 waited 2 s for a message from rank 1" in message
+    else:
+        assert "waited" not in message
