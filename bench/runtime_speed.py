@@ -3,17 +3,18 @@ process, and measured vs simulated time per step — all in one run on this mach
 
 Run: ``python bench/runtime_speed.py [--steps 8] [--rounds 8] [--width 512] [--depth 4] [--batch 1024]
 [--rows 32 512] [--features 768] [--microbatches 2 4] [--post-ahead-bytes N] [--shared-memory-bytes N]
-[--pin]``: every micro-batch count
-with mini-batches of ``--batch`` rows, or, with ``--rows``, with micro-batches of each of those sizes
-(a mini-batch of ``m x rows``); ``--post-ahead-bytes`` is our executor's ``post_ahead_bytes`` (default
-its own), ``--shared-memory-bytes`` its ``shared_memory_bytes`` (default its own, 64 MiB rings in shared
-memory between the two processes; 0: gloo, as torch's peer); ``--pin`` keeps each process's threads on a core of its own for every configuration, torch's
-peer and the baselines included (``pin_cpus``). The settings of ``docs/runtime.md``:
-``--microbatches 2 4 8 16 --rows 32`` and
+[--pin]``: every micro-batch count with mini-batches of ``--batch`` rows, or, with ``--rows``, with
+micro-batches of each of those sizes (a mini-batch of ``m x rows``); ``--post-ahead-bytes`` is our
+executor's ``post_ahead_bytes`` (default its own), ``--shared-memory-bytes`` its
+``shared_memory_bytes`` (default its own: 64 MiB rings in shared memory between the two processes;
+0: gloo, as torch's peer); ``--pin`` keeps each process's threads on a core of its own for every
+configuration, torch's peer and the baselines included (``pin_cpus``). The settings of
+``docs/runtime.md``: ``--microbatches 2 4 8 16 --rows 32`` and
 ``--microbatches 2 4 8 16 --rows 512 --width 256``.
 
 Every configuration trains the same balanced 2-stage MLP on the same mini-batches, 2 processes x 1
-thread over gloo (the peer: torch's ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe``, SGD
+thread (ours exchanging messages through shared memory unless ``--shared-memory-bytes 0``, the others
+over gloo; the peer: torch's ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe``, SGD
 stepped after each schedule step). Each stage is ``depth`` Linear+ReLU blocks of ``width``; the last
 one ends with a 10-class head, the first one reads ``features`` inputs. The data need no gradient, so
 the first layer has no input-gradient half: with ``features = 1.5 width`` its forward and weight
@@ -43,10 +44,13 @@ message on top (the measured actions include it).
 forward (backward) inside the pipeline, waits excluded, less the same forward (backward) in the two-
 stages-alone run of the same round (both processes busy in both), median over the rounds, in
 milliseconds and as a share of the action alone; it includes the processor time of sending and receiving
-the action's message, printed on the gloo line, and the two processes slowing each other. ``executor``
+the action's message, printed on the transport's line, and the two processes slowing each other. ``executor``
 is the executor's own cost per action (bookkeeping, versions, loss weighting, timeline; no messages):
 the whole model trained in one process as a one-stage pipeline of each family, against a plain loop of
-the same forwards, backwards and update, interleaved in rounds, per action (``2m + 1`` per step). The
+the same forwards, backwards and update, interleaved in rounds, per action (``2m + 1`` per step), and
+the same difference in the time each spends outside the model's compute (the stage's forward call,
+autograd and the optimizer's step, timed around those calls: the loops' own Python, measured
+directly rather than as the difference of two noisy totals). The
 summary ends each run: per setting, 2BW and CDP against our 1F1B, measured and as the simulator predicts
 from our 1F1B's costs (``from 1f1b``), and our 1F1B and GPipe against torch's.
 ``spread`` is (slowest - fastest round) / median. Every configuration, torch's peer and the baselines
@@ -57,6 +61,7 @@ the heap of imports frozen, automatic collection off, a full collection before e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -64,7 +69,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -381,13 +386,70 @@ def _one_stage(model: argparse.Namespace) -> nn.Module:
     return nn.Sequential(stage_module(0, model), stage_module(1, model))
 
 
+class _ComputeClock:
+    """Seconds spent in the model's own compute while :meth:`installed`: the module's forward (its
+    top-level call), the loss, autograd (``torch.autograd.backward`` and ``grad``) and the optimizer's
+    step. The rest of a step is the training loop's own Python."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+
+    def timed(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: object, **kwargs: object) -> object:
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if not self._depth:  # a call inside another is counted once, by the outer one
+                    self.seconds += time.perf_counter() - start
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def installed(self, module: nn.Module) -> Iterator[None]:
+        started: list[float] = []
+        hooks = [
+            module.register_forward_pre_hook(lambda *_: started.append(time.perf_counter())),
+            module.register_forward_hook(lambda *_: self._add(time.perf_counter() - started.pop())),
+        ]
+        originals = (torch.autograd.backward, torch.autograd.grad, torch.optim.SGD.step)
+        torch.autograd.backward, torch.autograd.grad = self.timed(originals[0]), self.timed(originals[1])
+        torch.optim.SGD.step = self.timed(originals[2])
+        try:
+            yield
+        finally:
+            torch.autograd.backward, torch.autograd.grad, torch.optim.SGD.step = originals
+            for hook in hooks:
+                hook.remove()
+
+    def _add(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
 def overhead_worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict[str, list[float]]:
     """One process, one thread, no messages: per round, seconds per step of the whole model as a
     one-stage pipeline of each family in :data:`OVERHEAD_FAMILIES` and as a plain loop of the same
-    forwards, backwards and update; the difference is what the executor itself costs."""
+    forwards, backwards and update (the difference is what the executor itself costs), and, under
+    ``"own <name>"``, the seconds per step each spent outside the model's compute (:class:`_ComputeClock`)."""
     garbage = AlignedCollection(every=1)
     batches = data(model.steps + WARMUP, model)
     times: dict[str, list[float]] = {}
+
+    def measured(name: str, module: nn.Module, run_step: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+        for inputs, targets in batches[:WARMUP]:
+            run_step(inputs, targets)
+        clock = _ComputeClock()
+        with clock.installed(module):
+            start = time.perf_counter()
+            for inputs, targets in batches[WARMUP:]:
+                run_step(inputs, targets)
+            seconds = (time.perf_counter() - start) / (len(batches) - WARMUP)
+        times.setdefault(name, []).append(seconds)
+        times.setdefault(f"own {name}", []).append(seconds - clock.seconds / (len(batches) - WARMUP))
 
     def plain() -> None:
         module = _one_stage(model)
@@ -399,16 +461,14 @@ def overhead_worker(rank: int, microbatches: int, model: argparse.Namespace) -> 
             optimizer.step()
             optimizer.zero_grad()
 
-        times.setdefault("plain", []).append(_timed(run_step, batches))
+        measured("plain", module, run_step)
 
     def executor(family: str) -> None:
+        module = _one_stage(model)
         pipeline = PipelineExecutor(
-            lambda k: schedule(family, microbatches, k, stages=1),
-            [_one_stage(model)],
-            nn.functional.cross_entropy,
-            _sgd,
+            lambda k: schedule(family, microbatches, k, stages=1), [module], nn.functional.cross_entropy, _sgd
         )
-        times.setdefault(family, []).append(_timed(lambda x, y: pipeline.step(x, y), batches))
+        measured(family, module, lambda x, y: pipeline.step(x, y))
         pipeline.drain()
         pipeline.close()
 
@@ -596,8 +656,9 @@ def _run_cell(microbatches: int, args: argparse.Namespace) -> str:
             f"{'':>20} stage {stage}: F {forward:.2f} ms, B {backward:.2f} ms, update {update:.2f} ms "
             "(median of the rounds' means)"
         )
+    transport = "gloo" if args.shared_memory_bytes == 0 else "shared memory"
     print(
-        f"{'':>20} {'gloo' if args.shared_memory_bytes == 0 else 'shared memory'}: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s, "
+        f"{'':>20} {transport}: {net[0] * 1e6:.0f} us per message, {net[1] / 1e9:.2f} GB/s, "
         f"{net[2] * 1e6:.0f} us of processor per activation at each end (medians of the rounds)"
     )
     for family in OURS:
@@ -607,9 +668,13 @@ def _run_cell(microbatches: int, args: argparse.Namespace) -> str:
     compute = statistics.median(own["plain"]) / actions
     for family in OVERHEAD_FAMILIES:
         extra = statistics.median(t - p for t, p in zip(own[family], own["plain"], strict=True)) / actions
+        python = statistics.median(
+            (t - p) / actions for t, p in zip(own[f"own {family}"], own["own plain"], strict=True)
+        )
         print(
             f"{'executor ' + family:>20} {extra * 1e6:+.0f} us per action ({extra / compute:+.1%} of a plain action, "
-            f"{compute * 1e3:.2f} ms): one process, one stage, no messages, median of paired rounds"
+            f"{compute * 1e3:.2f} ms): one process, one stage, no messages, median of paired rounds; outside "
+            f"the model's compute {python * 1e6:+.0f} us ({python / compute:+.1%})"
         )
     # the machine's contention, per round: both stages' time at once over their time one at a time
     together = [sum(pair) for pair in zip(*(r["times"]["two stages alone"] for r in results), strict=True)]

@@ -24,17 +24,23 @@ from lightning_pipe.schedule.ir import Action
 from lightning_pipe.schedule.simulate import Interval
 from tests.reference import batches, build_stages
 
-_KINDS = {False: (Kind.F, Kind.B, Kind.UPDATE), True: (Kind.F, Kind.I, Kind.W, Kind.UPDATE)}
+_KINDS = {
+    "whole": (Kind.F, Kind.B, Kind.UPDATE),
+    "halves": (Kind.F, Kind.I, Kind.W, Kind.UPDATE),
+    "both": (Kind.F, Kind.B, Kind.I, Kind.W, Kind.UPDATE),  # 1F1B's cool-down splits some backwards
+}
 
 
 @st.composite
-def _timelines(draw: st.DrawFn) -> tuple[int, bool, list[list[Interval]]]:
-    """2-3 stages, 1-3 ranks, each rank's intervals covering every stage and kind at least once."""
-    stages, split = draw(st.integers(2, 3)), draw(st.booleans())
+def _timelines(draw: st.DrawFn) -> tuple[int, list[list[Interval]]]:
+    """2-3 stages, each with whole backwards, split ones or both, 1-3 ranks, each rank's intervals
+    covering every stage and kind at least once."""
+    stages = draw(st.integers(2, 3))
+    modes = draw(st.lists(st.sampled_from(sorted(_KINDS)), min_size=stages, max_size=stages))
     timelines = []
     for rank in range(draw(st.integers(1, 3))):
         intervals, clock = [], 0.0
-        keys = [(s, k) for s in range(stages) for k in _KINDS[split]]
+        keys = [(s, k) for s in range(stages) for k in _KINDS[modes[s]]]
         keys += draw(st.lists(st.sampled_from(keys), max_size=12))
         for stage, kind in keys:
             duration = draw(st.floats(1e-4, 0.1))
@@ -44,13 +50,13 @@ def _timelines(draw: st.DrawFn) -> tuple[int, bool, list[list[Interval]]]:
             intervals.append(Interval(rank, action, clock, clock + duration, waited))
             clock += duration
         timelines.append(intervals)
-    return stages, split, timelines
+    return stages, timelines
 
 
 @settings(max_examples=60, deadline=None)
 @given(case=_timelines(), since=st.integers(0, 2))
 def test_means_pooled_over_ranks_equal_a_direct_computation(case: tuple, since: int) -> None:
-    stages, split, timelines = case
+    stages, timelines = case
     every = [i for timeline in timelines for i in timeline if i.action.step >= since]
 
     def mean(stage: int, kind: Kind) -> float:
@@ -58,26 +64,29 @@ def test_means_pooled_over_ranks_equal_a_direct_computation(case: tuple, since: 
         return statistics.fmean(max(i.end - i.start - i.waited, 0.0) for i in own)  # rounding: never < 0
 
     present = {(i.action.stage, i.action.kind) for i in every}
-    complete = all((s, Kind.F) in present for s in range(stages)) and all(
-        {(s, k) for k in _KINDS[split][1:-1]} <= present for s in range(stages)
-    )
+    halves = [{(s, Kind.I), (s, Kind.W)} <= present for s in range(stages)]
+    complete = all((s, Kind.F) in present and ((s, Kind.B) in present or halves[s]) for s in range(stages))
     ranks = [measured_seconds(timeline, since) for timeline in timelines]
     if not complete:
         with pytest.raises(PlanningError, match="no forward and backward of stage"):
             stage_costs(ranks, stages)
         return
     costs = stage_costs(ranks, stages, latency=1e-5)
+
+    def close(value: float, expected: float) -> bool:
+        return math.isclose(value, expected, rel_tol=1e-9, abs_tol=1e-15)
+
     for s in range(stages):
-        assert math.isclose(costs.forward[s], mean(s, Kind.F), rel_tol=1e-9, abs_tol=1e-15)
-        update = mean(s, Kind.UPDATE) if (s, Kind.UPDATE) in present else 0.0
-        assert math.isclose(costs.update[s], update, rel_tol=1e-9, abs_tol=1e-15)
-        if split:
-            assert math.isclose(costs.input_grad[s], mean(s, Kind.I), rel_tol=1e-9, abs_tol=1e-15)
-            assert math.isclose(costs.weight_grad[s], mean(s, Kind.W), rel_tol=1e-9, abs_tol=1e-15)
-            assert math.isclose(costs.backward[s], mean(s, Kind.I) + mean(s, Kind.W), rel_tol=1e-9, abs_tol=1e-15)
-        else:
+        assert close(costs.forward[s], mean(s, Kind.F))
+        assert close(costs.update[s], mean(s, Kind.UPDATE) if (s, Kind.UPDATE) in present else 0.0)
+        whole = mean(s, Kind.B) if (s, Kind.B) in present else mean(s, Kind.I) + mean(s, Kind.W)
+        assert close(costs.backward[s], whole)
+        if not any(halves):
             assert costs.input_grad is None and costs.weight_grad is None
-            assert math.isclose(costs.backward[s], mean(s, Kind.B), rel_tol=1e-9, abs_tol=1e-15)
+        elif halves[s]:
+            assert close(costs.input_grad[s], mean(s, Kind.I)) and close(costs.weight_grad[s], mean(s, Kind.W))
+        else:
+            assert costs.input_grad[s] == costs.weight_grad[s] == costs.backward[s] / 2
     assert costs.latency == 1e-5
 
 
@@ -115,7 +124,13 @@ def test_executor_measures_the_same_costs_on_every_rank(family: str) -> None:
     expected = stage_costs([measured_seconds(t, since_step=2) for t in timelines], 2, bandwidth=1e9)
     assert costs == expected
     assert all(f > 0 for f in costs.forward) and all(u > 0 for u in costs.update)
-    assert (costs.input_grad is not None) == (family == "zb_h1")
+    # halves are measured where backwards ran split: every stage of zero bubble; in 1F1B, stage 1's
+    # cool-down backward (it sends its input gradient early), stage 0 keeping halves of its whole one
+    assert (costs.input_grad is not None) == (family != "2bw")
+    if family == "1f1b":
+        assert costs.input_grad[0] == costs.weight_grad[0] == costs.backward[0] / 2
+        kinds = {i.action.kind for timeline in timelines for i in timeline if i.action.stage == 1}
+        assert {Kind.B, Kind.I, Kind.W} <= kinds
     assert simulate(make_schedule("gpipe", 2, 4, 2), costs).steady_step > 0
 
 

@@ -200,7 +200,11 @@ def reference_replay(
             ready = max(ready, issued + seconds_on_wire(costs, nbytes))
             copies.append([worker, action.stage, issued, None])
             fetched[worker] = (action.stage, version)
-        own = duration(costs, action) + costs.overhead * messages[node] if seconds is None else seconds[node]
+        if node in early:  # split: its input-gradient half, then its weight-gradient half
+            working = duration(costs, Action(Kind.I, action.stage)) + duration(costs, Action(Kind.W, action.stage))
+        else:
+            working = duration(costs, action)
+        own = working + costs.overhead * messages[node] if seconds is None else seconds[node]
         end = ready + own
         ref.start[node], ref.end[node] = ready, end
         free[worker] = end + holding[node]

@@ -15,6 +15,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_pipe.nested import map_tensors
 from lightning_pipe.runtime import shared_memory
@@ -31,7 +33,7 @@ def _messages(seed: int, count: int) -> list[tuple[str, object]]:
     generator = random.Random(seed)
     result = []
     for index in range(count):
-        rows = generator.choice([0, 1, 3, 7, 20, 60])
+        rows = generator.choice([0, 1, 3, 7, 20, 60, 120])
         kind = generator.choice(["tensor", "tuple", "dict"])
         values = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + index
         if kind == "tensor":
@@ -115,8 +117,9 @@ def _same(a: object, b: object) -> bool:
 
 @pytest.mark.timeout(120)
 def test_a_small_ring_wraps_and_overflows_to_gloo_in_order() -> None:
-    """A ring of 4 KiB: messages of 0-3 KiB wrap around its end, and those that find it full go by
-    gloo; both directions get every message, equal in dtype, shape and value, in the order sent."""
+    """A ring of 4 KiB: messages of 0-4 KiB come back to its front, and those that find it full (or
+    are larger than it) go by gloo; both directions get every message, equal in dtype, shape and
+    value, in the order sent."""
     expected = [message for _, message in _messages(seed=0, count=80)]
     for result in run_local(_exchange, 2, 4096, timeout=90):
         assert len(result["received"]) == len(expected)
@@ -124,7 +127,7 @@ def test_a_small_ring_wraps_and_overflows_to_gloo_in_order() -> None:
         offsets = result["offsets"]
         assert -1 in offsets, "no message found the ring full"
         ring = [o for o in offsets if o >= 0]
-        assert any(b < a for a, b in itertools.pairwise(ring)), "no message wrapped around"
+        assert any(b < a for a, b in itertools.pairwise(ring)), "no message came back to the front"
         assert len(ring) > len(offsets) // 2
         assert result["warnings"] == [] and result["leftovers"] == set()
 
@@ -198,3 +201,49 @@ def test_a_receiver_waiting_on_a_link_stops(how: str) -> None:
         assert "rank 0 waited 2 s for a message from rank 1" in message
     else:
         assert "waited" not in message
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    operations=st.lists(
+        st.one_of(st.integers(1, 700).map(lambda n: ("send", n)), st.just(("read", 0))), min_size=1, max_size=80
+    )
+)
+def test_the_ring_never_hands_out_bytes_still_unread(operations: list[tuple[str, int]]) -> None:
+    """One process plays both ends of a 1 KiB ring: the sender fills each message it reserves with its
+    own byte and posts it (or posts that it went elsewhere when the ring had no room), the receiver
+    reads them in order. Every message read has its bytes intact (nothing later overwrote it), lies
+    inside the ring, and a sender whose messages were all read always finds room."""
+    records_read, records_write = os.pipe()
+    acks_read, acks_write = os.pipe()
+    for fd in (records_read, acks_read):
+        os.set_blocking(fd, False)
+    ring = torch.zeros(1024, dtype=torch.uint8)
+    outbox = shared_memory.Outbox(ring, records_write, acks_read)
+    inbox = shared_memory.Inbox(ring, records_read, acks_write)
+    unread: list[tuple[int, int, int]] = []  # offset (-1: elsewhere), bytes, fill
+    try:
+        for index, (operation, nbytes) in enumerate(operations):
+            if operation == "send":
+                fill = index % 251 + 1
+                reserved = outbox.reserve(nbytes)
+                if not unread:
+                    assert reserved is not None, "an empty ring refused a message that fits"
+                if reserved is None:
+                    outbox.post(-1, nbytes, 0, timeout=1.0)
+                    unread.append((-1, nbytes, fill))
+                    continue
+                offset, view = reserved
+                assert offset >= 0 and offset + nbytes <= ring.numel() and view.numel() == nbytes
+                view.fill_(fill)
+                outbox.post(offset, nbytes, 0, timeout=1.0)
+                unread.append((offset, nbytes, fill))
+            elif unread:
+                offset, nbytes, fill = unread.pop(0)
+                record = inbox.next(timeout=1.0)
+                assert (record.offset, record.nbytes) == (offset, nbytes)
+                if offset >= 0:
+                    assert bool((inbox.take(record) == fill).all()), "a message was overwritten before it was read"
+    finally:
+        outbox.close()
+        inbox.close()

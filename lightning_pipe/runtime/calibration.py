@@ -51,8 +51,11 @@ def stage_costs(ranks: Sequence[Totals], stages: int, **network: object) -> Stag
     :func:`measured_seconds`), as :class:`StageCosts`; ``network`` holds its other fields
     (``bandwidth``, ``latency``, ``overhead``, ``activation_bytes``, ...).
 
-    A backward measured as input and weight halves (zero bubble) gives ``input_grad`` and
-    ``weight_grad``, and ``backward`` is their sum; a stage without an update (none ran) costs 0 there.
+    A backward measured as input and weight halves (zero bubble's ``I`` and ``W``, or a cool-down
+    backward that sent its input gradient early) gives ``input_grad`` and ``weight_grad``: what a
+    split backward costs, more than a whole one on a CPU (``schedule/early.py``). A stage measured
+    only as halves has ``backward`` their sum; a stage measured only whole has halves of half its
+    backward each (when another stage has them). A stage without an update (none ran) costs 0 there.
     """
     seconds: dict[tuple[int, Kind], float] = defaultdict(float)
     counts: dict[tuple[int, Kind], int] = defaultdict(int)
@@ -68,12 +71,16 @@ def stage_costs(ranks: Sequence[Totals], stages: int, **network: object) -> Stag
             f"no forward and backward of stage(s) {missing} in the measured timelines: run more steps, measure "
             "from an earlier step (since_step), or keep more of the timeline (timeline_length)"
         )
-    split = all((s, Kind.I) in mean and (s, Kind.W) in mean for s in range(stages))
+    halves = [(s, Kind.I) in mean and (s, Kind.W) in mean for s in range(stages)]
+    split = {
+        kind: [mean[(s, kind)] if halves[s] else backward[s] / 2 for s in range(stages)] if any(halves) else None
+        for kind in (Kind.I, Kind.W)
+    }
     return StageCosts(
         forward=[mean[(s, Kind.F)] for s in range(stages)],
         backward=backward,
-        input_grad=[mean[(s, Kind.I)] for s in range(stages)] if split else None,
-        weight_grad=[mean[(s, Kind.W)] for s in range(stages)] if split else None,
+        input_grad=split[Kind.I],
+        weight_grad=split[Kind.W],
         update=[mean.get((s, Kind.UPDATE), 0.0) for s in range(stages)],
         **network,
     )

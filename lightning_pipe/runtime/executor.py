@@ -20,7 +20,7 @@ import time
 import traceback
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -288,6 +288,7 @@ class PipelineExecutor:
         self.copies_inputs: set[int] = set()  # stages whose first layer works in place on the received input
         self.loss_key: tuple[int, int] | None = None
         self._running: list[Action] = []  # the actions of the call (or drain) being run
+        self._sent_early: tuple[float, float] | None = None  # when the running backward's input gradient left
         self._position = 0  # the index of the one running
         dist.barrier()
         self.epoch = time.perf_counter()
@@ -592,20 +593,34 @@ class PipelineExecutor:
             returning = last_gradients(actions, self.borrowed)  # position -> (borrowed stage, step)
             for position, action in enumerate(actions):
                 self._position = position
+                self._sent_early = None
                 start, waited = time.perf_counter(), self.transport.waited
                 self._execute(action, output, return_outputs, position in early)
                 if position in returning:
                     self._return_gradients(*returning[position])
-                end = time.perf_counter()
-                self.timeline.append(
-                    Interval(self.rank, action, start - self.epoch, end - self.epoch, self.transport.waited - waited)
-                )
+                self._record(action, start, waited)
             if self.deferring:
                 self._deferred_updates()
         except Exception as error:
             self._stop(error)
             raise
         return _as_floats(output)
+
+    def _record(self, action: Action, start: float, waited: float) -> None:
+        """Put ``action`` (started at ``start``, with ``waited`` seconds of waits before it) on the
+        timeline; a backward that sent its input gradient early as its two halves, ``I`` until the
+        gradient left and ``W`` after: what a split backward costs is then measured
+        (:mod:`~lightning_pipe.runtime.calibration`), and priced by the simulator."""
+        end, waits = time.perf_counter(), self.transport.waited
+        if self._sent_early is None:
+            self.timeline.append(Interval(self.rank, action, start - self.epoch, end - self.epoch, waits - waited))
+            return
+        middle, waited_before = self._sent_early
+        epoch = self.epoch
+        halves = ((Kind.I, start, middle, waited_before - waited), (Kind.W, middle, end, waits - waited_before))
+        for kind, begin, finish, waited_in in halves:
+            half = replace(action, kind=kind)
+            self.timeline.append(Interval(self.rank, half, begin - epoch, finish - epoch, waited_in))
 
     def _stop(self, error: Exception) -> None:
         """Record the failure (unless another rank's caused it) and tear the pipeline's groups down so
@@ -822,6 +837,7 @@ class PipelineExecutor:
         if s > 0:
             self._send_input_grads(action, state, grads)
         if weights_too and split:
+            self._sent_early = (time.perf_counter(), self.transport.waited)
             self._weight_gradient(action)
         elif weights_too:
             self._release(action)

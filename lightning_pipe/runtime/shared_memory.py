@@ -80,12 +80,14 @@ class Outbox:
         size = -(-nbytes // _ALIGN) * _ALIGN
         if size > self.capacity:
             return None
+        self._take_acks()
         position = self.written % self.capacity
+        if self.read == self.written and position:  # nothing unread: start again at the front, on the
+            self.written += self.capacity - position  # pages used already (the process stays small)
+            self.read, position = self.written, 0
         padding = self.capacity - position if position + size > self.capacity else 0
         if self.written + padding + size - self.read > self.capacity:
-            self._take_acks()
-            if self.written + padding + size - self.read > self.capacity:
-                return None
+            return None
         offset = (position + padding) % self.capacity
         self.written += padding + size
         return offset, self.ring[offset : offset + nbytes]
@@ -113,7 +115,7 @@ class Outbox:
             return
         if len(data) >= _ACK.size:  # acknowledgements are cumulative: the last one says it all
             whole = len(data) - len(data) % _ACK.size
-            self.read = _ACK.unpack_from(data, whole - _ACK.size)[0]
+            self.read = max(self.read, _ACK.unpack_from(data, whole - _ACK.size)[0])
 
     def close(self) -> None:
         for fd in (self.records, self.acks):

@@ -362,7 +362,14 @@ class _Replay:
                     ready = arrival
         if action.kind in COMPUTE:
             ready = self._weights(worker, action, ready)
-        return ready, self.costs.duration(action) + self.costs.overhead * self.messages.get(node, 0)
+        return ready, self.own_seconds(node, action) + self.costs.overhead * self.messages.get(node, 0)
+
+    def own_seconds(self, node: Node, action: Action) -> float:
+        """An action's compute: a cool-down backward that sends its input gradient early costs its two
+        halves, ``I + W`` (more than ``B`` when measured so: ``runtime/calibration.py``)."""
+        if node in self.early:
+            return self.input_grad_seconds(node) + self.costs.duration(replace(action, kind=Kind.W))
+        return self.costs.duration(action)
 
     def commit(self, node: Node, start: float, end: float) -> None:
         """Record that ``node`` ran from ``start`` to ``end``."""
