@@ -10,6 +10,7 @@ import glob
 import itertools
 import os
 import random
+import time
 import warnings
 
 import pytest
@@ -162,12 +163,17 @@ def test_a_pair_that_cannot_share_memory_stays_on_gloo(fail: str, sender: int, r
 
 
 def _wait_for_nothing(rank: int, how: str) -> str:
-    """Rank 0 waits for a message rank 1 never sends: rank 1 dies, or aborts, or just waits."""
+    """Rank 0 waits for a message rank 1 never sends: rank 1 dies (after forking a child that outlives
+    it: a data-loader worker's copy of the pipe must not keep the link open), or aborts, or just
+    waits."""
     links = shared_memory.open_links([(1, 0)], dist.group.WORLD, 1 << 20)
-    transport = _transport(rank, links, timeout=2.0)
+    transport = _transport(rank, links, timeout=2.0 if how == "is silent" else 20.0)
     dist.barrier()
     if rank == 1:
         if how == "dies":
+            if os.fork() == 0:  # the child lives on for longer than rank 0's timeout
+                time.sleep(25)
+                os._exit(0)
             os._exit(3)
         if how == "aborts":
             transport.abort()
@@ -188,8 +194,9 @@ def _wait_for_nothing(rank: int, how: str) -> str:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["dies", "aborts", "is silent"])
 def test_a_receiver_waiting_on_a_link_stops(how: str) -> None:
-    """The receiver's wait ends at once with an error naming rank 1 when rank 1's process dies or
-    tears its links down, and after the timeout when rank 1 lives on without sending."""
+    """The receiver's wait ends at once with an error naming rank 1 when rank 1's process dies (a
+    child it forked living on) or tears its links down, and after the timeout when rank 1 lives on
+    without sending."""
     if how == "dies":
         with pytest.raises(LocalRunError) as caught:
             run_local(_wait_for_nothing, 2, how, timeout=60)

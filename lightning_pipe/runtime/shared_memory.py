@@ -19,11 +19,13 @@ A *link* carries the messages of one direction between two processes of one host
   pipe, system calls that order the memory accesses around them on any processor.
 
 The files are unlinked as soon as both sides have them open, so nothing is left behind in
-``/dev/shm`` whatever happens to the processes. A link is only made between processes that can
-open each other's files (the same host and the same ``/dev/shm``: containers that do not share it
-stay on gloo) and when ``/dev/shm`` has room for the ring (the space is reserved up front, so a full
-``/dev/shm`` is found at start, not by a crash in the middle of a write). Elsewhere than Linux,
-every message goes by gloo.
+``/dev/shm`` whatever happens to the processes; a forked child (a data-loader worker) closes its
+copies of the pipes at once, so it never keeps a dead process's link open.
+
+A link is only made between processes that can open each other's files (the same host and the same
+``/dev/shm``: containers that do not share it stay on gloo) and when ``/dev/shm`` has room for the
+ring (the space is reserved up front, so a full ``/dev/shm`` is found at start, not by a crash in the
+middle of a write). Elsewhere than Linux, every message goes by gloo.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import struct
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -181,12 +184,26 @@ class Links:
     def __init__(self, outboxes: dict[int, Outbox] | None = None, inboxes: dict[int, Inbox] | None = None) -> None:
         self.outboxes = outboxes or {}
         self.inboxes = inboxes or {}
+        _OPEN.add(self)
 
     def close(self) -> None:
         """Close every end: peers waiting on this process fail at once."""
         for end in [*self.outboxes.values(), *self.inboxes.values()]:
             end.close()
         self.outboxes, self.inboxes = {}, {}
+
+
+_OPEN: weakref.WeakSet[Links] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    """A forked child (a data-loader worker) closes its copies of the pipes: while it held the writing
+    end of a link, the receiver would not see end-of-file when this process dies."""
+    for links in list(_OPEN):
+        links.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def open_links(pairs: Iterable[tuple[int, int]], group: dist.ProcessGroup, capacity: int) -> Links:
