@@ -387,34 +387,42 @@ def _one_stage(model: argparse.Namespace) -> nn.Module:
 
 
 class _ComputeClock:
-    """Seconds spent in the model's own compute while :meth:`installed`: the module's forward (its
-    top-level call), the loss, autograd (``torch.autograd.backward`` and ``grad``) and the optimizer's
-    step. The rest of a step is the training loop's own Python."""
+    """Seconds spent in the model's own compute while :meth:`installed`: every module's forward (the
+    outermost call; the replicas a non-flushing schedule computes stashed versions with included),
+    autograd (``torch.autograd.backward`` and ``grad``) and the optimizer's step. The rest of a step
+    is the training loop's own Python."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._depth = 0
+        self._start = 0.0
+
+    def _enter(self, *_: object) -> None:
+        if not self._depth:
+            self._start = time.perf_counter()
+        self._depth += 1
+
+    def _leave(self, *_: object) -> None:
+        self._depth -= 1
+        if not self._depth:  # a call inside another is counted once, by the outer one
+            self.seconds += time.perf_counter() - self._start
 
     def timed(self, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args: object, **kwargs: object) -> object:
-            self._depth += 1
-            start = time.perf_counter()
+            self._enter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._depth -= 1
-                if not self._depth:  # a call inside another is counted once, by the outer one
-                    self.seconds += time.perf_counter() - start
+                self._leave()
 
         return wrapper
 
     @contextlib.contextmanager
-    def installed(self, module: nn.Module) -> Iterator[None]:
-        started: list[float] = []
+    def installed(self) -> Iterator[None]:
         hooks = [
-            module.register_forward_pre_hook(lambda *_: started.append(time.perf_counter())),
-            module.register_forward_hook(lambda *_: self._add(time.perf_counter() - started.pop())),
+            nn.modules.module.register_module_forward_pre_hook(self._enter),
+            nn.modules.module.register_module_forward_hook(self._leave),
         ]
         originals = (torch.autograd.backward, torch.autograd.grad, torch.optim.SGD.step)
         torch.autograd.backward, torch.autograd.grad = self.timed(originals[0]), self.timed(originals[1])
@@ -426,9 +434,6 @@ class _ComputeClock:
             for hook in hooks:
                 hook.remove()
 
-    def _add(self, seconds: float) -> None:
-        self.seconds += seconds
-
 
 def overhead_worker(rank: int, microbatches: int, model: argparse.Namespace) -> dict[str, list[float]]:
     """One process, one thread, no messages: per round, seconds per step of the whole model as a
@@ -439,11 +444,11 @@ def overhead_worker(rank: int, microbatches: int, model: argparse.Namespace) -> 
     batches = data(model.steps + WARMUP, model)
     times: dict[str, list[float]] = {}
 
-    def measured(name: str, module: nn.Module, run_step: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+    def measured(name: str, run_step: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
         for inputs, targets in batches[:WARMUP]:
             run_step(inputs, targets)
         clock = _ComputeClock()
-        with clock.installed(module):
+        with clock.installed():
             start = time.perf_counter()
             for inputs, targets in batches[WARMUP:]:
                 run_step(inputs, targets)
@@ -461,14 +466,14 @@ def overhead_worker(rank: int, microbatches: int, model: argparse.Namespace) -> 
             optimizer.step()
             optimizer.zero_grad()
 
-        measured("plain", module, run_step)
+        measured("plain", run_step)
 
     def executor(family: str) -> None:
-        module = _one_stage(model)
+        stages = [_one_stage(model)]
         pipeline = PipelineExecutor(
-            lambda k: schedule(family, microbatches, k, stages=1), [module], nn.functional.cross_entropy, _sgd
+            lambda k: schedule(family, microbatches, k, stages=1), stages, nn.functional.cross_entropy, _sgd
         )
-        measured(family, module, lambda x, y: pipeline.step(x, y))
+        measured(family, lambda x, y: pipeline.step(x, y))
         pipeline.drain()
         pipeline.close()
 
