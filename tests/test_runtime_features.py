@@ -449,3 +449,25 @@ def test_losses_and_outputs_equal_the_references(family: str, options: dict, rul
         for step in range(4):
             expected = sum(record[(step, i)][0] for i in range(3))
             assert result["losses"][step] == pytest.approx(expected, abs=1e-6)
+
+
+def _open_files_after_each_executor(rank: int) -> list[int]:
+    counts = []
+    for _ in range(4):
+        executor = PipelineExecutor(
+            lambda k: make_schedule("1f1b", 2, 2, k), build_stages(2), nn.functional.cross_entropy, OPTIMIZERS["sgd"]
+        )
+        for inputs, targets in batches(2):
+            executor.step(inputs, targets)
+        executor.close()
+        counts.append(len(os.listdir("/proc/self/fd")))
+    return counts
+
+
+@pytest.mark.timeout(120)
+def test_closing_an_executor_releases_its_files() -> None:
+    """An executor's close releases every connection it opened (process groups, shared-memory links):
+    a process that builds executor after executor keeps the same number of open files (it grew by 5
+    per executor while the group of the losses was never destroyed)."""
+    for counts in run_local(_open_files_after_each_executor, 2, timeout=90):
+        assert counts[1:] == counts[:1] * 3, counts

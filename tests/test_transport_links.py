@@ -54,8 +54,10 @@ def _transport(rank: int, links: shared_memory.Links, timeout: float = 30.0) -> 
 def _exchange(rank: int, capacity: int, fail: str | None = None) -> dict:
     """Rank 1 sends 80 messages to rank 0 in bursts of 1-12, rank 0 receives each burst after it,
     and rank 0 sends every one back; returns what each side received, and how the sender posted its
-    messages (ring offsets, -1 for gloo)."""
+    messages (ring offsets, -1 for gloo). ``fail="crowded"``: each process holds 1100 open files
+    first, so the links' descriptors are above 1024 (where ``select`` gives up)."""
     before = set(glob.glob(_LEFTOVERS))
+    crowd = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)] if fail == "crowded" else []
     if fail == "no room" and rank == 1:
         shared_memory.os.posix_fallocate = _no_room
     if fail == "not visible" and rank == 0:
@@ -88,13 +90,17 @@ def _exchange(rank: int, capacity: int, fail: str | None = None) -> dict:
     dist.barrier()
     leftovers = set(glob.glob(_LEFTOVERS)) - before
     ends = (sorted(links.outboxes), sorted(links.inboxes))
+    lowest = min(end.records for end in [*links.outboxes.values(), *links.inboxes.values()])
     transport.abort()
+    for fd in crowd:
+        os.close(fd)
     return {
         "received": map_tensors(torch.Tensor.clone, received if rank == 0 else echoed),  # views of one buffer
         "offsets": offsets,
         "links": ends,
         "warnings": [str(w.message) for w in caught],
         "leftovers": leftovers,
+        "lowest": lowest,
     }
 
 
@@ -139,6 +145,15 @@ def test_large_ring_carries_every_message() -> None:
     for result in run_local(_exchange, 2, 64 * 1024 * 1024, timeout=90):
         assert min(result["offsets"]) >= 0
         assert result["leftovers"] == set()
+
+
+@pytest.mark.timeout(120)
+def test_links_work_in_a_process_with_many_open_files() -> None:
+    """Descriptors above 1024 (a long run's process groups and data loaders): waits still work."""
+    expected = [message for _, message in _messages(seed=0, count=80)]
+    for result in run_local(_exchange, 2, 1 << 20, "crowded", timeout=90):
+        assert result["lowest"] > 1024
+        assert all(_same(got, sent) for got, sent in zip(result["received"], expected, strict=True))
 
 
 @pytest.mark.timeout(120)

@@ -14,6 +14,7 @@ micro-batch is smaller.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -528,9 +529,13 @@ class PipelineExecutor:
             raise
 
     def close(self) -> None:
-        """Wait for pending sends, then release the pipeline's process groups."""
+        """Wait for pending sends, then release the pipeline's process groups (their connections)."""
         self.transport.flush()
         self.transport.abort()
+        replicas = [w.group for w in self.weights.values() if w.group is not None]
+        for group in [self.group, *replicas]:
+            with contextlib.suppress(RuntimeError, ValueError):  # already gone
+                dist.destroy_process_group(group)
         self.garbage.close()
 
     def measured_costs(self, since_step: int = 0, **network: object) -> StageCosts:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import secrets
 import select
@@ -109,7 +110,7 @@ class Outbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"the receiver read no message for {timeout:.0f} s") from None
-                select.select([], [self.records], [], left)
+                _wait_for(self.records, select.POLLOUT, left)
 
     def _take_acks(self) -> None:
         try:
@@ -145,7 +146,7 @@ class Inbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no message within {timeout:.0f} s") from None
-                select.select([self.records], [], [], left)  # until there is something to read, or the deadline
+                _wait_for(self.records, select.POLLIN, left)  # something to read (or end of file), or the deadline
                 continue
             if not data:
                 raise ConnectionError("the sending process closed its end of the shared-memory link")
@@ -252,6 +253,15 @@ def open_links(pairs: Iterable[tuple[int, int]], group: dist.ProcessGroup, capac
             stacklevel=2,
         )
     return Links(outboxes, inboxes)
+
+
+def _wait_for(fd: int, event: int, seconds: float) -> None:
+    """Block until ``fd`` is ready for ``event`` (or hung up) or ``seconds`` pass. ``poll``, not
+    ``select``: a process that opened many files (process groups, data loaders) has descriptors
+    above ``select``'s limit of 1024."""
+    poller = select.poll()
+    poller.register(fd, event)
+    poller.poll(math.ceil(seconds * 1000))
 
 
 def _host() -> str:
