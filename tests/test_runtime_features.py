@@ -467,7 +467,7 @@ def _open_files_after_each_executor(rank: int) -> list[int]:
 @pytest.mark.timeout(120)
 def test_closing_an_executor_releases_its_files() -> None:
     """An executor's close releases every connection it opened (process groups, shared-memory links):
-    a process that builds executor after executor keeps the same number of open files (it grew by 5
-    per executor while the group of the losses was never destroyed)."""
+    a process that builds executor after executor has no more open files after the fourth than after
+    the first (it grew by 5 per executor while the group of the losses was never destroyed)."""
     for counts in run_local(_open_files_after_each_executor, 2, timeout=90):
-        assert counts[1:] == counts[:1] * 3, counts
+        assert max(counts[1:]) <= counts[0], counts  # never more (one may close late: fewer)
