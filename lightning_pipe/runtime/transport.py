@@ -88,15 +88,20 @@ def _pack(
             buffer[:_FIELDS].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
         else:
             buffer[:_FIELDS].zero_()
-    _fill(buffer, prefix, start, tensors)
+    _fill(buffer, prefix, start, tensors, specs)
     return buffer
 
 
-def _fill(buffer: torch.Tensor, prefix: bytes, start: int, tensors: list[torch.Tensor]) -> None:
-    """Write ``prefix`` at the start of ``buffer`` and each tensor's bytes from byte ``start``, aligned."""
+def _fill(
+    buffer: torch.Tensor,
+    prefix: bytes,
+    start: int,
+    tensors: list[torch.Tensor],
+    specs: list[tuple[torch.dtype, tuple[int, ...]]],
+) -> None:
+    """Write ``prefix`` at the start of ``buffer`` and each tensor (of ``specs``) from byte ``start``, aligned."""
     if prefix:
         buffer[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
-    specs = [(t.dtype, tuple(t.shape)) for t in tensors]
     for tensor, view in zip(tensors, _unpack(buffer, start, specs), strict=True):
         view.copy_(tensor.detach())
 
@@ -200,7 +205,7 @@ class Transport:
         outbox = self.links.outboxes[peer]
         reserved = outbox.reserve(nbytes)
         offset, buffer = reserved if reserved is not None else (-1, torch.empty(nbytes, dtype=torch.uint8))
-        _fill(buffer, described, start, tensors)
+        _fill(buffer, described, start, tensors, layout[1])
         try:
             outbox.post(offset, nbytes, len(described), self.timeout.total_seconds())
             if reserved is None:
