@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe.runtime import weights
 from lightning_pipe.runtime.calibration import alone_costs
 from lightning_pipe.runtime.executor import DEFAULT_SHARED_MEMORY_BYTES, PipelineExecutor
 from lightning_pipe.runtime.failure import FailureBoard
@@ -389,8 +390,9 @@ def _one_stage(model: argparse.Namespace) -> nn.Module:
 class _ComputeClock:
     """Seconds spent in the model's own compute while :meth:`installed`: every module's forward (the
     outermost call; the replicas a non-flushing schedule computes stashed versions with included),
-    autograd (``torch.autograd.backward`` and ``grad``) and the optimizer's step. The rest of a step
-    is the training loop's own Python."""
+    autograd (``torch.autograd.backward`` and ``grad``) and the optimizer's step (``SGD.step``, or the
+    same update written into a stashed version's storage: ``out_of_place.step_into``). The rest of a
+    step is the training loop's own Python."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -424,13 +426,13 @@ class _ComputeClock:
             nn.modules.module.register_module_forward_pre_hook(self._enter),
             nn.modules.module.register_module_forward_hook(self._leave),
         ]
-        originals = (torch.autograd.backward, torch.autograd.grad, torch.optim.SGD.step)
+        originals = (torch.autograd.backward, torch.autograd.grad, torch.optim.SGD.step, weights.step_into)
         torch.autograd.backward, torch.autograd.grad = self.timed(originals[0]), self.timed(originals[1])
-        torch.optim.SGD.step = self.timed(originals[2])
+        torch.optim.SGD.step, weights.step_into = self.timed(originals[2]), self.timed(originals[3])
         try:
             yield
         finally:
-            torch.autograd.backward, torch.autograd.grad, torch.optim.SGD.step = originals
+            torch.autograd.backward, torch.autograd.grad, torch.optim.SGD.step, weights.step_into = originals
             for hook in hooks:
                 hook.remove()
 

@@ -11,8 +11,9 @@ updates happened in between (weight stashing, Narayanan et al. 2019 §3.3).
   norm's running statistics, are the live module's own). The live parameters, which the optimizer
   updates in place, share the storage of the copy of the current version, so taking a version costs
   nothing. Only an update whose outgoing version is still in use moves the live parameters to another
-  storage first (one copy of the weights, into the storage of a version no longer used when there is
-  one), leaving the outgoing version's values where its micro-batches saw them. A stage therefore holds
+  storage (that of a version no longer used when there is one), leaving the outgoing version's values
+  where its micro-batches saw them: an SGD update writes the new weights straight there
+  (:mod:`~lightning_pipe.runtime.out_of_place`), other optimizers update a copy in place. A stage therefore holds
   as many copies of its weights as versions are in use at once, plus at most one spare: two for
   PipeDream-2BW (Narayanan et al. 2021, §3.1), and no allocation from one step to the next.
 
@@ -35,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
+
+from lightning_pipe.runtime.out_of_place import step_into, steps_out_of_place
 
 __all__ = ["StageWeights", "WeightCopy"]
 
@@ -145,18 +148,27 @@ class StageWeights:
         self.versions.clear()
         self._bound = self._spare = None
 
-    def _move_live(self) -> None:
-        """Give the live parameters a storage of their own (the spare copy's, or a new one) holding
-        the same values, so the optimizer's in-place update leaves the bound copy as it is."""
+    def _move_live(self, optimizer_steps: bool) -> None:
+        """Give the live parameters a storage of their own (the spare copy's, or a new one) so the
+        bound copy keeps its values. ``optimizer_steps``: the optimizer's update, written straight
+        into that storage when it can be (:mod:`~lightning_pipe.runtime.out_of_place`), else after
+        copying the values there (then updated in place)."""
         target = self._spare
         if target is None:
             target = WeightCopy.of(self.module, {n: torch.empty_like(p) for n, p in self._live.items()})
         self._spare = None
+        into = optimizer_steps and steps_out_of_place(self.optimizer)
+        stepped = {p for group in self.optimizer.param_groups for p in group["params"]} if into else set()
         with torch.no_grad():
+            if into:
+                step_into(self.optimizer, {p: target[name] for name, p in self._live.items() if p in stepped})
             for name, param in self._live.items():
-                target[name].copy_(param)
+                if param not in stepped:
+                    target[name].copy_(param)
                 param.data = target[name].detach()
         self._bound = target
+        if optimizer_steps and not into:
+            self.optimizer.step()
 
     def _buffer(self, step: int) -> list[torch.Tensor | None]:
         """``step``'s gradients so far (``None`` for a weight none reached yet)."""
@@ -221,30 +233,34 @@ class StageWeights:
         ``prepare(gradients)`` runs just before the optimizer steps (clipping, hyper-parameters).
         ``skip`` drops the gradient instead (an overflowed float16 step): the weights and the
         optimizer stay as they are, the version counter still advances (versions count steps)."""
-        if self.snapshots:
-            self._retire(keep)
+        moves = self.snapshots and self._retire(keep)
         buffer = self.summed_gradients(step)
         del self.gradients[step]
         self._summed.discard(step)
         if prepare is not None and not skip:
             prepare(buffer)
-        if self.optimizer is not None and not skip:
+        steps = self.optimizer is not None and not skip
+        if steps:
             for param, grad in zip(self.params, buffer, strict=True):
                 param.grad = grad
+        if moves:
+            self._move_live(optimizer_steps=steps)
+        elif steps:
             self.optimizer.step()
+        if steps:
             for param in self.params:
                 param.grad = None
         self.version += 1
 
-    def _retire(self, keep: set[int]) -> None:
-        """Before an update: versions outside ``keep`` are dropped (one copy kept as the spare); when
-        the outgoing version is kept and shares the live storage, the live parameters move away."""
+    def _retire(self, keep: set[int]) -> bool:
+        """Before an update: versions outside ``keep`` are dropped (one copy kept as the spare).
+        Whether the live parameters must move away: the outgoing version is kept and shares their
+        storage, so the update must leave that storage as it is."""
         for version in [v for v in self.versions if v not in keep]:
             dropped = self.versions.pop(version)
             if dropped is not self._bound:
                 self._spare = dropped
-        if self.version in keep and self.leaves(self.version) is self._bound:
-            self._move_live()  # the outgoing version stays usable after the in-place update
+        return self.version in keep and self.leaves(self.version) is self._bound
 
     def _sum_replicas(self, buffer: list[torch.Tensor | None]) -> None:
         """Sum ``buffer`` over the stage's replicas in place: a weight some replica has a gradient

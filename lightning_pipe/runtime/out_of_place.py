@@ -1,0 +1,73 @@
+"""An SGD step that writes the new weights into other tensors, leaving the old ones where they are.
+
+Weight stashing keeps the outgoing version of a stage's weights for the micro-batches still in flight
+(PipeDream-2BW, Narayanan et al. 2021, §3.1). With an in-place optimizer that costs a copy of the
+weights per update: the live parameters first move to other storage holding the same values, then the
+optimizer overwrites them there. Writing ``θ_{t+1} = θ_t - lr·d_t`` straight into the other storage
+reads and writes as much memory as the in-place update alone, so the copy disappears.
+
+:func:`steps_out_of_place` says when :func:`step_into` may stand in for ``optimizer.step()``: a plain
+``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, maximize: the operations of torch's
+per-tensor implementation, in its order, so the weights and momentum buffers are bitwise those of
+``optimizer.step()``) that would itself loop over its tensors one by one. Where torch's SGD runs
+multi-tensor kernels (``foreach``, the default on GPUs) or fused ones, one multi-tensor copy plus its
+own step is cheaper than a Python loop of small kernels, and the caller keeps that path; so it does for
+any other optimizer, for step hooks, and for sparse gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+__all__ = ["step_into", "steps_out_of_place"]
+
+
+def steps_out_of_place(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :func:`step_into` computes exactly what ``optimizer.step()`` would, at no extra cost."""
+    if type(optimizer) is not torch.optim.SGD or getattr(optimizer, "grad_scale", None) is not None:
+        return False
+    hooks = (
+        optimizer._optimizer_step_pre_hooks,
+        optimizer._optimizer_step_post_hooks,
+        _global_optimizer_pre_hooks,
+        _global_optimizer_post_hooks,
+    )
+    if any(hooks):
+        return False
+    for group in optimizer.param_groups:
+        per_tensor = group["foreach"] is False or (
+            group["foreach"] is None and all(p.device.type == "cpu" for p in group["params"])
+        )
+        traced = any(isinstance(group[k], torch.Tensor) and group[k].requires_grad for k in ("lr", "weight_decay"))
+        if not per_tensor or group["fused"] or group["differentiable"] or traced:
+            return False
+    return all(p.grad is None or not p.grad.is_sparse for group in optimizer.param_groups for p in group["params"])
+
+
+@torch.no_grad()
+def step_into(optimizer: torch.optim.SGD, targets: dict[torch.Tensor, torch.Tensor]) -> None:
+    """One SGD step of ``optimizer`` whose result for each parameter ``p`` lands in ``targets[p]``
+    (``p`` itself is only read; one without a gradient is copied unchanged, as the optimizer skips it).
+    The momentum buffers in ``optimizer.state`` advance as ``optimizer.step()`` would advance them."""
+    for group in optimizer.param_groups:
+        lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.item()
+        for param in group["params"]:
+            target = targets[param]
+            if param.grad is None:
+                target.copy_(param)
+                continue
+            direction = -param.grad if group["maximize"] else param.grad
+            if decay != 0:
+                direction = direction.add(param, alpha=decay)
+            if momentum != 0:
+                state = optimizer.state[param]
+                buffer = state.get("momentum_buffer")
+                if buffer is None:
+                    buffer = state["momentum_buffer"] = direction.detach().clone()
+                else:
+                    buffer.mul_(momentum).add_(direction, alpha=1 - group["dampening"])
+                direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+            torch.add(param, direction, alpha=-lr, out=target)
