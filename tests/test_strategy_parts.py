@@ -3,10 +3,12 @@ models."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import pickle
 from dataclasses import replace
 
+import lightning.pytorch as L
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,7 +22,7 @@ from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import find_entry
-from lightning_pipe.strategy.logs import Record, combine
+from lightning_pipe.strategy.logs import Record, combine, recording
 from lightning_pipe.strategy.planning import StagePlan, predict
 from lightning_pipe.strategy.relay import Relay
 
@@ -50,6 +52,32 @@ def test_combined_means_equal_the_whole_batch(microbatches: list[list[float]]) -
     assert combined["sum"][0] == pytest.approx(math.fsum(flat), abs=1e-9)
     assert combined["max"][0] == max(flat) and combined["min"][0] == min(flat)
     assert combined["sized"][1]["batch_size"] == len(flat)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        (("loss", 1.5), {}),
+        (("loss", torch.tensor(1.5)), {"prog_bar": True, "reduce_fx": "sum", "batch_size": 3}),
+        (("loss", 1.5, True), {"logger": False}),  # an option given by position
+        ((), {"name": "loss", "value": 1.5, "on_epoch": True}),
+    ],
+)
+def test_a_recorded_log_call_has_the_options_lightning_would_bind(args: tuple, kwargs: dict) -> None:
+    """``self.log`` under :func:`recording`: the options recorded are Lightning's signature bound to the
+    call (defaults filled in), whichever way the call names them. Guards the fast path of the usual
+    ``self.log(name, value, **options)`` against drifting from the signature."""
+    module = L.LightningModule()
+    record = Record(4)
+    bound = inspect.signature(L.LightningModule.log).bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    expected = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+    with recording(module, record):
+        module.log(*args, **kwargs)
+        with pytest.raises(TypeError):
+            module.log("loss", 1.0, colour="red")  # not an option of self.log: refused as Lightning would
+    assert record.calls == [("loss", 1.5, expected)]
+    assert "log" not in vars(module)
 
 
 def _relay_worker(rank: int) -> list[list[object]]:
