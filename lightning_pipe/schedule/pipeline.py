@@ -18,7 +18,8 @@ lie on the critical path, so with a one-way delay ``d`` per message the period o
 
 With a flush every step stands alone (synchronous updates); without one the stream runs across
 steps (PipeDream, 2BW, CDP) and the update of a step is placed right after the step's last backward
-on the stage.
+on the stage; under 2BW's rule, after the forwards that follow it too, since they compute with the
+version before it.
 """
 
 from __future__ import annotations
@@ -74,20 +75,32 @@ def one_f_one_b_order(stage: int, jobs: Sequence[Job], warmup: int) -> list[Acti
     return order
 
 
-def with_updates(order: list[Action], stages: Sequence[int]) -> list[Action]:
-    """Insert ``UPDATE(s, t)`` right after the last backward of step ``t`` of stage ``s``."""
+def with_updates(order: list[Action], stages: Sequence[int], past_forwards: bool = False) -> list[Action]:
+    """Insert ``UPDATE(s, t)`` right after the last backward of step ``t`` of stage ``s``; with
+    ``past_forwards``, after the forwards of steps ``<= t + 1`` that directly follow that backward.
+    Under 2BW's rule those compute with the version before the update (every micro-batch of step
+    ``t + 1`` at ``θ_t``), so the update need not delay them, and the stages downstream wait for them
+    (the first stage's update otherwise sits between two of its forwards on the critical path)."""
     last = {}
     for position, action in enumerate(order):
         if action.kind in (Kind.B, Kind.W) and action.stage in stages:
             last[(action.stage, action.step)] = position
     result: list[Action] = []
+    waiting: list[Action] = []
     placed = {position: key for key, position in last.items()}
     for position, action in enumerate(order):
+        if waiting and not (
+            past_forwards
+            and action.kind is Kind.F
+            and all(action.stage == u.stage and action.step <= u.step + 1 for u in waiting)
+        ):
+            result += waiting
+            waiting = []
         result.append(action)
         if position in placed:
             stage, step = placed[position]
-            result.append(Action(Kind.UPDATE, stage, None, step))
-    return result
+            waiting.append(Action(Kind.UPDATE, stage, None, step))
+    return result + waiting
 
 
 def _per_step(jobs: list[Job], flush: bool) -> list[list[Job]]:
@@ -109,13 +122,14 @@ def build(
     params: dict[str, object] | None = None,
 ) -> Schedule:
     """One worker per stage, each running ``stage_order`` on every step (flush) or on the whole
-    stream (no flush), with updates after each step's last backward."""
+    stream (no flush), with updates after each step's last backward (and, under the ``2bw`` rule,
+    after the forwards that follow it and do not need it: :func:`with_updates`)."""
     check_sizes(family, stages, microbatches, steps)
     jobs = stream(microbatches, steps)
     orders = []
     for stage in range(stages):
         order = [action for part in _per_step(jobs, flush) for action in stage_order(stage, part)]
-        orders.append(with_updates(order, [stage]))
+        orders.append(with_updates(order, [stage], past_forwards=rule == "2bw"))
     return Schedule(
         family=family,
         stages=stages,

@@ -569,11 +569,14 @@ def _activations(
 
 
 def _steady(step_end: list[float]) -> float:
-    """Time per step once the pipeline is full: the mean spacing of the later half of the steps."""
+    """Time per step once the pipeline is full: the mean spacing of the later half of the steps, the
+    last one left out from four steps on (it ends in the drain, where a non-flushing schedule has no
+    later step to overlap and finishes its deferred updates at once)."""
     if len(step_end) == 1:
         return step_end[0]
+    last = len(step_end) - 1 if len(step_end) >= 4 else len(step_end)
     half = len(step_end) // 2
-    return (step_end[-1] - step_end[half - 1]) / (len(step_end) - half)
+    return (step_end[last - 1] - step_end[half - 1]) / (last - half)
 
 
 def _weight_copies(schedule: Schedule, costs: StageCosts, replay: _Replay, makespan: float) -> list[tuple[int, float]]:
