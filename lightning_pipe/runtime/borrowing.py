@@ -104,5 +104,5 @@ def load_weights(weights: StageWeights, message: list[torch.Tensor], version: in
 def returned_gradients(weights: StageWeights, step: int) -> list[torch.Tensor | None]:
     """What a borrower sends back after its last backward of ``step``: the gradient of each trainable
     weight (``None`` where none of its micro-batches reached it), taken out of its buffer."""
-    buffer = weights.gradients.pop(step, None) or [None] * len(weights.params)
+    buffer = weights.pop_gradients(step)
     return [buffer[index] for index in weights.trainable]

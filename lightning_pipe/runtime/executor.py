@@ -578,13 +578,16 @@ class PipelineExecutor:
         if self.needs_inputs:
             if inputs is None:
                 raise PlanningError(f"rank {self.rank} runs the first stage: step() needs the inputs")
-            self.inputs[step] = [map_tensors(lambda t: t.to(self.device), x) for x in split_batch(inputs, m)]
+            self.inputs[step] = split_batch(map_tensors(self._to_device, inputs), m)
         if self.needs_targets:
             if targets is None:
                 raise PlanningError(f"rank {self.rank} runs the last stage: step() needs the targets")
-            self.targets[step] = [map_tensors(lambda t: t.to(self.device), y) for y in split_batch(targets, m)]
+            self.targets[step] = split_batch(map_tensors(self._to_device, targets), m)
             self.batch_rows[step] = rows_of(targets)
             self.targets_left[step] = m
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device)
 
     def _run(self, actions: list[Action], peers: Callable[[int], list[Action]], return_outputs: bool) -> StepOutput:
         output = StepOutput()
@@ -715,7 +718,7 @@ class PipelineExecutor:
             raise self._mismatch(action, inputs, error) from error
         if s == self.schedule.stages - 1:
             loss = self._loss(state.outputs, t, mb)
-            state.loss = None if self.recompute[s] else loss / len(self.pipelines)
+            state.loss = None if self.recompute[s] else self._pipeline_share(loss)
             self._record_loss(output, t, mb, loss.detach().double())  # a float at the call's end: no sync here
             if return_outputs:
                 output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
@@ -776,6 +779,12 @@ class PipelineExecutor:
         self.loss_key = (step, mb)  # which micro-batch loss_fn is computing, for callers that log
         return self.loss_fn(result, target) * (rows_of(target) / self.batch_rows[step])
 
+    def _pipeline_share(self, loss: torch.Tensor) -> torch.Tensor:
+        """What a micro-batch's loss contributes to the gradient summed over the data-parallel
+        pipelines (their mean); with one pipeline the loss itself, no division (one autograd node
+        less per micro-batch)."""
+        return loss if len(self.pipelines) == 1 else loss / len(self.pipelines)
+
     def _rng_state(self) -> tuple[torch.Tensor, ...]:
         """The random state a forward starts from (CPU, and the GPU's when computing there)."""
         if self.device.type == "cuda":
@@ -801,7 +810,7 @@ class PipelineExecutor:
             # checks their version, though training mode's gradient does not read them
             buffer.data.copy_(before)
         if action.stage == self.schedule.stages - 1:
-            state.loss = self._loss(state.outputs, action.step, action.microbatch) / len(self.pipelines)
+            state.loss = self._pipeline_share(self._loss(state.outputs, action.step, action.microbatch))
 
     def _roots(self, action: Action, state: _InFlight) -> None:
         """The tensors to differentiate and their incoming gradients (none for the scalar loss)."""
@@ -884,11 +893,12 @@ class PipelineExecutor:
 
 
 def _as_floats(output: StepOutput) -> StepOutput:
-    """``output`` with its losses, kept as tensors while the call ran, turned into floats in one
-    transfer (on a GPU, one synchronisation per call instead of one per micro-batch)."""
+    """``output`` with its losses, kept as tensors while the call ran, turned into floats (on a GPU in
+    one transfer: one synchronisation per call instead of one per micro-batch)."""
     values = [*output.microbatch_losses.values(), *output.losses.values()]
     if values:
-        numbers = iter(torch.stack(values).tolist())
+        on_cpu = values[0].device.type == "cpu"  # no transfer to save: each read on its own is cheaper
+        numbers = iter([value.item() for value in values] if on_cpu else torch.stack(values).tolist())
         output.microbatch_losses = {key: next(numbers) for key in output.microbatch_losses}
         output.losses = {key: next(numbers) for key in output.losses}
     return output

@@ -17,7 +17,7 @@ checkpoint) to finish the steps in flight.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.graph import build_graph
@@ -31,7 +31,8 @@ def shift(action: Action, steps: int) -> Action:
     if steps == 0:
         return action
     version = None if action.version is None else action.version + steps
-    return replace(action, step=action.step + steps, version=version)
+    # built directly: dataclasses.replace costs twice as much, on every action of every call
+    return Action(action.kind, action.stage, action.microbatch, action.step + steps, version, action.peer)
 
 
 def segments(schedule: Schedule) -> list[list[list[Action]]]:

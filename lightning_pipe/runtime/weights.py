@@ -101,6 +101,8 @@ class StageWeights:
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.gradients: dict[int, list[torch.Tensor]] = {}
         self._summed: set[int] = set()  # steps whose buffer already holds the replicas' sum
+        # (step, leaves, their differentiable list) whose .grad holds that step's gradient meanwhile
+        self._lent: tuple[int, dict[str, torch.Tensor], list[torch.Tensor]] | None = None
         self._bound: WeightCopy | None = None  # the copy sharing the live parameters' storage
         self._spare: WeightCopy | None = None  # a copy no version uses, whose storage the next move takes
 
@@ -145,6 +147,7 @@ class StageWeights:
     def forget_versions(self) -> None:
         """Drop every kept version and spare copy (after a drain: the next fill starts from the live
         weights, with replicas made anew so they follow changes of the module's training mode)."""
+        self._reclaim()
         self.versions.clear()
         self._bound = self._spare = None
 
@@ -170,14 +173,24 @@ class StageWeights:
         if optimizer_steps and not into:
             self.optimizer.step()
 
-    def _buffer(self, step: int) -> list[torch.Tensor | None]:
-        """``step``'s gradients so far (``None`` for a weight none reached yet)."""
+    def pop_gradients(self, step: int) -> list[torch.Tensor | None]:
+        """``step``'s gradients so far, taken out of the stage (``None`` for a weight none reached yet)."""
+        self._reclaim()
         return self.gradients.pop(step, None) or [None] * len(self.params)
+
+    def _reclaim(self) -> None:
+        """The gradients lent to a version's leaves go back into their step's buffer."""
+        if self._lent is not None:
+            step, _, weights = self._lent
+            self._lent = None
+            buffer = self.gradients[step]
+            for leaf, index in zip(weights, self.trainable, strict=True):
+                buffer[index], leaf.grad = leaf.grad, None
 
     def add(self, step: int, grads: list[torch.Tensor | None]) -> None:
         """Add weight gradients computed elsewhere (a split backward's ``W``, fresh tensors, one per
         :meth:`differentiable` leaf) to ``step``'s buffer."""
-        buffer = self._buffer(step)
+        buffer = self.pop_gradients(step)
         for index, grad in zip(self.trainable, grads, strict=True):
             if grad is not None and buffer[index] is None:
                 buffer[index] = grad
@@ -193,21 +206,24 @@ class StageWeights:
         root_grads: list[torch.Tensor] | None,
         inputs: list[torch.Tensor],
     ) -> list[torch.Tensor | None]:
-        """Backward of one micro-batch: weight gradients accumulate in place into ``step``'s buffer
-        (lent to the leaves as their ``.grad``, so autograd adds into it without allocating; the
-        step's first backward keeps what autograd made, with nothing to zero), the gradients of
-        ``inputs`` are returned."""
-        buffer = self._buffer(step)
-        weights = self.differentiable(leaves)
-        for leaf, index in zip(weights, self.trainable, strict=True):
-            leaf.grad = buffer[index]
-            buffer[index] = None  # the leaf holds the only reference: autograd accumulates in place
-        differentiated = inputs + weights
+        """Backward of one micro-batch: weight gradients accumulate in place into ``step``'s buffer,
+        the gradients of ``inputs`` are returned. The buffer is lent to the leaves as their ``.grad``
+        (autograd adds into it without allocating; the step's first backward keeps what autograd
+        made, with nothing to zero) and stays lent while the backwards of the same step on the same
+        leaves follow one another: it comes back when another step's or version's backward, or
+        anything reading the gradients, needs it (after a compute, touching every parameter costs
+        tens of microseconds of cache misses)."""
+        if self._lent is None or self._lent[0] != step or self._lent[1] is not leaves:
+            buffer = self.pop_gradients(step)
+            weights = self.differentiable(leaves)
+            for leaf, index in zip(weights, self.trainable, strict=True):
+                leaf.grad = buffer[index]
+                buffer[index] = None  # the leaf holds the only reference: autograd accumulates in place
+            self.gradients[step] = buffer
+            self._lent = (step, leaves, weights)
+        differentiated = inputs + self._lent[2]
         if roots and differentiated:
             torch.autograd.backward(roots, root_grads, inputs=differentiated)
-        for leaf, index in zip(weights, self.trainable, strict=True):
-            buffer[index], leaf.grad = leaf.grad, None
-        self.gradients[step] = buffer
         grads = [x.grad for x in inputs]
         for x in inputs:
             x.grad = None
@@ -215,7 +231,7 @@ class StageWeights:
 
     def summed_gradients(self, step: int) -> list[torch.Tensor | None]:
         """``step``'s gradient summed over the stage's replicas (once: :meth:`update` applies it)."""
-        buffer = self._buffer(step)
+        buffer = self.pop_gradients(step)
         if self.group is not None and self.params and step not in self._summed:
             self._sum_replicas(buffer)
         self._summed.add(step)
@@ -283,6 +299,7 @@ class StageWeights:
 
     def state_dict(self) -> dict[str, object]:
         """What carries over between calls: version counter, kept versions, pending gradients."""
+        self._reclaim()
         return {
             "version": self.version,
             "versions": {v: {k: t.detach().clone() for k, t in leaves.items()} for v, leaves in self.versions.items()},
@@ -291,6 +308,7 @@ class StageWeights:
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
+        self._reclaim()
         self.version = int(state["version"])
         self.forget_versions()
         self.versions = {
