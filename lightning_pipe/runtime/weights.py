@@ -151,16 +151,17 @@ class StageWeights:
         self.versions.clear()
         self._bound = self._spare = None
 
-    def _move_live(self, optimizer_steps: bool) -> None:
+    def _move_live(self, stepping: bool) -> bool:
         """Give the live parameters a storage of their own (the spare copy's, or a new one) so the
-        bound copy keeps its values. ``optimizer_steps``: the optimizer's update, written straight
-        into that storage when it can be (:mod:`~lightning_pipe.runtime.out_of_place`), else after
-        copying the values there (then updated in place)."""
+        bound copy keeps its values. When ``stepping`` and the optimizer can
+        (:mod:`~lightning_pipe.runtime.out_of_place`), its update is what fills that storage, and
+        ``True`` says it is done; otherwise the storage gets a copy of the values, for the caller's
+        in-place update."""
         target = self._spare
         if target is None:
             target = WeightCopy.of(self.module, {n: torch.empty_like(p) for n, p in self._live.items()})
         self._spare = None
-        into = optimizer_steps and steps_out_of_place(self.optimizer)
+        into = stepping and steps_out_of_place(self.optimizer)
         stepped = {p for group in self.optimizer.param_groups for p in group["params"]} if into else set()
         with torch.no_grad():
             if into:
@@ -170,8 +171,7 @@ class StageWeights:
                     target[name].copy_(param)
                 param.data = target[name].detach()
         self._bound = target
-        if optimizer_steps and not into:
-            self.optimizer.step()
+        return into
 
     def pop_gradients(self, step: int) -> list[torch.Tensor | None]:
         """``step``'s gradients so far, taken out of the stage (``None`` for a weight none reached yet)."""
@@ -259,9 +259,8 @@ class StageWeights:
         if steps:
             for param, grad in zip(self.params, buffer, strict=True):
                 param.grad = grad
-        if moves:
-            self._move_live(optimizer_steps=steps)
-        elif steps:
+        stepped = moves and self._move_live(stepping=steps)
+        if steps and not stepped:
             self.optimizer.step()
         if steps:
             for param in self.params:
@@ -308,9 +307,8 @@ class StageWeights:
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        self._reclaim()
         self.version = int(state["version"])
-        self.forget_versions()
+        self.forget_versions()  # the gradients lent to the leaves come back first
         self.versions = {
             int(v): WeightCopy.of(self.module, {k: t.to(self._live[k].device, copy=True) for k, t in leaves.items()})
             for v, leaves in state["versions"].items()

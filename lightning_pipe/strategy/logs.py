@@ -26,7 +26,8 @@ from lightning_pipe.errors import PlanningError
 __all__ = ["Record", "combine", "recording"]
 
 _SIGNATURE = inspect.signature(LightningModule.log)
-_OPTIONS = {key: p.default for key, p in _SIGNATURE.parameters.items() if key not in ("self", "name", "value")}
+_CALL = ("self", "name", "value")  # what self.log is called with; the other parameters are its options
+_OPTIONS = {key: p.default for key, p in _SIGNATURE.parameters.items() if key not in _CALL}
 _REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 _TORCH_REDUCTIONS = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
 
@@ -69,7 +70,7 @@ def recording(module: LightningModule, record: Record) -> Iterator[None]:
         else:
             bound = _SIGNATURE.bind(module, *args, **kwargs)
             bound.apply_defaults()
-            options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+            options = {k: v for k, v in bound.arguments.items() if k not in _CALL}
             name, value = bound.arguments["name"], bound.arguments["value"]
         _reduction(name, options["reduce_fx"])
         record.calls.append((name, _number(name, value), options))
