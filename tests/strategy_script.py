@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from typing import Any
 
 import lightning as L
@@ -45,10 +46,9 @@ class SaveWhenStopped(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
         trainer.save_checkpoint(self.path)
-        print(
-            f"stopped: rank={trainer.global_rank} step={trainer.global_step} exception={type(exception).__name__}",
-            flush=True,
-        )
+        line = f"stopped: rank={trainer.global_rank} step={trainer.global_step} exception={type(exception).__name__}\n"
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), line.encode())  # one write: the ranks share the pipe, a line must not split
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ import contextlib
 import csv
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -248,7 +249,7 @@ def test_slurm(tmp_path: Path, devices: int, num_nodes: int) -> None:
 
 def _check_stopped(output: str, step: int) -> None:
     """Both ranks raised ``SIGTERMException`` at ``step`` (the script's ``stopped:`` lines)."""
-    lines = sorted(line for line in output.splitlines() if line.startswith("stopped: "))
+    lines = sorted(re.findall(r"stopped: rank=\S+ step=\S+ exception=\w+", output))
     assert lines == [f"stopped: rank={rank} step={step} exception=SIGTERMException" for rank in (0, 1)], output[-3000:]
 
 
