@@ -49,11 +49,15 @@ def unflatten(skeleton: Any, values: list[torch.Tensor]) -> Any:
 
 def tensors(obj: Any) -> list[torch.Tensor]:
     """Every tensor in ``obj``, in order."""
+    if isinstance(obj, torch.Tensor):  # the common case, on every micro-batch: no skeleton to build
+        return [obj]
     return flatten(obj)[1]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     """``obj`` with ``fn`` applied to every tensor, its structure kept."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
     skeleton, found = flatten(obj)
     return unflatten(skeleton, [fn(t) for t in found])
 

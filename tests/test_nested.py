@@ -1,13 +1,19 @@
-"""Nested tensor structures survive flatten/unflatten and pickling of their skeleton."""
+"""Nested tensor structures survive flatten/unflatten and pickling of their skeleton; the shortcuts for a
+bare tensor and the split of a mini-batch into micro-batches agree with the general path."""
 
 from __future__ import annotations
 
 import pickle
 from collections import namedtuple
 
+import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import flatten, map_tensors, nbytes, tensors, unflatten
+from lightning_pipe.runtime.executor import split_batch
 
 Pair = namedtuple("Pair", ["features", "skip"])
 
@@ -22,3 +28,56 @@ def test_round_trip_keeps_structure_and_constants() -> None:
     assert nbytes(obj) == 2 * 3 * 4 + 2 * 4 + 4 * 8
     doubled = map_tensors(lambda t: t * 2, obj)
     assert torch.equal(doubled["list"][0], torch.arange(4) * 2) and isinstance(doubled["pair"], Pair)
+
+
+def _nested(rows: int) -> st.SearchStrategy:
+    """Batches of ``rows`` samples: a bare tensor, or tuples, named tuples, lists and dicts holding
+    tensors (the first one of them at least) and constants."""
+    leaf = st.builds(lambda width: torch.randn(rows, width), st.integers(1, 3))
+    constant = st.sampled_from([None, 7, "x"])
+    return st.recursive(
+        leaf,
+        lambda children: st.one_of(
+            st.tuples(children, st.lists(st.one_of(children, constant), max_size=2)).map(lambda p: [p[0], *p[1]]),
+            st.tuples(children, st.one_of(children, constant)),
+            st.builds(Pair, children, st.one_of(children, constant)),
+            st.dictionaries(st.sampled_from(["a", "b"]), children, min_size=1, max_size=2),
+        ),
+        max_leaves=5,
+    )
+
+
+def _same(left: object, right: object) -> bool:
+    """Same structure, same constants, equal tensors."""
+    skeleton, found = flatten(left)
+    other_skeleton, other = flatten(right)
+    return skeleton == other_skeleton and all(torch.equal(a, b) for a, b in zip(found, other, strict=True))
+
+
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(2, 9).flatmap(_nested), parts=st.integers(1, 4))
+def test_shortcuts_and_split_agree_with_the_general_path(batch: object, parts: int) -> None:
+    """``tensors`` and ``map_tensors`` (which take a bare tensor without building a skeleton) give what
+    flatten/unflatten give; ``split_batch`` cuts every tensor into the parts ``torch.tensor_split``
+    makes, each part keeping the batch's structure and constants, and the parts put back together
+    are the batch. Guards the bare-tensor shortcuts against drifting from the nested path."""
+    skeleton, found = flatten(batch)
+    assert [id(t) for t in tensors(batch)] == [id(t) for t in found]
+    assert _same(map_tensors(lambda t: t + 1, batch), unflatten(skeleton, [t + 1 for t in found]))
+    rows = found[0].shape[0]
+    if rows < parts:
+        with pytest.raises(PlanningError, match=f"a mini-batch of {rows} samples cannot be split into {parts}"):
+            split_batch(batch, parts)
+        return
+    pieces = split_batch(batch, parts)
+    assert len(pieces) == parts
+    for index, piece in enumerate(pieces):
+        expected = unflatten(skeleton, [torch.tensor_split(t, parts)[index] for t in found])
+        assert _same(piece, expected)
+    joined = [torch.cat(column) for column in zip(*(tensors(piece) for piece in pieces), strict=True)]
+    assert all(torch.equal(a, b) for a, b in zip(joined, found, strict=True))
+
+
+def test_a_batch_without_tensors_cannot_be_split() -> None:
+    with pytest.raises(PlanningError, match="a mini-batch must hold at least one tensor"):
+        split_batch({"labels": [1, 2, 3]}, 2)

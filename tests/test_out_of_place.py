@@ -55,19 +55,22 @@ def test_the_step_into_other_tensors_is_bitwise_torchs_step(
         return [{"params": params[:1]}, {"params": params[1:], "lr": torch.tensor(second_lr)}]
 
     mine, reference = torch.optim.SGD(groups(ours), **options), torch.optim.SGD(groups(theirs), **options)
-    assert steps_out_of_place(mine)
     for absent in missing:
-        for p, q, skip in zip(ours, theirs, absent, strict=True):
-            grad = None if skip else torch.randn(p.shape, generator=generator)
-            p.grad, q.grad = grad, None if grad is None else grad.clone()
-        targets = {p: torch.full_like(p, float("nan")) for p in ours}
+        grads = [
+            None if skip else torch.randn(p.shape, generator=generator) for p, skip in zip(ours, absent, strict=True)
+        ]
+        for q, grad in zip(theirs, grads, strict=True):
+            q.grad = None if grad is None else grad.clone()
+        assert steps_out_of_place(mine, grads)
+        targets = [torch.full_like(p, float("nan")) for p in ours]
         before = [p.detach().clone() for p in ours]
-        step_into(mine, targets)
+        # the gradients are given, not read from .grad (None on ours); so are the weights, detached
+        step_into(mine, grads, [p.detach() for p in ours], targets)
         reference.step()
-        for p, q, old in zip(ours, theirs, before, strict=True):
+        for p, q, old, target in zip(ours, theirs, before, targets, strict=True):
             assert torch.equal(p, old)  # only read
-            assert torch.equal(targets[p], q)
-            p.data = targets[p]
+            assert torch.equal(target, q)
+            p.data = target
     for p, q in zip(ours, theirs, strict=True):
         buffers = (mine.state[p].get("momentum_buffer"), reference.state[q].get("momentum_buffer"))
         assert (buffers[0] is None) == (buffers[1] is None)
@@ -94,23 +97,31 @@ def _sgd(**options) -> torch.optim.Optimizer:
     ],
 )
 def test_only_a_plain_per_tensor_sgd_steps_out_of_place(build, expected: bool) -> None:
-    assert steps_out_of_place(build()) is expected
+    assert steps_out_of_place(build(), [torch.ones(2)]) is expected
+
+
+def test_gradients_and_targets_must_match_the_optimizers_parameters() -> None:
+    optimizer = _sgd()
+    with pytest.raises(ValueError, match="2 gradients, 2 sources and 2 targets for an optimizer of 1 parameters"):
+        step_into(optimizer, [torch.ones(2)] * 2, [torch.ones(2)] * 2, [torch.empty(2)] * 2)
+    with pytest.raises(ValueError, match="1 gradients, 0 sources and 1 targets"):
+        step_into(optimizer, [torch.ones(2)], [], [torch.empty(2)])
 
 
 def test_a_step_hook_or_a_sparse_gradient_keeps_torchs_own_step() -> None:
-    optimizer = _sgd()
+    optimizer, dense = _sgd(), [torch.ones(2)]
     handle = optimizer.register_step_pre_hook(lambda *_: None)
-    assert not steps_out_of_place(optimizer)
+    assert not steps_out_of_place(optimizer, dense)
     handle.remove()
-    assert steps_out_of_place(optimizer)
+    assert steps_out_of_place(optimizer, dense)
+    assert steps_out_of_place(optimizer, [None])
     global_handle = register_optimizer_step_post_hook(lambda *_: None)
     try:
-        assert not steps_out_of_place(optimizer)
+        assert not steps_out_of_place(optimizer, dense)
     finally:
         global_handle.remove()
-    param = optimizer.param_groups[0]["params"][0]
-    param.grad = torch.sparse_coo_tensor([[0]], [1.0], (2,), check_invariants=True)
-    assert not steps_out_of_place(optimizer)
+    sparse = torch.sparse_coo_tensor([[0]], [1.0], (2,), check_invariants=True)
+    assert not steps_out_of_place(optimizer, [sparse])
 
 
 def _stashing_stage(optimizer: type[torch.optim.Optimizer]) -> StageWeights:
@@ -146,3 +157,33 @@ def test_a_stashing_stage_writes_its_sgd_update_into_the_spare_storage() -> None
     for ours, theirs in zip(stages[0].params, stages[1].params, strict=True):
         assert torch.equal(ours, theirs)
     assert not torch.equal(stages[0].params[0], _stashing_stage(torch.optim.SGD).params[0])
+
+
+def test_an_optimizer_holding_a_tensor_of_its_own_keeps_torchs_step() -> None:
+    """An optimizer built over more than the stage's parameters (here one extra tensor, which gets no
+    gradient from the stage) cannot be matched parameter by parameter to the stage's storages: the
+    stage falls back to copy-then-step, calls ``step()`` on every update, leaves the extra tensor
+    alone and trains as a stage whose optimizer holds only its parameters."""
+
+    def stage(extra: list[nn.Parameter]) -> StageWeights:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        return StageWeights(
+            module, lambda params: torch.optim.SGD([*params, *extra], lr=0.1, momentum=0.9), snapshots=True
+        )
+
+    extra = nn.Parameter(torch.ones(3))
+    mixed, reference = stage([extra]), stage([])
+    calls = []
+    step = mixed.optimizer.step
+    mixed.optimizer.step = lambda: calls.append(step())
+    x = torch.randn(3, 4)
+    for version in range(3):
+        for weights in (mixed, reference):
+            leaves = weights.leaves(version)
+            weights.backward(version, leaves, [weights.forward(leaves, x).square().sum()], None, [])
+            weights.update(version, keep={version})
+    assert len(calls) == 3
+    for ours, theirs in zip(mixed.params, reference.params, strict=True):
+        assert torch.equal(ours, theirs)
+    assert torch.equal(extra, torch.ones(3))

@@ -98,12 +98,12 @@ class _InFlight:
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
     """Split every tensor of a nested batch along dim 0 into ``parts`` nearly equal micro-batches."""
-    skeleton, found = flatten(batch)
-    if not found:
-        raise PlanningError("a mini-batch must hold at least one tensor to split into micro-batches")
-    size = found[0].shape[0]
+    size = rows_of(batch)
     if size < parts:
         raise PlanningError(f"a mini-batch of {size} samples cannot be split into {parts} micro-batches")
+    if isinstance(batch, torch.Tensor):  # the common case: no skeleton to build
+        return list(torch.tensor_split(batch, parts))
+    skeleton, found = flatten(batch)
     chunks = [torch.tensor_split(t, parts) for t in found]
     return [unflatten(skeleton, [c[i] for c in chunks]) for i in range(parts)]
 
@@ -112,7 +112,7 @@ def rows_of(batch: Any) -> int:
     """The samples in ``batch``: the first dimension of its first tensor."""
     found = tensors(batch)
     if not found:
-        raise PlanningError("a batch must hold at least one tensor to be split into micro-batches")
+        raise PlanningError("a mini-batch must hold at least one tensor to split into micro-batches")
     return found[0].shape[0]
 
 
@@ -263,12 +263,14 @@ class PipelineExecutor:
         self.in_flight: dict[tuple[int, int, int], _InFlight] = {}
         self.local: dict[_Key, Any] = {}
         self.expected: dict[_Key, tuple[int, int]] = {}
-        self.loss_parts: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
+        self.loss_parts: dict[int, dict[int, float]] = defaultdict(dict)  # step -> micro-batch -> loss so far
         self.track_memory = track_memory
         self.early_gradients = early_gradients and self.schedule.flush
         self.saved_bytes = 0
         self.peak_saved_bytes = 0
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
+        # (stage, entry of the program, position) -> versions used after it, less the call's shift
+        self._upcoming: dict[tuple[int, int, int], frozenset[int]] = {}
         self.timeline: deque[Interval] = deque(maxlen=timeline_length)
         self.garbage = AlignedCollection(gc_every)
         for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
@@ -612,7 +614,7 @@ class PipelineExecutor:
         except Exception as error:
             self._stop(error)
             raise
-        return _as_floats(output)
+        return self._as_floats(output)
 
     def _record(self, action: Action, start: float, waited: float) -> None:
         """Put ``action`` (started at ``start``, with ``waited`` seconds of waits before it) on the
@@ -719,7 +721,7 @@ class PipelineExecutor:
         if s == self.schedule.stages - 1:
             loss = self._loss(state.outputs, t, mb)
             state.loss = None if self.recompute[s] else self._pipeline_share(loss)
-            self._record_loss(output, t, mb, loss.detach().double())  # a float at the call's end: no sync here
+            output.microbatch_losses[(t, mb)] = loss.detach()  # a float at the call's end: no sync here
             if return_outputs:
                 output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
         else:
@@ -741,11 +743,23 @@ class PipelineExecutor:
             f"stage {s} (rank {self.rank}) failed on {source}, tensors {shapes}: {type(error).__name__}: {error}"
         )
 
-    def _record_loss(self, output: StepOutput, step: int, mb: int, value: torch.Tensor) -> None:
-        output.microbatch_losses[(step, mb)] = value
-        self.loss_parts[step][mb] = value
-        if len(self.loss_parts[step]) == self.schedule.microbatches:
-            output.losses[step] = sum(self.loss_parts.pop(step).values())
+    def _as_floats(self, output: StepOutput) -> StepOutput:
+        """``output`` with the micro-batch losses, kept as tensors while the call ran, read as floats
+        (on a GPU in one transfer: one synchronisation per call instead of one per micro-batch), and
+        the loss of each step whose last micro-batch ran: the sum of its micro-batches' losses, in
+        float64, in the order they ran (some may have run in earlier calls)."""
+        if not output.microbatch_losses:
+            return output
+        values = list(output.microbatch_losses.values())
+        on_cpu = values[0].device.type == "cpu"  # no transfer to save: each read on its own is cheaper
+        numbers = [value.item() for value in values] if on_cpu else torch.stack([v.double() for v in values]).tolist()
+        output.microbatch_losses = dict(zip(output.microbatch_losses, numbers, strict=True))
+        for (step, mb), number in output.microbatch_losses.items():
+            parts = self.loss_parts[step]
+            parts[mb] = number
+            if len(parts) == self.schedule.microbatches:
+                output.losses[step] = sum(self.loss_parts.pop(step).values())
+        return output
 
     def _forward_saving(self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any) -> tuple[Any, int]:
         """Forward with autograd; also the bytes it saved for backward when memory is tracked (model
@@ -885,23 +899,29 @@ class PipelineExecutor:
     def _versions_kept(self, stage: int) -> set[int]:
         """Versions of ``stage`` that micro-batches in flight, the rest of this call or the next calls of
         this worker use."""
-        calls = range(self.calls + 1, self.calls + self.program.period + 2)
-        upcoming = self._running[self._position + 1 :] + [a for call in calls for a in self._actions(self.rank, call)]
-        kept = {a.version for a in upcoming if a.stage == stage and a.kind in COMPUTE}
-        kept |= {state.version for (s, _, _), state in self.in_flight.items() if s == stage}
-        return kept
+        kept = {state.version for (s, _, _), state in self.in_flight.items() if s == stage}
+        return kept | self._upcoming_versions(stage)
 
+    def _upcoming_versions(self, stage: int) -> set[int]:
+        """Versions of ``stage`` the actions after the running one, in this call and the next
+        ``period + 1`` calls, compute with. In a call of the step's program they depend only on the
+        program's entry the call runs (:meth:`Program.entry_of`) up to a shift of every version, so
+        they are worked out once per entry and position and shifted after that."""
 
-def _as_floats(output: StepOutput) -> StepOutput:
-    """``output`` with its losses, kept as tensors while the call ran, turned into floats (on a GPU in
-    one transfer: one synchronisation per call instead of one per micro-batch)."""
-    values = [*output.microbatch_losses.values(), *output.losses.values()]
-    if values:
-        on_cpu = values[0].device.type == "cpu"  # no transfer to save: each read on its own is cheaper
-        numbers = iter([value.item() for value in values] if on_cpu else torch.stack(values).tolist())
-        output.microbatch_losses = {key: next(numbers) for key in output.microbatch_losses}
-        output.losses = {key: next(numbers) for key in output.losses}
-    return output
+        def upcoming() -> set[int]:
+            calls = range(self.calls + 1, self.calls + self.program.period + 2)
+            actions = self._running[self._position + 1 :] + [a for c in calls for a in self._actions(self.rank, c)]
+            return {a.version for a in actions if a.stage == stage and a.kind in COMPUTE}
+
+        if self._running is not self._calls_cache.get((self.rank, self.calls)):  # a drain
+            return upcoming()
+        entry, steps = self.program.entry_of(self.calls)
+        offset = self.origin + steps
+        key = (stage, entry, self._position)
+        relative = self._upcoming.get(key)
+        if relative is None:
+            relative = self._upcoming[key] = frozenset(version - offset for version in upcoming())
+        return {version + offset for version in relative}
 
 
 def _pipelines(pipelines: Sequence[Sequence[int]] | None, workers: int) -> list[list[int]]:

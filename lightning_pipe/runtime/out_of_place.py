@@ -17,14 +17,17 @@ any other optimizer, for step hooks, and for sparse gradients.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 __all__ = ["step_into", "steps_out_of_place"]
 
 
-def steps_out_of_place(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether :func:`step_into` computes exactly what ``optimizer.step()`` would, at no extra cost."""
+def steps_out_of_place(optimizer: torch.optim.Optimizer, grads: Iterable[torch.Tensor | None]) -> bool:
+    """Whether :func:`step_into` computes exactly what ``optimizer.step()`` would, at no extra cost, with
+    gradients ``grads``."""
     if type(optimizer) is not torch.optim.SGD or getattr(optimizer, "grad_scale", None) is not None:
         return False
     hooks = (
@@ -36,32 +39,46 @@ def steps_out_of_place(optimizer: torch.optim.Optimizer) -> bool:
     if any(hooks):
         return False
     for group in optimizer.param_groups:
-        per_tensor = group["foreach"] is False or (
-            group["foreach"] is None and all(p.device.type == "cpu" for p in group["params"])
-        )
+        per_tensor = group["foreach"] is False or (group["foreach"] is None and all(p.is_cpu for p in group["params"]))
         traced = any(isinstance(group[k], torch.Tensor) and group[k].requires_grad for k in ("lr", "weight_decay"))
         if not per_tensor or group["fused"] or group["differentiable"] or traced:
             return False
-    return all(p.grad is None or not p.grad.is_sparse for group in optimizer.param_groups for p in group["params"])
+    return not any(grad is not None and grad.is_sparse for grad in grads)
 
 
-@torch.no_grad()
-def step_into(optimizer: torch.optim.SGD, targets: dict[torch.Tensor, torch.Tensor]) -> None:
-    """One SGD step of ``optimizer`` whose result for each parameter ``p`` lands in ``targets[p]``
-    (``p`` itself is only read; one without a gradient is copied unchanged, as the optimizer skips it).
-    The momentum buffers in ``optimizer.state`` advance as ``optimizer.step()`` would advance them."""
+def step_into(
+    optimizer: torch.optim.SGD,
+    grads: Sequence[torch.Tensor | None],
+    sources: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+) -> None:
+    """One SGD step of ``optimizer`` with gradients ``grads`` from the weights ``sources`` into
+    ``targets``: entry ``k`` of each belongs to the ``k``-th parameter of the optimizer's groups, in
+    order. ``sources[k]`` holds that parameter's values and, like the gradient, does not require grad
+    (a detached view of the parameter: nothing here is recorded by autograd, with no ``no_grad``
+    context to enter); it is only read, and copied unchanged where the gradient is ``None``, as the
+    optimizer skips such a parameter. The parameters themselves are neither read nor written: they
+    only key the momentum buffers in ``optimizer.state``, which advance as ``optimizer.step()`` would
+    advance them."""
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if not len(grads) == len(sources) == len(targets) == count:
+        raise ValueError(
+            f"step_into: {len(grads)} gradients, {len(sources)} sources and {len(targets)} targets for an "
+            f"optimizer of {count} parameters"
+        )
+    slots = zip(grads, sources, targets, strict=True)
     for group in optimizer.param_groups:
         lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
         if isinstance(lr, torch.Tensor):
             lr = lr.item()
         for param in group["params"]:
-            target = targets[param]
-            if param.grad is None:
-                target.copy_(param)
+            grad, source, target = next(slots)
+            if grad is None:
+                target.copy_(source)
                 continue
-            direction = -param.grad if group["maximize"] else param.grad
+            direction = -grad if group["maximize"] else grad
             if decay != 0:
-                direction = direction.add(param, alpha=decay)
+                direction = direction.add(source, alpha=decay)
             if momentum != 0:
                 state = optimizer.state[param]
                 buffer = state.get("momentum_buffer")
@@ -70,4 +87,4 @@ def step_into(optimizer: torch.optim.SGD, targets: dict[torch.Tensor, torch.Tens
                 else:
                     buffer.mul_(momentum).add_(direction, alpha=1 - group["dampening"])
                 direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-            torch.add(param, direction, alpha=-lr, out=target)
+            torch.add(source, direction, alpha=-lr, out=target)

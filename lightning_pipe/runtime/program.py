@@ -112,12 +112,19 @@ class Program:
             for parts, worker_drains, worker_early in zip(per_worker, drains, early, strict=True)
         ]
 
+    def entry_of(self, index: int) -> tuple[int, int]:
+        """``(k, steps)``: call ``index`` runs entry ``k`` of ``fill + template`` shifted by ``steps``
+        steps (every call of the same phase of the steady state shares ``k``)."""
+        if index < self.base:
+            return index, 0
+        phase = (index - self.base) % self.period
+        return self.base + phase, index - self.base - phase
+
     def call(self, index: int) -> list[Action]:
         """The actions of call ``index``."""
-        if index < self.base:
-            return list(self.fill[index])
-        phase = (index - self.base) % self.period
-        return [shift(a, index - self.base - phase) for a in self.template[phase]]
+        entry, steps = self.entry_of(index)
+        actions = self.fill[entry] if entry < self.base else self.template[entry - self.base]
+        return [shift(a, steps) for a in actions]
 
     def finish(self, last_call: int) -> list[Action]:
         """The actions that complete every step in flight after call ``last_call``."""

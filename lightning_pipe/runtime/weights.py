@@ -29,7 +29,7 @@ Everything that carries over between calls is in :meth:`StageWeights.state_dict`
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ class WeightCopy(dict[str, torch.Tensor]):
     the forward then goes through :func:`torch.func.functional_call`)."""
 
     module: nn.Module | None = None
+    views: list[torch.Tensor]  # detached views of the leaves, in parameter order: what the live parameters point to
 
     @classmethod
     def of(cls, module: nn.Module, storages: dict[str, torch.Tensor]) -> WeightCopy:
@@ -60,6 +61,7 @@ class WeightCopy(dict[str, torch.Tensor]):
             view = torch.empty(0, dtype=source.dtype, device=source.device)
             view.set_(source.untyped_storage(), source.storage_offset(), source.shape, source.stride())
             leaves[name] = nn.Parameter(view, requires_grad=param.requires_grad)
+        leaves.views = [leaf.detach() for leaf in leaves.values()]
         # the replica shares the module's buffers; only the parameters are replaced (deepcopy's memo
         # maps the originals to the replacements)
         memo: dict[int, Any] = {id(p): leaves[name] for name, p in module.named_parameters()}
@@ -92,6 +94,7 @@ class StageWeights:
         self.names = [name for name, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
         self._live = dict(zip(self.names, self.params, strict=True))
+        self._position = {id(p): i for i, p in enumerate(self.params)}  # a parameter's index, without hashing tensors
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         # none for a stage without weights, or one computed here but updated by its owner (borrowed)
         self.optimizer = optimizer(self.params) if self.params and optimizer is not None else None
@@ -151,27 +154,41 @@ class StageWeights:
         self.versions.clear()
         self._bound = self._spare = None
 
-    def _move_live(self, stepping: bool) -> bool:
+    def _move_live(self, step: tuple[list[torch.Tensor | None], list[int]] | None = None) -> None:
         """Give the live parameters a storage of their own (the spare copy's, or a new one) so the
-        bound copy keeps its values. When ``stepping`` and the optimizer can
-        (:mod:`~lightning_pipe.runtime.out_of_place`), its update is what fills that storage, and
-        ``True`` says it is done; otherwise the storage gets a copy of the values, for the caller's
-        in-place update."""
+        bound copy keeps its values. With ``step = (gradients, order)`` the optimizer's step fills
+        that storage (:mod:`~lightning_pipe.runtime.out_of_place`; ``order``: :meth:`_optimizer_order`);
+        otherwise it gets a copy of the values, for the caller's in-place update. A parameter the
+        optimizer does not step is copied either way."""
         target = self._spare
         if target is None:
             target = WeightCopy.of(self.module, {n: torch.empty_like(p) for n, p in self._live.items()})
         self._spare = None
-        into = stepping and steps_out_of_place(self.optimizer)
-        stepped = {p for group in self.optimizer.param_groups for p in group["params"]} if into else set()
-        with torch.no_grad():
-            if into:
-                step_into(self.optimizer, {p: target[name] for name, p in self._live.items() if p in stepped})
-            for name, param in self._live.items():
-                if param not in stepped:
-                    target[name].copy_(param)
-                param.data = target[name].detach()
+        stepped: Collection[int] = ()
+        if step is not None:
+            grads, stepped = step
+            sources = self._bound.views  # the live parameters' storage: their values, detached
+            step_into(
+                self.optimizer,
+                [grads[i] for i in stepped],
+                [sources[i] for i in stepped],
+                [target.views[i] for i in stepped],
+            )
+        if len(stepped) < len(self.params):
+            for index in set(range(len(self.params))).difference(stepped):
+                target.views[index].copy_(self.params[index].detach())
+        for param, view in zip(self.params, target.views, strict=True):
+            param.data = view
         self._bound = target
-        return into
+
+    def _optimizer_order(self) -> list[int] | None:
+        """The positions among the stage's parameters of the optimizer's, in its groups' order
+        (``None`` if it holds a tensor that is not one of them)."""
+        position = self._position
+        try:
+            return [position[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        except KeyError:
+            return None
 
     def pop_gradients(self, step: int) -> list[torch.Tensor | None]:
         """``step``'s gradients so far, taken out of the stage (``None`` for a weight none reached yet)."""
@@ -256,15 +273,18 @@ class StageWeights:
         if prepare is not None and not skip:
             prepare(buffer)
         steps = self.optimizer is not None and not skip
-        if steps:
-            for param, grad in zip(self.params, buffer, strict=True):
-                param.grad = grad
-        stepped = moves and self._move_live(stepping=steps)
-        if steps and not stepped:
-            self.optimizer.step()
-        if steps:
-            for param in self.params:
-                param.grad = None
+        order = self._optimizer_order() if moves and steps else None
+        if order is not None and steps_out_of_place(self.optimizer, buffer):
+            self._move_live(step=(buffer, order))  # the step writes the new weights where they move to
+        else:
+            if moves:
+                self._move_live()
+            if steps:
+                for param, grad in zip(self.params, buffer, strict=True):
+                    param.grad = grad
+                self.optimizer.step()
+                for param in self.params:
+                    param.grad = None
         self.version += 1
 
     def _retire(self, keep: set[int]) -> bool:
