@@ -124,23 +124,30 @@ def test_a_step_hook_or_a_sparse_gradient_keeps_torchs_own_step() -> None:
     assert not steps_out_of_place(optimizer, [sparse])
 
 
-def _stashing_stage(optimizer: type[torch.optim.Optimizer]) -> StageWeights:
+def _stashing_stage(optimizer: type[torch.optim.Optimizer], frozen: bool = True, reverse: bool = False) -> StageWeights:
+    """A two-layer stage whose last bias is ``frozen`` (not in the optimizer, copied with the rest);
+    ``reverse``: the optimizer's groups hold its parameters last layer first."""
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    module[2].bias.requires_grad_(False)  # frozen: not in the optimizer, copied with the rest
-    return StageWeights(
-        module,
-        lambda params: optimizer([p for p in params if p.requires_grad], lr=0.1, momentum=0.9, weight_decay=0.01),
-        snapshots=True,
-    )
+    module[2].bias.requires_grad_(not frozen)
+
+    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        trained = [p for p in params if p.requires_grad]
+        groups = [{"params": trained[2:]}, {"params": trained[:2]}] if reverse else [{"params": trained}]
+        return optimizer(groups, lr=0.1, momentum=0.9, weight_decay=0.01)
+
+    return StageWeights(module, build, snapshots=True)
 
 
-def test_a_stashing_stage_writes_its_sgd_update_into_the_spare_storage() -> None:
+@pytest.mark.parametrize(("frozen", "reverse"), [(True, False), (False, False), (False, True)])
+def test_a_stashing_stage_writes_its_sgd_update_into_the_spare_storage(frozen: bool, reverse: bool) -> None:
     """Six 2BW-like updates (the outgoing version kept for a micro-batch in flight each time) with
     ``SGD`` and with a subclass that falls back to copy-then-step: the same weights bitwise, the kept
-    version intact, the frozen bias carried into the new storage, and ``SGD.step`` never called on the
-    out-of-place stage. Guards against the fast path drifting from the copy path it replaces."""
-    stages = [_stashing_stage(torch.optim.SGD), _stashing_stage(_MySGD)]
+    version intact, a frozen bias carried into the new storage, and ``SGD.step`` never called on the
+    out-of-place stage; with every parameter trained, in the stage's order or in groups of another
+    order. Guards against the fast path drifting from the copy path it replaces, and against a
+    gradient or storage handed to another parameter's slot of the optimizer."""
+    stages = [_stashing_stage(torch.optim.SGD, frozen, reverse), _stashing_stage(_MySGD, frozen, reverse)]
     assert stages[0].optimizer is not None
     stages[0].optimizer.step = None  # the out-of-place path must not call it
     x = torch.randn(3, 4)
@@ -152,11 +159,14 @@ def test_a_stashing_stage_writes_its_sgd_update_into_the_spare_storage() -> None
             weights.backward(step, leaves, [out.square().sum()], None, [])
             weights.update(step, keep={step})
             assert all(torch.equal(weights.leaves(step)[name], value) for name, value in kept.items())
-            assert torch.equal(weights.module[2].bias, kept["2.bias"])
+            assert torch.equal(weights.module[2].bias, kept["2.bias"]) or not frozen
             assert len(weights.weight_storages()) == 2
     for ours, theirs in zip(stages[0].params, stages[1].params, strict=True):
         assert torch.equal(ours, theirs)
-    assert not torch.equal(stages[0].params[0], _stashing_stage(torch.optim.SGD).params[0])
+        states = [weights.optimizer.state.get(p, {}) for weights, p in zip(stages, (ours, theirs), strict=True)]
+        assert states[0].keys() == states[1].keys()  # a momentum buffer under the parameter it belongs to
+        assert all(torch.equal(states[0][key], states[1][key]) for key in states[0])
+    assert not torch.equal(stages[0].params[0], _stashing_stage(torch.optim.SGD, frozen, reverse).params[0])
 
 
 def test_an_optimizer_holding_a_tensor_of_its_own_keeps_torchs_step() -> None:

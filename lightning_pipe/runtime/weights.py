@@ -95,6 +95,7 @@ class StageWeights:
         self.params = [p for _, p in module.named_parameters()]
         self._live = dict(zip(self.names, self.params, strict=True))
         self._position = {id(p): i for i, p in enumerate(self.params)}  # a parameter's index, without hashing tensors
+        self._in_order = list(range(len(self.params)))
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         # none for a stage without weights, or one computed here but updated by its owner (borrowed)
         self.optimizer = optimizer(self.params) if self.params and optimizer is not None else None
@@ -168,12 +169,11 @@ class StageWeights:
         if step is not None:
             grads, stepped = step
             sources = self._bound.views  # the live parameters' storage: their values, detached
-            step_into(
-                self.optimizer,
-                [grads[i] for i in stepped],
-                [sources[i] for i in stepped],
-                [target.views[i] for i in stepped],
-            )
+            if stepped == self._in_order:  # the usual optimizer, over the stage's parameters as given
+                step_into(self.optimizer, grads, sources, target.views)
+            else:
+                pick = [grads[i] for i in stepped], [sources[i] for i in stepped], [target.views[i] for i in stepped]
+                step_into(self.optimizer, *pick)
         if len(stepped) < len(self.params):
             for index in set(range(len(self.params))).difference(stepped):
                 target.views[index].copy_(self.params[index].detach())
