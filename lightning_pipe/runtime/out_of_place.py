@@ -17,7 +17,7 @@ any other optimizer, for step hooks, and for sparse gradients.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -25,9 +25,14 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 __all__ = ["step_into", "steps_out_of_place"]
 
 
-def steps_out_of_place(optimizer: torch.optim.Optimizer, grads: Iterable[torch.Tensor | None]) -> bool:
+def steps_out_of_place(optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor | None]) -> bool:
     """Whether :func:`step_into` computes exactly what ``optimizer.step()`` would, at no extra cost, with
-    gradients ``grads``."""
+    gradients ``grads`` (entry ``k``: the ``k``-th parameter of the optimizer's groups, in order).
+
+    Torch's SGD loops over a group's tensors one by one unless told otherwise or unless every
+    parameter with a gradient is on a device with multi-tensor kernels, which the CPU is not; the
+    gradients tell, as each is on its parameter's device (and were read last, so this reads no
+    parameter the step is about to evict from the caches)."""
     if type(optimizer) is not torch.optim.SGD or getattr(optimizer, "grad_scale", None) is not None:
         return False
     hooks = (
@@ -38,12 +43,18 @@ def steps_out_of_place(optimizer: torch.optim.Optimizer, grads: Iterable[torch.T
     )
     if any(hooks):
         return False
+    start = 0
     for group in optimizer.param_groups:
-        per_tensor = group["foreach"] is False or (group["foreach"] is None and all(p.is_cpu for p in group["params"]))
+        end = start + len(group["params"])
+        present = [grad for grad in grads[start:end] if grad is not None]
+        start = end
+        per_tensor = group["foreach"] is False or (group["foreach"] is None and any(g.is_cpu for g in present))
         traced = any(isinstance(group[k], torch.Tensor) and group[k].requires_grad for k in ("lr", "weight_decay"))
-        if not per_tensor or group["fused"] or group["differentiable"] or traced:
+        if (present and not per_tensor) or group["fused"] or group["differentiable"] or traced:
             return False
-    return not any(grad is not None and grad.is_sparse for grad in grads)
+        if any(grad.is_sparse for grad in present):
+            return False
+    return True
 
 
 def step_into(
