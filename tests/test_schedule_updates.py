@@ -3,10 +3,11 @@ also after the forwards that follow it and do not need it."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_pipe.schedule import StageCosts, make_schedule, simulate
+from lightning_pipe.schedule import FAMILY_RULES, StageCosts, make_schedule, rules_of, simulate
 from lightning_pipe.schedule.ir import Kind
 
 
@@ -38,3 +39,11 @@ def test_an_update_waits_for_the_forwards_that_do_not_need_it(stages: int, extra
             else:
                 assert before[-1].kind is Kind.B and before[-1].step == t
     assert max(simulate(schedule, StageCosts.uniform(stages)).weight_versions) <= 2
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_RULES))
+def test_a_familys_default_rule_is_the_one_it_lists_first(family: str) -> None:
+    """``rules_of`` names a family's default rule first (error messages and the Hydra configs rely on
+    it): a schedule made without a rule runs that one. CDP listed CDP-v1 first while its generator
+    ran CDP-v2."""
+    assert make_schedule(family, 2, 2, 3).rule == rules_of(family)[0]

@@ -59,7 +59,7 @@ NON_FLUSHING_FAMILIES: tuple[str, ...] = ("pipedream", "2bw", "cdp")  # steps ov
 FAMILY_RULES: dict[str, tuple[str, ...]] = {
     "pipedream": ("stash", "vertical"),
     "2bw": ("2bw", "stash"),
-    "cdp": ("cdp_v1", "cdp_v2"),
+    "cdp": ("cdp_v2", "cdp_v1"),
 }
 """The update rules a family runs (its default first); every other family runs ``sync``."""
 
