@@ -57,11 +57,29 @@ def _timelines(draw: st.DrawFn) -> tuple[int, list[list[Interval]]]:
 @given(case=_timelines(), since=st.integers(0, 2))
 def test_means_pooled_over_ranks_equal_a_direct_computation(case: tuple, since: int) -> None:
     stages, timelines = case
+    adding = set()  # a B or W after another of its stage and step on its rank (rank order)
+    for timeline in timelines:
+        for position, i in enumerate(timeline):
+            gradient = (Kind.B, Kind.W)
+            before = [j for j in timeline[:position] if j.action.kind in gradient]
+            if i.action.kind in gradient and any(
+                (j.action.stage, j.action.step) == (i.action.stage, i.action.step) for j in before
+            ):
+                adding.add(id(i))
     every = [i for timeline in timelines for i in timeline if i.action.step >= since]
 
-    def mean(stage: int, kind: Kind) -> float:
+    def mean(stage: int, kind: Kind, adds: bool = False) -> float:
+        """Of a stage's first backwards of a step (adding ones where no first is measured), or adding ones."""
         own = [i for i in every if i.action.stage == stage and i.action.kind is kind]
-        return statistics.fmean(max(i.end - i.start - i.waited, 0.0) for i in own)  # rounding: never < 0
+        chosen = [i for i in own if (id(i) in adding) == adds] or own
+        return statistics.fmean(max(i.end - i.start - i.waited, 0.0) for i in chosen)  # rounding: never < 0
+
+    def extra(stage: int) -> float | None:
+        for kind in (Kind.B, Kind.W):
+            kinds = {id(i) in adding for i in every if i.action.stage == stage and i.action.kind is kind}
+            if kinds == {True, False}:
+                return mean(stage, kind, True) - mean(stage, kind)
+        return None
 
     present = {(i.action.stage, i.action.kind) for i in every}
     halves = [{(s, Kind.I), (s, Kind.W)} <= present for s in range(stages)]
@@ -87,6 +105,12 @@ def test_means_pooled_over_ranks_equal_a_direct_computation(case: tuple, since: 
             assert close(costs.input_grad[s], mean(s, Kind.I)) and close(costs.weight_grad[s], mean(s, Kind.W))
         else:
             assert costs.input_grad[s] == costs.weight_grad[s] == costs.backward[s] / 2
+    extras = [extra(s) for s in range(stages)]
+    if all(e is None for e in extras):
+        assert costs.accumulate is None
+    for s, e in enumerate(extras if costs.accumulate is not None else ()):
+        half = costs.weight_grad[s] if costs.weight_grad is not None else costs.backward[s] / 2
+        assert close(costs.accumulate[s], max(e or 0.0, -min(costs.backward[s], half)))
     assert costs.latency == 1e-5
 
 
@@ -154,7 +178,8 @@ def test_alone_costs_replay_to_the_means_a_shared_run_measured(
     forward = data.draw(st.lists(seconds, min_size=stages, max_size=stages))
     backward = data.draw(st.lists(seconds, min_size=stages, max_size=stages))
     update = data.draw(st.lists(st.floats(0.0, 1.0), min_size=stages, max_size=stages))
-    truth = StageCosts(forward, backward, input_grad=[b / 3 for b in backward], update=update)
+    accumulate = data.draw(st.lists(st.floats(0.0, 0.5), min_size=stages, max_size=stages))
+    truth = StageCosts(forward, backward, input_grad=[b / 3 for b in backward], update=update, accumulate=accumulate)
     schedule = make_schedule(family, stages, microbatches, 3)
     shared = simulate(schedule, dataclasses.replace(truth, contention=contention), early_gradients=True)
     measured = stage_costs([measured_seconds(shared.timeline)], stages, contention=contention)
@@ -163,10 +188,16 @@ def test_alone_costs_replay_to_the_means_a_shared_run_measured(
     replayed = simulate(schedule, recovered, early_gradients=True)
     again = stage_costs([measured_seconds(replayed.timeline)], stages, contention=contention)
     names = ("forward", "update", *(("input_grad", "weight_grad") if family == "zb_h1" else ("backward",)))
-    every = ("forward", "backward", "input_grad", "weight_grad", "update")
-    scale = max(max(getattr(measured, name) or [0.0]) for name in every)  # alone_costs' tolerance: relative to it
+    # alone_costs' tolerance is relative to the largest mean, an adding backward's included
+    adding = [b + a for b, a in zip(measured.backward, measured.accumulate or [0.0] * stages, strict=True)]
+    scale = max(max(getattr(measured, name) or [0.0]) for name in ("forward", "input_grad", "weight_grad", "update"))
+    halves = zip(measured.weight_grad or [], measured.accumulate or [], strict=False)  # either may be absent
+    scale = max(scale, *adding, *(w + a for w, a in halves))
     for name in names:
         assert getattr(again, name) == pytest.approx(getattr(measured, name), rel=1e-6, abs=1e-6 * scale), name
+    if measured.accumulate is not None:  # a difference of two means, each to the tolerance
+        assert again.accumulate == pytest.approx(measured.accumulate, abs=2e-6 * scale)
+    for name in names:  # each kind alone takes no longer than beside the others
         assert all(
             a <= m * (1 + 1e-9) + 1e-12 for a, m in zip(getattr(recovered, name), getattr(measured, name), strict=True)
         )

@@ -18,6 +18,7 @@ from lightning_pipe.schedule import Action, Kind, StageCosts, make_schedule, sim
 from lightning_pipe.schedule.simulate import Simulation
 
 KNOWN_KEYS = [
+    "accumulate",
     "activation_bytes",
     "backward",
     "bandwidth",
@@ -82,6 +83,21 @@ def test_a_hand_worked_gpipe_timeline() -> None:
     assert sim.throughput == 1 / 15.5
     assert sim.busy == [4.5, 6.25] and sim.idle == [11.0, 9.25]
     assert sim.bubble_fraction == pytest.approx(20.25 / 31)
+
+
+def test_a_backward_adding_to_its_steps_gradients_costs_accumulate_more() -> None:
+    """One worker, 1F1B over 3 micro-batches and 2 steps (F 1, B 2, accumulate 0.5, update 1): the
+    first backward of each step costs 2, the two after it 2.5, zero bubble's split halves likewise
+    (its first W 1, the others 1.5). 1F1B: per step 3 + 2 + 2.5 + 2.5 + 1 = 11. Guards the extra on
+    the first backward of a step, on the second step's first one, and on none of the halves."""
+    costs = StageCosts(forward=[1.0], backward=[2.0], update=[1.0], accumulate=[0.5])
+    sim = simulate(make_schedule("1f1b", 1, 3, 2), costs)
+    backwards = [i.end - i.start for i in sim.timeline if i.action.kind is Kind.B]
+    assert backwards == [2.0, 2.5, 2.5, 2.0, 2.5, 2.5]
+    assert sim.makespan == 22.0
+    split = simulate(make_schedule("zb_h1", 1, 3, 1), StageCosts([1.0], [2.0], input_grad=[1.0], accumulate=[0.5]))
+    halves = {kind: [i.end - i.start for i in split.timeline if i.action.kind is kind] for kind in (Kind.I, Kind.W)}
+    assert halves == {Kind.I: [1.0, 1.0, 1.0], Kind.W: [1.0, 1.5, 1.5]}
 
 
 def test_to_dict_reports_every_field_of_the_hand_worked_gpipe() -> None:

@@ -32,18 +32,32 @@ CATEGORIES = ("activation", "gradient", "reduce", "weight")
 CROSS_LABELS = ("act", "grad", "msg")  # edges that move data between workers; "weight"/"sync" do not
 
 
-def duration(costs: StageCosts, action: Action) -> float:
-    """Seconds of an action: F, B, the I/W halves of B (I defaults to half of B, W to the rest), UPDATE."""
+def duration(costs: StageCosts, action: Action, adds: bool = False) -> float:
+    """Seconds of an action: F, B, the I/W halves of B (I defaults to half of B, W to the rest), UPDATE;
+    ``adds``: a B or W adding into its step's weight gradients costs ``accumulate`` more."""
     s = action.stage
     half = costs.backward[s] / 2 if costs.input_grad is None else costs.input_grad[s]
+    extra = per_stage(costs.accumulate, s) if adds else 0.0
     seconds = {
         Kind.F: costs.forward[s],
-        Kind.B: costs.backward[s],
+        Kind.B: costs.backward[s] + extra,
         Kind.I: half,
-        Kind.W: costs.backward[s] - half if costs.weight_grad is None else costs.weight_grad[s],
+        Kind.W: (costs.backward[s] - half if costs.weight_grad is None else costs.weight_grad[s]) + extra,
         Kind.UPDATE: 0.0 if costs.update is None else costs.update[s],
     }
     return seconds.get(action.kind, 0.0)
+
+
+def adding_gradients(schedule: Schedule) -> set[tuple[int, int]]:
+    """Nodes whose B or W has an earlier B or W of the same stage and step on its worker."""
+    adding = set()
+    for worker, order in enumerate(schedule.orders):
+        for position, action in enumerate(order):
+            earlier = [a for a in order[:position] if a.kind in (Kind.B, Kind.W)]
+            same = [a for a in earlier if (a.stage, a.step) == (action.stage, action.step)]
+            if action.kind in (Kind.B, Kind.W) and same:
+                adding.add((worker, position))
+    return adding
 
 
 def per_stage(values: object, stage: int) -> float:
@@ -123,6 +137,7 @@ def reference_replay(
     graph = build_graph(schedule)
     orders, workers = schedule.orders, schedule.workers
     early = early_backwards(schedule) if early_gradients else set()
+    adding = adding_gradients(schedule)
     ref = Reference()
     ref.received = {c: [0.0] * workers for c in CATEGORIES}
     ref.sent = {c: [0.0] * workers for c in CATEGORIES}
@@ -200,10 +215,12 @@ def reference_replay(
             ready = max(ready, issued + seconds_on_wire(costs, nbytes))
             copies.append([worker, action.stage, issued, None])
             fetched[worker] = (action.stage, version)
+        adds = node in adding
         if node in early:  # split: its input-gradient half, then its weight-gradient half
-            working = duration(costs, Action(Kind.I, action.stage)) + duration(costs, Action(Kind.W, action.stage))
+            halves = Action(Kind.I, action.stage), Action(Kind.W, action.stage)
+            working = duration(costs, halves[0]) + duration(costs, halves[1], adds)
         else:
-            working = duration(costs, action)
+            working = duration(costs, action, adds)
         own = working + costs.overhead * messages[node] if seconds is None else seconds[node]
         end = ready + own
         ref.start[node], ref.end[node] = ready, end
@@ -354,6 +371,7 @@ def stage_costs(draw: st.DrawFn, stages: int) -> StageCosts:
         input_grad=input_grad,
         weight_grad=per_stage_list(quarters),
         update=per_stage_list(quarters),
+        accumulate=per_stage_list(quarters),
         activation_bytes=per_stage_list(st.integers(0, 16).map(float)),
         saved_bytes=per_stage_list(st.integers(0, 16).map(float)),
         weight_bytes=per_stage_list(st.integers(0, 16).map(float)),
@@ -435,6 +453,7 @@ def _scaled(costs: StageCosts, factor: float) -> StageCosts:
         input_grad=times(costs.input_grad),
         weight_grad=times(costs.weight_grad),
         update=times(costs.update),
+        accumulate=times(costs.accumulate),
         latency=costs.latency * factor,
         overhead=costs.overhead * factor,
         bandwidth=costs.bandwidth / factor,

@@ -22,27 +22,34 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.schedule.ir import Kind, Schedule
-from lightning_pipe.schedule.simulate import Interval, Simulation, StageCosts, simulate
+from lightning_pipe.schedule.ir import Action, Kind, Schedule
+from lightning_pipe.schedule.simulate import Interval, Simulation, StageCosts, adds_gradients, simulate
 
 __all__ = ["alone_costs", "measured_seconds", "stage_costs"]
 
-Totals = dict[tuple[int, Kind], tuple[float, int]]
-"""``(stage, kind) -> (seconds of compute, actions)`` of one rank."""
+Totals = dict[tuple[int, Kind, bool], tuple[float, int]]
+"""``(stage, kind, adds) -> (seconds of compute, actions)`` of one rank; ``adds``: a ``B`` or ``W``
+that added its weight gradients into its step's (:func:`~lightning_pipe.schedule.simulate.adds_gradients`)."""
 
 _MEASURED = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.UPDATE)
 
 
 def measured_seconds(timeline: Iterable[Interval], since_step: int = 0) -> Totals:
     """This rank's compute seconds and action counts per stage and kind, waits for messages
-    excluded, over the actions of steps ``>= since_step`` (leave out the warm-up)."""
-    totals: Totals = {}
+    excluded, over the actions of steps ``>= since_step`` (leave out the warm-up). A ``B`` or ``W``
+    that added into gradients its step already had on this rank is counted apart from the step's
+    first (``timeline`` in the order the rank ran it, from each measured step's first backward on)."""
+    by_worker: dict[int, list[Interval]] = defaultdict(list)  # a simulated timeline holds every worker's
     for interval in timeline:
-        action = interval.action
-        if action.kind in _MEASURED and action.step >= since_step:
-            key = (action.stage, action.kind)
-            seconds, count = totals.get(key, (0.0, 0))
-            totals[key] = (seconds + max(interval.end - interval.start - interval.waited, 0.0), count + 1)
+        by_worker[interval.worker].append(interval)
+    totals: Totals = {}
+    for intervals in by_worker.values():
+        for interval, adds in zip(intervals, adds_gradients(i.action for i in intervals), strict=True):
+            action = interval.action
+            if action.kind in _MEASURED and action.step >= since_step:
+                key = (action.stage, action.kind, adds)
+                seconds, count = totals.get(key, (0.0, 0))
+                totals[key] = (seconds + max(interval.end - interval.start - interval.waited, 0.0), count + 1)
     return totals
 
 
@@ -56,47 +63,79 @@ def stage_costs(ranks: Sequence[Totals], stages: int, **network: object) -> Stag
     split backward costs, more than a whole one on a CPU (``schedule/early.py``). A stage measured
     only as halves has ``backward`` their sum; a stage measured only whole has halves of half its
     backward each (when another stage has them). A stage without an update (none ran) costs 0 there.
+    ``backward`` and ``weight_grad`` are the seconds of a step's first one on a rank; ``accumulate``
+    what each later one took more (from the whole backwards, else the weight halves; ``None`` when no
+    rank ran two of a step).
     """
-    seconds: dict[tuple[int, Kind], float] = defaultdict(float)
-    counts: dict[tuple[int, Kind], int] = defaultdict(int)
+    return _costs(_pooled(ranks), stages, **network)
+
+
+def _pooled(ranks: Sequence[Totals]) -> dict[tuple[int, Kind, bool], float]:
+    """Mean seconds per ``(stage, kind, adds)`` over every rank's totals."""
+    seconds: dict[tuple[int, Kind, bool], float] = defaultdict(float)
+    counts: dict[tuple[int, Kind, bool], int] = defaultdict(int)
     for totals in ranks:
         for key, (spent, count) in totals.items():
             seconds[key] += spent
             counts[key] += count
-    mean = {key: seconds[key] / count for key, count in counts.items() if count}
-    backward = [_backward(mean, s) for s in range(stages)]
-    missing = [s for s in range(stages) if (s, Kind.F) not in mean or backward[s] is None]
+    return {key: seconds[key] / count for key, count in counts.items() if count}
+
+
+def _costs(mean: Mapping[tuple[int, Kind, bool], float], stages: int, **network: object) -> StageCosts:
+    """:class:`StageCosts` of mean seconds per ``(stage, kind, adds)`` (see :func:`stage_costs`)."""
+    first = {(s, k): value for (s, k, adds), value in mean.items() if not adds}
+    for (s, k, adds), value in mean.items():  # a kind measured only adding (its first cut off) stands for it
+        if adds:
+            first.setdefault((s, k), value)
+    backward = [_backward(first, s) for s in range(stages)]
+    missing = [s for s in range(stages) if (s, Kind.F) not in first or backward[s] is None]
     if missing:
         raise PlanningError(
             f"no forward and backward of stage(s) {missing} in the measured timelines: run more steps, measure "
             "from an earlier step (since_step), or keep more of the timeline (timeline_length)"
         )
-    halves = [(s, Kind.I) in mean and (s, Kind.W) in mean for s in range(stages)]
+    halves = [(s, Kind.I) in first and (s, Kind.W) in first for s in range(stages)]
     split = {
-        kind: [mean[(s, kind)] if halves[s] else backward[s] / 2 for s in range(stages)] if any(halves) else None
+        kind: [first[(s, kind)] if halves[s] else backward[s] / 2 for s in range(stages)] if any(halves) else None
         for kind in (Kind.I, Kind.W)
     }
-    return StageCosts(
-        forward=[mean[(s, Kind.F)] for s in range(stages)],
+    costs = StageCosts(
+        forward=[first[(s, Kind.F)] for s in range(stages)],
         backward=backward,
         input_grad=split[Kind.I],
         weight_grad=split[Kind.W],
-        update=[mean.get((s, Kind.UPDATE), 0.0) for s in range(stages)],
+        update=[first.get((s, Kind.UPDATE), 0.0) for s in range(stages)],
         **network,
     )
+    extra = [_extra(mean, s) for s in range(stages)]
+    return costs if all(e is None for e in extra) else _with_accumulate(costs, [e or 0.0 for e in extra])
 
 
-def _backward(mean: Mapping[tuple[int, Kind], float], stage: int) -> float | None:
+def _with_accumulate(costs: StageCosts, extra: Sequence[float]) -> StageCosts:
+    """``costs`` with ``accumulate`` ``extra``, each raised where needed so that neither the stage's
+    backward nor its weight half, adding, takes less than no time (one stage's whole and split
+    backwards, measured apart, may disagree)."""
+    floor = [min(costs.duration(Action(Kind.B, s)), costs.duration(Action(Kind.W, s))) for s in range(costs.stages)]
+    return replace(costs, accumulate=[max(e, -f) for e, f in zip(extra, floor, strict=True)])
+
+
+def _backward(first: Mapping[tuple[int, Kind], float], stage: int) -> float | None:
     """A whole backward: measured as one, or as its two halves (``None``: neither was measured)."""
-    if (stage, Kind.B) in mean:
-        return mean[(stage, Kind.B)]
-    if (stage, Kind.I) in mean and (stage, Kind.W) in mean:
-        return mean[(stage, Kind.I)] + mean[(stage, Kind.W)]
+    if (stage, Kind.B) in first:
+        return first[(stage, Kind.B)]
+    if (stage, Kind.I) in first and (stage, Kind.W) in first:
+        return first[(stage, Kind.I)] + first[(stage, Kind.W)]
     return None
 
 
-_FIELDS = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input_grad", Kind.W: "weight_grad", Kind.UPDATE: "update"}
-_SIBLINGS = {Kind.B: (Kind.I, Kind.W), Kind.I: (Kind.B, Kind.W), Kind.W: (Kind.B, Kind.I)}
+def _extra(mean: Mapping[tuple[int, Kind, bool], float], stage: int) -> float | None:
+    """What a backward adding into its step's gradients took more than the step's first (less, where
+    it ran with fewer workers computing beside it), from the whole backwards, else from the weight
+    halves; ``None``: not measured."""
+    for kind in (Kind.B, Kind.W):
+        if (stage, kind, True) in mean and (stage, kind, False) in mean:
+            return mean[(stage, kind, True)] - mean[(stage, kind, False)]
+    return None
 
 
 def alone_costs(
@@ -106,58 +145,90 @@ def alone_costs(
     share one machine (``measured.contention``): the costs that, replayed on ``schedule`` with that
     contention, give back the measured means.
 
-    Found by fixed-point iteration: each stage's seconds of each kind become the measured ones divided
-    by how much longer the replay makes those actions than they take alone, until the replay gives
-    back the mean of every kind the schedule runs to ``tolerance`` (relative to it or to the largest
-    mean, whichever is larger: the replay's times resolve no finer). Several costs alone
-    can give the same means (ties between workers' actions); any of them predicts alike. A kind the
-    schedule never runs is scaled like its halves or whole, or not at all; a backward only run as
-    its two halves is their sum.
+    Found by fixed-point iteration: each stage's seconds of each kind (a backward adding into its
+    step's gradients apart from the step's first, when ``measured`` tells them apart with
+    ``accumulate``) become the measured ones divided by how much longer
+    the replay makes those actions than they take alone, until the replay gives back the mean of
+    every kind the schedule runs to ``tolerance`` (relative to it or to the largest mean, whichever is
+    larger: the replay's times resolve no finer). Several costs alone can give the same means (ties
+    between workers' actions); any of them predicts alike. A kind the schedule never runs is scaled
+    like its halves or whole, or not at all; a backward only run as its two halves is their sum.
     """
     if measured.contention == 1:
         return measured
-    # what the replay's floating-point times can resolve: relative to the largest cost, not to each one
-    scale = max(v for name in _FIELDS.values() for v in getattr(measured, name) or ())
+    targets = _means(measured)
+    scale = max(targets.values())  # what the replay's floating-point times can resolve
     costs = measured
     for _ in range(100):
         shared = simulate(schedule, costs, early_gradients=early_gradients)
         alone = simulate(schedule, replace(costs, contention=1.0), early_gradients=early_gradients)
-        stretch = _stretch(shared, alone)
-        fields = {}
-        settled = True
-        for kind, name in _FIELDS.items():
-            if getattr(measured, name) is None:
-                continue
-            values = []
-            for stage, (want, now) in enumerate(zip(getattr(measured, name), getattr(costs, name), strict=True)):
-                if (stage, kind) in stretch:  # a kind the schedule runs: its replayed mean is the measured one
-                    replayed = now * stretch[(stage, kind)]
-                    settled &= math.isclose(replayed, want, rel_tol=tolerance, abs_tol=tolerance * scale)
-                values.append(want / _factor(stretch, stage, kind))
-            fields[name] = values
-        if settled:
+        stretch = _stretch(shared, alone, apart=measured.accumulate is not None)
+        now = _means(costs)
+        if all(
+            math.isclose(now[key] * stretch[key], want, rel_tol=tolerance, abs_tol=tolerance * scale)
+            for key, want in targets.items()
+            if key in stretch
+        ):
             return costs
-        if "input_grad" in fields and "weight_grad" in fields:  # a backward run as halves is their sum
-            for stage in range(measured.stages):
-                if (stage, Kind.B) not in stretch:
-                    fields["backward"][stage] = fields["input_grad"][stage] + fields["weight_grad"][stage]
-        costs = replace(measured, **fields)
+        costs = _with_means(measured, {key: want / _factor(stretch, key) for key, want in targets.items()}, stretch)
     raise PlanningError("alone_costs: the replay's slowdowns did not settle in 100 rounds")
 
 
-def _stretch(shared: Simulation, alone: Simulation) -> dict[tuple[int, Kind], float]:
-    """Per stage and kind: the replay's seconds with sharing over its seconds alone."""
-    totals: dict[tuple[int, Kind], list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for with_others, by_itself in zip(shared.timeline, alone.timeline, strict=True):
-        if with_others.action.kind in _FIELDS:
-            total = totals[(with_others.action.stage, with_others.action.kind)]
-            total[0] += with_others.end - with_others.start
-            total[1] += by_itself.end - by_itself.start
+_Means = dict[tuple[int, Kind, bool], float]
+_SIBLINGS = {Kind.B: (Kind.I, Kind.W), Kind.I: (Kind.B, Kind.W), Kind.W: (Kind.B, Kind.I)}
+
+
+def _means(costs: StageCosts) -> _Means:
+    """Seconds per ``(stage, kind, adds)`` of every kind ``costs`` gives."""
+    means: _Means = {}
+    for s in range(costs.stages):
+        kinds = {Kind.F: costs.forward, Kind.B: costs.backward, Kind.I: costs.input_grad}
+        kinds |= {Kind.W: costs.weight_grad, Kind.UPDATE: costs.update}
+        for kind, values in kinds.items():
+            if values is not None:
+                means[(s, kind, False)] = values[s]
+                if kind in (Kind.B, Kind.W) and costs.accumulate is not None:
+                    means[(s, kind, True)] = values[s] + costs.accumulate[s]
+    return means
+
+
+def _with_means(base: StageCosts, means: _Means, ran: Mapping[tuple[int, Kind, bool], float]) -> StageCosts:
+    """``base`` with the seconds of ``means``; a stage's backward that ran only as its two halves (not
+    in ``ran``) is their sum, and its extra for adding comes from the kind that ran adding."""
+    stages = range(base.stages)
+    for s in stages:
+        if (s, Kind.B, False) not in ran and (s, Kind.I, False) in means and (s, Kind.W, False) in means:
+            means[(s, Kind.B, False)] = means[(s, Kind.I, False)] + means[(s, Kind.W, False)]
+    fields: dict[str, list[float]] = {}
+    for kind, name in ((Kind.F, "forward"), (Kind.B, "backward"), (Kind.I, "input_grad"), (Kind.W, "weight_grad")):
+        if getattr(base, name) is not None:
+            fields[name] = [means[(s, kind, False)] for s in stages]
+    if base.update is not None:
+        fields["update"] = [means[(s, Kind.UPDATE, False)] for s in stages]
+    costs = replace(base, accumulate=None, **fields)
+    if base.accumulate is None:
+        return costs
+    kind = [Kind.W if (s, Kind.W, True) in ran and (s, Kind.B, True) not in ran else Kind.B for s in stages]
+    return _with_accumulate(
+        costs, [means[(s, k, True)] - means[(s, k, False)] for s, k in zip(stages, kind, strict=True)]
+    )
+
+
+def _stretch(shared: Simulation, alone: Simulation, apart: bool) -> dict[tuple[int, Kind, bool], float]:
+    """Per ``(stage, kind, adds)``: the replay's seconds with sharing over its seconds alone (a
+    step's first backward and the adding ones pooled, as ``adds=False``, unless ``apart``)."""
+    totals: dict[tuple[int, Kind, bool], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for index, timeline in enumerate((shared.timeline, alone.timeline)):
+        for (stage, kind, adds), (spent, _) in measured_seconds(timeline).items():
+            totals[(stage, kind, adds and apart)][index] += spent
     return {key: longer / short for key, (longer, short) in totals.items() if short > 0}
 
 
-def _factor(stretch: Mapping[tuple[int, Kind], float], stage: int, kind: Kind) -> float:
+def _factor(stretch: Mapping[tuple[int, Kind, bool], float], key: tuple[int, Kind, bool]) -> float:
+    """The stretch of ``key``'s kind, else of the same kind first or adding, else of its halves or whole."""
+    stage, kind, adds = key
     for candidate in (kind, *_SIBLINGS.get(kind, ())):
-        if (stage, candidate) in stretch:
-            return stretch[(stage, candidate)]
+        for which in (adds, not adds):
+            if (stage, candidate, which) in stretch:
+                return stretch[(stage, candidate, which)]
     return 1.0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -30,7 +30,7 @@ from lightning_pipe.schedule.graph import Graph, Node
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["Interval", "Simulation", "StageCosts", "check_contention", "simulate"]
+__all__ = ["Interval", "Simulation", "StageCosts", "adds_gradients", "check_contention", "simulate"]
 
 
 _SCALARS = ("bandwidth", "latency", "overhead", "contention")
@@ -44,6 +44,12 @@ class StageCosts:
         forward, backward: ``F`` and full ``B`` seconds.
         input_grad, weight_grad: the halves of a split backward (default: half of ``backward`` each).
         update: optimizer step seconds.
+        accumulate: seconds a backward (or its weight half) takes on top of ``backward`` (or
+            ``weight_grad``) when it adds its weight gradients into those its step already has on the
+            worker, over the step's first one there, which keeps what autograd made: gradient
+            accumulation's extra pass over the stage's gradients (default 0; ``backward`` is then the
+            first one's seconds). Negative where measured so (beside fewer busy workers than the
+            first), never below ``-backward`` or the weight half's seconds.
         activation_bytes: bytes of the stage's output (and of the gradient sent back to it).
         saved_bytes: activation bytes kept from a forward until its last backward half.
         weight_bytes: bytes of the stage's parameters (a fetched or reduced copy).
@@ -62,6 +68,7 @@ class StageCosts:
     input_grad: Sequence[float] | None = None
     weight_grad: Sequence[float] | None = None
     update: Sequence[float] | None = None
+    accumulate: Sequence[float] | None = None
     activation_bytes: Sequence[float] | None = None
     saved_bytes: Sequence[float] | None = None
     weight_bytes: Sequence[float] | None = None
@@ -79,8 +86,8 @@ class StageCosts:
     @classmethod
     def from_dict(cls, document: object, source: str = "costs") -> StageCosts:
         """Costs from JSON: ``{"forward": [...], "backward": [...]}`` plus any optional per-stage list
-        (``input_grad``, ``weight_grad``, ``update``, ``activation_bytes``, ``saved_bytes``,
-        ``weight_bytes``) and ``bandwidth``/``latency``/``overhead``/``contention``/``overlap``."""
+        (``input_grad``, ``weight_grad``, ``update``, ``accumulate``, ``activation_bytes``,
+        ``saved_bytes``, ``weight_bytes``) and ``bandwidth``/``latency``/``overhead``/``contention``/``overlap``."""
         if not isinstance(document, dict) or "forward" not in document or "backward" not in document:
             raise PlanningError(f'{source}: a costs file is a JSON object with "forward" and "backward" lists')
         known = {f for f in cls.__dataclass_fields__}
@@ -131,6 +138,7 @@ class StageCosts:
             for value in values or ():
                 if not math.isfinite(value) or value < 0:
                     raise PlanningError(f"costs: {name} must hold finite numbers >= 0, got {value!r}")
+        self._check_accumulate()
         if math.isnan(self.bandwidth) or self.bandwidth <= 0:
             raise PlanningError(f"costs: bandwidth must be > 0 (or inf), got {self.bandwidth!r}")
         for name in ("latency", "overhead"):
@@ -139,23 +147,41 @@ class StageCosts:
                 raise PlanningError(f"costs: {name} must be a finite number of seconds >= 0, got {value!r}")
         check_contention(self.contention, "costs: ")
 
+    def _check_accumulate(self) -> None:
+        """:attr:`accumulate` may be negative (measured beside fewer busy workers), never below the
+        whole backward or weight half it adds to."""
+        if self.accumulate is None:
+            return
+        if len(self.accumulate) != self.stages:
+            raise PlanningError(f"costs: accumulate has {len(self.accumulate)} entries, forward has {self.stages}")
+        for s, extra in enumerate(self.accumulate):
+            floor = min(self.duration(Action(Kind.B, s)), self.duration(Action(Kind.W, s)))
+            if not math.isfinite(extra) or floor + extra < 0:
+                raise PlanningError(
+                    f"costs: accumulate[{s}] must be a finite number of seconds >= -{floor!r} (a backward adding "
+                    f"its gradients cannot take less than no time), got {extra!r}"
+                )
+
     @property
     def stages(self) -> int:
         return len(self.forward)
 
-    def duration(self, action: Action) -> float:
+    def duration(self, action: Action, accumulating: bool = False) -> float:
+        """Seconds of ``action``; ``accumulating``: a ``B`` or ``W`` that adds into its step's weight
+        gradients on the worker (:attr:`accumulate`)."""
         s = action.stage
+        extra = self.accumulate[s] if accumulating and self.accumulate is not None else 0.0
         if action.kind is Kind.F:
             return self.forward[s]
         if action.kind is Kind.B:
-            return self.backward[s]
+            return self.backward[s] + extra
         if action.kind is Kind.I:
             return self.input_grad[s] if self.input_grad is not None else self.backward[s] / 2
         if action.kind is Kind.W:
             if self.weight_grad is not None:
-                return self.weight_grad[s]
+                return self.weight_grad[s] + extra
             half = self.input_grad[s] if self.input_grad is not None else self.backward[s] / 2
-            return self.backward[s] - half
+            return self.backward[s] - half + extra
         if action.kind is Kind.UPDATE:
             return self.update[s] if self.update is not None else 0.0
         return 0.0
@@ -267,6 +293,21 @@ def _sweep(events: list[tuple[float, int, float]]) -> tuple[int, float, list[tup
     return int(max(counts.max(), 0)), float(max(held.max(), 0.0)), curve
 
 
+def adds_gradients(actions: Iterable[Action]) -> list[bool]:
+    """For each of one worker's ``actions``, in the order it runs them: whether it is a ``B`` or ``W``
+    that adds its weight gradients into those its step already has on the worker (each but the first
+    of a stage and step: the first keeps what autograd made)."""
+    started: set[tuple[int, int]] = set()
+    adds = []
+    for action in actions:
+        gradient = action.kind in (Kind.B, Kind.W)
+        key = (action.stage, action.step)
+        adds.append(gradient and key in started)
+        if gradient:
+            started.add(key)
+    return adds
+
+
 @dataclass
 class _Replay:
     """State of one replay: times, traffic and weight copies."""
@@ -290,6 +331,12 @@ class _Replay:
         self.last_use: dict[tuple[int, int, int], float] = {}
         self.copies: list[tuple[int, int, float, float]] = []  # (worker, stage, arrival, release) of fetched weights
         self.run: list[tuple[int, int] | None] = [None] * workers
+        self.accumulating = {
+            (worker, position)
+            for worker, order in enumerate(self.schedule.orders)
+            for position, adds in enumerate(adds_gradients(order))
+            if adds
+        }
         self.previous_start = [0.0] * workers
         self.left: dict[Node, float] = {}  # when the early input gradient of a cool-down backward left
         self.sending: dict[Node, float] = defaultdict(float)  # seconds a blocking sender spends per action
@@ -366,10 +413,12 @@ class _Replay:
 
     def own_seconds(self, node: Node, action: Action) -> float:
         """An action's compute: a cool-down backward that sends its input gradient early costs its two
-        halves, ``I + W`` (more than ``B`` when measured so: ``runtime/calibration.py``)."""
+        halves, ``I + W`` (more than ``B`` when measured so: ``runtime/calibration.py``); a weight
+        gradient added to its step's, :attr:`StageCosts.accumulate` more."""
+        accumulating = node in self.accumulating
         if node in self.early:
-            return self.input_grad_seconds(node) + self.costs.duration(replace(action, kind=Kind.W))
-        return self.costs.duration(action)
+            return self.input_grad_seconds(node) + self.costs.duration(replace(action, kind=Kind.W), accumulating)
+        return self.costs.duration(action, accumulating)
 
     def commit(self, node: Node, start: float, end: float) -> None:
         """Record that ``node`` ran from ``start`` to ``end``."""
