@@ -669,7 +669,7 @@ def _run_cell(microbatches: int, args: argparse.Namespace) -> str:
         f"{net[2] * 1e6:.0f} us of processor per activation at each end (medians of the rounds)"
     )
     for family in OURS:
-        print(f"{'in-run vs alone ' + family:>20} {_overhead(in_run[family], costs)}")
+        print(f"{'in-run vs alone ' + family:>20} {_overhead(in_run[family], costs, microbatches)}")
     own = run_local(overhead_worker, 1, microbatches, args, timeout=3600)[0]
     actions = 2 * microbatches + 1
     compute = statistics.median(own["plain"]) / actions
@@ -710,16 +710,22 @@ def _run_cell(microbatches: int, args: argparse.Namespace) -> str:
     return f"{'':>8} {microbatches:>3} {rows:>5} {ratios[0]} {ratios[1]} {peers[0]:>9.2f}x {peers[1]:>10.2f}x"
 
 
-def _overhead(in_run: list[StageCosts], alone: list[StageCosts]) -> str:
+def _overhead(in_run: list[StageCosts], alone: list[StageCosts], microbatches: int) -> str:
     """Per stage, what a forward and a backward cost inside the pipeline beyond the same compute alone
-    (median over the rounds of the difference of the rounds' means), in ms and as a share of alone."""
+    (median over the rounds of the difference of the rounds' means), in ms and as a share of alone;
+    the backward's mean over a step's ``microbatches``: the first, then the ones adding to it."""
+
+    def mean(costs: StageCosts, kind: str, stage: int) -> float:
+        extra = costs.accumulate[stage] * (microbatches - 1) / microbatches if costs.accumulate else 0.0
+        return getattr(costs, kind)[stage] + (extra if kind == "backward" else 0.0)
+
     parts = []
     for stage in range(2):
         for kind in ("forward", "backward"):
             extra = statistics.median(
-                getattr(i, kind)[stage] - getattr(a, kind)[stage] for i, a in zip(in_run, alone, strict=True)
+                mean(i, kind, stage) - mean(a, kind, stage) for i, a in zip(in_run, alone, strict=True)
             )
-            base = statistics.median(getattr(a, kind)[stage] for a in alone)
+            base = statistics.median(mean(a, kind, stage) for a in alone)
             parts.append(f"{kind[0].upper()}{stage} {extra * 1e3:+.3f} ms ({extra / base:+.1%})")
     return ", ".join(parts)
 
