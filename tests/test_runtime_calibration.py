@@ -114,6 +114,26 @@ def test_means_pooled_over_ranks_equal_a_direct_computation(case: tuple, since: 
     assert costs.latency == 1e-5
 
 
+def test_an_unmeasured_extra_for_adding_is_priced_per_byte_of_gradient() -> None:
+    """Stage 0 runs a step's first backward (1 s) and an adding one (1.5 s): its extra is 0.5 s for
+    100 bytes of gradient. Stage 1 runs a first whole backward (2 s) and an adding one split into
+    halves (I 0.5 s, W 3 s), as 1F1B's last stage at m = 2 does: no first weight half to compare
+    with, so its extra of 50 bytes is priced at stage 0's rate, 0.25 s (0 without the sizes).
+    Guards against a stage's extra taken from another kind's first, and against leaving it out."""
+
+    def interval(rank: int, kind: Kind, stage: int, microbatch: int, start: float, end: float) -> Interval:
+        return Interval(rank, Action(kind, stage, microbatch, 0), start, end)
+
+    stage0 = [interval(0, Kind.F, 0, 0, 0, 1), interval(0, Kind.B, 0, 0, 1, 2), interval(0, Kind.B, 0, 1, 2, 3.5)]
+    stage1 = [interval(1, Kind.F, 1, 0, 0, 1), interval(1, Kind.B, 1, 0, 1, 3)]
+    stage1 += [interval(1, Kind.I, 1, 1, 3, 3.5), interval(1, Kind.W, 1, 1, 3.5, 6.5)]
+    ranks = [measured_seconds(stage0), measured_seconds(stage1)]
+    sized = stage_costs(ranks, 2, [100.0, 50.0])
+    assert sized.backward == [1.0, 2.0] and sized.weight_grad == [0.5, 3.0]
+    assert sized.accumulate == [0.5, 0.25]
+    assert stage_costs(ranks, 2).accumulate == [0.5, 0.0]
+
+
 def test_a_stage_never_measured_is_named_with_what_to_do() -> None:
     forward = Interval(0, Action(Kind.F, 0, 0, 0), 0.0, 1.0)
     backward = Interval(0, Action(Kind.B, 0, 0, 0), 1.0, 3.0)

@@ -53,7 +53,9 @@ def measured_seconds(timeline: Iterable[Interval], since_step: int = 0) -> Total
     return totals
 
 
-def stage_costs(ranks: Sequence[Totals], stages: int, **network: object) -> StageCosts:
+def stage_costs(
+    ranks: Sequence[Totals], stages: int, gradient_bytes: Sequence[float] | None = None, **network: object
+) -> StageCosts:
     """Mean seconds per action of each stage and kind, pooled over ``ranks`` (every rank's
     :func:`measured_seconds`), as :class:`StageCosts`; ``network`` holds its other fields
     (``bandwidth``, ``latency``, ``overhead``, ``activation_bytes``, ...).
@@ -65,9 +67,15 @@ def stage_costs(ranks: Sequence[Totals], stages: int, **network: object) -> Stag
     backward each (when another stage has them). A stage without an update (none ran) costs 0 there.
     ``backward`` and ``weight_grad`` are the seconds of a step's first one on a rank; ``accumulate``
     what each later one took more (from the whole backwards, else the weight halves; ``None`` when no
-    rank ran two of a step).
+    rank ran two of a step). A stage whose adding backwards were not measured apart from its first
+    ones (e.g. 1F1B's last stage at m = 2, whose second backward is split to send its input gradient
+    early) gets, with ``gradient_bytes`` (bytes of each stage's trainable weights), the measured
+    stages' price per byte: the extra is one pass over the stage's gradients.
     """
-    return _costs(_pooled(ranks), stages, **network)
+    costs = _costs(_pooled(ranks), stages, **network)
+    if costs.accumulate is None or gradient_bytes is None:
+        return costs
+    return _with_accumulate(costs, _per_byte(_pooled(ranks), gradient_bytes, costs.accumulate))
 
 
 def _pooled(ranks: Sequence[Totals]) -> dict[tuple[int, Kind, bool], float]:
@@ -117,6 +125,18 @@ def _with_accumulate(costs: StageCosts, extra: Sequence[float]) -> StageCosts:
     backwards, measured apart, may disagree)."""
     floor = [min(costs.duration(Action(Kind.B, s)), costs.duration(Action(Kind.W, s))) for s in range(costs.stages)]
     return replace(costs, accumulate=[max(e, -f) for e, f in zip(extra, floor, strict=True)])
+
+
+def _per_byte(
+    mean: Mapping[tuple[int, Kind, bool], float], gradient_bytes: Sequence[float], accumulate: Sequence[float]
+) -> list[float]:
+    """``accumulate``, with each stage whose extra was not measured priced at the measured stages'
+    seconds per byte of gradient."""
+    measured = [s for s in range(len(accumulate)) if _extra(mean, s) is not None and gradient_bytes[s] > 0]
+    if not measured:
+        return list(accumulate)
+    rate = sum(accumulate[s] for s in measured) / sum(gradient_bytes[s] for s in measured)
+    return [value if _extra(mean, s) is not None else rate * gradient_bytes[s] for s, value in enumerate(accumulate)]
 
 
 def _backward(first: Mapping[tuple[int, Kind], float], stage: int) -> float | None:

@@ -546,9 +546,16 @@ class PipelineExecutor:
         (:mod:`lightning_pipe.runtime.calibration`): costs to simulate any other schedule with.
         ``network`` sets the other fields of :class:`StageCosts` (``bandwidth``, ``latency``,
         ``overhead``, ``activation_bytes``, ...). A collective: every rank must call it."""
+        gradients = {
+            stage: float(sum(p.numel() * p.element_size() for p in weights.params if p.requires_grad))
+            for stage, weights in self.weights.items()
+        }
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, measured_seconds(self.timeline, since_step), group=self.group)
-        return stage_costs(gathered, self.schedule.stages, **network)
+        mine = (measured_seconds(self.timeline, since_step), gradients)
+        dist.all_gather_object(gathered, mine, group=self.group)
+        sizes = {stage: size for _, theirs in gathered for stage, size in theirs.items()}
+        gradient_bytes = [sizes.get(stage, 0.0) for stage in range(self.schedule.stages)]
+        return stage_costs([totals for totals, _ in gathered], self.schedule.stages, gradient_bytes, **network)
 
     def state_dict(self) -> dict[str, object]:
         """Weights, versions kept, gradients accumulated and optimizer states of this worker's stages.
