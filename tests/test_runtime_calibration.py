@@ -210,7 +210,8 @@ def test_alone_costs_replay_to_the_means_a_shared_run_measured(
     names = ("forward", "update", *(("input_grad", "weight_grad") if family == "zb_h1" else ("backward",)))
     # alone_costs' tolerance is relative to the largest mean, an adding backward's included
     adding = [b + a for b, a in zip(measured.backward, measured.accumulate or [0.0] * stages, strict=True)]
-    scale = max(max(getattr(measured, name) or [0.0]) for name in ("forward", "input_grad", "weight_grad", "update"))
+    every = ("forward", "backward", "input_grad", "weight_grad", "update")
+    scale = max(max(getattr(measured, name) or [0.0]) for name in every)
     halves = zip(measured.weight_grad or [], measured.accumulate or [], strict=False)  # either may be absent
     scale = max(scale, *adding, *(w + a for w, a in halves))
     for name in names:
