@@ -72,10 +72,7 @@ def stage_costs(
     early) gets, with ``gradient_bytes`` (bytes of each stage's trainable weights), the measured
     stages' price per byte: the extra is one pass over the stage's gradients.
     """
-    costs = _costs(_pooled(ranks), stages, **network)
-    if costs.accumulate is None or gradient_bytes is None:
-        return costs
-    return _with_accumulate(costs, _per_byte(_pooled(ranks), gradient_bytes, costs.accumulate))
+    return _costs(_pooled(ranks), stages, gradient_bytes, **network)
 
 
 def _pooled(ranks: Sequence[Totals]) -> dict[tuple[int, Kind, bool], float]:
@@ -89,7 +86,12 @@ def _pooled(ranks: Sequence[Totals]) -> dict[tuple[int, Kind, bool], float]:
     return {key: seconds[key] / count for key, count in counts.items() if count}
 
 
-def _costs(mean: Mapping[tuple[int, Kind, bool], float], stages: int, **network: object) -> StageCosts:
+def _costs(
+    mean: Mapping[tuple[int, Kind, bool], float],
+    stages: int,
+    gradient_bytes: Sequence[float] | None = None,
+    **network: object,
+) -> StageCosts:
     """:class:`StageCosts` of mean seconds per ``(stage, kind, adds)`` (see :func:`stage_costs`)."""
     first = {(s, k): value for (s, k, adds), value in mean.items() if not adds}
     for (s, k, adds), value in mean.items():  # a kind measured only adding (its first cut off) stands for it
@@ -116,7 +118,7 @@ def _costs(mean: Mapping[tuple[int, Kind, bool], float], stages: int, **network:
         **network,
     )
     extra = [_extra(mean, s) for s in range(stages)]
-    return costs if all(e is None for e in extra) else _with_accumulate(costs, [e or 0.0 for e in extra])
+    return costs if all(e is None for e in extra) else _with_accumulate(costs, _per_byte(extra, gradient_bytes))
 
 
 def _with_accumulate(costs: StageCosts, extra: Sequence[float]) -> StageCosts:
@@ -127,16 +129,13 @@ def _with_accumulate(costs: StageCosts, extra: Sequence[float]) -> StageCosts:
     return replace(costs, accumulate=[max(e, -f) for e, f in zip(extra, floor, strict=True)])
 
 
-def _per_byte(
-    mean: Mapping[tuple[int, Kind, bool], float], gradient_bytes: Sequence[float], accumulate: Sequence[float]
-) -> list[float]:
-    """``accumulate``, with each stage whose extra was not measured priced at the measured stages'
-    seconds per byte of gradient."""
-    measured = [s for s in range(len(accumulate)) if _extra(mean, s) is not None and gradient_bytes[s] > 0]
-    if not measured:
-        return list(accumulate)
-    rate = sum(accumulate[s] for s in measured) / sum(gradient_bytes[s] for s in measured)
-    return [value if _extra(mean, s) is not None else rate * gradient_bytes[s] for s, value in enumerate(accumulate)]
+def _per_byte(extra: Sequence[float | None], gradient_bytes: Sequence[float] | None) -> list[float]:
+    """The measured ``extra`` of each stage; one not measured (``None``) priced at the measured
+    stages' seconds per byte of gradient, or 0 without ``gradient_bytes``."""
+    sizes = gradient_bytes or [0.0] * len(extra)
+    measured = [s for s, e in enumerate(extra) if e is not None and sizes[s] > 0]
+    rate = sum(extra[s] for s in measured) / sum(sizes[s] for s in measured) if measured else 0.0
+    return [rate * sizes[s] if e is None else e for s, e in enumerate(extra)]
 
 
 def _backward(first: Mapping[tuple[int, Kind], float], stage: int) -> float | None:

@@ -98,19 +98,22 @@ class _InFlight:
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
     """Split every tensor of a nested batch along dim 0 into ``parts`` nearly equal micro-batches."""
-    size = rows_of(batch)
+    skeleton, found = (None, [batch]) if isinstance(batch, torch.Tensor) else flatten(batch)  # a tensor: no skeleton
+    size = _rows(found)
     if size < parts:
         raise PlanningError(f"a mini-batch of {size} samples cannot be split into {parts} micro-batches")
-    if isinstance(batch, torch.Tensor):  # the common case: no skeleton to build
-        return list(torch.tensor_split(batch, parts))
-    skeleton, found = flatten(batch)
     chunks = [torch.tensor_split(t, parts) for t in found]
+    if skeleton is None:
+        return list(chunks[0])
     return [unflatten(skeleton, [c[i] for c in chunks]) for i in range(parts)]
 
 
 def rows_of(batch: Any) -> int:
     """The samples in ``batch``: the first dimension of its first tensor."""
-    found = tensors(batch)
+    return _rows(tensors(batch))
+
+
+def _rows(found: list[torch.Tensor]) -> int:
     if not found:
         raise PlanningError("a mini-batch must hold at least one tensor to split into micro-batches")
     return found[0].shape[0]
@@ -914,21 +917,21 @@ class PipelineExecutor:
         ``period + 1`` calls, compute with. In a call of the step's program they depend only on the
         program's entry the call runs (:meth:`Program.entry_of`) up to a shift of every version, so
         they are worked out once per entry and position and shifted after that."""
-
-        def upcoming() -> set[int]:
-            calls = range(self.calls + 1, self.calls + self.program.period + 2)
-            actions = self._running[self._position + 1 :] + [a for c in calls for a in self._actions(self.rank, c)]
-            return {a.version for a in actions if a.stage == stage and a.kind in COMPUTE}
-
         if self._running is not self._calls_cache.get((self.rank, self.calls)):  # a drain
-            return upcoming()
+            return self._scanned_versions(stage)
         entry, steps = self.program.entry_of(self.calls)
         offset = self.origin + steps
         key = (stage, entry, self._position)
         relative = self._upcoming.get(key)
         if relative is None:
-            relative = self._upcoming[key] = frozenset(version - offset for version in upcoming())
+            relative = self._upcoming[key] = frozenset(v - offset for v in self._scanned_versions(stage))
         return {version + offset for version in relative}
+
+    def _scanned_versions(self, stage: int) -> set[int]:
+        """:meth:`_upcoming_versions`, read off every action still to come."""
+        calls = range(self.calls + 1, self.calls + self.program.period + 2)
+        actions = self._running[self._position + 1 :] + [a for c in calls for a in self._actions(self.rank, c)]
+        return {a.version for a in actions if a.stage == stage and a.kind in COMPUTE}
 
 
 def _pipelines(pipelines: Sequence[Sequence[int]] | None, workers: int) -> list[list[int]]:

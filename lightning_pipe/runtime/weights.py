@@ -155,10 +155,10 @@ class StageWeights:
         self.versions.clear()
         self._bound = self._spare = None
 
-    def _move_live(self, step: tuple[list[torch.Tensor | None], list[int]] | None = None) -> None:
+    def _move_live(self, grads: list[torch.Tensor | None] | None = None, order: Collection[int] = ()) -> None:
         """Give the live parameters a storage of their own (the spare copy's, or a new one) so the
-        bound copy keeps its values. With ``step = (gradients, order)`` (the gradients in the
-        optimizer's order, :meth:`_optimizer_order`) the optimizer's step fills that storage
+        bound copy keeps its values. With ``grads`` (those of the parameters at positions ``order``,
+        the optimizer's: :meth:`_optimizer_order`) the optimizer's step fills that storage
         (:mod:`~lightning_pipe.runtime.out_of_place`); otherwise it gets a copy of the values, for the
         caller's in-place update. A parameter the optimizer does not step is copied either way. The
         values are read from the bound copy, so the parameters move first, before the step evicts them
@@ -170,17 +170,18 @@ class StageWeights:
         sources = self._bound.views  # the live parameters' storage: their values, detached
         for param, view in zip(self.params, target.views, strict=True):
             param.data = view
-        stepped: Collection[int] = ()
-        if step is not None:
-            grads, stepped = step
-            if stepped == self._in_order:  # the usual optimizer, over the stage's parameters as given
-                step_into(self.optimizer, grads, sources, target.views)
-            else:
-                step_into(self.optimizer, grads, [sources[i] for i in stepped], [target.views[i] for i in stepped])
+        stepped = order if grads is not None else ()
+        if grads is not None:
+            step_into(self.optimizer, grads, self._ordered(sources, order), self._ordered(target.views, order))
         if len(stepped) < len(self.params):
             for index in set(range(len(self.params))).difference(stepped):
                 target.views[index].copy_(sources[index])
         self._bound = target
+
+    def _ordered(self, values: list[Any], order: list[int]) -> list[Any]:
+        """``values`` (one per stage parameter) at positions ``order``: the list itself for the usual
+        optimizer, which holds the stage's parameters as given."""
+        return values if order == self._in_order else [values[i] for i in order]
 
     def _optimizer_order(self) -> list[int] | None:
         """The positions among the stage's parameters of the optimizer's, in its groups' order
@@ -275,9 +276,9 @@ class StageWeights:
             prepare(buffer)
         steps = self.optimizer is not None and not skip
         order = self._optimizer_order() if moves and steps else None
-        ordered = buffer if order is None or order == self._in_order else [buffer[i] for i in order]
-        if order is not None and steps_out_of_place(self.optimizer, ordered):
-            self._move_live(step=(ordered, order))  # the step writes the new weights where they move to
+        ordered = None if order is None else self._ordered(buffer, order)
+        if ordered is not None and steps_out_of_place(self.optimizer, ordered):
+            self._move_live(ordered, order)  # the step writes the new weights where they move to
         else:
             if moves:
                 self._move_live()

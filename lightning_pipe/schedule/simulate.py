@@ -128,6 +128,7 @@ class StageCosts:
             "input_grad",
             "weight_grad",
             "update",
+            "accumulate",
             "activation_bytes",
             "saved_bytes",
             "weight_bytes",
@@ -135,7 +136,7 @@ class StageCosts:
             values = getattr(self, name)
             if values is not None and len(values) != stages:
                 raise PlanningError(f"costs: {name} has {len(values)} entries, forward has {stages}")
-            for value in values or ():
+            for value in (values or ()) if name != "accumulate" else ():  # may be negative: _check_accumulate
                 if not math.isfinite(value) or value < 0:
                     raise PlanningError(f"costs: {name} must hold finite numbers >= 0, got {value!r}")
         self._check_accumulate()
@@ -150,11 +151,7 @@ class StageCosts:
     def _check_accumulate(self) -> None:
         """:attr:`accumulate` may be negative (measured beside fewer busy workers), never below the
         whole backward or weight half it adds to."""
-        if self.accumulate is None:
-            return
-        if len(self.accumulate) != self.stages:
-            raise PlanningError(f"costs: accumulate has {len(self.accumulate)} entries, forward has {self.stages}")
-        for s, extra in enumerate(self.accumulate):
+        for s, extra in enumerate(self.accumulate or ()):
             floor = min(self.duration(Action(Kind.B, s)), self.duration(Action(Kind.W, s)))
             if not math.isfinite(extra) or floor + extra < 0:
                 raise PlanningError(
