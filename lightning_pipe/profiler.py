@@ -55,6 +55,7 @@ def profile_layers(
     repeats: int = 5,
     count_flops: bool = True,
     name: str | None = None,
+    layer_names: Sequence[str] | None = None,
 ) -> ChainCosts:
     """Measure every layer of a chain for one micro-batch.
 
@@ -68,12 +69,17 @@ def profile_layers(
         repeats: timed runs; the median is kept.
         count_flops: count FLOPs with ``torch.utils.flop_counter`` (``flops`` is None otherwise).
         name: name of the profile; default: the model's class name.
+        layer_names: a name per layer for the profile (default: the layers' class names).
 
     Raises:
         PlanningError: the model is not a non-empty chain, the sample holds no tensor, the counts
             are invalid, the device is unusable, or a layer fails on the input it receives.
     """
     named = _named_layers(model)
+    if layer_names is not None:
+        if len(layer_names) != len(named):
+            raise PlanningError(f"{len(layer_names)} layer names for {len(named)} layers")
+        named = [(f"{i}:{label}", layer) for i, (label, (_, layer)) in enumerate(zip(layer_names, named, strict=True))]
     if warmup < 0 or repeats < 1:
         raise PlanningError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     target = _resolve_device(device, named)

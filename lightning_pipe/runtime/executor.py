@@ -97,26 +97,29 @@ class _InFlight:
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
-    """Split every tensor of a nested batch along dim 0 into ``parts`` nearly equal micro-batches."""
+    """Split a nested batch into ``parts`` nearly equal micro-batches along dim 0 of every tensor that
+    has the batch's rows (those of its first tensor with a dimension); other tensors (a 0-d scale, an
+    attention mask shared by the rows) and non-tensor values go to every micro-batch as they are."""
     skeleton, found = (None, [batch]) if isinstance(batch, torch.Tensor) else flatten(batch)  # a tensor: no skeleton
     size = _rows(found)
     if size < parts:
         raise PlanningError(f"a mini-batch of {size} samples cannot be split into {parts} micro-batches")
-    chunks = [torch.tensor_split(t, parts) for t in found]
+    chunks = [torch.tensor_split(t, parts) if t.dim() and t.shape[0] == size else (t,) * parts for t in found]
     if skeleton is None:
         return list(chunks[0])
     return [unflatten(skeleton, [c[i] for c in chunks]) for i in range(parts)]
 
 
 def rows_of(batch: Any) -> int:
-    """The samples in ``batch``: the first dimension of its first tensor."""
+    """The samples in ``batch``: the first dimension of its first tensor that has one."""
     return _rows(tensors(batch))
 
 
 def _rows(found: list[torch.Tensor]) -> int:
-    if not found:
-        raise PlanningError("a mini-batch must hold at least one tensor to split into micro-batches")
-    return found[0].shape[0]
+    first = next((t for t in found if t.dim()), None)
+    if first is None:
+        raise PlanningError("a mini-batch must hold a tensor with a batch dimension to split into micro-batches")
+    return first.shape[0]
 
 
 def _floating_leaves(obj: Any) -> Any:

@@ -1,64 +1,69 @@
-"""The model contract: where a LightningModule keeps the layers to pipeline, and how the strategy
-runs the module's own step code around them.
+"""The model contract: a LightningModule runs unchanged; the pipeline splits its ``forward``.
 
-A module qualifies in one of two ways:
+The step code (``training_step``, ``validation_step``, ...) calls ``self(...)`` (or
+``self.forward(...)``) once. The strategy stands in for ``forward`` while the step runs:
 
-- **one ``nn.Sequential`` attribute** that ``forward`` calls (``self.net = nn.Sequential(...)``), and no
-  trainable parameter outside it;
-- **the hook** ``configure_pipeline(self) -> nn.Sequential`` (or a list of modules) returning the
-  ordered layers whose chained forward equals ``self.forward`` (e.g.
-  ``lightning_pipe.models.chain_from_model(self.model)`` for a torchvision ResNet or VGG); the layers
-  must hold every trainable parameter of the module.
-
-The step code (``training_step``, ``validation_step``, ...) runs unchanged. The strategy stands in for
-the *entry* — the Sequential, or ``self.forward`` under the hook — while it runs:
-
-- :meth:`Entry.capture` on the first stage: the step runs until it calls the entry, whose input is
-  taken and the step abandoned (the code before the entry must treat samples independently, since
-  the input is cut into micro-batches after it is taken);
-- :meth:`Entry.inject` on the last stage: the entry returns the pipeline's output for the
+- :meth:`Entry.capture` on the first stage: the step runs until it calls ``forward``, whose arguments
+  are taken (:class:`Call`) and the step abandoned (the code before the call must treat samples
+  independently, since the arguments are cut into micro-batches after it);
+- :meth:`Entry.inject` on the last stage: ``forward`` returns the pipeline's output for the
   micro-batch, so the step computes its loss, metrics and logs from it.
+
+What the pipeline runs is ``forward`` itself, captured as a graph of layers
+(:mod:`lightning_pipe.capture`): any number of positional and keyword arguments, tensors or not,
+nested containers, a loss computed inside. A module may instead define ``configure_pipeline(self)``
+returning the ordered layers whose chain computes ``forward`` (one input); the chain is verified
+against ``forward`` like a captured graph.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_pipe.capture import CapturedForward, GraphLayer, capture
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import tensors
+from lightning_pipe.nested import flatten, tensors
 
-__all__ = ["HOOK", "Entry", "find_entry"]
+__all__ = ["HOOK", "Call", "Entry", "PipelineModel", "pipeline_model"]
 
 HOOK = "configure_pipeline"
 
 
-class _Captured(BaseException):
-    """Raised by the entry to abandon a step once its input is taken."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__()
-        self.value = value
-
-
 @dataclass
+class Call:
+    """The arguments a step gave ``forward``."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def same(self, other: Call) -> bool:
+        """Whether ``other`` holds the same values (the same tensors, or equal ones)."""
+        skeleton, found = flatten((self.args, self.kwargs))
+        other_skeleton, other_found = flatten((other.args, other.kwargs))
+        return skeleton == other_skeleton and all(
+            a is b or (a.shape == b.shape and torch.equal(a, b)) for a, b in zip(found, other_found, strict=True)
+        )
+
+
+class _Captured(BaseException):
+    """Raised by the stand-in ``forward`` to abandon a step once its arguments are taken."""
+
+    def __init__(self, call: Call) -> None:
+        super().__init__()
+        self.call = call
+
+
 class Entry:
-    """The layers to pipeline and the module whose ``forward`` stands for them in the step code.
+    """``forward`` of the LightningModule, stood in for while the step code runs."""
 
-    Attributes:
-        layers: the ordered layers (each one a unit the profiler and partitioners see).
-        module: the module whose ``forward`` is intercepted (the Sequential or the LightningModule).
-        name: how the user's code names it, for messages (``self.net`` or ``self.forward``).
-    """
-
-    layers: list[nn.Module]
-    module: nn.Module
-    name: str
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
 
     @contextmanager
     def _standing_in(self, forward: Callable[..., Any]) -> Iterator[None]:
@@ -73,56 +78,111 @@ class Entry:
             else:
                 del self.module.forward
 
-    def capture(self, step: Callable[..., Any], *args: Any) -> Any:
-        """The input ``step(*args)`` gives the entry (the step is abandoned there)."""
+    def capture(self, step: Callable[..., Any], *args: Any) -> Call:
+        """The arguments ``step(*args)`` gives ``forward`` (the step is abandoned there)."""
 
         def forward(*inputs: Any, **kwargs: Any) -> Any:
-            raise _Captured(self._single_input(inputs, kwargs))
+            raise _Captured(Call(inputs, kwargs))
 
         try:
             with self._standing_in(forward):
                 step(*args)
         except _Captured as captured:
-            return captured.value
+            return captured.call
+        name = getattr(step, "__name__", "the step")
         raise PlanningError(
-            f"{getattr(step, '__name__', 'the step')} never called {self.name}: the pipeline runs the layers of "
-            f"{self.name}, so the step must call it (e.g. `self(x)` with forward calling {self.name})"
+            f"{name} never called forward: the pipeline splits the module's forward, so {name} must call it "
+            f"(`self(x)` or `self.forward(x)`; code that calls submodules directly, e.g. `self.encoder(x)`, cannot "
+            f"be pipelined), or define {HOOK}(self) returning the layers to chain"
         )
 
     def inject(self, output: Any) -> Any:
-        """A context in which the entry returns ``output`` instead of computing it. The step may call
-        it again on the same input (e.g. once for the loss, once for a metric) and gets the same
-        output; another input is refused (its output is not what the pipeline computed)."""
-        seen: list[Any] = []
+        """A context in which ``forward`` returns ``output`` instead of computing it. The step may call
+        it again with the same arguments (e.g. once for the loss, once for a metric) and gets the same
+        output; other arguments are refused (their output is not what the pipeline computed)."""
+        seen: list[Call] = []
 
         def forward(*inputs: Any, **kwargs: Any) -> Any:
-            given = self._single_input(inputs, kwargs)
+            call = Call(inputs, kwargs)
             if not seen:
-                seen.append(given)
-            elif not _same(seen[0], given):
+                seen.append(call)
+            elif not seen[0].same(call):
                 raise PlanningError(
-                    f"the step called {self.name} on two different inputs: a pipeline runs each micro-batch "
-                    "through the layers once per step"
+                    "the step called forward with two different inputs: a pipeline runs each micro-batch through "
+                    "the layers once per step"
                 )
             return output
 
         return self._standing_in(forward)
 
-    def _single_input(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if len(inputs) != 1 or kwargs:
+
+@dataclass
+class PipelineModel:
+    """The layers a pipeline runs and how a step's :class:`Call` becomes the first layer's input.
+
+    Attributes:
+        layers: the ordered layers (each a unit the profiler and partitioners see).
+        names: a name per layer, for the plan.
+        captured: the captured graph (``None`` for ``configure_pipeline``'s chain).
+    """
+
+    layers: list[nn.Module]
+    names: list[str]
+    captured: CapturedForward | None = None
+
+    def inputs(self, call: Call) -> Any:
+        """The first layer's input for ``call``: its tensors in order (a captured graph), or its one
+        argument (a ``configure_pipeline`` chain)."""
+        if self.captured is None:
+            return _single_input(call)
+        skeleton, found = flatten((call.args, call.kwargs))
+        if skeleton != self.captured.graph.skeleton:
             raise PlanningError(
-                f"{self.name} was called with {len(inputs)} positional and {len(kwargs)} keyword arguments: the "
-                "first layer of a pipeline takes one input (a tensor, or a tuple/list/dict of tensors)"
+                "forward was called with other non-tensor arguments than it was captured with (the graph holds "
+                "them as constants): call it with the same arguments in every step, passing changing values as "
+                "tensors"
             )
-        return inputs[0]
+        return tuple(found)
+
+    def follow_mode(self, training: bool) -> None:
+        """Captured layers run their train or eval code as the LightningModule is in train or eval mode
+        (set on the layers only: the user's modules keep the modes the user gave them)."""
+        for layer in self.layers:
+            if isinstance(layer, GraphLayer):
+                layer.training = training
+
+    @property
+    def batch_reduced(self) -> bool:
+        """Whether ``forward`` returns a reduction over the micro-batch (a 0-d tensor such as a loss):
+        outputs of micro-batches cannot then be joined into the batch's."""
+        if self.captured is None:
+            return False
+        graph = self.captured.graph
+        output = next(n for n in graph.graph.nodes if n.op == "output")
+        values = [graph.shadows[n].value for n in output.all_input_nodes if n in graph.shadows]
+        return any(t.dim() == 0 for value in values for t in tensors(value))
 
 
-def _same(first: Any, second: Any) -> bool:
-    """Whether two inputs of the entry hold the same tensors (the same objects, or equal values)."""
-    a, b = tensors(first), tensors(second)
-    if len(a) != len(b):
-        return False
-    return all(x is y or (x.shape == y.shape and torch.equal(x, y)) for x, y in zip(a, b, strict=True))
+def pipeline_model(module: nn.Module, call: Call, stages: int) -> PipelineModel:
+    """The layers of ``module`` for a pipeline of ``stages`` stages: ``configure_pipeline``'s, or
+    ``forward`` captured on ``call`` (one micro-batch)."""
+    hook = getattr(module, HOOK, None)
+    if callable(hook):
+        layers = _as_layers(hook(), f"{type(module).__name__}.{HOOK}()")
+        _refuse_untrained(module, layers)
+        return PipelineModel(layers, [type(layer).__name__ for layer in layers])
+    captured = capture(module, call.args, call.kwargs, stages=stages)
+    return PipelineModel(list(captured.layers), [spec.name for spec in captured.specs], captured)
+
+
+def _single_input(call: Call) -> Any:
+    if len(call.args) != 1 or call.kwargs:
+        raise PlanningError(
+            f"forward was called with {len(call.args)} positional and {len(call.kwargs)} keyword arguments: the "
+            f"first layer of a {HOOK}() chain takes one input (a tensor, or a tuple/list/dict of tensors); without "
+            f"{HOOK} the pipeline captures forward with any arguments"
+        )
+    return call.args[0]
 
 
 def _as_layers(value: object, source: str) -> list[nn.Module]:
@@ -135,37 +195,12 @@ def _as_layers(value: object, source: str) -> list[nn.Module]:
     return layers
 
 
-def find_entry(module: nn.Module) -> Entry:
-    """The pipeline's layers of ``module`` and the entry its step code calls (see the module docstring).
-
-    Raises:
-        PlanningError: no Sequential and no hook, several Sequentials, or trainable parameters outside
-            the layers (they would not be trained).
-    """
-    hook = getattr(module, HOOK, None)
-    if callable(hook):
-        entry = Entry(_as_layers(hook(), f"{type(module).__name__}.{HOOK}()"), module, "self.forward")
-    else:
-        found = [(name, child) for name, child in module.named_children() if isinstance(child, nn.Sequential)]
-        if not found:
-            raise PlanningError(
-                f"{type(module).__name__} holds no nn.Sequential: keep the network in one nn.Sequential attribute "
-                f"that forward calls, or define {HOOK}(self) returning the ordered layers whose chain computes forward"
-            )
-        if len(found) > 1:
-            names = ", ".join(f"self.{name}" for name, _ in found)
-            raise PlanningError(
-                f"{type(module).__name__} holds several nn.Sequential attributes ({names}): define {HOOK}(self) "
-                "returning the one chain of layers forward computes"
-            )
-        name, child = found[0]
-        entry = Entry(_as_layers(child, f"self.{name}"), child, f"self.{name}")
-    inside = {id(p) for layer in entry.layers for p in layer.parameters()}
+def _refuse_untrained(module: nn.Module, layers: list[nn.Module]) -> None:
+    inside = {id(p) for layer in layers for p in layer.parameters()}
     outside = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside:
         shown = ", ".join(outside[:5]) + (", ..." if len(outside) > 5 else "")
         raise PlanningError(
-            f"trainable parameters outside {entry.name} would not be trained by the pipeline: {shown}; move their "
-            f"modules into the layers (or define {HOOK} to return layers that include them)"
+            f"trainable parameters outside the layers of {HOOK}() would not be trained by the pipeline: {shown}; "
+            f"return layers that include their modules (or remove {HOOK} to let the pipeline capture forward)"
         )
-    return entry

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.capture import CapturedForward
+from lightning_pipe.capture.describe import describe
 from lightning_pipe.cli import plan_table, simulation_table
 from lightning_pipe.costs import ChainCosts
 from lightning_pipe.errors import PlanningError
@@ -136,13 +138,18 @@ def plan_stages(
     memory: MemoryModel,
     device: torch.device,
     replicate: bool = False,
+    names: Sequence[str] | None = None,
 ) -> StagePlan:
-    """Split ``layers`` into straight stages, one per worker, or — with ``replicate`` (``1f1b_rr``) —
-    into stages replicated over ``workers`` workers (see the module docstring)."""
+    """Split ``layers`` (named ``names``) into straight stages, one per worker, or — with
+    ``replicate`` (``1f1b_rr``) — into stages replicated over ``workers`` workers (see the module
+    docstring)."""
     if workers > len(layers) and not replicate:
+        shown = f" ({', '.join(names)})" if names is not None else ""
         raise PlanningError(
-            f"{workers} stages but the model has {len(layers)} layers: use at most {len(layers)} devices, or split "
-            "the model into more layers"
+            f"{workers} stages but the model has {len(layers)} layer{'s' if len(layers) != 1 else ''}{shown}: a stage "
+            f"holds at least one layer. Train it on at most {len(layers)} device{'s' if len(layers) != 1 else ''} "
+            "(devices=1 needs no pipeline: strategy='auto'), or pipeline a model with more layers (a forward that "
+            "calls more modules)"
         )
     if options.balance is not None:
         replicas = _replicas_given(options, workers) if replicate else None
@@ -155,7 +162,7 @@ def plan_stages(
         if len(costs) != len(layers):
             raise PlanningError(f"the profile {options.profile} has {len(costs)} layers, the model {len(layers)}")
     else:
-        costs = profile_layers(list(layers), sample, device=device, repeats=options.repeats)
+        costs = profile_layers(list(layers), sample, device=device, repeats=options.repeats, layer_names=names)
     request = PlanRequest(
         costs,
         devices=workers,
@@ -229,12 +236,14 @@ def predict(
     return simulate(schedule_of(stage_plan, schedule, microbatches)(3), costs, early_gradients=True)
 
 
-def report(stage_plan: StagePlan, prediction: Simulation | None) -> str:
-    """The plan table and the prediction, as ``lightning-pipe plan`` and ``simulate`` print them."""
+def report(stage_plan: StagePlan, prediction: Simulation | None, captured: CapturedForward | None = None) -> str:
+    """The captured layers and cuts (when ``forward`` was captured), the plan table and the
+    prediction, as ``lightning-pipe plan`` and ``simulate`` print them."""
+    lines = [describe(captured, stage_plan.bounds)] if captured is not None else []
     if stage_plan.plan is None or stage_plan.costs is None:
         spans = ", ".join(f"{a}..{b}" for a, b in stage_plan.bounds)
-        return f"Pipeline stages (layers, as given): {spans}"
-    lines = [plan_table(stage_plan.costs, stage_plan.plan)]
+        return "\n".join([*lines, f"Pipeline stages (layers, as given): {spans}"])
+    lines.append(plan_table(stage_plan.costs, stage_plan.plan))
     if prediction is not None:
         lines += ["===== Predicted schedule (measured costs, seconds) =====", simulation_table(prediction)]
     return "\n".join(lines)

@@ -56,11 +56,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from torch import Tensor, nn
+from torch import Tensor
 
+from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import MemoryModel
-from lightning_pipe.nested import map_tensors
+from lightning_pipe.nested import flatten, map_tensors, unflatten
 from lightning_pipe.runtime import PipelineAborted, PipelineExecutor
 from lightning_pipe.runtime.affinity import pin_threads
 from lightning_pipe.runtime.executor import rows_of, split_batch
@@ -69,7 +70,7 @@ from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
-from lightning_pipe.strategy.contract import Entry, find_entry
+from lightning_pipe.strategy.contract import Call, Entry, PipelineModel, pipeline_model
 from lightning_pipe.strategy.logs import Record, combine, recording
 from lightning_pipe.strategy.optimizers import HyperParameters, stage_optimizers
 from lightning_pipe.strategy.planning import (
@@ -249,6 +250,7 @@ class PipelineStrategy(ParallelStrategy):
         self.executor: PipelineExecutor | None = None
         self.stage_plan: StagePlan | None = None
         self._entry: Entry | None = None
+        self._chain: PipelineModel | None = None
         self._hyper: HyperParameters | None = None
         self._step_args: dict[int, tuple[Any, ...]] = {}
         self._records: dict[tuple[int, int], Record] = {}
@@ -390,7 +392,7 @@ class PipelineStrategy(ParallelStrategy):
             warnings.filterwarnings("ignore", message=_SYNC_DIST_ADVICE, category=PossibleUserWarning)
         self.accelerator.setup(trainer)
         self._refuse_unsupported(trainer)
-        self._entry = find_entry(self.lightning_module)
+        self._entry = Entry(self.lightning_module)
         self._signals = Signals(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -442,12 +444,15 @@ class PipelineStrategy(ParallelStrategy):
         if self.executor is not None:
             return self.executor
         assert self._entry is not None
-        layers = self._entry.layers
+        module = self.lightning_module
         optimizer = self.optimizers[0] if self.optimizers else None
+        first = _first_microbatch(self._entry.capture(step, *args), self.microbatches)
+        model = self._chain = self._capture(module, first)
+        layers = model.layers
         if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(layers) - 1:
-            self.stage_plan = self._plan(layers, optimizer, step, args)
+            self.stage_plan = self._plan(model, first, optimizer)
         stage_plan = self.stage_plan
-        trainer = self.lightning_module.trainer
+        trainer = module.trainer
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"  # a str enum: compares equal to its value
         self.executor = PipelineExecutor(
@@ -472,24 +477,45 @@ class PipelineStrategy(ParallelStrategy):
             self._restored = None
         return self.executor
 
-    def _plan(
-        self, layers: list[nn.Module], optimizer: Any, step: Callable[..., Any], args: tuple[Any, ...]
-    ) -> StagePlan:
-        """Profile and partition on rank 0 (with a real micro-batch), broadcast the plan or the error,
-        print the plan and the prediction. A later ``validate``/``test``/``predict`` (or ``fit``) of
-        a module with as many layers keeps the plan."""
-        sample = None
-        if self.plan_options.balance is None and self.plan_options.plan is None and self.plan_options.profile is None:
-            batch_input = self._entry.capture(step, *args) if self.global_rank == 0 else None
-            sample = split_batch(batch_input, self.microbatches)[0] if batch_input is not None else None
+    def _capture(self, module: LightningModule, first: Call) -> PipelineModel:
+        """The layers of ``module``, captured on every rank from the same micro-batch (each rank's
+        graph on its own device); the ranks must agree on them."""
+        try:
+            model: PipelineModel | PlanningError = pipeline_model(module, first, self.stages)
+        except PlanningError as error:
+            model = error
+        names = self._gather(model.names if isinstance(model, PipelineModel) else None)
+        if isinstance(model, PlanningError):
+            raise model
+        if any(other != model.names for other in names if other is not None):
+            raise PlanningError(
+                f"the ranks captured different layers from forward ({[len(n) for n in names if n]} layers): forward "
+                "must record the same operations on every rank"
+            )
+        if None in names:
+            raise PlanningError(f"rank {names.index(None)} could not capture forward (its error is in its log)")
+        return model
+
+    def _plan(self, model: PipelineModel, first: Call, optimizer: Any) -> StagePlan:
+        """Verify the chain, profile and partition on rank 0 (with the first micro-batch), broadcast the
+        plan or the error, print the plan and the prediction. A later ``validate``/``test``/``predict``
+        (or ``fit``) of a module with as many layers keeps the plan."""
         memory = MemoryModel(
             memory_schedule(self.schedule_options.family), self.microbatches, optimizer_copies(optimizer)
         )
         stage_plan: StagePlan | PlanningError | None = None
         if self.global_rank == 0:
             try:
+                self._verify(model, first)
                 stage_plan = plan_stages(
-                    layers, sample, self.stages, self.plan_options, memory, self.root_device, self._replicated
+                    model.layers,
+                    model.inputs(first),
+                    self.stages,
+                    self.plan_options,
+                    memory,
+                    self.root_device,
+                    self._replicated,
+                    names=model.names,
                 )
             except PlanningError as error:
                 stage_plan = error
@@ -500,8 +526,19 @@ class PipelineStrategy(ParallelStrategy):
             self._prediction = predict(
                 stage_plan, self.schedule_options, self.microbatches, self.plan_options.contention
             )
-            rank_zero_info(report(stage_plan, self._prediction))
+            rank_zero_info(report(stage_plan, self._prediction, model.captured))
         return stage_plan
+
+    def _verify(self, model: PipelineModel, first: Call) -> None:
+        """The layers chained on the first micro-batch must give forward's output (both modes)."""
+        module = self.lightning_module
+        verify_chain(
+            module,
+            model.layers,
+            lambda: type(module).forward(module, *first.args, **first.kwargs),
+            model.inputs(first),
+            model.names,
+        )
 
     def _loss_scale(self) -> LossScale | None:
         """float16's loss scale, from the precision plugin's ``GradScaler`` (its settings, or its
@@ -575,7 +612,8 @@ class PipelineStrategy(ParallelStrategy):
             assert self._hyper is not None
             self._hyper.record(step)
             self._step_args[step] = args[1:]
-            inputs = self._entry.capture(module.training_step, *args) if self._first else None
+            self._chain.follow_mode(module.training)
+            inputs = self._chain.inputs(self._entry.capture(module.training_step, *args)) if self._first else None
             # a rank with no last stage has nothing to add after the step: its part leaves now, so
             # the gather is complete as soon as the last stage's part arrives
             posted = None if self._last else self._post_logs({})
@@ -708,9 +746,10 @@ class PipelineStrategy(ParallelStrategy):
         step = getattr(module, hook)
         executor = self._pipeline(step, args)
         self.drain()
-        parts = min(self.microbatches, rows_of(args[0]))
+        self._chain.follow_mode(module.training)
+        parts = 1 if self._chain.batch_reduced else min(self.microbatches, rows_of(args[0]))
         outputs: list[Any] = []
-        inputs = self._entry.capture(step, *args) if self._evaluates(0) else None
+        inputs = self._chain.inputs(self._entry.capture(step, *args)) if self._evaluates(0) else None
         executor.evaluate(inputs, parts, lambda mb, output: outputs.append(output))
         if not self._evaluates(-1):
             return None, None
@@ -750,7 +789,7 @@ class PipelineStrategy(ParallelStrategy):
         whole model, as after DDP training)."""
         if self.executor is None or self.stage_plan is None:
             return
-        layers = self._entry.layers if self._entry is not None else []
+        layers = self._chain.layers if self._chain is not None else []
         owners = self.executor.schedule.owners
         for stage, (first, last) in enumerate(self.stage_plan.bounds):
             for layer in layers[first : last + 1]:
@@ -860,6 +899,17 @@ class PipelineStrategy(ParallelStrategy):
                 schedule=family,
                 start_method=start_method,
             )
+
+
+def _first_microbatch(call: Call, microbatches: int) -> Call:
+    """The first micro-batch of ``call``'s arguments (as the executor will cut them)."""
+    skeleton, found = flatten((call.args, call.kwargs))
+    if not found:
+        raise PlanningError(
+            "forward was called without any tensor: a pipeline cuts forward's tensors into micro-batches"
+        )
+    args, kwargs = unflatten(skeleton, list(split_batch(tuple(found), microbatches)[0]))
+    return Call(tuple(args), dict(kwargs))
 
 
 def _to_cpu(obj: Any) -> Any:

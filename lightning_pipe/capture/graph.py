@@ -1,0 +1,239 @@
+"""Capture a module's ``forward`` as a graph, checked to be the same for every batch size and mode.
+
+:func:`capture_graph` traces ``forward`` on one real micro-batch with the :class:`ShadowTracer`,
+and keeps tracing until the graph is one the pipeline can trust:
+
+1. A submodule whose own ``forward`` cannot be traced (a decision on tensor values, an operation a
+   proxy cannot go through) becomes a *leaf*: one layer, run as it is. Only a failure in the traced
+   root's own code is refused (:class:`UntraceableForward`, with the line and the ways out).
+2. The graph is traced again on one row more and in eval mode. Python decisions are baked into a graph,
+   so one that depends on the number of rows (``x.view(len(x), -1)``) or on the mode (``if
+   self.training:`` around extra operations) would make a graph right for one case only. The first
+   node at which the traces differ names the module whose code decided: it becomes a leaf (or, in
+   the root's own code, the difference is refused with the line). Operands that differ by mode only
+   (``dropout_p=p if self.training else 0``) are kept: the layers run the eval trace's code in eval
+   mode.
+
+Tracing runs the model for real (no autograd); the module is left as it was: attributes its code
+set while tracing, buffers (batch norm's statistics), training modes and the random number
+generators are restored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.node import Node, map_aggregate
+
+from lightning_pipe.capture.tracer import Shadow, ShadowTracer, TraceFailure
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.nested import flatten, unflatten
+
+__all__ = ["CapturedGraph", "UntraceableForward", "capture_graph", "signature"]
+
+_MAX_RETRACES = 64
+
+
+class UntraceableForward(PlanningError):
+    """The root's own ``forward`` code cannot be a graph."""
+
+
+@dataclass
+class CapturedGraph:
+    """A traced ``forward``.
+
+    Attributes:
+        root: the traced module.
+        graph: the train-mode graph (placeholders: the tensors of the call, in flatten order).
+        eval_graph: the eval-mode graph, node for node like ``graph`` (its operands may differ).
+        shadows: what the shadow execution saw of each node of ``graph`` (values, FLOPs, scope).
+        skeleton: the call's arguments with the tensors taken out (``nested.flatten``): the non-tensor
+            arguments the graph was traced with.
+        attributes: the objects the graphs' ``get_attr`` and ``call_module`` nodes name.
+        leaves: module path -> why it runs whole (a module of torch.nn is not listed).
+    """
+
+    root: nn.Module
+    graph: fx.Graph
+    eval_graph: fx.Graph
+    shadows: dict[Node, Shadow]
+    skeleton: Any
+    attributes: dict[str, Any]
+    leaves: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def same_in_eval(self) -> bool:
+        return signature(self.graph) == signature(self.eval_graph)
+
+
+def capture_graph(
+    root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: dict[str, str] | None = None
+) -> CapturedGraph:
+    """Trace ``root.forward(*args, **kwargs)`` (see the module docstring).
+
+    Raises:
+        UntraceableForward: the root's own code decides on tensor values, on the number of rows, or
+            cannot be traced, with the line and the ways out.
+    """
+    leaves = dict(leaves or {})
+    paths = {module: path for path, module in root.named_modules()}
+    other = _other_rows(args, kwargs)
+    for _ in range(_MAX_RETRACES):
+        try:
+            train = _trace(root, args, kwargs, leaves, paths, training=True)
+            evaluated = _trace(root, args, kwargs, leaves, paths, training=False)
+            _compare(train, evaluated, "in eval mode", operands=False)
+            if other is not None:
+                grown = _trace(root, *other, leaves, paths, training=True)
+                _compare(train, grown, f"with {_rows(other)} rows instead of {_rows((args, kwargs))}", operands=True)
+        except TraceFailure as failure:
+            if not failure.scope or failure.scope in leaves:
+                raise _untraceable(failure) from None
+            leaves[failure.scope] = str(failure)
+            continue
+        graph, shadows, attributes = train
+        eval_graph, _, eval_attributes = evaluated
+        skeleton, _ = flatten((args, kwargs))
+        return CapturedGraph(root, graph, eval_graph, shadows, skeleton, {**eval_attributes, **attributes}, leaves)
+    raise PlanningError(f"tracing {type(root).__name__}.forward did not settle after {_MAX_RETRACES} attempts")
+
+
+def _trace(
+    root: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    leaves: dict[str, str],
+    paths: dict[nn.Module, str],
+    training: bool,
+) -> tuple[fx.Graph, dict[Node, Shadow], dict[str, Any]]:
+    ids = {id(module) for module, path in paths.items() if path in leaves}
+    tracer = ShadowTracer(ids)
+    with _untouched(root):
+        root.train(training)
+        graph = tracer.trace_call(root, args, kwargs)
+        _eliminate_dead_code(graph)
+        attributes = {
+            str(node.target): _resolve(root, str(node.target))
+            for node in graph.nodes
+            if node.op in ("get_attr", "call_module")
+        }
+    return graph, tracer.shadows, attributes
+
+
+def _eliminate_dead_code(graph: fx.Graph) -> None:
+    """Drop unused operations (what ``forward`` computed and threw away); module calls stay (a module
+    may change its state), as do operations with side effects (``x[i] = y``, split points)."""
+    for node in reversed(graph.nodes):
+        if node.op in ("call_function", "call_method", "get_attr") and not node.users and not node.is_impure():
+            graph.erase_node(node)
+
+
+def _resolve(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+@contextmanager
+def _untouched(root: nn.Module) -> Iterator[None]:
+    """Restore what tracing may change: module attributes, buffers, modes, random state."""
+    modules = list(root.modules())
+    saved = [(module, dict(module.__dict__)) for module in modules]
+    buffers = [(buffer, buffer.detach().clone()) for buffer in root.buffers()]
+    devices = sorted({b.device for b, _ in buffers if b.device.type != "cpu"} | _param_devices(root), key=str)
+    with ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=devices, device_type=_device_type(devices)))
+        try:
+            yield
+        finally:
+            for module, attributes in saved:
+                module.__dict__.clear()
+                module.__dict__.update(attributes)
+            with torch.no_grad():
+                for buffer, value in buffers:
+                    buffer.copy_(value)
+
+
+def _param_devices(root: nn.Module) -> set[torch.device]:
+    return {p.device for p in root.parameters() if p.device.type not in ("cpu", "meta")}
+
+
+def _device_type(devices: list[torch.device]) -> str:
+    return devices[0].type if devices else "cuda"
+
+
+def _other_rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The call with one row more in every tensor that has the batch's rows (the first row again), or
+    ``None`` without such a tensor."""
+    rows = _rows((args, kwargs))
+    if rows is None:
+        return None
+    skeleton, found = flatten((args, kwargs))
+    grown = [torch.cat([t, t[:1]]) if t.dim() and t.shape[0] == rows else t for t in found]
+    other_args, other_kwargs = unflatten(skeleton, grown)
+    return tuple(other_args), dict(other_kwargs)
+
+
+def _rows(call: Any) -> int | None:
+    first = next((t for t in flatten(call)[1] if t.dim()), None)
+    return None if first is None else first.shape[0]
+
+
+def signature(graph: fx.Graph, operands: bool = True) -> list[tuple[Any, ...]]:
+    """A comparable form of ``graph``: each node's kind, target and (with ``operands``) arguments,
+    other nodes named by position."""
+    index = {node: i for i, node in enumerate(graph.nodes)}
+
+    def operand(value: Any) -> Any:
+        if isinstance(value, Node):
+            return ("node", index[value])
+        if isinstance(value, torch.device):
+            return ("device", value.type)
+        return value if operands else None
+
+    rows = []
+    for node in graph.nodes:
+        shape = map_aggregate((node.args, node.kwargs), operand)
+        target = (
+            node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
+        )
+        rows.append((node.op, target, repr(shape)))
+    return rows
+
+
+def _compare(
+    reference: tuple[fx.Graph, dict[Node, Shadow], dict[str, Any]],
+    other: tuple[fx.Graph, dict[Node, Shadow], dict[str, Any]],
+    how: str,
+    operands: bool,
+) -> None:
+    """Raise a :class:`TraceFailure` at the first node where ``other`` differs from ``reference``."""
+    first, second = signature(reference[0], operands), signature(other[0], operands)
+    if first == second:
+        return
+    position = next(
+        (i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), min(len(first), len(second))
+    )
+    nodes = list(reference[0].nodes)
+    node = nodes[min(position, len(nodes) - 1)]
+    shadow = reference[1].get(node) or other[1].get(list(other[0].nodes)[min(position, len(second) - 1)])
+    scope = shadow.scope[-1] if shadow is not None and shadow.scope else ""
+    line = shadow.line if shadow is not None else ""
+    raise TraceFailure(f"forward records other operations {how} from {line or 'its start'}", scope, line)
+
+
+def _untraceable(failure: TraceFailure) -> UntraceableForward:
+    where = f"in {failure.scope}.forward" if failure.scope else "in forward"
+    return UntraceableForward(
+        f"the pipeline cannot capture forward as a graph: {failure} ({where}, at {failure.line}). A graph holds "
+        "every operation of forward, so forward may only decide on shapes, not on tensor values or the number "
+        "of rows. Two ways out: move that code into a submodule of its own (a submodule whose forward cannot be "
+        "traced runs whole, as one layer; mark where stages may split with lightning_pipe.pipe_split()), or "
+        "define configure_pipeline(self) returning the ordered layers whose chain computes forward"
+    )

@@ -1,0 +1,145 @@
+"""Check, before any update, that the layers chained together compute ``forward``.
+
+:func:`verify_chain` runs the module's own ``forward`` and the chain of layers on the same micro-batch,
+in eval mode and in train mode (the same random state for both, so dropout draws the same masks), and
+compares every output tensor. On a mismatch it names the first module call whose output differs
+between the two runs (both call the model's own modules, so forward hooks see the same calls in the
+same order) and the layer that makes it; when every module call agrees, the difference is in code
+after the last one (``configure_pipeline`` returning ``chain_from_model(self.model)`` without the
+``F.log_softmax`` that ``forward`` applies, for instance). Nothing is left changed: modes, buffers and
+the random number generators are restored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.nested import tensors
+
+__all__ = ["ChainMismatch", "verify_chain"]
+
+
+class ChainMismatch(PlanningError):
+    """The chained layers do not compute ``forward``."""
+
+
+def verify_chain(
+    module: nn.Module,
+    layers: Sequence[nn.Module],
+    forward: Callable[[], Any],
+    first_input: Any,
+    names: Sequence[str],
+    tolerance: float = 1e-5,
+) -> None:
+    """Refuse the chain unless ``layers`` applied one after the other to ``first_input`` give what
+    ``forward()`` (the module's own forward on the same micro-batch) gives, in both modes.
+
+    Raises:
+        ChainMismatch: with the largest difference, the mode, the first differing module call and its
+            layer.
+    """
+    for training in (False, True):
+        with _restored(module, layers):
+            module.train(training)
+            for layer in layers:
+                layer.training = training  # the layer's choice of code only: its submodules follow `module`
+            torch.manual_seed(0)  # every device's generator: the same dropout masks in both runs
+            with torch.no_grad(), _calls(module) as expected_calls:
+                expected = forward()
+            torch.manual_seed(0)
+            with torch.no_grad(), _calls(module) as chained_calls:
+                got = first_input
+                for layer in layers:
+                    got = layer(got)
+        difference = _difference(expected, got, tolerance)
+        if difference is not None:
+            raise ChainMismatch(_explain(difference, training, expected_calls, chained_calls, layers, names))
+
+
+def _difference(expected: Any, got: Any, tolerance: float) -> str | None:
+    """Why ``got`` is not ``expected`` (``None``: equal within ``tolerance``, relative to the values)."""
+    want, have = tensors(expected), tensors(got)
+    if len(want) != len(have):
+        return f"forward returns {len(want)} tensors, the chain {len(have)}"
+    for index, (a, b) in enumerate(zip(want, have, strict=True)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return (
+                f"output tensor {index}: forward gives {tuple(a.shape)} {a.dtype}, the chain {tuple(b.shape)} {b.dtype}"
+            )
+        if not a.is_floating_point():
+            if not torch.equal(a, b):
+                return f"output tensor {index} differs"
+            continue
+        gap = (a.double() - b.double()).abs().nan_to_num(nan=float("inf"))
+        scale = 1.0 + float(a.double().abs().nan_to_num(0.0).max()) if a.numel() else 1.0
+        if a.numel() and float(gap.max()) > tolerance * scale:
+            return f"output tensor {index} differs by up to {float(gap.max()):.3g} (values up to {scale - 1:.3g})"
+    return None
+
+
+def _explain(
+    difference: str,
+    training: bool,
+    expected_calls: list[tuple[nn.Module, Any]],
+    chained_calls: list[tuple[nn.Module, Any]],
+    layers: Sequence[nn.Module],
+    names: Sequence[str],
+) -> str:
+    mode = "train" if training else "eval"
+    message = f"the layers chained together do not compute forward ({mode} mode, first micro-batch): {difference}"
+    for index, ((module, want), (other, have)) in enumerate(zip(expected_calls, chained_calls, strict=False)):
+        if module is not other or _difference(want, have, 1e-5) is not None:
+            layer = next((i for i, layer in enumerate(layers) if any(m is other for m in layer.modules())), None)
+            where = f"layer {layer} ({names[layer]})" if layer is not None else "a layer"
+            return f"{message}; the first module call that differs is call {index} ({type(other).__name__}), in {where}"
+    if len(expected_calls) != len(chained_calls):
+        return f"{message}; forward makes {len(expected_calls)} module calls, the chain {len(chained_calls)}"
+    return (
+        f"{message}; every module call agrees, so the difference is in code after the last module call: forward "
+        f"does something the last layer ({names[-1] if names else '?'}) does not (e.g. F.log_softmax around the "
+        "model), or the chain does something forward does not"
+    )
+
+
+@contextmanager
+def _calls(module: nn.Module) -> Iterator[list[tuple[nn.Module, Any]]]:
+    """Every call of a module without children under ``module``, with its output, in order."""
+    calls: list[tuple[nn.Module, Any]] = []
+    handles = [
+        leaf.register_forward_hook(lambda m, _, out: calls.append((m, out)))
+        for leaf in module.modules()
+        if not any(True for _ in leaf.children())
+    ]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def _restored(module: nn.Module, layers: Sequence[nn.Module]) -> Iterator[None]:
+    modes = [(m, m.training) for root in (module, *layers) for m in root.modules()]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    with ExitStack() as stack:
+        devices = sorted({b.device for b, _ in buffers} | {p.device for p in module.parameters()}, key=str)
+        accelerated = [d for d in devices if d.type != "cpu"]
+        stack.enter_context(torch.random.fork_rng(devices=accelerated, device_type=_type(accelerated)))
+        try:
+            yield
+        finally:
+            for m, training in modes:
+                m.training = training
+            with torch.no_grad():
+                for buffer, value in buffers:
+                    buffer.copy_(value)
+
+
+def _type(devices: list[torch.device]) -> str:
+    return devices[0].type if devices else "cuda"
