@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe.classifier import ImageClassifier, top_k_accuracy
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.strategy.contract import find_entry
+from lightning_pipe.strategy.contract import Entry, pipeline_model
 
 
 def tiny_trainer(root, **options) -> L.Trainer:
@@ -146,15 +146,16 @@ def test_bad_arguments_are_refused(arguments: dict, message: str):
 
 @pytest.mark.parametrize(("model", "shape"), [("mlp", (1, 8, 8)), ("resnet18", (3, 32, 32))])
 def test_the_strategy_contract_accepts_it(model: str, shape: tuple[int, ...]):
-    """find_entry finds self.net with every parameter in it, and the training step calls it with the
-    batch's images (what the first stage of a pipeline takes)."""
+    """The training step calls forward with the batch's images (what the first stage of a pipeline
+    takes), and forward is captured as layers holding every parameter of the module."""
     classifier = ImageClassifier(model, input_shape=shape)
-    entry = find_entry(classifier)
-    assert entry.module is classifier.net
-    assert entry.name == "self.net"
-    assert entry.layers == list(classifier.net)
     x, y = torch.randn(2, *shape), torch.tensor([0, 1])
-    assert entry.capture(classifier.training_step, (x, y), 0) is x
+    call = Entry(classifier).capture(classifier.training_step, (x, y), 0)
+    assert call.args[0] is x and not call.kwargs
+    captured = pipeline_model(classifier, call, stages=2)
+    inside = {id(p) for layer in captured.layers for p in layer.parameters()}
+    assert inside == {id(p) for p in classifier.parameters()} and len(captured.layers) >= 2
+    assert captured.inputs(call) == (x,)
 
 
 def test_top_k_accuracy():

@@ -18,14 +18,8 @@ from torch import nn
 
 from lightning_pipe import PipelineStrategy, PlanningError
 from lightning_pipe.runtime import LocalRunError, run_local
-from lightning_pipe.strategy.contract import find_entry
+from lightning_pipe.strategy.contract import Call, pipeline_model
 from tests.lightning_cases import Chain, loader, trainer
-
-
-class _TwoNets(Chain):
-    def __init__(self) -> None:
-        super().__init__()
-        self.other = nn.Sequential(nn.Linear(3, 3))
 
 
 class _HeadOutside(Chain):
@@ -33,37 +27,39 @@ class _HeadOutside(Chain):
         super().__init__()
         self.head = nn.Linear(3, 3)
 
-
-class _NoSequential(Chain):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(list(self.net))
-        del self.net
+    def configure_pipeline(self) -> nn.Sequential:
+        return self.net
 
 
-class _Hooked(_NoSequential):
+class _Hooked(Chain):
     def configure_pipeline(self) -> list[nn.Module]:
-        return list(self.layers)
+        return list(self.net)
 
+
+class _Branching(Chain):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        if x.sum() > 0:  # a decision on tensor values
+            return self.net(x)
+        return -self.net(x)
 
 
 def test_model_contract_refusals() -> None:
-    """The three shapes a pipeline cannot take, each with its remedy; the hook makes a module of
-    another shape acceptable."""
+    """A configure_pipeline chain leaving trainable parameters out, or called with two arguments, and
+    a forward deciding on tensor values are refused, each with its remedy; the hook's chain is used as
+    given."""
+    x = torch.randn(4, 6)
+    with pytest.raises(PlanningError, match=r"outside the layers of configure_pipeline.*head.weight, head.bias"):
+        pipeline_model(_HeadOutside(), Call((x,)), stages=2)
+    hooked = pipeline_model(_Hooked(), Call((x,)), stages=2)
+    assert len(hooked.layers) == 7 and hooked.captured is None
+    with pytest.raises(PlanningError, match=r"first layer of a configure_pipeline\(\) chain takes one input"):
+        hooked.inputs(Call((x, x)))
     with pytest.raises(
-        PlanningError, match=r"several nn.Sequential attributes \(self.net, self.other\).*configure_pipeline"
+        PlanningError,
+        match=r"decision on tensor values \(a condition\) at .*test_strategy_errors.py:\d+: if x.sum\(\) > 0.*"
+        r"submodule of its own.*pipe_split.*configure_pipeline",
     ):
-        find_entry(_TwoNets())
-    with pytest.raises(PlanningError, match=r"outside self.net would not be trained.*head.weight, head.bias"):
-        find_entry(_HeadOutside())
-    with pytest.raises(PlanningError, match=r"holds no nn.Sequential.*configure_pipeline"):
-        find_entry(_NoSequential())
-    hooked = find_entry(_Hooked())
-    assert hooked.module.__class__ is _Hooked and len(hooked.layers) == 7 and hooked.name == "self.forward"
+        pipeline_model(_Branching(), Call((x,)), stages=2)
 
 
 def test_constructor_refusals() -> None:
@@ -139,7 +135,7 @@ ONE_PROCESS = {
     ),
     "log": (_LogsAList, {}, {}, r"self.log\('bad', Tensor\).*one-element tensor"),
     "none": (_ReturnsNothing, {}, {}, r"training_step must return the loss.*got NoneType"),
-    "skips": (_SkipsTheNet, {}, {}, r"training_step never called self.net"),
+    "skips": (_SkipsTheNet, {}, {}, r"training_step never called forward: .*self\.encoder\(x\).*configure_pipeline"),
     "split": (Chain, {"microbatches": 16}, {}, r"a mini-batch of 10 samples cannot be split into 16 micro-batches"),
 }
 
@@ -176,7 +172,7 @@ def _plan_refusal_worker(rank: int, root: str, strategy_options: dict, model: ty
 @pytest.mark.parametrize(
     ("options", "model", "pattern"),
     [
-        ({}, _Tiny, r"2 stages but the model has 1 layers: use at most 1 devices"),
+        ({}, _Tiny, r"2 stages but the model has 1 layer \(net.0\): a stage holds at least one layer. Train it on at most 1 device"),
         (
             {"partitioner": "memory", "memory_limit": "1KB"},
             Chain,

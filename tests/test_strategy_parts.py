@@ -21,7 +21,7 @@ from lightning_pipe.partition import PlanRequest, partition
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.strategy.contract import find_entry
+from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.logs import Record, combine, recording
 from lightning_pipe.strategy.planning import StagePlan, predict
 from lightning_pipe.strategy.relay import Relay
@@ -110,12 +110,15 @@ class _ResNetModule(nn.Module):
 
 def test_a_torchvision_resnet_through_the_hook() -> None:
     """``configure_pipeline`` with :func:`chain_from_model` gives the model's own layers (shared
-    parameters: what the pipeline trains is the module's), ending in the classifier."""
+    parameters: what the pipeline trains is the module's), ending in the classifier; its input is the
+    call's one argument."""
     module = _ResNetModule()
-    entry = find_entry(module)
-    inside = {id(p) for layer in entry.layers for p in layer.parameters()}
+    x = torch.randn(2, 3, 32, 32)
+    model = pipeline_model(module, Call((x,)), stages=2)
+    inside = {id(p) for layer in model.layers for p in layer.parameters()}
     assert inside == {id(p) for p in module.parameters()}
-    assert entry.layers[-1] is module.model.fc and entry.name == "self.forward"
+    assert model.layers[-1] is module.model.fc and model.captured is None
+    assert model.inputs(Call((x,))) is x
 
 
 def test_the_prediction_shares_the_machine_by_the_contention_given() -> None:

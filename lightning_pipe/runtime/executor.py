@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
+from lightning_pipe.runtime.batch_norm import DeferredNorms, running_forward
 from lightning_pipe.runtime.borrowing import (
     Lending,
     check_borrowing,
@@ -46,6 +47,7 @@ from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, shift
 from lightning_pipe.runtime.shared_memory import open_links
 from lightning_pipe.runtime.split_backward import SplitBackward
+from lightning_pipe.runtime.ties import Tie, find_ties
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.saved_bytes import saved_bytes
@@ -240,6 +242,8 @@ class PipelineExecutor:
         }
         # stages computed here with another worker's weights (FSDP, FSLPP): no optimizer, lent every call
         self.borrowed = {s: StageWeights(modules[s].to(self.device), None, False) for s in self.lending.lenders}
+        self.ties = self._tie_groups(find_ties(modules))
+        self.norms = {s: DeferredNorms(weights.module) for s, weights in self.weights.items()}
         self._lent: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stage, step, borrower) -> message
         flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)
         self.recompute = {s: bool(flags[s]) for s in mine}
@@ -292,7 +296,9 @@ class PipelineExecutor:
                 "different times: use bfloat16 (no loss scale) or a flushing schedule (gpipe, 1f1b, interleaved, zb)"
             )
         self.loss_scale = loss_scale
-        self.deferring = self.schedule.flush and (clip_grad_norm is not None or loss_scale is not None)
+        self.deferring = self.schedule.flush and (
+            clip_grad_norm is not None or loss_scale is not None or any(t.group is not None for t in self.ties)
+        )
         self.deferred: list[Action] = []
         self.copies_inputs: set[int] = set()  # stages whose first layer works in place on the received input
         self.loss_key: tuple[int, int] | None = None
@@ -432,6 +438,49 @@ class PipelineExecutor:
                     groups[stage] = group
         return groups
 
+    def _tie_groups(self, ties: list[Tie]) -> list[Tie]:
+        """Each tie (:mod:`~lightning_pipe.runtime.ties`) with the process group of the workers of
+        this pipeline holding its stages (every rank creates every group, in the same order), and the
+        positions of its parameters in this worker's stages."""
+        for tie in ties:
+            if any(s in self.lending.lenders or s in self.lending.borrowers for s in tie.stages):
+                raise PlanningError(
+                    f"parameters {tie.names} are shared by stages {list(tie.stages)}, one of which lends its weights "
+                    "(FSDP, FSLPP): shared parameters need every sharing stage to own them"
+                )
+            for ranks in self.pipelines:
+                holders = sorted({ranks[w] for s in tie.stages for w in self.schedule.owners[s]})
+                group = dist.new_group(holders)
+                if self.global_rank in holders:
+                    tie.group = group
+            for s in tie.stages:
+                if s in self.weights:
+                    positions = self.weights[s]._position
+                    tie.positions[s] = [positions[id(p)] for p in tie.parameters]
+        if not self.schedule.flush:
+            for worker, orders in enumerate(self.schedule.orders):
+                held = {a.stage for a in orders} & {s for tie in ties for s in tie.stages}
+                if len(held) > 1:
+                    raise PlanningError(
+                        f"worker {worker} holds stages {sorted(held)} whose parameters are shared with other stages; "
+                        f"a non-flushing schedule ({self.schedule.family}) sums shared gradients at each stage's own "
+                        "update, which needs one sharing stage per worker: use one stage per worker, or a flushing "
+                        "schedule"
+                    )
+        return ties
+
+    def _sum_ties(self, actions: list[Action]) -> None:
+        """Sum the tied parameters' gradients of the updates ``actions`` over the stages sharing them,
+        tie after tie in one order on every worker (:mod:`~lightning_pipe.runtime.ties`)."""
+        for tie in self.ties:
+            parts = {
+                a.stage: (self.weights[a.stage].summed_gradients(a.step), 1.0 / len(self.schedule.owners[a.stage]))
+                for a in actions
+                if a.stage in tie.positions
+            }
+            if parts:
+                tie.sum(parts)
+
     # -- the training loop's entry points --------------------------------------------------------
     def step(
         self, inputs: Any = None, targets: Any = None, *, return_outputs: bool = False, share_losses: bool = False
@@ -541,10 +590,13 @@ class PipelineExecutor:
         self.transport.flush()
         self.transport.abort()
         replicas = [w.group for w in self.weights.values() if w.group is not None]
-        for group in [self.group, *replicas]:
+        ties = [tie.group for tie in self.ties if tie.group is not None]
+        for group in [self.group, *replicas, *ties]:
             with contextlib.suppress(RuntimeError, ValueError):  # already gone
                 dist.destroy_process_group(group)
         self.garbage.close()
+        for norms in self.norms.values():
+            norms.close()
 
     def measured_costs(self, since_step: int = 0, **network: object) -> StageCosts:
         """Every stage's mean forward, backward (and halves) and update seconds as this pipeline ran
@@ -586,6 +638,7 @@ class PipelineExecutor:
         for stage, entry in state["stages"].items():
             self.weights[int(stage)].module.load_state_dict(entry["module"])
             self.weights[int(stage)].load_state_dict(entry)
+            self.norms[int(stage)].forget()
 
     # -- running actions -------------------------------------------------------------------------
     def _store_batch(self, step: int, inputs: Any, targets: Any) -> None:
@@ -676,10 +729,13 @@ class PipelineExecutor:
         step's hyper-parameters, step the optimizer (``skip``: drop the gradient, the version still
         advances)."""
         weights = self.weights[action.stage]
+        if not self.deferring:
+            self._sum_ties([action])
 
         def prepare(grads: list[torch.Tensor | None]) -> None:
             if stage_norm is not None:
-                scale(grads, norm_coefficient(float(squared_norm(grads)) ** 0.5, stage_norm))
+                for part in self._clipping_parts(action.stage, grads):
+                    scale(part, norm_coefficient(float(squared_norm(part)) ** 0.5, stage_norm))
             if self.clip_grad_value is not None:
                 clip_by_value(grads, self.clip_grad_value)
             if self.before_update is not None:
@@ -687,6 +743,16 @@ class PipelineExecutor:
 
         kept = self._versions_kept(action.stage) if weights.snapshots else set()
         weights.update(action.step, kept, prepare, skip=skip)
+        self.norms[action.stage].commit(action.step)
+
+    def _clipping_parts(self, stage: int, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor | None]]:
+        """The groups of a stage's gradients clipped by their own norm when each stage clips alone
+        (non-flushing schedules): each tie's, then the rest; so the copies of a tied parameter on
+        different stages are clipped alike."""
+        tied = [tie.positions[stage] for tie in self.ties if stage in tie.positions]
+        taken = {i for indices in tied for i in indices}
+        rest = [g for i, g in enumerate(grads) if i not in taken]
+        return [[grads[i] for i in indices] for indices in tied] + [rest]
 
     def _deferred_updates(self) -> None:
         """The updates of a flushing call under global-norm clipping or loss scaling: every worker
@@ -696,12 +762,13 @@ class PipelineExecutor:
         overflow, under loss scaling). Every worker takes part at the end of every call, with or
         without updates."""
         grads = [self.weights[a.stage].summed_gradients(a.step) for a in self.deferred]
+        self._sum_ties(self.deferred)
         if self.loss_scale is not None:
             for stage_grads in grads:
                 scale(stage_grads, self.loss_scale.inverse)
         total = torch.zeros((), dtype=torch.float64)
         for action, stage_grads in zip(self.deferred, grads, strict=True):
-            total += squared_norm(stage_grads).cpu() / len(self.schedule.owners[action.stage])
+            total += self._own_squared_norm(action.stage, stage_grads).cpu() / len(self.schedule.owners[action.stage])
         total = total.to(self.device)
         dist.all_reduce(total, group=self.group)
         overflowed = self.loss_scale is not None and not math.isfinite(float(total))
@@ -715,20 +782,31 @@ class PipelineExecutor:
             self.loss_scale.update(overflowed)
         self.deferred.clear()
 
+    def _own_squared_norm(self, stage: int, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """``Σ ‖g‖²`` of a stage's gradients, a tied parameter counting ``1/h`` on each of its ``h``
+        sharing stages (once in the sum over all stages)."""
+        total = squared_norm(grads)
+        for tie in self.ties:
+            if stage in tie.positions:
+                tied = squared_norm([grads[i] for i in tie.positions[stage]])
+                total = total - tied * (1 - 1 / len(tie.stages))
+        return total
+
     def _forward(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
         s, mb, t = action.stage, action.microbatch, action.step
         inputs = self.inputs[t][mb] if s == 0 else _floating_leaves(self._incoming(("F", s, mb, t)))
         weights = self._computing(s)
         state = _InFlight(inputs=inputs, version=action.version, leaves=weights.leaves(action.version))
         try:
-            if self.recompute[s]:
-                state.rng = self._rng_state()
-                with torch.no_grad():  # on a copy: a first layer working in place would change the input kept
-                    state.outputs = weights.forward(state.leaves, map_tensors(torch.Tensor.clone, inputs))
-            else:
-                state.outputs, state.saved_bytes = self._in_place_safe(
-                    s, inputs, lambda x: self._forward_saving(weights, state.leaves, x)
-                )
+            with running_forward(t, mb):  # batch norm's statistics count once per step (.batch_norm)
+                if self.recompute[s]:
+                    state.rng = self._rng_state()
+                    with torch.no_grad():  # on a copy: a first layer working in place would change the input kept
+                        state.outputs = weights.forward(state.leaves, map_tensors(torch.Tensor.clone, inputs))
+                else:
+                    state.outputs, state.saved_bytes = self._in_place_safe(
+                        s, inputs, lambda x: self._forward_saving(weights, state.leaves, x)
+                    )
         except Exception as error:
             raise self._mismatch(action, inputs, error) from error
         if s == self.schedule.stages - 1:

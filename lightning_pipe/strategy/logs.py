@@ -22,8 +22,9 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.strategy.effects import Effects, metric_modules, recording_effects
 
-__all__ = ["Record", "combine", "recording"]
+__all__ = ["Record", "combine", "logged_metrics", "recording"]
 
 _SIGNATURE = inspect.signature(LightningModule.log)
 _CALL = ("self", "name", "value")  # what self.log is called with; the other parameters are its options
@@ -34,20 +35,26 @@ _TORCH_REDUCTIONS = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", tor
 
 @dataclass
 class Record:
-    """The ``self.log`` calls of one micro-batch's step code."""
+    """What one run of the step code logged and changed: its ``self.log`` calls of numbers, of
+    torchmetrics ``Metric`` objects (by path: Lightning computes them at the epoch's end, from the
+    states :mod:`.effects` keeps alike on every rank), and its other :class:`~.effects.Effects`."""
 
     rows: int
     calls: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
+    metrics: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+    effects: Effects = field(default_factory=Effects)
+    extras: dict[str, Any] | None = None  # keys other than "loss" of the dict training_step returned
 
 
 def _number(name: str, value: Any) -> float:
+    """A logged value as a number (a torchmetrics ``Metric`` is taken apart, by :func:`recording`)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.detach())
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     raise PlanningError(
         f"self.log({name!r}, {type(value).__name__}): under a pipeline each micro-batch logs separately and the "
-        "values are combined, so log a number or a one-element tensor (for a torchmetrics Metric, its computed value)"
+        "values are combined, so log a number, a one-element tensor or a torchmetrics Metric"
     )
 
 
@@ -62,7 +69,9 @@ def _reduction(name: str, reduce_fx: Any) -> str:
 
 @contextmanager
 def recording(module: LightningModule, record: Record) -> Iterator[None]:
-    """Within the context, ``module.log`` (and ``log_dict``, which calls it) appends to ``record``."""
+    """Within the context, ``module.log`` (and ``log_dict``, which calls it) appends to ``record``, and
+    the step's other effects (:mod:`.effects`) are recorded too."""
+    paths = {id(metric): path for path, metric in metric_modules(module).items()}
 
     def log(*args: Any, **kwargs: Any) -> None:
         if len(args) == 2 and kwargs.keys() <= _OPTIONS.keys():  # the usual call, without binding (~40 us)
@@ -72,14 +81,27 @@ def recording(module: LightningModule, record: Record) -> Iterator[None]:
             bound.apply_defaults()
             options = {k: v for k, v in bound.arguments.items() if k not in _CALL}
             name, value = bound.arguments["name"], bound.arguments["value"]
+        if id(value) in paths:
+            record.metrics.append((name, paths[id(value)], options))
+            return
         _reduction(name, options["reduce_fx"])
         record.calls.append((name, _number(name, value), options))
 
     module.log = log
     try:
-        yield
+        with recording_effects(module, record.effects):
+            yield
     finally:
         del module.log
+
+
+def logged_metrics(records: list[Record]) -> list[tuple[str, str, dict[str, Any]]]:
+    """The ``Metric`` objects the records logged, once per name, in the order first logged."""
+    seen: dict[str, tuple[str, str, dict[str, Any]]] = {}
+    for record in records:
+        for name, path, options in record.metrics:
+            seen.setdefault(name, (name, path, options))
+    return list(seen.values())
 
 
 def combine(records: list[Record]) -> list[tuple[str, float, dict[str, Any]]]:

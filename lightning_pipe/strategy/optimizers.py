@@ -11,6 +11,8 @@ would use at that step, even when a non-flushing schedule applies the step a cal
 from __future__ import annotations
 
 import copy
+import inspect
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -40,19 +42,42 @@ def stage_optimizers(template: torch.optim.Optimizer) -> Callable[[list[nn.Param
                 groups.append({**options, "params": mine, GROUP_KEY: index})
         if not groups:
             return None
-        try:
-            optimizer = type(template)(groups, **template.defaults)
-        except TypeError as error:
-            raise PlanningError(
-                f"cannot build a {type(template).__name__} per stage as {type(template).__name__}(param_groups, "
-                f"**defaults): {error}; use a torch.optim optimizer (or one whose constructor takes its defaults)"
-            ) from error
+        optimizer = _construct(template, groups)
         for param in params:
             if param in template.state:
                 optimizer.state[param] = copy.deepcopy(template.state[param])
         return optimizer
 
     return build
+
+
+def _construct(template: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """An optimizer of ``template``'s class over ``groups`` (each group carries every option): built by
+    its constructor with the defaults it accepts (``AdamW.defaults`` holds a key its constructor does
+    not take, for instance), or, for a constructor that needs more (a subclass's own arguments), as a
+    copy of ``template`` whose parameters and state are replaced."""
+    cls = type(template)
+    if issubclass(cls, torch.optim.LBFGS):
+        raise PlanningError(
+            "LBFGS re-evaluates the loss several times per step (its closure), which a pipeline cannot: every "
+            "micro-batch runs forward and backward once per step; use a first-order optimizer"
+        )
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        defaults = dict(template.defaults)
+    else:
+        defaults = {key: value for key, value in template.defaults.items() if key in parameters}
+    try:
+        return cls(groups, **defaults)
+    except TypeError:
+        pass
+    optimizer = copy.copy(template)
+    optimizer.__dict__ = {key: value for key, value in vars(template).items() if key not in ("state", "param_groups")}
+    optimizer.state = defaultdict(dict)
+    optimizer.param_groups = []
+    for group in groups:
+        optimizer.add_param_group(group)
+    return optimizer
 
 
 class HyperParameters:

@@ -20,13 +20,12 @@ acted on at the next training batch.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from types import FrameType
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
-from lightning.pytorch import Trainer
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 __all__ = ["Signals"]
 
@@ -37,7 +36,7 @@ class Signals:
     """Takes over ``trainer``'s SIGTERM and requeue handlers (before Lightning registers them, which it
     does after the strategy's ``setup``)."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.sigterm_here = False  # this rank received SIGTERM
         self.requeue_here: int | None = None  # this rank received the requeue signal (its number), not yet sent
@@ -79,4 +78,11 @@ class Signals:
             type(connector)._slurm_sigusr_handler_fn(connector, signum, None)
         if self.sigterm:
             connector.received_sigterm = True
-            raise SIGTERMException()
+            raise _sigterm_exception(self.trainer)()
+
+
+def _sigterm_exception(trainer: Any) -> type[BaseException]:
+    """``SIGTERMException`` of the package ``trainer`` comes from (``lightning.pytorch`` or the
+    standalone ``pytorch_lightning``: each has its own, and its loop catches only its own)."""
+    package = "pytorch_lightning" if type(trainer).__module__.startswith("pytorch_lightning") else "lightning.pytorch"
+    return importlib.import_module(f"{package}.utilities.exceptions").SIGTERMException

@@ -48,7 +48,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -71,7 +71,8 @@ from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
 from lightning_pipe.strategy.contract import Call, Entry, PipelineModel, pipeline_model
-from lightning_pipe.strategy.logs import Record, combine, recording
+from lightning_pipe.strategy.effects import metric_modules, replay
+from lightning_pipe.strategy.logs import Record, combine, logged_metrics, recording
 from lightning_pipe.strategy.optimizers import HyperParameters, stage_optimizers
 from lightning_pipe.strategy.planning import (
     PlanOptions,
@@ -255,7 +256,8 @@ class PipelineStrategy(ParallelStrategy):
         self._step_args: dict[int, tuple[Any, ...]] = {}
         self._records: dict[tuple[int, int], Record] = {}
         self._pending: dict[int, dict[int, tuple[Record, float]]] = {}
-        self._last_loss = torch.tensor(float("nan"))
+        self._last_output: Any = torch.tensor(float("nan"))
+        self._outputs_read = False
         self._restored: list[Any] | None = None
         self._prediction: Simulation | None = None
         self._step_seconds: list[float] = []
@@ -393,6 +395,9 @@ class PipelineStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self._refuse_unsupported(trainer)
         self._entry = Entry(self.lightning_module)
+        self._outputs_read = _reads_step_outputs(trainer)
+        for metric in metric_modules(self.lightning_module).values():
+            metric.process_group = self._copies  # every rank of a pipeline holds the same states (.effects)
         self._signals = Signals(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -598,6 +603,8 @@ class PipelineStrategy(ParallelStrategy):
                 "training_step must return the loss (a tensor, or a dict with 'loss') for every micro-batch; "
                 f"got {type(result).__name__}"
             )
+        if isinstance(result, dict):
+            record.extras = _to_cpu({key: value for key, value in result.items() if key != "loss"})
         self._records[(step, mb)] = record
         return loss
 
@@ -625,8 +632,8 @@ class PipelineStrategy(ParallelStrategy):
                 output.microbatch_losses.update(executor.drain().microbatch_losses)
         if posted is None:
             posted = self._post_logs(output.microbatch_losses)
-        self._relay_training_logs(posted, wait=drained or executor.schedule.flush)
-        return self._last_loss.to(self.root_device)
+        self._relay_training_logs(posted, wait=drained or executor.schedule.flush or self._outputs_read)
+        return map_tensors(lambda t: t.to(self.root_device), self._last_output)
 
     def _drain_after_this_batch(self) -> bool:
         trainer = self.lightning_module.trainer
@@ -641,6 +648,7 @@ class PipelineStrategy(ParallelStrategy):
         return self._relay.post(
             {
                 "pipeline": self.pipeline_index,
+                "rank": self.global_rank,
                 "records": {key: (self._records.pop(key), loss) for key, loss in microbatch_losses.items()},
                 "signals": self._signals.outgoing(),
             }
@@ -659,9 +667,21 @@ class PipelineStrategy(ParallelStrategy):
         for step in sorted(s for s, parts in self._pending.items() if len(parts) == self.microbatches):
             parts = self._pending.pop(step)
             self._step_args.pop(step, None)
-            self._last_loss = torch.tensor(math.fsum(loss for _, loss in parts.values()))
-            for name, value, options in combine([record for record, _ in parts.values()]):
-                self.lightning_module.log(name, torch.tensor(value), **options)
+            records = [parts[mb][0] for mb in sorted(parts)]
+            self._last_output = _step_output(math.fsum(loss for _, loss, _ in parts.values()), records)
+            if any(sender != self.global_rank for _, _, sender in parts.values()):
+                for record in records:
+                    replay(self.lightning_module, record.effects, self.root_device)
+            self._log(records)
+
+    def _log(self, records: list[Record]) -> None:
+        """Call the real ``self.log`` with what ``records`` logged, combined (every rank does)."""
+        module = self.lightning_module
+        for name, value, options in combine(records):
+            module.log(name, torch.tensor(value), **options)
+        metrics = metric_modules(module)
+        for name, path, options in logged_metrics(records):
+            module.log(name, metrics[path], **options)
 
     def _collect_relayed(self) -> None:
         """Receive the records left in flight by the last call (before any other collective)."""
@@ -673,8 +693,8 @@ class PipelineStrategy(ParallelStrategy):
         for payload in payloads:
             self._signals.collect(payload["signals"])
             if payload["pipeline"] == self.pipeline_index:
-                for (step, mb), entry in payload["records"].items():
-                    self._pending.setdefault(step, {})[mb] = entry
+                for (step, mb), (record, loss) in payload["records"].items():
+                    self._pending.setdefault(step, {})[mb] = (record, loss, payload["rank"])
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Act on the signals the relay has brought every rank (:mod:`.signals`): all ranks at the
@@ -758,23 +778,27 @@ class PipelineStrategy(ParallelStrategy):
             result = step(*args)
         return record, result
 
-    def _replay(self, record: Record | None) -> None:
-        """Log the last stage's record of an evaluation step on every rank."""
-        combined = self._gather(combine([record]) if record is not None else None)
-        for name, value, options in next((part for part in combined if part is not None), []):
-            self.lightning_module.log(name, torch.tensor(value), **options)
+    def _replay(self, record: Record | None, result: Any) -> Any:
+        """Make the last stage's evaluation step seen on every rank: its logs, its other effects
+        (:mod:`.effects`) and its result."""
+        gathered = self._gather((record, _to_cpu(result)) if record is not None else None)
+        source = next(i for i, part in enumerate(gathered) if part is not None)
+        record, result = gathered[source]
+        if self.pipelines[self.pipeline_index][source] != self.global_rank:
+            replay(self.lightning_module, record.effects, self.root_device)
+            result = map_tensors(lambda t: t.to(self.root_device), result)
+        self._log([record])
+        return result
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             record, result = self._evaluate("validation_step", (*args, *kwargs.values()))
-        self._replay(record)
-        return result
+        return self._replay(record, result)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
             record, result = self._evaluate("test_step", (*args, *kwargs.values()))
-        self._replay(record)
-        return result
+        return self._replay(record, result)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The batch's predictions, on every rank (from the last stage)."""
@@ -899,6 +923,28 @@ class PipelineStrategy(ParallelStrategy):
                 schedule=family,
                 start_method=start_method,
             )
+
+
+def _reads_step_outputs(trainer: Trainer) -> bool:
+    """Whether the module or a callback of the user's defines ``on_train_batch_end`` (which receives
+    ``training_step``'s outputs): a non-flushing schedule then waits, at the end of each batch, for the
+    batch's loss instead of reporting it with the next batch."""
+    if is_overridden("on_train_batch_end", trainer.lightning_module, LightningModule):
+        return True
+    return any(
+        is_overridden("on_train_batch_end", callback, Callback)
+        and not type(callback).__module__.startswith(("lightning.", "pytorch_lightning."))
+        for callback in trainer.callbacks
+    )
+
+
+def _step_output(loss: float, records: list[Record]) -> Any:
+    """What a step returns to Lightning (``outputs`` of ``on_train_batch_end``): the batch's loss, and
+    the other keys of the dict ``training_step`` returned, its micro-batches' values joined."""
+    extras = [record.extras for record in records if record.extras is not None]
+    if not extras:
+        return torch.tensor(loss)
+    return {"loss": torch.tensor(loss), **_concatenate(extras)}
 
 
 def _first_microbatch(call: Call, microbatches: int) -> Call:

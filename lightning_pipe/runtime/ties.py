@@ -1,0 +1,92 @@
+"""Parameters shared by several stages: tied weights.
+
+A parameter used by layers of two stages (a GPT's token embedding and its LM head, ``wte.weight =
+lm_head.weight``) is kept by every stage that uses it, as DeepSpeed's ``TiedLayerSpec`` does. Each
+copy receives only its own stage's part of the gradient, so before a step is applied the parts are
+summed over the stages that share the parameter (one all-reduce per group of sharing stages), and
+every copy takes the same update from the same sum: the copies stay equal, bitwise, and the
+parameter follows the update rule of the unsplit model.
+
+- **Flushing schedules** (GPipe, 1F1B, ZB, ...): every update of a call waits for the call's end, the
+  tied sums run there in one order on every worker, then the updates (``deferring`` in the executor).
+- **Non-flushing schedules** (PipeDream, 2BW, CDP): a stage's update of step ``t`` sums its part with
+  the other stages' parts of step ``t``; the update waits for the last of them (its holder's last
+  backward of step ``t``). Each part is computed with the version the schedule's rule gives its own
+  stage, so under 2BW every part of step ``t`` is taken at ``θ_{t−1}`` (the rule of the unsplit model);
+  under PipeDream's stashing or CDP-v2 the stages use different versions for one micro-batch, and so
+  do the parts of the sum.
+- A stage with replicas contributes ``1/r`` of its replicas' sum from each replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Tie", "find_ties"]
+
+
+@dataclass
+class Tie:
+    """Parameters shared by the same stages.
+
+    Attributes:
+        stages: the stages sharing them.
+        names: their names in the first sharing stage (for messages).
+        parameters: the shared parameters (the same objects in every sharing stage).
+        positions: stage -> their indices among that stage's parameters (this worker's stages).
+        group: the process group of this pipeline's workers holding a sharing stage (``None`` when
+            this worker holds none).
+    """
+
+    stages: tuple[int, ...]
+    names: list[str]
+    parameters: list[nn.Parameter]
+    positions: dict[int, list[int]] = field(default_factory=dict)
+    group: dist.ProcessGroup | None = None
+
+    def sum(self, parts: Mapping[int, tuple[list[torch.Tensor | None], float]]) -> None:
+        """Replace each local stage's gradients of the tied parameters by their sum over the sharing
+        stages. ``parts``: this worker's sharing stages -> (their gradients, their share: ``1/r`` for
+        a stage with ``r`` replicas)."""
+        local = None
+        for stage, (grads, share) in parts.items():
+            indices = zip(self.positions[stage], self.parameters, strict=True)
+            flat = torch.cat([_gradient(grads, i, p).reshape(-1) for i, p in indices])
+            local = flat * share if local is None else local + flat * share
+        assert local is not None
+        dist.all_reduce(local, group=self.group)
+        pieces = local.split([p.numel() for p in self.parameters])
+        for stage, (grads, _) in parts.items():
+            for index, param, summed in zip(self.positions[stage], self.parameters, pieces, strict=True):
+                value = summed.view_as(param).to(param.dtype)
+                grads[index] = value.clone() if len(parts) > 1 else value  # each local stage its own tensor
+
+
+def _gradient(grads: list[torch.Tensor | None], index: int, param: nn.Parameter) -> torch.Tensor:
+    grad = grads[index]
+    return torch.zeros_like(param) if grad is None else grad
+
+
+def find_ties(modules: Mapping[int, nn.Module]) -> list[Tie]:
+    """The trainable parameters found in more than one of ``modules`` (stage -> module), grouped by
+    the stages sharing them, in the order of those stages."""
+    holders: dict[int, list[int]] = {}
+    named: dict[int, tuple[str, nn.Parameter]] = {}
+    for stage in sorted(modules):
+        for name, param in modules[stage].named_parameters():
+            if param.requires_grad:
+                holders.setdefault(id(param), []).append(stage)
+                named.setdefault(id(param), (name, param))
+    ties: dict[tuple[int, ...], Tie] = {}
+    for key, stages in holders.items():
+        if len(stages) > 1:
+            name, param = named[key]
+            tie = ties.setdefault(tuple(stages), Tie(tuple(stages), [], []))
+            tie.names.append(name)
+            tie.parameters.append(param)
+    return [ties[key] for key in sorted(ties)]
