@@ -42,7 +42,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import flatten, unflatten
 
-__all__ = ["DataDependent", "ShadowTracer", "TraceFailure", "pipe_split", "source_line", "split_marker"]
+__all__ = [
+    "DataDependent",
+    "ForwardFailed",
+    "ShadowTracer",
+    "TraceFailure",
+    "pipe_split",
+    "source_line",
+    "split_marker",
+]
 
 # reading these from a tensor gives its metadata, not its values (deciding on them is not data-dependent)
 _METADATA = frozenset(
@@ -122,6 +130,10 @@ class TraceFailure(PlanningError):
         self.scope, self.line = scope, line
 
 
+class ForwardFailed(PlanningError):
+    """``forward`` itself fails on the sample micro-batch (not a tracing problem)."""
+
+
 class DataDependent(TraceFailure):
     """A Python decision on tensor values (not shapes): a graph cannot represent it."""
 
@@ -196,7 +208,7 @@ class ShadowTracer(fx.Tracer):
         self.scope_stack.append(path)
         try:
             result = super().call_module(m, forward, args, kwargs)
-        except TraceFailure:
+        except (TraceFailure, ForwardFailed):
             raise
         except Exception as error:
             raise self._failure(error) from error
@@ -220,7 +232,7 @@ class ShadowTracer(fx.Tracer):
             with torch.no_grad(), _factories_traced(), FlopCounterMode(display=False) as self._counter:
                 try:
                     return self.trace(root)
-                except TraceFailure:
+                except (TraceFailure, ForwardFailed):
                     raise
                 except Exception as error:
                     raise self._failure(error) from error
@@ -264,7 +276,12 @@ class ShadowTracer(fx.Tracer):
         else:
             before = self._counter.get_total_flops() if self._counter is not None else 0
             with _symbolic_trace._maybe_revert_all_patches():
-                shadow.value = self._run(kind, target, _values(args, self), _values(kwargs, self))
+                try:
+                    shadow.value = self._run(kind, target, _values(args, self), _values(kwargs, self))
+                except Exception as error:
+                    raise ForwardFailed(
+                        f"forward fails on the first micro-batch at {shadow.line}: {type(error).__name__}: {error}"
+                    ) from error
             shadow.flops = (self._counter.get_total_flops() if self._counter is not None else 0) - before
             shadow.tainted = any(s.tainted for s in inputs) or _reads_values(kind, target, inputs, shadow.value)
         self.shadows[proxy.node] = shadow

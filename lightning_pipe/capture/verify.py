@@ -93,13 +93,21 @@ def _explain(
 ) -> str:
     mode = "train" if training else "eval"
     message = f"the layers chained together do not compute forward ({mode} mode, first micro-batch): {difference}"
-    for index, ((module, want), (other, have)) in enumerate(zip(expected_calls, chained_calls, strict=False)):
-        if module is not other or _difference(want, have, 1e-5) is not None:
-            layer = next((i for i, layer in enumerate(layers) if any(m is other for m in layer.modules())), None)
+    by_module: dict[int, list[Any]] = {}
+    for module, output in expected_calls:
+        by_module.setdefault(id(module), []).append(output)
+    seen: dict[int, int] = {}
+    for module, have in chained_calls:  # each module's k-th call in the chain against its k-th in forward
+        count = seen[id(module)] = seen.get(id(module), 0) + 1
+        outputs = by_module.get(id(module), [])
+        if count > len(outputs) or _difference(outputs[count - 1], have, 1e-5) is not None:
+            layer = next((i for i, layer in enumerate(layers) if any(m is module for m in layer.modules())), None)
             where = f"layer {layer} ({names[layer]})" if layer is not None else "a layer"
-            return f"{message}; the first module call that differs is call {index} ({type(other).__name__}), in {where}"
-    if len(expected_calls) != len(chained_calls):
-        return f"{message}; forward makes {len(expected_calls)} module calls, the chain {len(chained_calls)}"
+            what = "differs" if count <= len(outputs) else "is not made by forward"
+            return f"{message}; the first module call that {what} is {type(module).__name__} (call {count}), in {where}"
+    missing = [type(m).__name__ for m, _ in expected_calls if id(m) not in seen]
+    if missing:
+        return f"{message}; forward calls modules the chain does not: {', '.join(dict.fromkeys(missing))}"
     return (
         f"{message}; every module call agrees, so the difference is in code after the last module call: forward "
         f"does something the last layer ({names[-1] if names else '?'}) does not (e.g. F.log_softmax around the "
@@ -109,12 +117,13 @@ def _explain(
 
 @contextmanager
 def _calls(module: nn.Module) -> Iterator[list[tuple[nn.Module, Any]]]:
-    """Every call of a module without children under ``module``, with its output, in order."""
+    """Every call of a module without children under ``module`` (``nn.Identity`` aside: a chain may
+    leave it out), with its output, in order."""
     calls: list[tuple[nn.Module, Any]] = []
     handles = [
         leaf.register_forward_hook(lambda m, _, out: calls.append((m, out)))
         for leaf in module.modules()
-        if not any(True for _ in leaf.children())
+        if not any(True for _ in leaf.children()) and not isinstance(leaf, nn.Identity)
     ]
     try:
         yield calls

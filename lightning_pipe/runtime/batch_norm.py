@@ -97,13 +97,15 @@ class DeferredNorms:
             mean = sum(n * m for n, m, _ in parts) / rows
             squares = sum(s + n * (m - mean) ** 2 for n, m, s in parts)
             unbiased = squares / max(rows - 1, 1)
-            with torch.no_grad():
-                layer.num_batches_tracked.add_(1)
-                momentum = layer.momentum
-                if momentum is None:
-                    momentum = 1.0 / float(layer.num_batches_tracked)
-                layer.running_mean.mul_(1 - momentum).add_(mean.to(layer.running_mean.dtype), alpha=momentum)
-                layer.running_var.mul_(1 - momentum).add_(unbiased.to(layer.running_var.dtype), alpha=momentum)
+            # through .data: micro-batches of the next step may be in flight (non-flushing schedules), their
+            # backward nodes hold these buffers and check their version
+            layer.num_batches_tracked.data.add_(1)
+            momentum = layer.momentum
+            if momentum is None:
+                momentum = 1.0 / float(layer.num_batches_tracked)
+            running_mean, running_var = layer.running_mean.data, layer.running_var.data
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
 
     def forget(self) -> None:
         """Drop what steps not applied yet have gathered (a stage's state is being replaced)."""

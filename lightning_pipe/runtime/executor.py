@@ -124,8 +124,19 @@ def _rows(found: list[torch.Tensor]) -> int:
     return first.shape[0]
 
 
-def _floating_leaves(obj: Any) -> Any:
-    return map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), obj)
+def _sent_forward(outputs: Any) -> tuple[Any, tuple[bool, ...]]:
+    """A stage's outputs as sent to the next stage: detached, with which of them require grad."""
+    found = tensors(outputs)
+    return map_tensors(torch.Tensor.detach, outputs), tuple(t.requires_grad for t in found)
+
+
+def _received_forward(message: tuple[Any, tuple[bool, ...]]) -> Any:
+    """The inputs of a stage: leaves that require grad where the sender's outputs did (a tensor
+    computed from constants, such as an attention mask, stays without grad: attention kernels choose
+    their algorithm by it, and no gradient is wasted on it)."""
+    outputs, flags = message
+    found = iter(flags)
+    return map_tensors(lambda t: t.detach().requires_grad_(next(found) and t.is_floating_point()), outputs)
 
 
 class PipelineExecutor:
@@ -794,7 +805,7 @@ class PipelineExecutor:
 
     def _forward(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
         s, mb, t = action.stage, action.microbatch, action.step
-        inputs = self.inputs[t][mb] if s == 0 else _floating_leaves(self._incoming(("F", s, mb, t)))
+        inputs = self.inputs[t][mb] if s == 0 else _received_forward(self._incoming(("F", s, mb, t)))
         weights = self._computing(s)
         state = _InFlight(inputs=inputs, version=action.version, leaves=weights.leaves(action.version))
         try:
@@ -816,7 +827,7 @@ class PipelineExecutor:
             if return_outputs:
                 output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
         else:
-            self._deliver(action, map_tensors(torch.Tensor.detach, state.outputs))
+            self._deliver(action, _sent_forward(state.outputs))
         self.in_flight[(s, mb, t)] = state
         if s == 0 and mb == self.schedule.microbatches - 1:
             self.inputs.pop(t, None)

@@ -954,7 +954,8 @@ def _first_microbatch(call: Call, microbatches: int) -> Call:
         raise PlanningError(
             "forward was called without any tensor: a pipeline cuts forward's tensors into micro-batches"
         )
-    args, kwargs = unflatten(skeleton, list(split_batch(tuple(found), microbatches)[0]))
+    parts = min(microbatches, rows_of(tuple(found)))  # an evaluation batch may be smaller
+    args, kwargs = unflatten(skeleton, list(split_batch(tuple(found), parts)[0]))
     return Call(tuple(args), dict(kwargs))
 
 
