@@ -67,7 +67,13 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", help="a lightning_pipe JSON profile or a PipeDream graph.txt")
-    source.add_argument("--model", help="a built-in torchvision model to profile (vgg16, resnet50, ...)")
+    source.add_argument(
+        "--model",
+        help="a built-in torchvision model (vgg16, resnet50, ...) or your module as package.module:Class (its "
+        "forward is captured as layers, fed its example_input_array, else the first batch of its "
+        "train_dataloader(), else --input-shape)",
+    )
+    parser.add_argument("--init", metavar="JSON", help="keyword arguments of --model's class, as JSON")
     parser.add_argument(
         "--input-shape",
         type=_positive_int,
@@ -116,9 +122,66 @@ def _profile_model(args: argparse.Namespace) -> ChainCosts:
     from lightning_pipe.models import torchvision_chain
     from lightning_pipe.profiler import profile_layers
 
+    if ":" in args.model:
+        return _profile_module(args)
     model = torchvision_chain(args.model, num_classes=args.num_classes)
     sample = torch.randn(args.batch_size, *args.input_shape)
     return profile_layers(model, sample, device=args.device, repeats=args.repeats, name=args.model)
+
+
+def _profile_module(args: argparse.Namespace) -> ChainCosts:
+    """A user's module (``package.module:Class``): forward captured on a sample micro-batch, its layers
+    and cuts printed, each layer profiled."""
+    import importlib
+
+    from lightning_pipe.capture.describe import describe
+    from lightning_pipe.profiler import profile_layers
+    from lightning_pipe.strategy.contract import pipeline_model
+
+    path, _, name = args.model.partition(":")
+    try:
+        cls = getattr(importlib.import_module(path), name)
+    except (ImportError, AttributeError) as error:
+        raise PlanningError(f"cannot import {args.model}: {error}") from None
+    try:
+        options = json.loads(args.init) if args.init else {}
+    except json.JSONDecodeError as error:
+        raise PlanningError(f"--init is not JSON: {error}") from None
+    module = cls(**options).to(args.device)
+    call = _sample_call(module, args)
+    model = pipeline_model(module, call, args.devices)
+    if model.captured is not None:
+        print(describe(model.captured), file=sys.stderr if args.json else sys.stdout)
+    return profile_layers(
+        model.layers, model.inputs(call), device=args.device, repeats=args.repeats, name=name, layer_names=model.names
+    )
+
+
+def _sample_call(module: Any, args: argparse.Namespace) -> Any:
+    """The arguments of one forward: the module's ``example_input_array``, else the first batch of its
+    ``train_dataloader()`` as its ``training_step`` passes it on, else a random ``--input-shape``."""
+    import torch
+
+    from lightning_pipe.nested import map_tensors
+    from lightning_pipe.strategy.contract import Call, Entry
+
+    def on_device(value: Any) -> Any:
+        return map_tensors(lambda t: t.to(args.device), value)
+
+    example = getattr(module, "example_input_array", None)
+    if example is not None:
+        if isinstance(example, dict):
+            return Call((), on_device(example))
+        return Call(on_device(example) if isinstance(example, tuple) else (on_device(example),))
+    loader = getattr(module, "train_dataloader", None)
+    if callable(loader) and hasattr(module, "training_step"):
+        try:
+            batch = next(iter(loader()))
+        except Exception:  # a module without data of its own: fall back to --input-shape
+            batch = None
+        if batch is not None:
+            return Entry(module).capture(module.training_step, on_device(batch), 0)
+    return Call((torch.randn(args.batch_size, *args.input_shape, device=args.device),))
 
 
 def _short(name: str, width: int = 28) -> str:

@@ -235,3 +235,22 @@ def test_simulate_cli_writes_every_file(tmp_path: Path, capsys: pytest.CaptureFi
     assert plot.stat().st_size > 0 and memory.stat().st_size > 0
     assert json.loads(trace.read_text())["traceEvents"]
     assert json.loads(saved.read_text())["family"] == "zb_h1"
+
+
+def test_plan_of_a_users_module(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model package.module:Class`` captures the module's forward (here the tutorial's ResNet-18
+    with its log_softmax, fed a random --input-shape) and plans its layers; the layers and cuts are
+    printed (to stderr beside --json), named after the modules they call."""
+    result = _json(
+        capsys, "plan", "--model", "tests.user_modules:LitResnet", "--input-shape", "3", "8", "8",
+        "--batch-size", "2", "--devices", "2", "--straight", "--repeats", "1", "--init", '{"lr": 0.02}',
+    )  # fmt: skip
+    assert result["profile"] == "LitResnet" and len(result["stages"]) == 2
+    assert result["stages"][-1]["layers"][1] == result["layers"] - 1
+    printed = capsys.readouterr()
+    assert main(["plan", "--model", "tests.user_modules:LitResnet", "--input-shape", "3", "8", "8",
+                 "--batch-size", "2", "--devices", "2", "--straight", "--repeats", "1"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "Captured forward" in printed and "model.conv1" in printed and "<- stage cut" not in printed
+    assert main(["plan", "--model", "tests.user_modules:Nothing", "--devices", "2"]) == 2
+    assert "cannot import tests.user_modules:Nothing" in capsys.readouterr().err

@@ -79,5 +79,29 @@ def test_shortcuts_and_split_agree_with_the_general_path(batch: object, parts: i
 
 
 def test_a_batch_without_tensors_cannot_be_split() -> None:
-    with pytest.raises(PlanningError, match="a mini-batch must hold at least one tensor"):
+    with pytest.raises(PlanningError, match="a mini-batch must hold a tensor with a batch dimension"):
         split_batch({"labels": [1, 2, 3]}, 2)
+    with pytest.raises(PlanningError, match="a mini-batch must hold a tensor with a batch dimension"):
+        split_batch((torch.tensor(1.0),), 2)
+
+
+@settings(deadline=None, max_examples=60)
+@given(rows=st.integers(2, 9), other=st.integers(1, 9), parts=st.integers(1, 4), scalar_first=st.booleans())
+def test_tensors_without_the_batch_rows_go_to_every_part(rows: int, other: int, parts: int, scalar_first: bool) -> None:
+    """The batch's rows are those of its first tensor with a dimension (a leading 0-d tensor does not
+    count); a tensor of other rows (a mask shared by the samples) and a 0-d tensor go whole to every
+    micro-batch, the others are cut as torch.tensor_split cuts them."""
+    x, mask, scale = torch.randn(rows, 3), torch.randn(other, other), torch.tensor(2.0)
+    batch = (scale, x, mask) if scalar_first else (x, mask, scale)
+    if rows < parts:
+        with pytest.raises(PlanningError, match=f"a mini-batch of {rows} samples cannot be split"):
+            split_batch(batch, parts)
+        return
+    pieces = split_batch(batch, parts)
+    for index, piece in enumerate(pieces):
+        got = dict(zip(("scale", "x", "mask") if scalar_first else ("x", "mask", "scale"), piece, strict=True))
+        assert torch.equal(got["x"], torch.tensor_split(x, parts)[index])
+        assert got["scale"] is scale
+        assert (
+            got["mask"] is mask if other != rows else torch.equal(got["mask"], torch.tensor_split(mask, parts)[index])
+        )

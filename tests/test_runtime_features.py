@@ -4,6 +4,7 @@ measured timelines, drains in the middle of training, losses on every rank."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 
@@ -12,7 +13,8 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead
+from lightning_pipe.nested import flatten
+from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead, _sent_forward
 from lightning_pipe.runtime.launch import LocalRunError, run_local
 from lightning_pipe.runtime.transport import _HEADER
 from lightning_pipe.saved_bytes import saved_bytes
@@ -233,6 +235,14 @@ def _saved_by_one_forward(module: nn.Module, inputs: torch.Tensor) -> int:
         return counted()
 
 
+def _description(output: torch.Tensor, differentiated: bool) -> int:
+    """Bytes the description of a stage's message takes ahead of its tensors (the transport's layout,
+    pickled and aligned)."""
+    skeleton, found = flatten(_sent_forward(output, differentiated))
+    layout = (skeleton, [(t.dtype, tuple(t.shape)) for t in found])
+    return -(-len(pickle.dumps(layout)) // _HEADER) * _HEADER
+
+
 @pytest.mark.timeout(180)
 def test_recomputation_saves_activation_memory() -> None:
     """Exact bytes: GPipe keeps the saved tensors of all m = 4 micro-batches (4·S); with recomputation
@@ -245,16 +255,16 @@ def test_recomputation_saves_activation_memory() -> None:
     microbatch = batches(1, rows=8)[0][0][:2]
     with torch.no_grad():
         received = stages[0](microbatch)
-    per_microbatch = [
+    # stage 1's first Linear saves its input: a view of the received message, which keeps the message's
+    # description of its layout alive with it (which tensors require grad: not known after a no-grad forward)
+    saved = [
         _saved_by_one_forward(stages[0], microbatch),
-        # stage 1's first Linear saves its input: a view of the received message, which keeps the
-        # message's header alive with it
-        _saved_by_one_forward(stages[1], received.clone().requires_grad_()) + _HEADER,
+        _saved_by_one_forward(stages[1], received.clone().requires_grad_()),
     ]
-    assert per_microbatch[1] > 6 * 2 * 64 * 4  # at least each block's Linear input: the count is not empty
+    assert saved[1] > 6 * 2 * 64 * 4  # at least each block's Linear input: the count is not empty
     for rank in range(2):
-        assert kept[rank]["peak_saved_bytes"] == 4 * per_microbatch[rank]
-        assert recomputed[rank]["peak_saved_bytes"] == per_microbatch[rank]
+        assert kept[rank]["peak_saved_bytes"] == 4 * (saved[rank] + rank * _description(received, True))
+        assert recomputed[rank]["peak_saved_bytes"] == saved[rank] + rank * _description(received, False)
         for got, want in zip(recomputed[rank]["params"][rank], kept[rank]["params"][rank], strict=True):
             assert torch.allclose(got, want, atol=1e-6, rtol=0)
         for got, want in zip(recomputed[rank]["buffers"][rank], kept[rank]["buffers"][rank], strict=True):
@@ -371,6 +381,7 @@ TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist
 from torch import nn
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.nested import flatten
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.schedule import make_schedule
 dist.init_process_group("gloo")

@@ -199,6 +199,7 @@ def _train(name: str, root: str, strategy: Any, devices: int, epochs: int, refer
         "metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
         "losses": losses,
         "epoch_means": list(getattr(module, "epoch_means", [])),
+        "differences": list(getattr(trainer.strategy, "differences", [])),
     }
 
 
@@ -265,6 +266,10 @@ def test_public_module_shapes_run_unchanged_on_two_processes(tmp_path: Path) -> 
                     if name in BATCH_NORM and key == "train_loss":
                         continue  # the reference's batches are micro-batches: its step value is the last one's
                     assert result["metrics"][key] == pytest.approx(value, abs=1e-5), (name, schedule, key)
+        said = "\n".join(results[(name, "1f1b")][0]["differences"])  # rank 0 says it with the plan
+        assert ("Shared parameters model.transformer.wte.weight = model.lm_head.weight" in said) == (name == "gpt")
+        assert ("Batch norm:" in said and "micro-batch of 4 rows" in said) == (name in BATCH_NORM), said
+        assert "Dropout" not in said  # none here (the transformer's set to 0)
         for result in results[(name, "2bw")]:
             losses = result["losses"]
             assert all(loss == loss for loss in losses), (name, losses)  # no NaN reaches the callbacks

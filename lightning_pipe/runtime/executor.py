@@ -124,19 +124,22 @@ def _rows(found: list[torch.Tensor]) -> int:
     return first.shape[0]
 
 
-def _sent_forward(outputs: Any) -> tuple[Any, tuple[bool, ...]]:
-    """A stage's outputs as sent to the next stage: detached, with which of them require grad."""
-    found = tensors(outputs)
-    return map_tensors(torch.Tensor.detach, outputs), tuple(t.requires_grad for t in found)
+def _sent_forward(outputs: Any, differentiated: bool) -> tuple[Any, tuple[bool, ...] | None]:
+    """A stage's outputs as sent to the next stage: detached, with which of them require grad
+    (``None`` after a forward without autograd, recomputed in the backward: every floating one will)."""
+    flags = tuple(t.requires_grad for t in tensors(outputs)) if differentiated else None
+    return map_tensors(torch.Tensor.detach, outputs), flags
 
 
-def _received_forward(message: tuple[Any, tuple[bool, ...]]) -> Any:
+def _received_forward(message: tuple[Any, tuple[bool, ...] | None]) -> Any:
     """The inputs of a stage: leaves that require grad where the sender's outputs did (a tensor
     computed from constants, such as an attention mask, stays without grad: attention kernels choose
     their algorithm by it, and no gradient is wasted on it)."""
     outputs, flags = message
-    found = iter(flags)
-    return map_tensors(lambda t: t.detach().requires_grad_(next(found) and t.is_floating_point()), outputs)
+    found = iter(flags) if flags is not None else None
+    return map_tensors(
+        lambda t: t.detach().requires_grad_((found is None or next(found)) and t.is_floating_point()), outputs
+    )
 
 
 class PipelineExecutor:
@@ -827,7 +830,7 @@ class PipelineExecutor:
             if return_outputs:
                 output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
         else:
-            self._deliver(action, _sent_forward(state.outputs))
+            self._deliver(action, _sent_forward(state.outputs, not self.recompute[s]))
         self.in_flight[(s, mb, t)] = state
         if s == 0 and mb == self.schedule.microbatches - 1:
             self.inputs.pop(t, None)

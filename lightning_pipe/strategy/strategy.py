@@ -29,6 +29,7 @@ Lifecycle (Lightning calls these in this order):
 from __future__ import annotations
 
 import contextlib
+import dis
 import math
 import time
 import warnings
@@ -48,7 +49,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -71,6 +72,7 @@ from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
 from lightning_pipe.strategy.contract import Call, Entry, PipelineModel, pipeline_model
+from lightning_pipe.strategy.differences import differences
 from lightning_pipe.strategy.effects import metric_modules, replay
 from lightning_pipe.strategy.logs import Record, combine, logged_metrics, recording
 from lightning_pipe.strategy.optimizers import HyperParameters, stage_optimizers
@@ -252,6 +254,7 @@ class PipelineStrategy(ParallelStrategy):
         self.stage_plan: StagePlan | None = None
         self._entry: Entry | None = None
         self._chain: PipelineModel | None = None
+        self.differences: list[str] = []  # how the run differs from plain Lightning (rank 0, after planning)
         self._hyper: HyperParameters | None = None
         self._step_args: dict[int, tuple[Any, ...]] = {}
         self._records: dict[tuple[int, int], Record] = {}
@@ -451,11 +454,12 @@ class PipelineStrategy(ParallelStrategy):
         assert self._entry is not None
         module = self.lightning_module
         optimizer = self.optimizers[0] if self.optimizers else None
-        first = _first_microbatch(self._entry.capture(step, *args), self.microbatches)
+        call = self._entry.capture(step, *args)
+        first = _first_microbatch(call, self.microbatches)
         model = self._chain = self._capture(module, first)
         layers = model.layers
         if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(layers) - 1:
-            self.stage_plan = self._plan(model, first, optimizer)
+            self.stage_plan = self._plan(model, first, optimizer, rows_of(args[0]))
         stage_plan = self.stage_plan
         trainer = module.trainer
         clip = trainer.gradient_clip_val
@@ -501,7 +505,7 @@ class PipelineStrategy(ParallelStrategy):
             raise PlanningError(f"rank {names.index(None)} could not capture forward (its error is in its log)")
         return model
 
-    def _plan(self, model: PipelineModel, first: Call, optimizer: Any) -> StagePlan:
+    def _plan(self, model: PipelineModel, first: Call, optimizer: Any, batch_rows: int) -> StagePlan:
         """Verify the chain, profile and partition on rank 0 (with the first micro-batch), broadcast the
         plan or the error, print the plan and the prediction. A later ``validate``/``test``/``predict``
         (or ``fit``) of a module with as many layers keeps the plan."""
@@ -531,7 +535,14 @@ class PipelineStrategy(ParallelStrategy):
             self._prediction = predict(
                 stage_plan, self.schedule_options, self.microbatches, self.plan_options.contention
             )
-            rank_zero_info(report(stage_plan, self._prediction, model.captured))
+            self.differences = differences(
+                self.lightning_module,
+                stage_plan.modules(model.layers),
+                rows_of(model.inputs(first)),
+                batch_rows,
+                self.schedule_options.family not in NON_FLUSHING_FAMILIES,
+            )
+            rank_zero_info("\n".join([report(stage_plan, self._prediction, model.captured), *self.differences]))
         return stage_plan
 
     def _verify(self, model: PipelineModel, first: Call) -> None:
@@ -926,16 +937,24 @@ class PipelineStrategy(ParallelStrategy):
 
 
 def _reads_step_outputs(trainer: Trainer) -> bool:
-    """Whether the module or a callback of the user's defines ``on_train_batch_end`` (which receives
-    ``training_step``'s outputs): a non-flushing schedule then waits, at the end of each batch, for the
-    batch's loss instead of reporting it with the next batch."""
-    if is_overridden("on_train_batch_end", trainer.lightning_module, LightningModule):
-        return True
-    return any(
-        is_overridden("on_train_batch_end", callback, Callback)
-        and not type(callback).__module__.startswith(("lightning.", "pytorch_lightning."))
+    """Whether the module or a callback of the user's reads ``outputs`` in ``on_train_batch_end``
+    (what ``training_step`` returned): a non-flushing schedule then waits, at the end of each batch,
+    for the batch's loss instead of reporting it with the next batch."""
+    hooks = [type(trainer.lightning_module).on_train_batch_end]
+    hooks += [
+        type(callback).on_train_batch_end
         for callback in trainer.callbacks
-    )
+        if not type(callback).__module__.startswith(("lightning.", "pytorch_lightning."))
+    ]
+    return any(_reads_argument(hook, "outputs") for hook in hooks)
+
+
+def _reads_argument(function: Callable[..., Any], name: str) -> bool:
+    """Whether ``function``'s body reads its parameter ``name``."""
+    code = getattr(function, "__code__", None)
+    if code is None or name not in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
+        return False
+    return any(i.opname.startswith("LOAD_FAST") and name in str(i.argval) for i in dis.get_instructions(code))
 
 
 def _step_output(loss: float, records: list[Record]) -> Any:
