@@ -36,9 +36,9 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_pipe.capture import capture  # noqa: E402
-from lightning_pipe.capture.verify import verify_chain  # noqa: E402
-from tests.user_modules import GPT, GPTConfig  # noqa: E402
+from lightning_pipe.capture import capture
+from lightning_pipe.capture.verify import verify_chain
+from tests.user_modules import GPT, GPTConfig
 
 
 def _models(batch: int) -> dict[str, tuple[torch.nn.Module, tuple[Any, ...], str]]:
