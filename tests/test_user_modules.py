@@ -359,3 +359,31 @@ def _boring_worker(rank: int, root: str) -> str:
     except PlanningError as error:
         return str(error)
     return "no error"
+
+
+def test_without_a_logger_the_report_goes_under_default_root_dir(tmp_path: Path) -> None:
+    """``logger=False``: the end-of-fit timeline and trace are written under the Trainer's
+    ``default_root_dir``, not in the working directory the processes run in."""
+    run_local(_no_logger_worker, 2, str(tmp_path), timeout=120)
+    root = tmp_path / "root"
+    assert (root / "pipeline_timeline.png").is_file() and (root / "pipeline_trace.json").is_file()
+    assert not list((tmp_path / "cwd").iterdir())
+
+
+def _no_logger_worker(rank: int, tmp: str) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    cwd = Path(tmp) / "cwd"
+    cwd.mkdir(exist_ok=True)
+    os.chdir(cwd)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="pipe",
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=str(Path(tmp) / "root"),
+    )
+    trainer.fit(_module("autoencoder"), DataLoader(_dataset("autoencoder", 6, seed=5), batch_size=ROWS))
