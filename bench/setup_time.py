@@ -11,10 +11,10 @@ micro-batch of ``--batch`` rows, on the CPU, one thread.
 
 Columns, medians over ``--rounds`` rounds (each configuration once per round, in turn):
 - ``forward``: one forward of the micro-batch, no autograd (the unit of the others);
-- ``capture``: :func:`lightning_pipe.capture.capture` (three traces: train mode, eval mode, one row
-  more; layer grouping; the layer modules);
-- ``verify``: :func:`lightning_pipe.capture.verify.verify_chain` (forward and the chain, in eval and
-  train mode);
+- ``capture``: :func:`lightning_pipe.capture.capture` (three traces: train mode on the micro-batch,
+  eval mode and train mode on two or three rows; layer grouping; the layer modules);
+- ``verify``: :func:`lightning_pipe.capture.verify.verify_chain` (forward and the chain in eval mode,
+  and in train mode when the layers' code differs between the modes), as the strategy runs it;
 - ``torch``: ``torch.distributed.pipelining.pipeline`` with one split point in the middle of the model
   (ResNet-50: ``layer3``; GPT: block 6), or ``fails`` when it cannot capture the model (its export
   stops at the GPT's ``forward``);
@@ -66,7 +66,10 @@ def _round(model: torch.nn.Module, args: tuple[Any, ...], split: str) -> dict[st
     capture_seconds = _seconds(lambda: captured.append(capture(model, args, stages=2)))
     layers = captured[0].layers
     names = [spec.name for spec in captured[0].specs]
-    verify_seconds = _seconds(lambda: verify_chain(model, layers, lambda: model(*args), tuple(args), names))
+    modes = (False,) if captured[0].graph.same_in_eval else (False, True)  # as the strategy verifies
+    verify_seconds = _seconds(
+        lambda: verify_chain(model, layers, lambda: model(*args), tuple(args), names, modes=modes)
+    )
     copy = copy_module.deepcopy(model)  # pipeline() wraps the split module's forward and leaves it so
     try:
         torch_seconds = _seconds(lambda: pipeline(copy, mb_args=args, split_spec={split: SplitPoint.BEGINNING}))

@@ -29,7 +29,7 @@ import operator
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,9 +182,11 @@ class ShadowTracer(fx.Tracer):
 
     Args:
         leaves: modules to keep whole (by identity), besides ``torch.nn``'s building blocks.
+        count_flops: record each node's forward FLOPs (``torch.utils.flop_counter``; the dispatch mode
+            slows the shadow execution down).
     """
 
-    def __init__(self, leaves: set[int] | None = None) -> None:
+    def __init__(self, leaves: set[int] | None = None, count_flops: bool = True) -> None:
         super().__init__(param_shapes_constant=True)
         self.record_stack_traces = False
         self.leaves = leaves or set()
@@ -192,6 +194,7 @@ class ShadowTracer(fx.Tracer):
         self.scope_stack: list[str] = []
         self._placeholder_values: list[torch.Tensor] = []
         self._counter: FlopCounterMode | None = None
+        self._count_flops = count_flops
 
     # -- what is a leaf -------------------------------------------------------------------------
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -229,7 +232,8 @@ class ShadowTracer(fx.Tracer):
         self._call = _Call(skeleton, found, _placeholder_names(root, args, kwargs, len(found)))
         _ACTIVE.append(self)
         try:
-            with torch.no_grad(), _factories_traced(), FlopCounterMode(display=False) as self._counter:
+            counting = FlopCounterMode(display=False) if self._count_flops else nullcontext()
+            with torch.no_grad(), _factories_traced(), counting as self._counter:
                 try:
                     return self.trace(root)
                 except (TraceFailure, ForwardFailed):
@@ -275,7 +279,10 @@ class ShadowTracer(fx.Tracer):
             self._placeholder_values.append(shadow.value)
         else:
             before = self._counter.get_total_flops() if self._counter is not None else 0
-            with _symbolic_trace._maybe_revert_all_patches():
+            # a module's forward and an attribute read must not meet the tracer's patches of nn.Module;
+            # torch's functions and tensor methods on real tensors go through them untouched
+            patched = kind in ("call_module", "get_attr")
+            with _symbolic_trace._maybe_revert_all_patches() if patched else nullcontext():
                 try:
                     shadow.value = self._run(kind, target, _values(args, self), _values(kwargs, self))
                 except Exception as error:

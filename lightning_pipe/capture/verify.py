@@ -1,8 +1,8 @@
 """Check, before any update, that the layers chained together compute ``forward``.
 
 :func:`verify_chain` runs the module's own ``forward`` and the chain of layers on the same micro-batch,
-in eval mode and in train mode (the same random state for both, so dropout draws the same masks), and
-compares every output tensor. On a mismatch it names the first module call whose output differs
+in eval mode and, when asked, in train mode (the same random state for both runs, so dropout draws the
+same masks), and compares every output tensor. On a mismatch it names the first module call whose output differs
 between the two runs (both call the model's own modules, so forward hooks see the same calls in the
 same order) and the layer that makes it; when every module call agrees, the difference is in code
 after the last one (``configure_pipeline`` returning ``chain_from_model(self.model)`` without the
@@ -36,15 +36,18 @@ def verify_chain(
     first_input: Any,
     names: Sequence[str],
     tolerance: float = 1e-5,
+    modes: Sequence[bool] = (False, True),
 ) -> None:
     """Refuse the chain unless ``layers`` applied one after the other to ``first_input`` give what
-    ``forward()`` (the module's own forward on the same micro-batch) gives, in both modes.
+    ``forward()`` (the module's own forward on the same micro-batch) gives, in each of ``modes``
+    (``False``: eval, ``True``: train; a captured graph whose code is the same in both modes needs
+    eval only: every difference between the modes is then inside the modules, which run as they are).
 
     Raises:
         ChainMismatch: with the largest difference, the mode, the first differing module call and its
             layer.
     """
-    for training in (False, True):
+    for training in modes:
         with _restored(module, layers):
             module.train(training)
             for layer in layers:
@@ -76,10 +79,12 @@ def _difference(expected: Any, got: Any, tolerance: float) -> str | None:
             if not torch.equal(a, b):
                 return f"output tensor {index} differs"
             continue
-        gap = (a.double() - b.double()).abs().nan_to_num(nan=float("inf"))
-        scale = 1.0 + float(a.double().abs().nan_to_num(0.0).max()) if a.numel() else 1.0
-        if a.numel() and float(gap.max()) > tolerance * scale:
-            return f"output tensor {index} differs by up to {float(gap.max()):.3g} (values up to {scale - 1:.3g})"
+        if not a.numel() or torch.equal(a, b):
+            continue
+        gap = float(torch.sub(a, b).abs_().nan_to_num_(nan=float("inf")).max())
+        scale = 1.0 + float(a.abs().nan_to_num_(0.0).max())
+        if gap > tolerance * scale:
+            return f"output tensor {index} differs by up to {gap:.3g} (values up to {scale - 1:.3g})"
     return None
 
 

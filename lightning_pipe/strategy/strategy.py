@@ -554,6 +554,7 @@ class PipelineStrategy(ParallelStrategy):
             lambda: type(module).forward(module, *first.args, **first.kwargs),
             model.inputs(first),
             model.names,
+            modes=(False,) if model.captured is not None and model.captured.graph.same_in_eval else (False, True),
         )
 
     def _loss_scale(self) -> LossScale | None:
