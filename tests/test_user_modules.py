@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PlanningError
 from lightning_pipe.capture.verify import verify_chain
+from lightning_pipe.profiler import profile_layers
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.ties import find_ties
 from lightning_pipe.strategy.contract import Call, Entry, pipeline_model
@@ -288,7 +289,7 @@ def test_the_gpt_carries_its_targets_and_shares_its_embedding() -> None:
     found shared when those layers are on different stages."""
     module = _module("gpt")
     idx, targets = _dataset("gpt", 1, seed=3).tensors
-    _, model = _capture(module, (idx[:4].contiguous(), targets[:4].contiguous()))
+    call, model = _capture(module, (idx[:4].contiguous(), targets[:4].contiguous()))
     graph = model.captured.graph
     nodes = list(graph.graph.nodes)
     for spec in model.captured.specs[:-1]:
@@ -297,6 +298,12 @@ def test_the_gpt_carries_its_targets_and_shares_its_embedding() -> None:
     (tie,) = find_ties(stages)
     assert tie.stages == (0, 1) and tie.parameters == [module.model.lm_head.weight]
     assert model.batch_reduced  # the loss: outputs of micro-batches cannot be concatenated
+    costs = profile_layers(model.layers, model.inputs(call), repeats=1, layer_names=model.names)
+    for spec, cost in zip(model.captured.specs[:-1], costs.layers, strict=False):
+        crossing = sum(
+            graph.shadows[nodes[i]].value.nbytes for i in spec.carried if graph.shadows[nodes[i]].value is not None
+        )
+        assert cost.activation_bytes == crossing  # what a cut costs: everything crossing it, the targets too
 
 
 def test_each_module_is_captured_and_its_chain_verified() -> None:
@@ -329,6 +336,23 @@ def test_a_dropped_log_softmax_is_refused_before_any_update() -> None:
     with pytest.raises(
         PlanningError, match=r"do not compute forward \(eval mode.*every module call agrees.*log_softmax"
     ):
+        verify_chain(module, model.layers, lambda: module.forward(x), x, model.names)
+
+
+def test_a_chain_in_another_order_is_refused_at_its_first_differing_layer() -> None:
+    """configure_pipeline returning the autoencoder's layers with two of the decoder's swapped: the
+    refusal names the first module call whose output differs and its layer."""
+
+    class Swapped(LitAutoEncoder):
+        def configure_pipeline(self) -> list[nn.Module]:
+            decoder = list(self.decoder)
+            return [*self.encoder, decoder[0], decoder[2], decoder[1]]
+
+    module = Swapped()
+    x = torch.randn(4, 64)
+    model = pipeline_model(module, Call((x,)), 2)
+    pattern = r"first module call that differs is Linear \(call 1\), in layer 4 \(Linear\)"
+    with pytest.raises(PlanningError, match=pattern):
         verify_chain(module, model.layers, lambda: module.forward(x), x, model.names)
 
 
