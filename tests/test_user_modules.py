@@ -365,19 +365,17 @@ def test_boring_model_on_two_devices_says_what_to_do(tmp_path: Path) -> None:
         assert "devices=1" in message
 
 
-def _boring_worker(rank: int, root: str) -> str:
+def _loggerless_pipeline(rank: int, root: str, **options: Any) -> L.Trainer:
+    """A Trainer as a user writes it for ``strategy="pipe"`` on 2 devices, without a logger."""
     os.environ["LOCAL_RANK"] = str(rank)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="pipe",
-        max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=root,
+    quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
+    return L.Trainer(
+        accelerator="cpu", devices=2, strategy="pipe", logger=False, default_root_dir=root, **quiet, **options
     )
+
+
+def _boring_worker(rank: int, root: str) -> str:
+    trainer = _loggerless_pipeline(rank, root, max_steps=1)
     try:
         trainer.fit(BoringModel(), DataLoader(torch.randn(8, 32), batch_size=4))
     except PlanningError as error:
@@ -395,19 +393,8 @@ def test_without_a_logger_the_report_goes_under_default_root_dir(tmp_path: Path)
 
 
 def _no_logger_worker(rank: int, tmp: str) -> None:
-    os.environ["LOCAL_RANK"] = str(rank)
     cwd = Path(tmp) / "cwd"
     cwd.mkdir(exist_ok=True)
     os.chdir(cwd)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="pipe",
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=str(Path(tmp) / "root"),
-    )
+    trainer = _loggerless_pipeline(rank, str(Path(tmp) / "root"), max_epochs=1)
     trainer.fit(_module("autoencoder"), DataLoader(_dataset("autoencoder", 6, seed=5), batch_size=ROWS))

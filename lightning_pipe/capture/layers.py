@@ -80,7 +80,7 @@ def group_nodes(captured: CapturedGraph, min_layers: int, max_share: float) -> l
 
 def _weigher(captured: CapturedGraph, nodes: list[Node]) -> Callable[[list[Node]], float]:
     """Weight of a group: its forward FLOPs, or its node count when nothing has FLOPs."""
-    flops = {n: captured.shadows[n].flops if n in captured.shadows else 0 for n in nodes}
+    flops = {n: _flops(captured, n) for n in nodes}
     if not any(flops.values()):
         return lambda group: float(len(group))
     return lambda group: float(sum(flops[n] for n in group))
@@ -111,7 +111,7 @@ def _merge_light(runs: list[list[Node]], captured: CapturedGraph) -> list[list[N
     merged: list[list[Node]] = []
     pending: list[Node] = []
     for run in runs:
-        light = all(n.op != "call_module" and not captured.shadows.get(n, _NO_SHADOW).flops for n in run)
+        light = all(n.op != "call_module" and not _flops(captured, n) for n in run)
         if light and merged:
             merged[-1].extend(run)
         elif light:
@@ -124,11 +124,9 @@ def _merge_light(runs: list[list[Node]], captured: CapturedGraph) -> list[list[N
     return merged
 
 
-class _NoShadow:
-    flops = 0
-
-
-_NO_SHADOW = _NoShadow()
+def _flops(captured: CapturedGraph, node: Node) -> int:
+    shadow = captured.shadows.get(node)
+    return shadow.flops if shadow is not None else 0
 
 
 def _name(group: list[Node], depth: int, captured: CapturedGraph) -> str:
@@ -224,18 +222,11 @@ def build_layers(captured: CapturedGraph, specs: list[LayerSpec]) -> list[GraphL
         devices = tuple(
             slot
             for slot, position in enumerate(incoming)
-            if isinstance(captured.shadows.get(train_nodes[position], _NO_SHADOW_VALUE).value, torch.device)
+            if isinstance(getattr(captured.shadows.get(train_nodes[position]), "value", None), torch.device)
         )
         layers.append(GraphLayer(spec.name, code, eval_code, devices))
         incoming = spec.carried
     return layers
-
-
-class _NoValue:
-    value = None
-
-
-_NO_SHADOW_VALUE = _NoValue()
 
 
 def _code(

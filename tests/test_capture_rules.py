@@ -1,0 +1,136 @@
+"""The capture's rules, one module each: split points, submodules that run whole and why, what is
+refused in ``forward``'s own code (with the line), and what a layer carries across a device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PlanningError, pipe_split
+from lightning_pipe.capture import capture
+
+
+class _Blocks(nn.Module):
+    def __init__(self, count: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(3, 3) for _ in range(count))
+
+
+class _SplitPoints(_Blocks):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            x = torch.relu(block(x))
+            if index == 0:
+                pipe_split()
+        return x
+
+
+class _Router(nn.Module):
+    """Decides on tensor values: cannot be a graph, runs whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.left(x) if x.mean() > 0 else self.right(x)
+
+
+class _WithRouter(_Blocks):
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.router = _Router()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.router(self.blocks[0](x)))
+
+
+class _RowsInForward(_Blocks):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.reshape(len(x), -1)  # the number of rows as a Python int
+
+
+class _TrainingOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:  # extra operations in train mode only
+            x = x + 0.1 * torch.tanh(x)
+        return self.scale(x)
+
+
+class _WithTrainingOnly(_Blocks):
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.extra = _TrainingOnly()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.extra(self.blocks[0](x)))
+
+
+class _Broken(_Blocks):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x).view(7, 7)
+
+
+class _CarriesDevice(_Blocks):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device
+        x = x + torch.zeros(3, device=device)  # the device read in the first layer...
+        for block in self.blocks:
+            x = block(x)
+        return x + torch.arange(3, device=device)  # ...and used again in the last
+
+
+def test_split_points_make_the_layers() -> None:
+    """Two segments around the one pipe_split() call, whatever the stages asked."""
+    captured = capture(_SplitPoints(), (torch.randn(4, 3),), stages=3)
+    assert len(captured.layers) == 2
+    assert [spec.name for spec in captured.specs] == ["blocks.0", "blocks.1+blocks.2+blocks.3"]
+    pipe_split()  # outside tracing: nothing
+
+
+def test_a_submodule_deciding_on_values_runs_whole() -> None:
+    """The router's forward decides on x.mean(): it becomes one node, the rest is still split, and
+    the reason (with its line) is kept for the plan."""
+    module = _WithRouter()
+    captured = capture(module, (torch.randn(4, 3),), stages=2)
+    assert list(captured.graph.leaves) == ["router"]
+    assert "decision on tensor values (a condition)" in captured.graph.leaves["router"]
+    assert "x.mean() > 0" in captured.graph.leaves["router"]
+    assert [spec.name for spec in captured.specs] == ["blocks.0", "router", "blocks.1"]
+
+
+def test_the_number_of_rows_in_forward_itself_is_refused_with_the_line() -> None:
+    with pytest.raises(
+        PlanningError, match=r"with 2 rows instead of 4 .*x.reshape\(len\(x\), -1\).*configure_pipeline"
+    ):
+        capture(_RowsInForward(), (torch.randn(4, 3),), stages=2)
+
+
+def test_a_submodule_with_train_only_operations_runs_whole() -> None:
+    """_TrainingOnly records more operations in train mode than in eval mode: it runs whole, so both
+    modes run its own code."""
+    captured = capture(_WithTrainingOnly(), (torch.randn(4, 3),), stages=2)
+    assert list(captured.graph.leaves) == ["extra"]
+    assert "other operations in eval mode" in captured.graph.leaves["extra"]
+
+
+def test_forward_failing_on_its_input_is_said_as_such() -> None:
+    with pytest.raises(PlanningError, match=r"forward fails on the first micro-batch at .*view\(7, 7\): RuntimeError"):
+        capture(_Broken(), (torch.randn(4, 3),), stages=2)
+
+
+def test_a_device_read_upstream_arrives_as_the_receiving_stage_device() -> None:
+    """x.device is read in the first layer and used in the last: the carried device is replaced by
+    the device of the tensors the layer receives."""
+    captured = capture(_CarriesDevice(), (torch.randn(4, 3),), stages=2)
+    last = captured.layers[-1]
+    assert last._device_slots  # the device crosses into the last layer
+    carried = [torch.device("meta") if i in last._device_slots else torch.randn(4, 3) for i in range(2)]
+    assert last(tuple(carried)).device.type == "cpu"
