@@ -2,12 +2,13 @@
 
 :func:`verify_chain` runs the module's own ``forward`` and the chain of layers on the same micro-batch,
 in eval mode and, when asked, in train mode (the same random state for both runs, so dropout draws the
-same masks), and compares every output tensor. On a mismatch it names the first module call whose output differs
-between the two runs (both call the model's own modules, so forward hooks see the same calls in the
-same order) and the layer that makes it; when every module call agrees, the difference is in code
-after the last one (``configure_pipeline`` returning ``chain_from_model(self.model)`` without the
-``F.log_softmax`` that ``forward`` applies, for instance). Nothing is left changed: modes, buffers and
-the random number generators are restored.
+same masks), and compares every output tensor. On a mismatch it runs both again, recording every
+module call, and names the first call whose output differs between the two runs (both call the
+model's own modules, so forward hooks see the same calls in the same order) and the layer that makes
+it; when every module call agrees, the difference is in code after the last one
+(``configure_pipeline`` returning ``chain_from_model(self.model)`` without the ``F.log_softmax`` that
+``forward`` applies, for instance). Nothing is left changed: modes, buffers and the random number
+generators are restored.
 """
 
 from __future__ import annotations
@@ -48,21 +49,36 @@ def verify_chain(
             layer.
     """
     for training in modes:
-        with _restored(module, layers):
-            module.train(training)
-            for layer in layers:
-                layer.training = training  # the layer's choice of code only: its submodules follow `module`
-            torch.manual_seed(0)  # every device's generator: the same dropout masks in both runs
-            with torch.no_grad(), _calls(module) as expected_calls:
-                expected = forward()
-            torch.manual_seed(0)
-            with torch.no_grad(), _calls(module) as chained_calls:
-                got = first_input
-                for layer in layers:
-                    got = layer(got)
+        expected, got, _, _ = _both(module, layers, forward, first_input, training, record=False)
         difference = _difference(expected, got, tolerance)
-        if difference is not None:
+        if difference is not None:  # run again, recording every module call, to say where
+            _, _, expected_calls, chained_calls = _both(module, layers, forward, first_input, training, record=True)
             raise ChainMismatch(_explain(difference, training, expected_calls, chained_calls, layers, names))
+
+
+def _both(
+    module: nn.Module,
+    layers: Sequence[nn.Module],
+    forward: Callable[[], Any],
+    first_input: Any,
+    training: bool,
+    record: bool,
+) -> tuple[Any, Any, list[tuple[nn.Module, Any]], list[tuple[nn.Module, Any]]]:
+    """``forward()`` and the chain on ``first_input`` in one mode, from the same random state, and
+    (with ``record``) every module call each made."""
+    with _restored(module, layers):
+        module.train(training)
+        for layer in layers:
+            layer.training = training  # the layer's choice of code only: its submodules follow `module`
+        torch.manual_seed(0)  # every device's generator: the same dropout masks in both runs
+        with torch.no_grad(), _calls(module, record) as expected_calls:
+            expected = forward()
+        torch.manual_seed(0)
+        with torch.no_grad(), _calls(module, record) as chained_calls:
+            got = first_input
+            for layer in layers:
+                got = layer(got)
+    return expected, got, expected_calls, chained_calls
 
 
 def _difference(expected: Any, got: Any, tolerance: float) -> str | None:
@@ -121,10 +137,13 @@ def _explain(
 
 
 @contextmanager
-def _calls(module: nn.Module) -> Iterator[list[tuple[nn.Module, Any]]]:
+def _calls(module: nn.Module, record: bool = True) -> Iterator[list[tuple[nn.Module, Any]]]:
     """Every call of a module without children under ``module`` (``nn.Identity`` aside: a chain may
     leave it out), with its output, in order."""
     calls: list[tuple[nn.Module, Any]] = []
+    if not record:
+        yield calls
+        return
     handles = [
         leaf.register_forward_hook(lambda m, _, out: calls.append((m, out)))
         for leaf in module.modules()
