@@ -190,9 +190,10 @@ class GraphLayer(nn.Module):
     def forward(self, carried: tuple[Any, ...]) -> Any:
         if self._device_slots:
             carried = self._localised(carried)
+        # the generated code's forward itself: the graph module's own __call__ has no hooks to run
         if self.training or self.eval_code is None:
-            return self.code(carried)
-        return self.eval_code(carried)
+            return self.code.forward(carried)
+        return self.eval_code.forward(carried)
 
     def _localised(self, carried: tuple[Any, ...]) -> tuple[Any, ...]:
         """Devices carried from another rank's stage, as this one's (``idx.device`` read upstream)."""

@@ -14,6 +14,7 @@ device.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,11 +41,18 @@ class Effects:
     appended: dict[str, list[Any]] = field(default_factory=dict)
 
 
+_FOUND: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
+
+
 def metric_modules(module: nn.Module) -> dict[str, nn.Module]:
-    """The torchmetrics ``Metric`` objects of ``module`` by path."""
+    """The torchmetrics ``Metric`` objects of ``module`` by path (looked up once per module: the
+    step code runs once per micro-batch)."""
     if Metric is None:
         return {}
-    return {path: m for path, m in module.named_modules() if isinstance(m, Metric)}
+    found = _FOUND.get(module)
+    if found is None:
+        found = _FOUND[module] = {path: m for path, m in module.named_modules() if isinstance(m, Metric)}
+    return found
 
 
 def _portable(obj: Any) -> Any:
