@@ -1,7 +1,7 @@
 """The textbook PipeDream dynamic program, the peer our planner is measured against.
 
 ``A(j, m) = min( T(1→j, m), min_{i<j, 1<=m'<m} max(A(i, m - m'), 2·C_i, T(i+1→j, m')) )`` with
-``T(i→j, m) = max(Σ t, allreduce)/m`` (Narayanan et al. 2019 §3.1; ../shared/papers/pipedream-notes.txt),
+``T(i→j, m) = max(Σ t, allreduce)/m`` (Narayanan et al. 2019 §3.1),
 written as the paper states it: ``O(N²M²)`` time. ``A(N, M)`` uses exactly ``M`` machines, so the best
 plan on at most ``M`` machines is ``min_m A(N, m)``; with ``straight=True`` there is no replication.
 """

@@ -1,6 +1,6 @@
 """Communication costs between stages and among replicas of a stage.
 
-PipeDream (Narayanan et al. 2019, §3.1; ../shared/papers/pipedream-notes.txt) charges a cut after
+PipeDream (Narayanan et al. 2019, §3.1) charges a cut after
 layer ``i`` ``2·C_i``: the activation goes forward and its gradient comes back, ``C_i`` being the
 transfer time of the bytes crossing the cut. A stage replicated ``r`` times synchronises its weights
 with an all-reduce of its parameter bytes; we use the ring all-reduce volume ``2(r-1)/r`` of the

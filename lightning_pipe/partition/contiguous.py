@@ -1,7 +1,7 @@
 """Optimal contiguous partitioning of a chain, with stage replication and memory limits.
 
 This solves the problem of PipeDream's dynamic program ``A(j, m)`` (Narayanan et al. 2019 §3.1;
-../shared/papers/pipedream-notes.txt, black-gpipe-partitioning-slides.txt): minimise the slowest
+Black, GPipe partitioning slides): minimise the slowest
 stage ``max(A(i, m'), 2·C_i, T(i+1→j, m - m'))`` over contiguous stages with replication, plus the
 Black GPipe memory filter, but with the memory of a stage depending on its place in the pipeline as
 the schedule dictates (1F1B keeps ``min(P - s, m)`` activations on stage ``s``, GPipe ``m``), the
