@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -114,6 +114,20 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
+def final_state(run: L.Trainer, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained module's full state, on every rank: a pipeline's ranks hold only their stages, so
+    it is gathered by the strategy on global rank 0 (as for a checkpoint) and shared by the test."""
+    strategy = run.strategy
+    if not hasattr(strategy, "stage_plan"):
+        return state(model)
+    return strategy.broadcast(strategy.lightning_module_state_dict())
+
+
+def held(model: nn.Module) -> set[str]:
+    """The state-dict entries this rank holds (the others are on the meta device)."""
+    return {name for name, value in model.state_dict().items() if not value.is_meta}
+
+
 def plain_fit(root: str | Path, case: dict[str, Any]) -> dict[str, Any]:
     """The case trained on one device by Lightning alone: the final state, and what validate, test
     and predict give when the case evaluates."""
@@ -127,8 +141,14 @@ def plain_fit(root: str | Path, case: dict[str, Any]) -> dict[str, Any]:
         "enable_checkpointing": checkpoints,
     }
     run = trainer(root, "auto", 1, **options)
-    run.fit(model, loader(case["batches"]), loader(2, seed=7))
-    result: dict[str, Any] = {"final": state(model), "precision": run.precision_plugin.state_dict()}
+    run.fit(model, loader(case["batches"]), loader(2, seed=7), ckpt_path=case.get("resume"))
+    if "save_after" in case:
+        run.save_checkpoint(case["save_after"])
+    result: dict[str, Any] = {
+        "final": state(model),
+        "precision": run.precision_plugin.state_dict(),
+        "callbacks": callback_outcome(run),
+    }
     if case.get("evaluate"):
         result.update(_evaluations(run, model))
     return result
@@ -159,8 +179,13 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
     strategy = case.get("lightning_strategy") or PipelineStrategy(**case["strategy"])
     run = trainer(root, strategy, torch.distributed.get_world_size(), **options)
     run.fit(model, loader(case["batches"]), loader(2, seed=7), ckpt_path=case.get("resume"))
+    if "save_after" in case:  # train, save, continue later (a collective, as under DDP)
+        run.save_checkpoint(case["save_after"])
     result: dict[str, Any] = {
-        "final": state(model),
+        "callbacks": callback_outcome(run),
+        "bounds": getattr(run.strategy, "stage_plan", None) and run.strategy.stage_plan.bounds,
+        "final": final_state(run, model),
+        "held": held(model),
         "initial": initial,
         "precision": run.precision_plugin.state_dict(),
         "placements": placements(),
@@ -195,7 +220,29 @@ def _callbacks(root: str | Path, case: dict[str, Any]) -> list[L.Callback]:
         callbacks.append(ModelCheckpoint(dirpath=Path(root) / "checkpoints", save_last=True, save_top_k=-1))
     if case.get("early_stopping"):
         callbacks.append(EarlyStopping(monitor="val_loss", patience=0, min_delta=1.0, check_on_train_epoch_end=False))
+    if "monitor" in case:  # the best k by val_loss, as users keep them
+        best = ModelCheckpoint(Path(root) / "best", "{epoch}-{val_loss:.5f}", "val_loss", save_top_k=case["monitor"])
+        callbacks.append(best)
+    if "every_n_train_steps" in case:
+        callbacks.append(ModelCheckpoint(Path(root) / "steps", every_n_train_steps=case["every_n_train_steps"]))
+    if case.get("lr_monitor"):
+        callbacks.append(LearningRateMonitor("step"))
     return callbacks
+
+
+def callback_outcome(run: L.Trainer) -> dict[str, Any]:
+    """What the checkpoint and early-stopping callbacks decided: the files kept, the best score."""
+    outcome: dict[str, Any] = {
+        "stopped_epoch": run.early_stopping_callback.stopped_epoch if run.early_stopping_callback else None
+    }
+    for callback in run.checkpoint_callbacks:
+        directory = Path(callback.dirpath)
+        outcome[directory.name] = {
+            "files": sorted(p.name for p in directory.glob("*.ckpt")) if directory.exists() else [],
+            "best": Path(callback.best_model_path).name,
+            "score": None if callback.best_model_score is None else float(callback.best_model_score),
+        }
+    return outcome
 
 
 def stage_modules(model: Chain, balance: list[int]) -> list[nn.Module]:

@@ -223,10 +223,11 @@ def test_resume_checkpoint_and_evaluation(tmp_path: Path) -> None:
     loads with ``Chain.load_from_checkpoint`` on one device, no strategy; (3) validate, test and
     predict after fit give what plain Lightning gives for the same training; (4) a checkpoint of
     plain Lightning (Adam, scheduler) resumes as a pipeline and ends as plain Lightning's uninterrupted
-    run; (5) float16's loss scale resumes where it was; (6) a checkpoint of 2 stages is refused on 1
-    with what would work. Guards against stage optimizer states, the LR schedule, the step count or
-    the loss scale lost at a resume, Adam's moments dropped when resuming an unsplit run, and a
-    checkpoint holding only rank 0's stages."""
+    run; (5) float16's loss scale resumes where it was; (6) 2BW's checkpoint (written after a drain)
+    resumes on one stage, and one holding a weight version in flight is refused with what would
+    work. Guards against stage optimizer states, the LR schedule, the step count or the loss scale
+    lost at a resume, Adam's moments dropped when resuming an unsplit run, and a checkpoint holding
+    only rank 0's stages."""
     runs = {
         "2bw": {"strategy": {"schedule": "2bw", "microbatches": 2, "balance": [3, 4]}},
         "1f1b": {
@@ -274,9 +275,20 @@ def test_resume_checkpoint_and_evaluation(tmp_path: Path) -> None:
     for rank in range(2):
         _assert_close_states(results["1f1b_whole"][rank]["final"], plain["final"], 1e-5)
         _assert_close_states(results["from_plain"][rank]["final"], plain["final"], 1e-5)
-    (refused,) = run_local(_resume_worker, 1, str(tmp_path / "three_stages"), _checkpoint(tmp_path, "2bw_first"))
+    # a 2BW checkpoint has nothing in flight (it is written after a drain): it resumes on one stage;
+    # one that held a weight version still to be used could not be split otherwise, and is refused
+    (resumed,) = run_local(_resume_worker, 1, str(tmp_path / "one_stage"), _checkpoint(tmp_path, "2bw_first"))
+    assert resumed == "resumed"
+    checkpoint = torch.load(_checkpoint(tmp_path, "2bw_first"), weights_only=False)
+    carried = checkpoint["optimizer_states"][0]["pipeline"]["carried"]
+    assert set(carried) == {0, 1} and not carried[1]["versions"]
+    carried[1]["versions"] = {carried[1]["version"] - 1: {}}
+    torch.save(checkpoint, tmp_path / "in_flight.ckpt")
+    (refused,) = run_local(_resume_worker, 1, str(tmp_path / "in_flight"), str(tmp_path / "in_flight.ckpt"))
     assert re.search(
-        r"written by pipelines of 2 stages on 2 workers; this run has 1 stages on 1: resume with stages=2", refused
+        r"holds 2bw weight versions or gradients still to apply for its split \[\[0, 2\], \[3, 6\]\], which this run "
+        r"\(1f1b, \[\[0, 6\]\]\) cannot take: resume with schedule='2bw' and the checkpoint's split",
+        refused,
     )
     for rank in range(2):
         got = results["1f1b_whole"][rank]

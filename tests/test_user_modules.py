@@ -38,6 +38,7 @@ from lightning_pipe.profiler import profile_layers
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.ties import find_ties
 from lightning_pipe.strategy.contract import Call, Entry, pipeline_model
+from tests.lightning_cases import final_state
 from tests.user_modules import (
     DenseNetModule,
     EpochEndOutputs,
@@ -196,7 +197,7 @@ def _train(name: str, root: str, strategy: Any, devices: int, epochs: int, refer
     if reference:  # one loss per micro-batch, divided by their number: the step's is their sum
         losses = [sum(losses[i : i + reference]) for i in range(0, len(losses), reference)]
     return {
-        "final": {key: value.detach().clone() for key, value in module.state_dict().items()},
+        "final": final_state(trainer, module),
         "metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
         "losses": losses,
         "epoch_means": list(getattr(module, "epoch_means", [])),

@@ -629,10 +629,11 @@ class PipelineExecutor:
         gradient_bytes = [sizes.get(stage, 0.0) for stage in range(self.schedule.stages)]
         return stage_costs([totals for totals, _ in gathered], self.schedule.stages, gradient_bytes, **network)
 
-    def state_dict(self) -> dict[str, object]:
-        """Weights, versions kept, gradients accumulated and optimizer states of this worker's stages.
-        A non-flushing schedule must be drained first: the activations of the micro-batches still in
-        the pipeline cannot be saved, so a restored run could not finish them."""
+    def state_dict(self, weights: bool = True) -> dict[str, object]:
+        """Versions kept and gradients accumulated of this worker's stages, and (``weights``) their
+        weights and optimizer states. A non-flushing schedule must be drained first: the activations
+        of the micro-batches still in the pipeline cannot be saved, so a restored run could not finish
+        them."""
         if self.calls and not self.schedule.flush:
             raise PlanningError(
                 f"state_dict() with {self.schedule.family} steps in flight: the micro-batches still in the "
@@ -642,7 +643,10 @@ class PipelineExecutor:
         return {
             "calls": self.calls,
             "origin": self.origin,
-            "stages": {s: {"module": w.module.state_dict(), **w.state_dict()} for s, w in self.weights.items()},
+            "stages": {
+                s: {"module": w.module.state_dict(), **w.state_dict()} if weights else w.state_dict(optimizer=False)
+                for s, w in self.weights.items()
+            },
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -650,7 +654,8 @@ class PipelineExecutor:
         self.origin = int(state["origin"])
         self._calls_cache.clear()  # keyed by call, relative to the origin just replaced
         for stage, entry in state["stages"].items():
-            self.weights[int(stage)].module.load_state_dict(entry["module"])
+            if "module" in entry:
+                self.weights[int(stage)].module.load_state_dict(entry["module"])
             self.weights[int(stage)].load_state_dict(entry)
             self.norms[int(stage)].forget()
 

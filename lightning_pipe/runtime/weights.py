@@ -319,15 +319,18 @@ class StageWeights:
             for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
                 grad.copy_(summed.view_as(grad))
 
-    def state_dict(self) -> dict[str, object]:
-        """What carries over between calls: version counter, kept versions, pending gradients."""
+    def state_dict(self, optimizer: bool = True) -> dict[str, object]:
+        """What carries over between calls: version counter, kept versions, pending gradients, and
+        (``optimizer``) the optimizer's state."""
         self._reclaim()
-        return {
+        state: dict[str, object] = {
             "version": self.version,
             "versions": {v: {k: t.detach().clone() for k, t in leaves.items()} for v, leaves in self.versions.items()},
             "gradients": {s: [None if g is None else g.clone() for g in grads] for s, grads in self.gradients.items()},
-            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
         }
+        if optimizer:
+            state["optimizer"] = None if self.optimizer is None else self.optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.version = int(state["version"])
@@ -340,5 +343,5 @@ class StageWeights:
             int(s): [None if g is None else g.to(p.device, copy=True) for g, p in zip(grads, self.params, strict=True)]
             for s, grads in state["gradients"].items()
         }
-        if self.optimizer is not None:
+        if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -7,9 +7,10 @@ Lifecycle (Lightning calls these in this order):
 2. **Set-up** checks what a pipeline cannot run (manual optimisation, gradient accumulation by
    batches, several optimizers, a custom ``configure_gradient_clipping``) and finds the layers
    (:mod:`.contract`).
-3. **First batch**: profile, partition and predict (:mod:`.planning`, printed on rank 0), then the
-   :class:`~lightning_pipe.runtime.PipelineExecutor` is built with one optimizer per stage cloned
-   from the user's (:mod:`.optimizers`).
+3. **First batch**: profile, partition and predict (:mod:`.planning`, printed on rank 0; a resume
+   reuses the checkpoint's plan), then the :class:`~lightning_pipe.runtime.PipelineExecutor` is built
+   with one optimizer per stage cloned from the user's (:mod:`.optimizers`), and each rank releases
+   the weights of the stages it does not run to the meta device (:mod:`.ownership`).
 4. **Training**: Lightning's closure calls :meth:`training_step` once per batch — the pipeline step
    runs there, exactly once, with the update inside it; ``backward`` only runs the backward hooks,
    and :meth:`optimizer_step` runs the closure without stepping the user's optimizer (it is the
@@ -19,9 +20,11 @@ Lifecycle (Lightning calls these in this order):
 6. **Drains**: a non-flushing schedule (PipeDream, 2BW, CDP) keeps steps in flight between batches;
    they are finished on the last batch of an epoch, at ``max_steps``, before validation, before a
    checkpoint and at the end of fitting.
-7. **Checkpoints**: the ``state_dict`` is the full module with its own names (every stage's weights
-   broadcast from their owners), so ``load_from_checkpoint`` works without the strategy; the
-   stages' optimizer states travel in ``optimizer_states``.
+7. **Checkpoints**: gathered on global rank 0 by name, in Lightning's own layout: the ``state_dict``
+   is the full module, ``optimizer_states`` the user's optimizer's state with every parameter's
+   state (so ``load_from_checkpoint``, plain Lightning and DDP resume it, and a pipeline resumes it
+   on any other split); the plan and a non-flushing schedule's carried state (weight versions)
+   ride along under ``optimizer_states[0]["pipeline"]``.
 8. **Signals**: SIGTERM (preemption) and SLURM's requeue signal are noted by the handler and acted on
    by every rank at the start of the same training batch (:mod:`.signals`).
 """
@@ -29,6 +32,7 @@ Lifecycle (Lightning calls these in this order):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import dis
 import math
 import time
@@ -43,11 +47,13 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
@@ -76,6 +82,7 @@ from lightning_pipe.strategy.differences import differences
 from lightning_pipe.strategy.effects import metric_modules, replay
 from lightning_pipe.strategy.logs import Record, combine, logged_metrics, recording
 from lightning_pipe.strategy.optimizers import HyperParameters, stage_optimizers
+from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
 from lightning_pipe.strategy.planning import (
     PlanOptions,
     StagePlan,
@@ -145,6 +152,8 @@ class PipelineStrategy(ParallelStrategy):
         profile: a saved profile to plan with instead of profiling.
         plan: a saved plan (``lightning-pipe plan --json``) to run as is.
         balance: layers per stage, instead of planning.
+        keep_plan: a resume from a pipeline checkpoint with as many stages reuses the checkpoint's
+            plan (no profiling: the split does not depend on the machine's load); ``False`` plans anew.
         stage_replicas: workers per stage with ``balance`` for ``1f1b_rr``.
         profile_repeats: timed runs per layer when profiling.
         stages: pipeline stages (default: one per device, or what the family puts on the devices of
@@ -184,6 +193,7 @@ class PipelineStrategy(ParallelStrategy):
         profile: str | None = None,
         plan: str | None = None,
         balance: list[int] | None = None,
+        keep_plan: bool = True,
         stage_replicas: list[int] | None = None,
         profile_repeats: int = 3,
         stages: int | None = None,
@@ -243,6 +253,7 @@ class PipelineStrategy(ParallelStrategy):
         if start_method not in ("popen", "spawn"):
             raise PlanningError(f"start_method must be 'popen' or 'spawn'; got {start_method!r}")
         self.recompute = recompute
+        self.keep_plan = keep_plan
         self._start_method = start_method
         self.pin_cpus = pin_cpus
         check_whole("shared_memory_bytes", shared_memory_bytes, 0, "bytes", optional=True)
@@ -254,6 +265,12 @@ class PipelineStrategy(ParallelStrategy):
         self.stage_plan: StagePlan | None = None
         self._entry: Entry | None = None
         self._chain: PipelineModel | None = None
+        self._chain_of: LightningModule | None = None  # the module the chain was captured from
+        self._ownership: Ownership | None = None  # which entries each stage holds, once released
+        self._template_names: list[str | None] = []  # the user's optimizer's parameters, by name
+        self._saved: dict[str, Any] | None = None  # the plan and carried state of a checkpoint being resumed
+        self._carried: dict[str, Any] | None = None  # this rank's carried state when the executor closed
+        self._owners: list[list[int]] = []  # the workers of each stage, once released
         self.differences: list[str] = []  # how the run differs from plain Lightning (rank 0, after planning)
         self._hyper: HyperParameters | None = None
         self._step_args: dict[int, tuple[Any, ...]] = {}
@@ -261,7 +278,6 @@ class PipelineStrategy(ParallelStrategy):
         self._pending: dict[int, dict[int, tuple[Record, float]]] = {}
         self._last_output: Any = torch.tensor(float("nan"))
         self._outputs_read = False
-        self._restored: list[Any] | None = None
         self._prediction: Simulation | None = None
         self._step_seconds: list[float] = []
         self._posted: Any = None
@@ -407,6 +423,8 @@ class PipelineStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # one: Lightning refuses several under automatic optimization
             self._hyper = HyperParameters(self.optimizers[0])
+            names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+            self._template_names = [names.get(id(p)) for g in self.optimizers[0].param_groups for p in g["params"]]
             epoch_loop = trainer.fit_loop.epoch_loop
             if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # Lightning's per-batch collective: the
                 epoch_loop._broadcast_sigterm_tensor = lambda: None  # flag travels in the log relay (.signals)
@@ -445,7 +463,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        _move_held(self.model, self.root_device)
 
     # -- the pipeline, built on the first batch ---------------------------------------------------
     def _pipeline(self, step: Callable[..., Any], args: tuple[Any, ...]) -> PipelineExecutor:
@@ -454,12 +472,12 @@ class PipelineStrategy(ParallelStrategy):
         assert self._entry is not None
         module = self.lightning_module
         optimizer = self.optimizers[0] if self.optimizers else None
-        call = self._entry.capture(step, *args)
-        first = _first_microbatch(call, self.microbatches)
-        model = self._chain = self._capture(module, first)
-        layers = model.layers
-        if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(layers) - 1:
-            self.stage_plan = self._plan(model, first, optimizer, rows_of(args[0]))
+        if self._chain is None or self._chain_of is not module:  # a released module is captured once
+            first = _first_microbatch(self._entry.capture(step, *args), self.microbatches)
+            self._chain, self._chain_of, self._ownership = self._capture(module, first), module, None
+            if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(self._chain.layers) - 1:
+                self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(args[0]))
+        layers = self._chain.layers
         stage_plan = self.stage_plan
         trainer = module.trainer
         clip = trainer.gradient_clip_val
@@ -481,10 +499,69 @@ class PipelineStrategy(ParallelStrategy):
         )
         if optimizer is not None:
             optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
-        if self._restored is not None:
-            self._load_pipeline_state(self._restored)
-            self._restored = None
+        self._restore_carried()
+        self._release(module, layers)
         return self.executor
+
+    def _release(self, module: LightningModule, layers: list[Any]) -> None:
+        """Keep only this rank's stages: every other stage's weights and buffers go to the meta device
+        (:mod:`.ownership`)."""
+        assert self.executor is not None and self.stage_plan is not None
+        bounds = self.stage_plan.bounds
+        if self._ownership is None:
+            self._ownership = Ownership.of(module, layers, bounds)
+        self._owners = self.executor.schedule.owners
+        mine = {*self.executor.weights, *self.executor.borrowed}
+        held = tensor_ids(layer for s in mine for layer in layers[bounds[s][0] : bounds[s][1] + 1])
+        others = tensor_ids(layer for s, (a, b) in enumerate(bounds) if s not in mine for layer in layers[a : b + 1])
+        release([module, *layers], others - held, self.optimizers)
+
+    def _writes(self, name: str) -> bool:
+        """Whether this rank contributes state-dict entry ``name`` to a full state (:meth:`Ownership.writer`)."""
+        if self._ownership is None:  # nothing released: global rank 0 holds everything
+            return self.global_rank == 0
+        return self._ownership.writer(name, self._owners, self.pipelines[0]) == self.global_rank
+
+    def _plan_options(self, layers: int) -> PlanOptions:
+        """The plan options; when resuming a pipeline checkpoint of as many stages and layers (and no
+        split was given), its split, so that a resume never depends on profiling again."""
+        saved = (self._saved or {}).get("plan")
+        options = self.plan_options
+        given = options.balance is not None or options.plan is not None or options.profile is not None
+        if saved is None or given or not self.keep_plan:
+            return options
+        replicas = saved["replicas"]
+        if len(saved["bounds"]) != self.stages or saved["layers"] != layers or (replicas and not self._replicated):
+            return options
+        rank_zero_info(f"Reusing the checkpoint's split of the {layers} layers: {saved['bounds']}")
+        balance = [last - first + 1 for first, last in saved["bounds"]]
+        return dataclasses.replace(options, balance=balance, stage_replicas=replicas)
+
+    def _restore_carried(self) -> None:
+        """A resumed checkpoint's carried state (step count, weight versions, gradients not yet
+        applied) given to this rank's stages. On the checkpoint's own split and schedule each stage
+        gets its own; on another one, only a state with nothing in flight carries over (every stage at
+        the same version: as after the drain that precedes every checkpoint)."""
+        saved, self._saved = self._saved, None
+        if saved is None or self.executor is None:
+            return
+        carried: dict[int, dict[str, Any]] = saved["carried"]
+        assert self.stage_plan is not None
+        same = saved["plan"]["bounds"] == [list(b) for b in self.stage_plan.bounds] and (
+            saved["schedule"] == self.schedule_options.family
+        )
+        versions = {entry["version"] for entry in carried.values()}
+        if not same and (len(versions) > 1 or any(e["versions"] or e["gradients"] for e in carried.values())):
+            raise PlanningError(
+                f"the checkpoint holds {saved['schedule']} weight versions or gradients still to apply for its split "
+                f"{saved['plan']['bounds']}, which this run ({self.schedule_options.family}, "
+                f"{[list(b) for b in self.stage_plan.bounds]}) cannot take: resume with "
+                f"schedule={saved['schedule']!r} and the checkpoint's split (keep_plan=True, the default, reuses it)"
+            )
+        (version,) = versions if not same else (None,)
+        empty = {"version": version, "versions": {}, "gradients": {}}
+        stages = {s: carried[s] if same else empty for s in self.executor.weights}
+        self.executor.load_state_dict({"calls": saved["calls"], "origin": saved["origin"], "stages": stages})
 
     def _capture(self, module: LightningModule, first: Call) -> PipelineModel:
         """The layers of ``module``, captured on every rank from the same micro-batch (each rank's
@@ -520,7 +597,7 @@ class PipelineStrategy(ParallelStrategy):
                     model.layers,
                     model.inputs(first),
                     self.stages,
-                    self.plan_options,
+                    self._plan_options(len(model.layers)),
                     memory,
                     self.root_device,
                     self._replicated,
@@ -742,7 +819,6 @@ class PipelineStrategy(ParallelStrategy):
         self.drain()
         self._keep_loss_scale()
         self._report()
-        self._gather_weights()
 
     def _report(self) -> None:
         """The end-of-fit report (:mod:`.report`): a collective; written and logged by global rank 0."""
@@ -820,62 +896,108 @@ class PipelineStrategy(ParallelStrategy):
         return next(value for last, value in gathered if last)
 
     # -- weights and checkpoints ---------------------------------------------------------------
-    def _gather_weights(self) -> None:
-        """Every rank's module gets every stage's weights and buffers from the stage's owner (the
-        whole model, as after DDP training)."""
-        if self.executor is None or self.stage_plan is None:
-            return
-        layers = self._chain.layers if self._chain is not None else []
-        owners = self.executor.schedule.owners
-        for stage, (first, last) in enumerate(self.stage_plan.bounds):
-            for layer in layers[first : last + 1]:
-                for tensor in [*layer.parameters(), *layer.buffers()]:
-                    dist.broadcast(tensor.data, src=owners[stage][0])
-
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full module's state (a collective: drains, then gathers every stage)."""
+        """The full module's state on global rank 0, gathered by name from the ranks holding each entry
+        (a collective: drains first); ``{}`` on the other ranks, which hold only their stages."""
         self.drain()
         self._keep_loss_scale()  # Lightning saves the precision plugin's state after the module's
-        self._gather_weights()
-        return self.lightning_module.state_dict()
+        state = self.lightning_module.state_dict()
+        mine = {name: value for name, value in state.items() if self.pipeline_index == 0 and self._writes(name)}
+        parts = self._gather_to_zero(_to_cpu(mine))
+        if parts is None:
+            return {}
+        merged = {name: value for part in parts for name, value in part.items()}
+        return {name: merged[name] for name in state}
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Load the entries this rank holds (every entry before the stages are placed); with ``strict``
+        the checkpoint must name every entry of the module and no other."""
+        module = self.lightning_module
+        held = module.state_dict(keep_vars=True)
+        state = checkpoint["state_dict"]
+        result = module.load_state_dict(
+            {name: value for name, value in state.items() if not (name in held and held[name].is_meta)}, strict=False
+        )
+        missing = [name for name in held if name not in state]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}, unexpected keys "
+                f"{result.unexpected_keys}"
+            )
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The template's state (hyper-parameters) and, per worker of a pipeline, its stages'
-        optimizer states, versions kept and gradients accumulated (the copies' are equal after a
-        drain: the first pipeline's are kept)."""
+        """On global rank 0, the user's optimizer's state in Lightning's layout, every parameter's state
+        gathered by name from the stage optimizers (a collective), so that any run resumes it: plain
+        Lightning, DDP, or a pipeline on another split. ``["pipeline"]`` adds the plan and each stage's
+        carried state (step count, weight versions). ``{}`` on the other ranks."""
+        first = self.pipeline_index == 0
+        parts = self._gather_to_zero(
+            {"states": self._parameter_states() if first else {}, "carried": self._carried_state() if first else {}}
+        )
+        if parts is None:
+            return {}
+        by_name = {name: value for part in parts for name, value in part["states"].items()}
         state = dict(optimizer.state_dict())
-        local = None if self.executor is None else _to_cpu(self.executor.state_dict())
-        gathered: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
-        try:  # to rank 0 only, which writes the checkpoint: the other ranks need no copy of every stage
-            dist.gather_object(local, gathered, dst=0, group=self._objects)
-        except RuntimeError as error:
-            raise self._failures.aborted() from error
-        state["pipeline"] = {"stages": self.stages, "workers": gathered[: self.workers] if gathered else None}
+        state["state"] = {i: by_name[name] for i, name in enumerate(self._template_names) if name in by_name}
+        carried = {stage: entry for part in parts for stage, entry in part["carried"].get("stages", {}).items()}
+        if carried:
+            assert self.stage_plan is not None
+            state["pipeline"] = {
+                "plan": {
+                    "bounds": [list(b) for b in self.stage_plan.bounds],
+                    "replicas": None if self.stage_plan.replicas is None else list(self.stage_plan.replicas),
+                    "layers": self.stage_plan.bounds[-1][1] + 1,
+                },
+                "schedule": self.schedule_options.family,
+                "calls": parts[0]["carried"]["calls"],
+                "origin": parts[0]["carried"]["origin"],
+                "carried": carried,
+            }
+        return state
+
+    def _parameter_states(self) -> dict[str, Any]:
+        """The optimizer state of each parameter this rank writes, by name, on the CPU: its stage
+        optimizers' (or, once they are closed, the user's optimizer's, which holds them then)."""
+        if self.executor is not None:
+            sources = [w.optimizer.state for w in self.executor.weights.values() if w.optimizer is not None]
+        else:
+            sources = [optimizer.state for optimizer in self.optimizers]
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        return {
+            names[id(p)]: _to_cpu(value)
+            for source in sources
+            for p, value in source.items()
+            if id(p) in names and self._writes(names[id(p)])
+        }
+
+    def _carried_state(self) -> dict[str, Any]:
+        """Step count and, per stage of this rank, its carried state (weight versions and gradients of
+        a non-flushing schedule; the first worker of a replicated stage gives it)."""
+        if self.executor is None:
+            return self._carried or {}
+        state = _to_cpu(self.executor.state_dict(weights=False))
+        owners = self.executor.schedule.owners
+        state["stages"] = {s: e for s, e in state["stages"].items() if owners[s][0] == self.executor.rank}
         return state
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """The user's optimizer takes the state by parameter (the stage optimizers copy their
+        parameters' when they are built); the plan and carried state wait for the first batch."""
         (state,) = checkpoint["optimizer_states"]
         state = dict(state)
-        pipeline = state.pop("pipeline", None)
+        if self.executor is not None:
+            raise PlanningError("a checkpoint can only be restored before the pipeline's first batch")
+        self._saved = state.pop("pipeline", None)
         self.optimizers[0].load_state_dict(state)
-        if pipeline is None:
-            return
-        if pipeline["stages"] != self.stages or len(pipeline["workers"]) != self.workers:
-            raise PlanningError(
-                f"the checkpoint was written by pipelines of {pipeline['stages']} stages on "
-                f"{len(pipeline['workers'])} workers; this run has {self.stages} stages on {self.workers}: resume with "
-                f"stages={pipeline['stages']} (any number of data-parallel copies works)"
-            )
-        if self.executor is None:
-            self._restored = pipeline["workers"]
-        else:
-            self._load_pipeline_state(pipeline["workers"])
 
-    def _load_pipeline_state(self, workers: list[Any]) -> None:
-        assert self.executor is not None
-        mine = workers[self.global_rank % self.workers]
-        if mine is not None:
-            self.executor.load_state_dict(mine)
+    def _gather_to_zero(self, part: Any) -> list[Any] | None:
+        """Every rank's ``part`` on global rank 0 (``None`` on the others)."""
+        gathered: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
+        try:  # to rank 0 only, which writes the checkpoint: the other ranks need no copy of every stage
+            dist.gather_object(part, gathered, dst=0, group=self._objects)
+        except RuntimeError as error:
+            raise self._failures.aborted() from error
+        return gathered
 
     # -- collectives ------------------------------------------------------------------------------
     def _gather(self, obj: Any) -> list[Any]:
@@ -919,11 +1041,36 @@ class PipelineStrategy(ParallelStrategy):
             return tensor
         return _sync_ddp_if_available(tensor, group or self._copies, reduce_op=reduce_op)
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank's vote counts, as under DDP (``ModelCheckpoint``, ``EarlyStopping``): all of them
+        (``all``) or any."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes)
+        return bool(votes == self.world_size) if all else bool(votes)
+
     def teardown(self) -> None:
+        """Close the pipeline; the user's optimizer keeps the stages' optimizer states and this rank
+        their carried state (a checkpoint written after ``fit`` has them). The module moves to the CPU
+        as under DDP, its released tensors staying on the meta device."""
         if self.executor is not None:
+            drained = self.executor.schedule.flush or not self.executor.calls  # not after a failure mid-step
+            self._carried = self._carried_state() if drained else None
+            for weights in self.executor.weights.values():
+                if weights.optimizer is not None:
+                    for optimizer in self.optimizers:
+                        optimizer.state.update(weights.optimizer.state)
             self.executor.close()
             self.executor = None
-        super().teardown()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        if self.lightning_module is not None:
+            _move_held(self.lightning_module, torch.device("cpu"))
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -977,6 +1124,18 @@ def _first_microbatch(call: Call, microbatches: int) -> Call:
     parts = min(microbatches, rows_of(tuple(found)))  # an evaluation batch may be smaller
     args, kwargs = unflatten(skeleton, list(split_batch(tuple(found), parts)[0]))
     return Call(tuple(args), dict(kwargs))
+
+
+def _move_held(module: torch.nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for the tensors this rank holds: the released ones stay on the meta
+    device (:mod:`.ownership`)."""
+    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        module.to(device)
+        return
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+    for submodule in module.modules():  # what LightningModule.device reports
+        if isinstance(submodule, _DeviceDtypeModuleMixin):
+            submodule._device = device
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -1,0 +1,93 @@
+"""Each rank holds only its stages: which of the module's tensors a rank keeps, and the release of the
+others to the meta device.
+
+Once the stages are placed, a rank keeps the parameters and buffers of the layers of the stages it
+runs (a tied parameter, used by layers of several stages, is kept by each of them), and every tensor
+of the module that no layer uses (the step code's own: a loss's class weights, a metric's states).
+Every other tensor is replaced, in every module that holds it, by a tensor of the same shape and
+dtype on the meta device: the module keeps its structure and its names (``state_dict`` lists every
+key), the memory is freed, and any use of a released tensor fails loudly instead of computing with
+stale values. The user's optimizer (the stages' hyper-parameter template) is rewritten to hold the
+replacements too, so that nothing keeps a released tensor alive.
+
+The full model exists again only where it is asked for: gathered by parameter name on global rank 0
+when a checkpoint is written (:meth:`Ownership.writer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Ownership", "release", "tensor_ids"]
+
+
+def tensor_ids(modules: Iterable[nn.Module]) -> set[int]:
+    """The identities of every parameter and buffer of ``modules``."""
+    return {id(t) for module in modules for t in [*module.parameters(), *module.buffers()]}
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Which state-dict entries each stage holds (``stage_names[s]``) and which no layer holds
+    (``outside``: every rank keeps them)."""
+
+    stage_names: tuple[frozenset[str], ...]
+    outside: frozenset[str]
+
+    @classmethod
+    def of(cls, module: nn.Module, layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]]) -> Ownership:
+        state = module.state_dict(keep_vars=True)
+        per_stage = []
+        for first, last in bounds:
+            ids = tensor_ids(layers[first : last + 1])
+            per_stage.append(frozenset(name for name, t in state.items() if id(t) in ids))
+        inside = frozenset().union(*per_stage)
+        return cls(tuple(per_stage), frozenset(state) - inside)
+
+    def names(self, stages: Iterable[int]) -> frozenset[str]:
+        """The state-dict entries a rank running ``stages`` holds."""
+        return self.outside.union(*(self.stage_names[s] for s in stages))
+
+    def writer(self, name: str, owners: Sequence[Sequence[int]], ranks: Sequence[int]) -> int:
+        """The global rank that contributes entry ``name`` to a full state: the first worker of the
+        first stage holding it (``owners[stage]``: the stage's workers; ``ranks``: the global rank of
+        each worker of the first pipeline); rank ``ranks[0]`` for the entries outside the layers."""
+        for stage, names in enumerate(self.stage_names):
+            if name in names:
+                return ranks[owners[stage][0]]
+        return ranks[0]
+
+
+def release(roots: Iterable[nn.Module], drop: set[int], optimizers: Iterable[torch.optim.Optimizer] = ()) -> int:
+    """Replace every parameter and buffer of the modules under ``roots`` whose identity is in
+    ``drop`` by a meta tensor of the same shape (one replacement per tensor, so that a tied parameter
+    stays tied), in the modules and in ``optimizers``' parameter groups. Returns the bytes released."""
+    replaced: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (the released tensor, alive until the end; its stand-in)
+
+    def stand_in(tensor: Tensor) -> Tensor:
+        if id(tensor) not in replaced:
+            meta = torch.empty_like(tensor, device="meta")
+            new = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+            replaced[id(tensor)] = (tensor, new)
+        return replaced[id(tensor)][1]
+
+    seen: set[int] = set()
+    for root in roots:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for table in (module._parameters, module._buffers):
+                for key, tensor in table.items():
+                    if tensor is not None and id(tensor) in drop:
+                        table[key] = stand_in(tensor)
+    for optimizer in optimizers:  # a released parameter's state is its stage's, on another rank
+        for group in optimizer.param_groups:
+            group["params"] = [replaced[id(p)][1] if id(p) in replaced else p for p in group["params"]]
+        for param in [p for p in optimizer.state if id(p) in replaced]:
+            del optimizer.state[param]
+    return sum(t.numel() * t.element_size() for t, _ in replaced.values())
