@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.runtime.executor import PipelineExecutor
-from lightning_pipe.runtime.failure import PipelineAborted
+from lightning_pipe.runtime.failure import add_note, raised_elsewhere
 from lightning_pipe.runtime.launch import LocalRunError, run_local
 from lightning_pipe.schedule import make_schedule
 from tests.reference import OPTIMIZERS, batches, build_stages
@@ -69,8 +69,10 @@ def _train(
         for inputs, targets in batches(6):
             start = time.monotonic()
             executor.step(inputs, targets)
-    except PipelineAborted as error:
-        raise PipelineAborted(f"{error} [after {time.monotonic() - start:.1f} s]") from None
+    except Exception as error:
+        if raised_elsewhere(error):
+            add_note(error, f"[after {time.monotonic() - start:.1f} s]")
+        raise
     return 0.0
 
 
@@ -97,12 +99,13 @@ def test_every_rank_stops_naming_the_failed_one(
     of the processes) ended before the timeout."""
     with pytest.raises(LocalRunError) as caught:
         run_local(_train, world, victim, how, family, world, SURVIVOR_TIMEOUT, shared_memory_bytes, timeout=90)
-    for survivor in (caught.value.errors[rank] for rank in range(world) if rank != victim):
-        assert survivor.startswith("PipelineAborted")
-        if how == "raise":
-            assert f"rank {victim} failed with PlanningError: stage {victim} (rank {victim}) failed on " in survivor
-            assert "ValueError: the loss exploded" in survivor
+    for rank, survivor in ((r, caught.value.errors[r]) for r in range(world) if r != victim):
+        if how == "raise":  # the victim's own error, with its type and message, and where it was raised
+            assert survivor.startswith("ValueError: the loss exploded")
+            assert f"raised in the forward of stage {victim} (rank {victim}) on " in survivor
+            assert f"raised on rank {victim}; rank {rank} stopped because of it" in survivor
         else:  # by its closed connection (or, for rank 0, as the store's host)
+            assert survivor.startswith("PipelineAborted")
             assert f"rank {victim}" in survivor
         assert "s for a message from" not in survivor  # not stopped by the timeout
         assert _after(survivor) < SURVIVOR_TIMEOUT
@@ -137,8 +140,10 @@ def _forget_inputs(rank: int) -> None:
         start = time.monotonic()
         try:
             executor.step(None if index == 2 else inputs, targets)
-        except PipelineAborted as error:
-            raise PipelineAborted(f"{error} [after {time.monotonic() - start:.1f} s]") from None
+        except Exception as error:
+            if raised_elsewhere(error):
+                add_note(error, f"[after {time.monotonic() - start:.1f} s]")
+            raise
 
 
 @pytest.mark.timeout(120)
@@ -147,6 +152,6 @@ def test_a_bad_call_on_one_rank_stops_the_others() -> None:
     with pytest.raises(LocalRunError) as caught:
         run_local(_forget_inputs, 2, timeout=90)
     assert "rank 0 runs the first stage: step() needs the inputs" in caught.value.errors[0]
-    assert caught.value.errors[1].startswith("PipelineAborted")
-    assert "rank 0 failed with PlanningError: rank 0 runs the first stage" in caught.value.errors[1]
+    assert caught.value.errors[1].startswith("PlanningError: rank 0 runs the first stage")
+    assert "raised on rank 0; rank 1 stopped because of it" in caught.value.errors[1]
     assert _after(caught.value.errors[1]) < SURVIVOR_TIMEOUT

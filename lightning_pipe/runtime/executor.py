@@ -41,7 +41,7 @@ from lightning_pipe.runtime.borrowing import (
 )
 from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
 from lightning_pipe.runtime.clipping import clip_by_value, norm_coefficient, scale, squared_norm
-from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
+from lightning_pipe.runtime.failure import FailureBoard, add_note, raised_elsewhere
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, shift
@@ -720,7 +720,7 @@ class PipelineExecutor:
     def _stop(self, error: Exception) -> None:
         """Record the failure (unless another rank's caused it) and tear the pipeline's groups down so
         every rank waiting on this one stops too; the failed frames' locals (pending transfers) go."""
-        if not isinstance(error, PipelineAborted):
+        if not raised_elsewhere(error):
             self.failures.fail(error)
         seen: BaseException | None = error
         while seen is not None:
@@ -827,7 +827,8 @@ class PipelineExecutor:
                         s, inputs, lambda x: self._forward_saving(weights, state.leaves, x)
                     )
         except Exception as error:
-            raise self._mismatch(action, inputs, error) from error
+            add_note(error, self._where(action, inputs))
+            raise
         if s == self.schedule.stages - 1:
             loss = self._loss(state.outputs, t, mb)
             state.loss = None if self.recompute[s] else self._pipeline_share(loss)
@@ -840,8 +841,9 @@ class PipelineExecutor:
         if s == 0 and mb == self.schedule.microbatches - 1:
             self.inputs.pop(t, None)
 
-    def _mismatch(self, action: Action, inputs: Any, error: Exception) -> PlanningError:
-        """A stage that fails on its input: name it and the stage the input came from."""
+    def _where(self, action: Action, inputs: Any) -> str:
+        """Where a forward failed: the stage, this rank, and the input's source and shapes (a stage
+        that fails on the output of the stage before it points at the split)."""
         s = action.stage
         shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors(inputs)]
         if s == 0:
@@ -849,9 +851,7 @@ class PipelineExecutor:
         else:
             producer = self._placement(Kind.F, s - 1, action.microbatch, action.step - self.origin)
             source = f"the output of stage {s - 1} (rank {producer})"
-        return PlanningError(
-            f"stage {s} (rank {self.rank}) failed on {source}, tensors {shapes}: {type(error).__name__}: {error}"
-        )
+        return f"raised in the forward of stage {s} (rank {self.rank}) on {source}, tensors {shapes}"
 
     def _as_floats(self, output: StepOutput) -> StepOutput:
         """``output`` with the micro-batch losses, kept as tensors while the call ran, read as floats

@@ -24,7 +24,8 @@ finds the ring full goes through the data group, and the record the receiver wai
 Everything runs on the caller's thread (no helper threads competing for the cores with the compute).
 A wait ends when the data is in, when the peer's connection closes (the peer died, or tore its
 groups down after a failure: :meth:`Transport.abort`), or after ``timeout_seconds``; each of these
-raises :class:`~lightning_pipe.runtime.failure.PipelineAborted` naming the rank that failed.
+raises the failed rank's own error, or :class:`~lightning_pipe.runtime.failure.PipelineAborted` naming
+the rank that died or hangs (:mod:`~lightning_pipe.runtime.failure`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe.nested import flatten, unflatten
-from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
+from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.shared_memory import Links
 
 __all__ = ["Transport"]
@@ -350,7 +351,7 @@ class Transport:
             "deadlocks or that rank hangs"
         )
 
-    def _lost(self, peer: int, error: BaseException) -> PipelineAborted:
+    def _lost(self, peer: int, error: BaseException) -> BaseException:
         """The error to raise when the connection to ``peer`` failed: the failure the job's store
         records, else ``peer``'s death (recorded, so ranks further along name the same rank)."""
         self.failures.report(f"rank {peer} died (its connection to rank {self.rank} closed: {error})")

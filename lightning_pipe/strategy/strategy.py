@@ -69,10 +69,10 @@ from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import MemoryModel
 from lightning_pipe.nested import flatten, map_tensors, unflatten
-from lightning_pipe.runtime import PipelineAborted, PipelineExecutor
+from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.affinity import pin_threads
 from lightning_pipe.runtime.executor import rows_of, split_batch
-from lightning_pipe.runtime.failure import FailureBoard
+from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
@@ -1015,7 +1015,7 @@ class PipelineStrategy(ParallelStrategy):
         process groups, so every rank waiting on it fails with this error instead of hanging."""
         if not hasattr(self, "_failures") or self.world_size == 1:
             return  # no other rank to stop
-        if not isinstance(exception, PipelineAborted):
+        if not raised_elsewhere(exception):
             self._failures.fail(exception)
         if self.executor is not None:
             self.executor.transport.abort()
