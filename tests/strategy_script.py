@@ -21,7 +21,6 @@ import sys
 from typing import Any
 
 import lightning as L
-import torch
 
 import lightning_pipe  # noqa: F401 - registers the strategy names
 from tests.lightning_cases import Chain, loader
@@ -83,8 +82,7 @@ def main() -> None:
         f"local={trainer.local_rank} environment={environment}",
         flush=True,
     )
-    if trainer.global_rank == 0:
-        torch.save(model.state_dict(), f"{options.root}/final.pt")
+    trainer.save_checkpoint(f"{options.root}/final.ckpt")  # every rank: each holds only its stages
 
 
 if __name__ == "__main__":

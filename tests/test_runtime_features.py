@@ -195,8 +195,13 @@ def test_a_stage_mismatch_names_both_stages() -> None:
     with pytest.raises(LocalRunError) as caught:
         run_local(_mismatch_worker, 2, timeout=60)
     message = caught.value.errors[1]
-    assert "stage 1 (rank 1) failed on the output of stage 0 (rank 0), tensors [((4, 8), 'float32')]" in message
-    assert "rank 1 failed with PlanningError: stage 1 (rank 1)" in caught.value.errors[0]
+    assert message.startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied")  # the error's own type
+    assert (
+        "raised in the forward of stage 1 (rank 1) on the output of stage 0 (rank 0), tensors [((4, 8), 'float32')]"
+        in message
+    )
+    assert caught.value.errors[0].startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+    assert "raised on rank 1; rank 0 stopped because of it" in caught.value.errors[0]
 
 
 class Wide(nn.Module):

@@ -15,11 +15,12 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
+from torch.utils.data import DataLoader, Subset
 
 from lightning_pipe import PipelineStrategy, PlanningError
 from lightning_pipe.runtime import LocalRunError, run_local
 from lightning_pipe.strategy.contract import Call, pipeline_model
-from tests.lightning_cases import Chain, loader, trainer
+from tests.lightning_cases import ROWS, Chain, dataset, loader, trainer
 
 
 class _HeadOutside(Chain):
@@ -136,7 +137,19 @@ ONE_PROCESS = {
     "log": (_LogsAList, {}, {}, r"self.log\('bad', Tensor\).*one-element tensor"),
     "none": (_ReturnsNothing, {}, {}, r"training_step must return the loss.*got NoneType"),
     "skips": (_SkipsTheNet, {}, {}, r"training_step never called forward: .*self\.encoder\(x\).*configure_pipeline"),
-    "split": (Chain, {"microbatches": 16}, {}, r"a mini-batch of 10 samples cannot be split into 16 micro-batches"),
+    "split": (Chain, {"microbatches": 16}, {}, r"batch_size=10 cannot be cut into 16 micro-batches: use batches of"),
+    "last_batch": (
+        Chain,
+        {"microbatches": 4},
+        {},
+        r"the last training batch of each epoch has 3 rows \(23 samples in batches of 10\), fewer than the 4 "
+        r"micro-batches a step cuts it into: pass drop_last=True to the DataLoader",
+    ),
+    "last_batch_dropped": (Chain, {"microbatches": 4}, {}, r"^trained$"),
+}
+_DATA = {  # the cases' training data when not loader(3)'s 30 rows in batches of 10
+    "last_batch": lambda: DataLoader(Subset(dataset(3), range(23)), batch_size=ROWS),
+    "last_batch_dropped": lambda: DataLoader(Subset(dataset(3), range(23)), batch_size=ROWS, drop_last=True),
 }
 
 
@@ -146,7 +159,7 @@ def _refusal_worker(rank: int, root: str, cases: dict[str, tuple]) -> dict[str, 
     for name, (model_class, strategy_options, trainer_options, _) in cases.items():
         run = trainer(Path(root) / name, PipelineStrategy(**strategy_options), 1, **trainer_options)
         try:
-            run.fit(model_class(), loader(3))
+            run.fit(model_class(), _DATA.get(name, lambda: loader(3))())
             messages[name] = "trained"
         except Exception as error:
             messages[name] = f"{type(error).__name__}: {error}"

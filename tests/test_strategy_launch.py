@@ -61,7 +61,7 @@ def test_launched_by_lightning(tmp_path: Path, strategy: str) -> None:
     assert any(row.get("pipeline/step_ms_measured") for row in rows)
     assert any(row.get("pipeline/stage1_backward_ms") for row in rows)
     assert sum(1 for row in rows if row.get("train_loss_step")) == 16
-    final = torch.load(tmp_path / "final.pt")
+    final = torch.load(tmp_path / "final.ckpt", weights_only=False)["state_dict"]
     expected = _plain(tmp_path)
     for name, value in expected.items():
         assert torch.allclose(final[name], value, atol=1e-5), name
@@ -168,7 +168,7 @@ def _check_result(tmp_path: Path) -> None:
         rows = list(csv.DictReader(handle))
     assert sum(1 for row in rows if row.get("train_loss_step")) == 16
     assert any(row.get("pipeline/step_ms_measured") for row in rows)
-    final = torch.load(tmp_path / "final.pt")
+    final = torch.load(tmp_path / "final.ckpt", weights_only=False)["state_dict"]
     for name, value in _plain(tmp_path).items():
         assert torch.allclose(final[name], value, atol=1e-5), name
 
@@ -320,3 +320,28 @@ def test_slurm_requeue_signal(tmp_path: Path) -> None:
     for name, value in _plain(tmp_path, 4).items():
         assert torch.allclose(checkpoint["state_dict"][name], value, atol=1e-5), name
     _check_result(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_0_failing_at_start_up_stops_the_rank_it_launched(tmp_path: Path) -> None:
+    """Rank 0 cannot listen on its port (another process holds it) and fails at once; the rank it
+    re-ran, whose rendezvous would wait for it for 30 minutes, stops within seconds saying why. The
+    run returns only when both have exited (they share its output pipes)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        environment = {**_environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(holder.getsockname()[1])}
+        start = time.monotonic()
+        run = subprocess.run(
+            [sys.executable, "-m", "tests.strategy_script", str(tmp_path), "pipe"],
+            cwd=ROOT,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
+        elapsed = time.monotonic() - start
+    assert run.returncode != 0
+    assert "EADDRINUSE" in run.stderr
+    assert "rank 1 stops: the process that launched it (rank 0, pid" in run.stderr, run.stderr[-3000:]
+    assert elapsed < 60

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import dis
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -77,12 +78,14 @@ from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
+from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.contract import Call, Entry, PipelineModel, pipeline_model
 from lightning_pipe.strategy.differences import differences
 from lightning_pipe.strategy.effects import metric_modules, replay
 from lightning_pipe.strategy.logs import Record, combine, logged_metrics, recording
 from lightning_pipe.strategy.optimizers import HyperParameters, stage_optimizers
 from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
+from lightning_pipe.strategy.parent_watch import LAUNCHER_PID, ParentWatch
 from lightning_pipe.strategy.planning import (
     PlanOptions,
     StagePlan,
@@ -282,6 +285,7 @@ class PipelineStrategy(ParallelStrategy):
         self._step_seconds: list[float] = []
         self._posted: Any = None
         self._signals: Signals | None = None
+        self._parent_watch: ParentWatch | None = None
 
     # -- process set-up, as Lightning's DDP ------------------------------------------------------
     @property
@@ -383,10 +387,16 @@ class PipelineStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            if not self.cluster_environment.creates_processes_externally:  # rank 0 re-runs the script
+                os.environ[LAUNCHER_PID] = str(os.getpid())
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _SpawnLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
+        assert self.cluster_environment is not None
+        launcher = os.environ.get(LAUNCHER_PID)
+        if launcher and self._start_method == "popen" and self.cluster_environment.local_rank() > 0:
+            self._parent_watch = ParentWatch(self.cluster_environment.local_rank(), int(launcher))  # .parent_watch
         super().setup_environment()
         reset_seed()
         assert self.cluster_environment is not None
@@ -501,6 +511,8 @@ class PipelineStrategy(ParallelStrategy):
             optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
         self._restore_carried()
         self._release(module, layers)
+        if self._parent_watch is not None:  # the pipeline is up: failures travel through the job's store now
+            self._parent_watch.stop()
         return self.executor
 
     def _release(self, module: LightningModule, layers: list[Any]) -> None:
@@ -785,6 +797,12 @@ class PipelineStrategy(ParallelStrategy):
                 for (step, mb), (record, loss) in payload["records"].items():
                     self._pending.setdefault(step, {})[mb] = (record, loss, payload["rank"])
 
+    def on_train_start(self) -> None:
+        """Refuse, before the first step, training batches too small to cut into micro-batches."""
+        trainer = self.lightning_module.trainer
+        loaders = getattr(trainer.fit_loop._combined_loader, "flattened", [])
+        check_batches(loaders, self.microbatches, trainer.num_training_batches)
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Act on the signals the relay has brought every rank (:mod:`.signals`): all ranks at the
         same batch."""
@@ -992,6 +1010,8 @@ class PipelineStrategy(ParallelStrategy):
 
     def _gather_to_zero(self, part: Any) -> list[Any] | None:
         """Every rank's ``part`` on global rank 0 (``None`` on the others)."""
+        if not hasattr(self, "_objects"):  # the ranks never connected (a failure at start-up): this one's
+            return [part] if self.global_rank == 0 else None
         gathered: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
         try:  # to rank 0 only, which writes the checkpoint: the other ranks need no copy of every stage
             dist.gather_object(part, gathered, dst=0, group=self._objects)
@@ -1031,7 +1051,12 @@ class PipelineStrategy(ParallelStrategy):
         if not (dist.is_available() and dist.is_initialized()):
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        try:
+            dist.broadcast_object_list(box, src)
+        except RuntimeError as error:  # the source failed (its groups closed): raise its error
+            if not hasattr(self, "_failures"):
+                raise
+            raise self._failures.aborted() from error
         return box[0]
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -1054,6 +1079,8 @@ class PipelineStrategy(ParallelStrategy):
         """Close the pipeline; the user's optimizer keeps the stages' optimizer states and this rank
         their carried state (a checkpoint written after ``fit`` has them). The module moves to the CPU
         as under DDP, its released tensors staying on the meta device."""
+        if self._parent_watch is not None:
+            self._parent_watch.stop()
         if self.executor is not None:
             drained = self.executor.schedule.flush or not self.executor.calls  # not after a failure mid-step
             self._carried = self._carried_state() if drained else None
@@ -1082,6 +1109,18 @@ class PipelineStrategy(ParallelStrategy):
                 schedule=family,
                 start_method=start_method,
             )
+
+
+class _SpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher, handing the main process the full trained model: its rank 0 holds
+    only its own stages, so the weights it sends are gathered from every rank."""
+
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
+        full = self._strategy.lightning_module_state_dict()  # a collective: every rank takes part
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None:
+            self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)
+        return output
 
 
 def _reads_step_outputs(trainer: Trainer) -> bool:

@@ -1,0 +1,151 @@
+"""Resident memory per rank: the pipeline (each rank holds only its stages) against plain Lightning on
+one process and Lightning's DDP, on a model of over 1 GB of fp32 weights, side by side in one run.
+
+Run: ``python bench/memory.py [--width 4096] [--depth 16] [--optimizer sgd|adam] [--pipe 2 4] [--ddp 2]
+[--batch 16] [--steps 3]`` (about 3 minutes on 2 cores and 24 GB).
+
+The module is ``depth`` Linear(width, width)+ReLU blocks and a 10-class head in one ``nn.Sequential``
+(16 x 4096^2 fp32: 1.07 GB of weights), cross-entropy, SGD with momentum (one state tensor per
+parameter) or Adam (two). Every configuration runs in fresh processes (a process's peak is its own):
+
+- ``plain``: Lightning on one process (``strategy="auto"``);
+- ``ddp P``: Lightning's DDP on P processes (each a full replica: weights, gradients, optimizer state,
+  and DDP's gradient buckets, one more gradient-sized copy);
+- ``pipe P``: ``PipelineStrategy("1f1b")`` on P processes, the blocks split evenly (``balance``).
+
+Each rank reads ``/proc/self/status`` at three points: before the model is built (``base``: the
+interpreter, torch, Lightning and the process group, the framework baseline), at the end of fit
+(``steady``: VmRSS) and its peak (VmHWM). ``holds`` is the bytes of the parameters the rank holds at
+the end (not on the meta device), ``expected`` = base + holds x (1 weight + 1 gradient + the
+optimizer's copies; DDP: + 1 bucket copy) + the rank's activations (negligible here: ``--batch`` rows of
+``width`` floats per layer). The pipeline builds the whole model on every rank before the split is
+known (its weights, ``whole``), so its peak is expected at base + max(whole, its stages' state):
+``peak/exp`` compares the measured peak with that, ``steady/exp`` the steady state with ``expected``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.runtime import run_local
+
+MB = 2**20
+_OPTIMIZER_COPIES = {"sgd": 1, "adam": 2}
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+class DeepMLP(L.LightningModule):
+    def __init__(self, width: int, depth: int, optimizer: str) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = []
+        for _ in range(depth):
+            blocks += [nn.Linear(width, width), nn.ReLU()]
+        self.net = nn.Sequential(*blocks, nn.Linear(width, 10))
+        self.optimizer_name = optimizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+        return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+
+
+def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dict[str, float]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    processes = torch.distributed.get_world_size()
+    base = _status("VmRSS")
+    model = DeepMLP(options.width, options.depth, options.optimizer)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    if kind == "pipe":
+        layers = 2 * options.depth + 1
+        balance = [layers // processes + (1 if s < layers % processes else 0) for s in range(processes)]
+        strategy: Any = PipelineStrategy("1f1b", microbatches=processes, balance=balance)
+    else:
+        strategy = kind if kind == "ddp" else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=processes,
+        strategy=strategy,
+        max_steps=options.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    rows = options.batch * options.steps
+    data = TensorDataset(torch.randn(rows, options.width), torch.randint(0, 10, (rows,)))
+    trainer.fit(model, DataLoader(data, batch_size=options.batch))
+    holds = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    copies = 2 + _OPTIMIZER_COPIES[options.optimizer] + (1 if kind == "ddp" else 0)
+    activations = 2 * (2 * options.depth + 1) * options.batch * options.width * 4
+    expected = base + holds * copies + activations
+    return {
+        "base": base,
+        "peak": _status("VmHWM"),
+        "steady": _status("VmRSS"),
+        "holds": holds,
+        "whole": whole,
+        "expected": expected,
+        "expected_peak": max(expected, base + whole + activations) if kind == "pipe" else expected,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--optimizer", choices=sorted(_OPTIMIZER_COPIES), default="sgd")
+    parser.add_argument("--pipe", type=int, nargs="+", default=[2, 4], help="process counts of the pipeline runs")
+    parser.add_argument("--ddp", type=int, nargs="*", default=[2], help="process counts of the DDP runs")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--root", default="bench_memory_logs")
+    options = parser.parse_args(argv)
+    runs = [("plain", 1), *(("ddp", p) for p in options.ddp), *(("pipe", p) for p in options.pipe)]
+    print(
+        f"model: {options.depth} x Linear({options.width}, {options.width}) + head, {options.optimizer}, "
+        f"batch {options.batch}, {options.steps} steps"
+    )
+    header = "run      rank  base MB  holds MB  peak MB  steady MB  expected MB  peak/exp  steady/exp"
+    print(header)
+    print("-" * len(header))
+    for kind, processes in runs:
+        results = run_local(_worker, processes, kind, options, options.root, timeout=900)
+        for rank, r in enumerate(results):
+            print(
+                f"{kind + ' ' + str(processes):8} {rank:4} {r['base'] / MB:8.0f} {r['holds'] / MB:9.0f} "
+                f"{r['peak'] / MB:8.0f} {r['steady'] / MB:10.0f} {r['expected'] / MB:12.0f} "
+                f"{r['peak'] / r['expected_peak']:9.2f} {r['steady'] / r['expected']:11.2f}",
+                flush=True,
+            )
+    print(f"whole model: {results[0]['whole'] / MB:.0f} MB of weights")
+
+
+if __name__ == "__main__":
+    main()
