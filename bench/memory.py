@@ -11,23 +11,29 @@ parameter) or Adam (two). Every configuration runs in fresh processes (a process
 - ``plain``: Lightning on one process (``strategy="auto"``);
 - ``ddp P``: Lightning's DDP on P processes (each a full replica: weights, gradients, optimizer state,
   and DDP's gradient buckets, one more gradient-sized copy);
-- ``pipe P``: ``PipelineStrategy("1f1b")`` on P processes, the blocks split evenly (``balance``).
+- ``pipe P``: ``PipelineStrategy("1f1b")`` on P processes, the blocks split evenly (``balance``);
+- ``pipe-meta P``: the same, the model built in ``trainer.init_module(empty_init=True)`` (on the meta
+  device: each rank materialises only its stages, so no rank ever holds the whole model).
 
 Each rank reads ``/proc/self/status`` at three points: before the model is built (``base``: the
 interpreter, torch, Lightning and the process group, the framework baseline), at the end of fit
 (``steady``: VmRSS) and its peak (VmHWM). ``holds`` is the bytes of the parameters the rank holds at
 the end (not on the meta device), ``expected`` = base + holds x (1 weight + 1 gradient + the
 optimizer's copies; DDP: + 1 bucket copy) + the rank's activations (negligible here: ``--batch`` rows of
-``width`` floats per layer). The pipeline builds the whole model on every rank before the split is
-known (its weights, ``whole``), so its peak is expected at base + max(whole, its stages' state):
-``peak/exp`` compares the measured peak with that, ``steady/exp`` the steady state with ``expected``.
+``width`` floats per layer). Built eagerly, the pipeline's model is whole on every rank until the
+split is known (its weights, ``whole``), so that peak is expected at base + max(whole, its stages'
+state); built on the meta device, at ``expected``. ``peak/exp`` compares the measured peak with that,
+``steady/exp`` the steady state with ``expected``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +83,12 @@ class DeepMLP(L.LightningModule):
 
 def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dict[str, float]:
     os.environ["LOCAL_RANK"] = str(rank)
+    for name in ("lightning.pytorch", "lightning.fabric"):  # the plans and Lightning's notices: only the table
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
     processes = torch.distributed.get_world_size()
     base = _status("VmRSS")
-    model = DeepMLP(options.width, options.depth, options.optimizer)
-    whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    if kind == "pipe":
+    if kind.startswith("pipe"):
         layers = 2 * options.depth + 1
         balance = [layers // processes + (1 if s < layers % processes else 0) for s in range(processes)]
         strategy: Any = PipelineStrategy("1f1b", microbatches=processes, balance=balance)
@@ -98,6 +105,9 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
         enable_model_summary=False,
         default_root_dir=root,
     )
+    with trainer.init_module(empty_init=kind == "pipe-meta"):
+        model = DeepMLP(options.width, options.depth, options.optimizer)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = options.batch * options.steps
     data = TensorDataset(torch.randn(rows, options.width), torch.randint(0, 10, (rows,)))
     trainer.fit(model, DataLoader(data, batch_size=options.batch))
@@ -125,21 +135,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ddp", type=int, nargs="*", default=[2], help="process counts of the DDP runs")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--root", default="bench_memory_logs")
+    parser.add_argument("--root", default=tempfile.mkdtemp(prefix="bench_memory_"), help="the runs' files")
     options = parser.parse_args(argv)
-    runs = [("plain", 1), *(("ddp", p) for p in options.ddp), *(("pipe", p) for p in options.pipe)]
+    runs = [("plain", 1), *(("ddp", p) for p in options.ddp)]
+    runs += [(kind, p) for p in options.pipe for kind in ("pipe", "pipe-meta")]
     print(
         f"model: {options.depth} x Linear({options.width}, {options.width}) + head, {options.optimizer}, "
         f"batch {options.batch}, {options.steps} steps"
     )
-    header = "run      rank  base MB  holds MB  peak MB  steady MB  expected MB  peak/exp  steady/exp"
+    header = "run         rank  base MB  holds MB  peak MB  steady MB  expected MB  peak/exp  steady/exp"
     print(header)
     print("-" * len(header))
     for kind, processes in runs:
         results = run_local(_worker, processes, kind, options, options.root, timeout=900)
         for rank, r in enumerate(results):
             print(
-                f"{kind + ' ' + str(processes):8} {rank:4} {r['base'] / MB:8.0f} {r['holds'] / MB:9.0f} "
+                f"{kind + ' ' + str(processes):11} {rank:4} {r['base'] / MB:8.0f} {r['holds'] / MB:9.0f} "
                 f"{r['peak'] / MB:8.0f} {r['steady'] / MB:10.0f} {r['expected'] / MB:12.0f} "
                 f"{r['peak'] / r['expected_peak']:9.2f} {r['steady'] / r['expected']:11.2f}",
                 flush=True,

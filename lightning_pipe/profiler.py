@@ -18,6 +18,11 @@ model, and measured for:
 * ``flops``: forward + backward FLOPs from :class:`torch.utils.flop_counter.FlopCounterMode` (only
   ops with a registered formula, such as matmul and convolution, count).
 
+A model on the meta device (built with ``init_module(empty_init=True)``, not yet materialised) has
+shapes but no values: it is profiled for everything but time, which is estimated from its FLOPs
+(forward and backward apart) at :data:`ESTIMATED_FLOPS_PER_SECOND`, so the ``time`` partitioner
+balances FLOPs there.
+
 Every run feeds the layer a fresh ``clone()`` of its input, so in-place layers (``ReLU(inplace=True)``)
 work and never corrupt the input of later runs. Inputs of layers after the first require grad when
 floating point, as they would in a pipeline; the first layer's input keeps ``requires_grad`` as given.
@@ -43,7 +48,9 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import map_tensors, nbytes, tensors
 from lightning_pipe.saved_bytes import saved_bytes
 
-__all__ = ["profile_layers"]
+__all__ = ["ESTIMATED_FLOPS_PER_SECOND", "profile_layers"]
+
+ESTIMATED_FLOPS_PER_SECOND = 1e12  # a layer on the meta device: its time is its FLOPs at this rate
 
 
 def profile_layers(
@@ -139,7 +146,7 @@ def _resolve_device(device: str | torch.device | None, named: list[tuple[str, nn
     except (RuntimeError, TypeError) as exc:
         raise PlanningError(f"unknown device {device!r}: use e.g. 'cpu' or 'cuda:0' ({exc})") from exc
     accelerator = torch.accelerator.current_accelerator(check_available=True)
-    if target.type != "cpu" and (accelerator is None or accelerator.type != target.type):
+    if target.type not in ("cpu", "meta") and (accelerator is None or accelerator.type != target.type):
         usable = "'cpu'" + (f" or '{accelerator.type}'" if accelerator is not None else "")
         raise PlanningError(f"device {device!r} is not available here: profile on {usable}")
     return target
@@ -157,8 +164,8 @@ def _batch_size(sample: Any) -> int | None:
 
 
 def _synchronize(device: torch.device) -> None:
-    """Wait for queued kernels so that the clock measures them (no-op on the CPU)."""
-    if device.type != "cpu":
+    """Wait for queued kernels so that the clock measures them (no-op on the CPU and the meta device)."""
+    if device.type not in ("cpu", "meta"):
         torch.accelerator.synchronize(device)
 
 
@@ -222,7 +229,10 @@ def _profile_layer(
         saved, output = _forward_saving(label, layer, leaf)
         _timed_backward(output, device)
     _clear_grads(leaf)
-    forward_seconds, backward_seconds = _time_layer(layer, leaf, device, warmup, repeats)
+    if device.type == "meta":
+        forward_seconds, backward_seconds = _estimated_seconds(layer, leaf)
+    else:
+        forward_seconds, backward_seconds = _time_layer(layer, leaf, device, warmup, repeats)
     cost = LayerCost(
         name=label,
         forward_seconds=forward_seconds,
@@ -268,6 +278,20 @@ def _time_layer(layer: nn.Module, leaf: Any, device: torch.device, warmup: int, 
         backward.append(_timed_backward(output, device))
         _clear_grads(leaf)
     return statistics.median(forward[warmup:]), statistics.median(backward[warmup:])
+
+
+def _estimated_seconds(layer: nn.Module, leaf: Any) -> tuple[float, float]:
+    """Forward and backward seconds of a layer on the meta device (nothing to time): its FLOPs at
+    :data:`ESTIMATED_FLOPS_PER_SECOND`."""
+    with FlopCounterMode(display=False) as forward:
+        output = layer(map_tensors(torch.Tensor.clone, leaf))
+    outputs = [t for t in tensors(output) if t.requires_grad]
+    with FlopCounterMode(display=False) as backward:
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    _clear_grads(leaf)
+    rate = ESTIMATED_FLOPS_PER_SECOND
+    return forward.get_total_flops() / rate, backward.get_total_flops() / rate
 
 
 def _timed_backward(output: Any, device: torch.device) -> float:

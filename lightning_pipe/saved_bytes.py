@@ -3,7 +3,8 @@
 Used by the profiler (what a layer saves) and by the runtime (what a stage holds per micro-batch in
 flight, and what recomputation saves). Saved tensors are counted once per underlying storage, whole:
 a saved view keeps its whole storage alive. Storages of ``excluded`` tensors (parameters, buffers)
-are model state, not activation memory, and are left out.
+are model state, not activation memory, and are left out. On the meta device (a model not yet
+materialised) a storage is told by the tensor it views.
 """
 
 from __future__ import annotations
@@ -19,14 +20,22 @@ __all__ = ["saved_bytes"]
 @contextmanager
 def saved_bytes(excluded: Iterable[torch.Tensor] = ()) -> Iterator[Callable[[], int]]:
     """Within the block, count what autograd saves; the yielded function returns the bytes so far."""
-    skip = {t.untyped_storage().data_ptr() for t in excluded}
+    skip = {_storage_key(t) for t in excluded}
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip:
-            storages[storage.data_ptr()] = storage.nbytes()
+        key = _storage_key(tensor)
+        if key not in skip:
+            storages[key] = tensor.untyped_storage().nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield lambda: sum(storages.values())
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """What identifies ``tensor``'s storage: its address, or on the meta device (no addresses) the
+    tensor it is a view of (a parameter's transpose is the parameter's)."""
+    if tensor.is_meta:
+        return id(tensor._base if tensor._base is not None else tensor)
+    return tensor.untyped_storage().data_ptr()

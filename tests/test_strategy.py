@@ -309,7 +309,9 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
     copies that read the same shard, gradients summed instead of averaged over the copies, and
     ``sync_dist`` reducing over every rank instead of over the copies. A checkpoint of one 2-stage
     pipeline resumes as two copies and ends as DDP resumed from Lightning's own checkpoint of the
-    same epoch (the number of copies may change at a resume)."""
+    same epoch (the number of copies may change at a resume), and as one pipeline of 4 stages it ends
+    as plain Lightning's uninterrupted run (the stages may change at a resume: optimizer state by
+    parameter name), each rank holding its stage's weights only."""
     cases = [
         {"name": "1f1b_4", "batches": 5, "strategy": {"schedule": "1f1b", "microbatches": 4, "balance": [2, 2, 2, 1]}},
         {"name": "2bw_4", "batches": 6, "strategy": {"schedule": "2bw", "microbatches": 4, "balance": [1, 2, 2, 2]}},
@@ -327,6 +329,9 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
     two = [{**first, "name": "pipe_first"}, ddp_case, ddp_resumed]
     ddp = _transpose(_run_cases(tmp_path, 2, two), two)
     cases.append({**cases[2], "name": "hybrid_resumed", "resume": _checkpoint(tmp_path, "pipe_first")})
+    four = {"schedule": "1f1b", "microbatches": 2, "balance": [2, 2, 2, 1]}
+    resumed = {"trainer": {"max_epochs": 2}, "resume": _checkpoint(tmp_path, "pipe_first")}
+    cases.append({"name": "four_stages_resumed", "batches": 6, "strategy": four, **resumed})
     results = _transpose(_run_cases(tmp_path, 4, cases), cases)
     expected = plain_fit(tmp_path / "plain", cases[0])["final"]
     for rank_result in results["1f1b_4"]:
@@ -343,6 +348,14 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
     for rank_result in results["hybrid_resumed"]:  # 1 copy for epoch 1, 2 copies from the resume on
         _assert_close_states(rank_result["final"], ddp["ddp_resumed"][0]["final"], 1e-5)
     _assert_same_metrics(_metrics(tmp_path / "hybrid"), _metrics(tmp_path / "ddp"), 1e-5)
+    uninterrupted = plain_fit(tmp_path / "plain_two", {"batches": 6, "trainer": {"max_epochs": 2}})["final"]
+    for rank_result in results["four_stages_resumed"]:
+        _assert_close_states(rank_result["final"], uninterrupted, 1e-5)
+    layers = [["net.0.weight", "net.0.bias"], [], ["net.2.weight", "net.2.bias"], [], ["net.4.weight", "net.4.bias"]]
+    layers += [[], ["net.6.weight", "net.6.bias"]]
+    spans = [(0, 2), (2, 4), (4, 6), (6, 7)]  # balance [2, 2, 2, 1]
+    held = [{name for layer in layers[a:b] for name in layer} for a, b in spans]
+    assert [r["held"] for r in results["four_stages_resumed"]] == held
 
 
 @pytest.mark.timeout(200)

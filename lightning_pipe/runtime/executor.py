@@ -983,7 +983,7 @@ class PipelineExecutor:
     def _weight_gradient(self, action: Action) -> None:
         """``W``: the weight gradients of a micro-batch whose ``I`` ran."""
         state = self.in_flight[(action.stage, action.microbatch, action.step)]
-        self._computing(action.stage).add(action.step, state.split.weight_gradients())
+        state.split.weight_gradients(self._computing(action.stage).accumulator(action.step))
         self._release(action)
 
     def _send_input_grads(self, action: Action, state: _InFlight, grads: list[torch.Tensor | None]) -> None:

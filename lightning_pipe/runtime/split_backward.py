@@ -13,6 +13,8 @@ a weight used in two places can be) are differentiated from the outputs directly
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
@@ -68,16 +70,17 @@ class SplitBackward:
             for hook in hooks:
                 hook.remove()
 
-    def weight_gradients(self) -> list[torch.Tensor | None]:
-        """``W``: the weight gradients, resumed from the nodes ``I`` ran."""
+    def weight_gradients(self, add: Callable[[int, torch.Tensor], None]) -> None:
+        """``W``: the weight gradients, resumed from the nodes ``I`` ran; ``add(i, gradient)`` takes
+        each one (of ``params[i]``; some may come in parts) as soon as it is computed, so that no
+        more than one node's gradients exist at a time besides what ``add`` keeps."""
         if not self.roots or not self.params:
-            return [None] * len(self.params)
+            return
         accumulators = {get_gradient_edge(p).node: i for i, p in enumerate(self.params)}
         self._memo: dict[Node, set[int]] = {}
         regions = {node: self._region(node, accumulators) for node in self.captured}
         # a weight also reachable from a node through another node I ran would be counted twice
         shared = {i for own, beyond in regions.values() for i in own & beyond}
-        grads: list[torch.Tensor | None] = [None] * len(self.params)
         for node, incoming in self.captured.items():
             own = sorted(regions[node][0] - shared)
             edges = [(GradientEdge(node, i), g) for i, g in enumerate(incoming) if g is not None]
@@ -92,7 +95,7 @@ class SplitBackward:
             )
             for index, grad in zip(own, results, strict=True):
                 if grad is not None:
-                    grads[index] = grad if grads[index] is None else grads[index] + grad
+                    add(index, grad)
         covered = {i for own, _ in regions.values() for i in own} - shared
         rest = [i for i in range(len(self.params)) if i not in covered]
         if rest:  # weights no recorded node reaches alone: from the outputs, every path counted once
@@ -100,9 +103,9 @@ class SplitBackward:
                 self.roots, [self.params[i] for i in rest], self.root_grads, allow_unused=True, retain_graph=True
             )
             for index, grad in zip(rest, results, strict=True):
-                grads[index] = grad
+                if grad is not None:
+                    add(index, grad)
         self.captured.clear()
-        return grads
 
     def _region(self, start: Node, accumulators: dict[Node, int]) -> tuple[set[int], set[int]]:
         """Weights reached from ``start`` without passing another node ``I`` ran, and weights reached

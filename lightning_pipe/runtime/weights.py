@@ -207,15 +207,27 @@ class StageWeights:
                 buffer[index], leaf.grad = leaf.grad, None
 
     def add(self, step: int, grads: list[torch.Tensor | None]) -> None:
-        """Add weight gradients computed elsewhere (a split backward's ``W``, fresh tensors, one per
-        :meth:`differentiable` leaf) to ``step``'s buffer."""
+        """Add weight gradients computed elsewhere (fresh tensors, one per :meth:`differentiable` leaf:
+        a borrower's) to ``step``'s buffer."""
+        add = self.accumulator(step)
+        for leaf, grad in enumerate(grads):
+            if grad is not None:
+                add(leaf, grad)
+
+    def accumulator(self, step: int) -> Callable[[int, torch.Tensor], None]:
+        """``add(leaf, gradient)``: add a fresh gradient of the ``leaf``-th :meth:`differentiable` leaf to
+        ``step``'s buffer (kept as is when it is the first)."""
         buffer = self.pop_gradients(step)
-        for index, grad in zip(self.trainable, grads, strict=True):
-            if grad is not None and buffer[index] is None:
-                buffer[index] = grad
-            elif grad is not None:
-                buffer[index].add_(grad)
         self.gradients[step] = buffer
+
+        def add(leaf: int, grad: torch.Tensor) -> None:
+            index = self.trainable[leaf]
+            if buffer[index] is None:
+                buffer[index] = grad
+            else:
+                buffer[index].add_(grad)
+
+        return add
 
     def backward(
         self,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Ownership", "release", "tensor_ids"]
+__all__ = ["Ownership", "as_parameter_like", "release", "replace", "tensor_ids"]
 
 
 def tensor_ids(modules: Iterable[nn.Module]) -> set[int]:
@@ -66,15 +66,20 @@ def release(roots: Iterable[nn.Module], drop: set[int], optimizers: Iterable[tor
     """Replace every parameter and buffer of the modules under ``roots`` whose identity is in
     ``drop`` by a meta tensor of the same shape (one replacement per tensor, so that a tied parameter
     stays tied), in the modules and in ``optimizers``' parameter groups. Returns the bytes released."""
-    replaced: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (the released tensor, alive until the end; its stand-in)
+    found = {id(t): t for root in roots for t in [*root.parameters(), *root.buffers()] if id(t) in drop}
+    stand_ins = {
+        key: as_parameter_like(tensor, torch.empty_like(tensor, device="meta")) for key, tensor in found.items()
+    }
+    replace(roots, stand_ins, optimizers)
+    return sum(t.numel() * t.element_size() for t in found.values() if not t.is_meta)
 
-    def stand_in(tensor: Tensor) -> Tensor:
-        if id(tensor) not in replaced:
-            meta = torch.empty_like(tensor, device="meta")
-            new = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-            replaced[id(tensor)] = (tensor, new)
-        return replaced[id(tensor)][1]
 
+def replace(
+    roots: Iterable[nn.Module], new: dict[int, Tensor], optimizers: Iterable[torch.optim.Optimizer] = ()
+) -> None:
+    """Put ``new[id(t)]`` in place of every parameter or buffer ``t`` of the modules under ``roots`` (in
+    each module that holds it) and of ``optimizers``' parameter groups; the optimizers' state of a
+    replaced parameter is dropped (it belonged to the tensor replaced)."""
     seen: set[int] = set()
     for root in roots:
         for module in root.modules():
@@ -83,11 +88,15 @@ def release(roots: Iterable[nn.Module], drop: set[int], optimizers: Iterable[tor
             seen.add(id(module))
             for table in (module._parameters, module._buffers):
                 for key, tensor in table.items():
-                    if tensor is not None and id(tensor) in drop:
-                        table[key] = stand_in(tensor)
-    for optimizer in optimizers:  # a released parameter's state is its stage's, on another rank
+                    if tensor is not None and id(tensor) in new:
+                        table[key] = new[id(tensor)]
+    for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["params"] = [replaced[id(p)][1] if id(p) in replaced else p for p in group["params"]]
-        for param in [p for p in optimizer.state if id(p) in replaced]:
+            group["params"] = [new.get(id(p), p) for p in group["params"]]
+        for param in [p for p in optimizer.state if id(p) in new]:
             del optimizer.state[param]
-    return sum(t.numel() * t.element_size() for t, _ in replaced.values())
+
+
+def as_parameter_like(old: Tensor, data: Tensor) -> Tensor:
+    """``data`` as a parameter when ``old`` is one (with its ``requires_grad``), else as is."""
+    return nn.Parameter(data, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else data

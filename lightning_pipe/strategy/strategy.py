@@ -76,6 +76,7 @@ from lightning_pipe.runtime.executor import rows_of, split_batch
 from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
+from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
 from lightning_pipe.strategy.batches import check_batches
@@ -83,6 +84,7 @@ from lightning_pipe.strategy.contract import Call, Entry, PipelineModel, pipelin
 from lightning_pipe.strategy.differences import differences
 from lightning_pipe.strategy.effects import metric_modules, replay
 from lightning_pipe.strategy.logs import Record, combine, logged_metrics, recording
+from lightning_pipe.strategy.materialise import MATERIALISED, materialise, on_meta
 from lightning_pipe.strategy.optimizers import HyperParameters, stage_optimizers
 from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
 from lightning_pipe.strategy.parent_watch import LAUNCHER_PID, ParentWatch
@@ -471,6 +473,23 @@ class PipelineStrategy(ParallelStrategy):
                 "precision='bf16-mixed' (no loss scale), or a flushing schedule (gpipe, 1f1b, interleaved, zb_h1)"
             )
 
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Any:
+        """``Trainer.init_module(empty_init=True)`` builds the model on the meta device: no rank holds it
+        whole; each materialises its stages once they are placed (:mod:`.materialise`)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Any:
+        """``configure_model`` builds its modules on the meta device, as under FSDP (:meth:`tensor_init_context`)."""
+        with torch.device("meta"):
+            yield
+
     def model_to_device(self) -> None:
         assert self.model is not None
         _move_held(self.model, self.root_device)
@@ -482,18 +501,29 @@ class PipelineStrategy(ParallelStrategy):
         assert self._entry is not None
         module = self.lightning_module
         optimizer = self.optimizers[0] if self.optimizers else None
-        if self._chain is None or self._chain_of is not module:  # a released module is captured once
+        fresh = self._chain is None or self._chain_of is not module  # a released module is captured once
+        meta = fresh and on_meta(module)  # built with init_module(empty_init=True) or configure_model: shapes only
+        if fresh:
             first = _first_microbatch(self._entry.capture(step, *args), self.microbatches)
+            if meta:
+                first = Call(*map_tensors(lambda t: t.to("meta"), (first.args, first.kwargs)))
             self._chain, self._chain_of, self._ownership = self._capture(module, first), module, None
             if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(self._chain.layers) - 1:
-                self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(args[0]))
+                self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(args[0]), meta)
         layers = self._chain.layers
         stage_plan = self.stage_plan
+        make = schedule_of(stage_plan, self.schedule_options, self.microbatches)
+        mine = {a.stage for a in make(1).orders[self.global_rank % self.workers] if a.kind in COMPUTE}
+        if meta:  # this rank's stages only, initialised as the whole model would be (.materialise)
+            everything = {id(t) for root in (module, *layers) for t in [*root.parameters(), *root.buffers()]}
+            materialise(
+                module, [module, *layers], everything - self._foreign(layers, mine), self.root_device, self.optimizers
+            )
         trainer = module.trainer
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"  # a str enum: compares equal to its value
         self.executor = PipelineExecutor(
-            schedule_of(stage_plan, self.schedule_options, self.microbatches),
+            make,
             stage_plan.modules(layers),
             self._loss,
             stage_optimizers(optimizer) if optimizer is not None else (lambda params: None),
@@ -510,23 +540,26 @@ class PipelineStrategy(ParallelStrategy):
         if optimizer is not None:
             optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
         self._restore_carried()
-        self._release(module, layers)
+        self._release(module, layers, mine)
         if self._parent_watch is not None:  # the pipeline is up: failures travel through the job's store now
             self._parent_watch.stop()
         return self.executor
 
-    def _release(self, module: LightningModule, layers: list[Any]) -> None:
-        """Keep only this rank's stages: every other stage's weights and buffers go to the meta device
-        (:mod:`.ownership`)."""
+    def _release(self, module: LightningModule, layers: list[Any], mine: set[int]) -> None:
+        """Keep only this rank's stages (``mine``): every other stage's weights and buffers go to the
+        meta device (:mod:`.ownership`)."""
         assert self.executor is not None and self.stage_plan is not None
-        bounds = self.stage_plan.bounds
         if self._ownership is None:
-            self._ownership = Ownership.of(module, layers, bounds)
+            self._ownership = Ownership.of(module, layers, self.stage_plan.bounds)
         self._owners = self.executor.schedule.owners
-        mine = {*self.executor.weights, *self.executor.borrowed}
-        held = tensor_ids(layer for s in mine for layer in layers[bounds[s][0] : bounds[s][1] + 1])
-        others = tensor_ids(layer for s, (a, b) in enumerate(bounds) if s not in mine for layer in layers[a : b + 1])
-        release([module, *layers], others - held, self.optimizers)
+        release([module, *layers], self._foreign(layers, mine), self.optimizers)
+
+    def _foreign(self, layers: list[Any], mine: set[int]) -> set[int]:
+        """The identities of the tensors only the layers of stages other than ``mine`` use."""
+        assert self.stage_plan is not None
+        spans = [layers[a : b + 1] for a, b in self.stage_plan.bounds]
+        held = tensor_ids(layer for s in mine for layer in spans[s])
+        return tensor_ids(layer for s, span in enumerate(spans) if s not in mine for layer in span) - held
 
     def _writes(self, name: str) -> bool:
         """Whether this rank contributes state-dict entry ``name`` to a full state (:meth:`Ownership.writer`)."""
@@ -594,7 +627,7 @@ class PipelineStrategy(ParallelStrategy):
             raise PlanningError(f"rank {names.index(None)} could not capture forward (its error is in its log)")
         return model
 
-    def _plan(self, model: PipelineModel, first: Call, optimizer: Any, batch_rows: int) -> StagePlan:
+    def _plan(self, model: PipelineModel, first: Call, optimizer: Any, batch_rows: int, meta: bool) -> StagePlan:
         """Verify the chain, profile and partition on rank 0 (with the first micro-batch), broadcast the
         plan or the error, print the plan and the prediction. A later ``validate``/``test``/``predict``
         (or ``fit``) of a module with as many layers keeps the plan."""
@@ -604,14 +637,15 @@ class PipelineStrategy(ParallelStrategy):
         stage_plan: StagePlan | PlanningError | None = None
         if self.global_rank == 0:
             try:
-                self._verify(model, first)
+                if not meta:  # a model on the meta device has no values to compare
+                    self._verify(model, first)
                 stage_plan = plan_stages(
                     model.layers,
                     model.inputs(first),
                     self.stages,
                     self._plan_options(len(model.layers)),
                     memory,
-                    self.root_device,
+                    torch.device("meta") if meta else self.root_device,
                     self._replicated,
                     names=model.names,
                 )
@@ -631,7 +665,8 @@ class PipelineStrategy(ParallelStrategy):
                 batch_rows,
                 self.schedule_options.family not in NON_FLUSHING_FAMILIES,
             )
-            rank_zero_info("\n".join([report(stage_plan, self._prediction, model.captured), *self.differences]))
+            notes = [MATERIALISED] if meta else []
+            rank_zero_info("\n".join([report(stage_plan, self._prediction, model.captured), *self.differences, *notes]))
         return stage_plan
 
     def _verify(self, model: PipelineModel, first: Call) -> None:
