@@ -345,3 +345,13 @@ def test_a_rank_0_failing_at_start_up_stops_the_rank_it_launched(tmp_path: Path)
     assert "EADDRINUSE" in run.stderr
     assert "rank 1 stops: the process that launched it (rank 0, pid" in run.stderr, run.stderr[-3000:]
     assert elapsed < 60
+
+
+@pytest.mark.timeout(300)
+def test_finished_fits_exit_cleanly(tmp_path: Path) -> None:
+    """Repeated fits, re-run and spawned, 1F1B and 2BW (each also validates): every process exits with
+    status 0 and no ``terminate called`` (a gloo thread aborting a finished process at interpreter
+    exit, which a scheduler would mark as a failed job). The process groups are closed at exit."""
+    for run, strategy in enumerate(["pipe", "pipe_spawn", "pipe_2bw_spawn", "pipe_2bw", "pipe_spawn", "pipe"]):
+        output, _ = _script(tmp_path / str(run), strategy)
+        assert "terminate called" not in output, (strategy, output[-2000:])

@@ -31,6 +31,7 @@ Lifecycle (Lightning calls these in this order):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import dis
@@ -407,6 +408,8 @@ class PipelineStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        atexit.unregister(_close_process_groups)  # registered once per process, however many fits
+        atexit.register(_close_process_groups)
         if self.pin_cpus:
             pin_threads(self.local_rank, self.num_processes)
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
@@ -1198,6 +1201,16 @@ def _first_microbatch(call: Call, microbatches: int) -> Call:
     parts = min(microbatches, rows_of(tuple(found)))  # an evaluation batch may be smaller
     args, kwargs = unflatten(skeleton, list(split_batch(tuple(found), parts)[0]))
     return Call(tuple(args), dict(kwargs))
+
+
+def _close_process_groups() -> None:
+    """At interpreter exit, close every process group, the default one last, while Python still runs:
+    left to the interpreter's finalisation, the strategy's several gloo groups were destroyed in no set
+    order, and a worker thread still joinable aborted the finished process now and then ("terminate
+    called without an active exception", exit status -6)."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _move_held(module: torch.nn.Module, device: torch.device) -> None:
