@@ -182,6 +182,7 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
     if "save_after" in case:  # train, save, continue later (a collective, as under DDP)
         run.save_checkpoint(case["save_after"])
     result: dict[str, Any] = {
+        "collectives": next((c.seen for c in callbacks if isinstance(c, Collectives)), None),
         "callbacks": callback_outcome(run),
         "bounds": getattr(run.strategy, "stage_plan", None) and run.strategy.stage_plan.bounds,
         "final": final_state(run, model),
@@ -227,7 +228,25 @@ def _callbacks(root: str | Path, case: dict[str, Any]) -> list[L.Callback]:
         callbacks.append(ModelCheckpoint(Path(root) / "steps", every_n_train_steps=case["every_n_train_steps"]))
     if case.get("lr_monitor"):
         callbacks.append(LearningRateMonitor("step"))
+    if case.get("collectives"):
+        callbacks.append(Collectives())
     return callbacks
+
+
+class Collectives(L.Callback):
+    """Calls the strategy's collectives as a user's code would, each rank with a value of its
+    data-parallel replica (DDP: its rank; a pipeline: its copy), and keeps what they returned."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        replica = getattr(strategy, "pipeline_index", trainer.global_rank)
+        value = torch.tensor(float(replica + 1))
+        self.seen = {op: float(strategy.reduce(value.clone(), reduce_op=op)) for op in ("mean", "sum", "max")}
+        self.seen["gather"] = strategy.all_gather(value.clone()).tolist()
+        self.seen["broadcast"] = strategy.broadcast(replica + 10)
+        self.seen["all"] = strategy.reduce_boolean_decision(replica == 0, all=True)
+        self.seen["any"] = strategy.reduce_boolean_decision(replica == 0, all=False)
+        strategy.barrier()
 
 
 def callback_outcome(run: L.Trainer) -> dict[str, Any]:

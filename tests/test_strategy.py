@@ -307,17 +307,19 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
     of a 2-stage 1F1B pipeline (``data_parallel=2``) train, log (``sync_dist`` included) and end
     exactly as Lightning's own DDP on 2 processes, which shards the data the same way. Guards against
     copies that read the same shard, gradients summed instead of averaged over the copies, and
-    ``sync_dist`` reducing over every rank instead of over the copies. A checkpoint of one 2-stage
-    pipeline resumes as two copies and ends as DDP resumed from Lightning's own checkpoint of the
-    same epoch (the number of copies may change at a resume), and as one pipeline of 4 stages it ends
-    as plain Lightning's uninterrupted run (the stages may change at a resume: optimizer state by
-    parameter name), each rank holding its stage's weights only."""
+    ``sync_dist`` reducing over every rank instead of over the copies; the strategy's collectives
+    (``reduce``, ``all_gather``, ``broadcast``, ``reduce_boolean_decision``) give what DDP's give.
+    A checkpoint of one 2-stage pipeline resumes as two copies and ends as DDP resumed from
+    Lightning's own checkpoint of the same epoch (the number of copies may change at a resume), and
+    as one pipeline of 4 stages it ends as plain Lightning's uninterrupted run (the stages may change
+    at a resume: optimizer state by parameter name), each rank holding its stage's weights only."""
     cases = [
         {"name": "1f1b_4", "batches": 5, "strategy": {"schedule": "1f1b", "microbatches": 4, "balance": [2, 2, 2, 1]}},
         {"name": "2bw_4", "batches": 6, "strategy": {"schedule": "2bw", "microbatches": 4, "balance": [1, 2, 2, 2]}},
         {
             "name": "hybrid",
             "batches": 6,
+            "collectives": True,
             "trainer": {"max_epochs": 2},
             "strategy": {"schedule": "1f1b", "data_parallel": 2, "microbatches": 2, "balance": [3, 4]},
         },
@@ -348,6 +350,11 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
     for rank_result in results["hybrid_resumed"]:  # 1 copy for epoch 1, 2 copies from the resume on
         _assert_close_states(rank_result["final"], ddp["ddp_resumed"][0]["final"], 1e-5)
     _assert_same_metrics(_metrics(tmp_path / "hybrid"), _metrics(tmp_path / "ddp"), 1e-5)
+    # reduce, all_gather, broadcast, reduce_boolean_decision: what DDP's give for the same replicas' values
+    expected_collectives = {"mean": 1.5, "sum": 3.0, "max": 2.0, "gather": [1.0, 2.0], "broadcast": 10}
+    expected_collectives |= {"all": False, "any": True}
+    assert [r["collectives"] for r in ddp["ddp"]] == [expected_collectives] * 2
+    assert [r["collectives"] for r in results["hybrid"]] == [expected_collectives] * 4
     uninterrupted = plain_fit(tmp_path / "plain_two", {"batches": 6, "trainer": {"max_epochs": 2}})["final"]
     for rank_result in results["four_stages_resumed"]:
         _assert_close_states(rank_result["final"], uninterrupted, 1e-5)

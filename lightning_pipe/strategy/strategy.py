@@ -51,6 +51,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
@@ -1103,6 +1104,12 @@ class PipelineStrategy(ParallelStrategy):
         if not isinstance(tensor, Tensor) or self.data_parallel == 1:
             return tensor
         return _sync_ddp_if_available(tensor, group or self._copies, reduce_op=reduce_op)
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        """One entry per pipeline copy, as DDP gives one per process (a copy is one data-parallel
+        replica: every rank of a pipeline holds the same step values, its last stage's), gathered
+        between the ranks at the same position of every copy."""
+        return _all_gather_ddp_if_available(tensor, group=group or self._copies, sync_grads=sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Every rank's vote counts, as under DDP (``ModelCheckpoint``, ``EarlyStopping``): all of them
