@@ -599,17 +599,19 @@ class PipelineStrategy(ParallelStrategy):
         same = saved["plan"]["bounds"] == [list(b) for b in self.stage_plan.bounds] and (
             saved["schedule"] == self.schedule_options.family
         )
-        versions = {entry["version"] for entry in carried.values()}
-        if not same and (len(versions) > 1 or any(e["versions"] or e["gradients"] for e in carried.values())):
-            raise PlanningError(
-                f"the checkpoint holds {saved['schedule']} weight versions or gradients still to apply for its split "
-                f"{saved['plan']['bounds']}, which this run ({self.schedule_options.family}, "
-                f"{[list(b) for b in self.stage_plan.bounds]}) cannot take: resume with "
-                f"schedule={saved['schedule']!r} and the checkpoint's split (keep_plan=True, the default, reuses it)"
-            )
-        (version,) = versions if not same else (None,)
-        empty = {"version": version, "versions": {}, "gradients": {}}
-        stages = {s: carried[s] if same else empty for s in self.executor.weights}
+        if same:
+            stages = {s: carried[s] for s in self.executor.weights}
+        else:
+            versions = {entry["version"] for entry in carried.values()}
+            if len(versions) > 1 or any(e["versions"] or e["gradients"] for e in carried.values()):
+                raise PlanningError(
+                    f"the checkpoint holds {saved['schedule']} weight versions or gradients still to apply for its "
+                    f"split {saved['plan']['bounds']}, which this run ({self.schedule_options.family}, "
+                    f"{[list(b) for b in self.stage_plan.bounds]}) cannot take: resume with schedule="
+                    f"{saved['schedule']!r} and the checkpoint's split (keep_plan=True, the default, reuses it)"
+                )
+            (version,) = versions
+            stages = {s: {"version": version, "versions": {}, "gradients": {}} for s in self.executor.weights}
         self.executor.load_state_dict({"calls": saved["calls"], "origin": saved["origin"], "stages": stages})
 
     def _capture(self, module: LightningModule, first: Call) -> PipelineModel:
