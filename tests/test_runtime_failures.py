@@ -37,6 +37,8 @@ class Trap(nn.Module):
         if self.calls == self.when:
             if self.how == "raise":
                 raise ValueError("the loss exploded")
+            if self.how == "oom":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             if self.how == "hang":
                 time.sleep(HANG_SECONDS)
             else:
@@ -81,6 +83,7 @@ def _train(
     ("victim", "how", "family", "world", "shared_memory_bytes"),
     [
         (1, "raise", "1f1b", 2, None),
+        (1, "oom", "1f1b", 2, None),
         (0, "raise", "2bw", 2, None),
         (1, "kill", "1f1b", 2, None),
         (0, "kill", "2bw", 2, None),
@@ -104,6 +107,9 @@ def test_every_rank_stops_naming_the_failed_one(
             assert survivor.startswith("ValueError: the loss exploded")
             assert f"raised in the forward of stage {victim} (rank {victim}) on " in survivor
             assert f"raised on rank {victim}; rank {rank} stopped because of it" in survivor
+        elif how == "oom":  # an out-of-memory error stays one on every rank
+            assert survivor.startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+            assert f"raised on rank {victim}; rank {rank} stopped because of it" in survivor
         else:  # by its closed connection (or, for rank 0, as the store's host)
             assert survivor.startswith("PipelineAborted")
             assert f"rank {victim}" in survivor
@@ -111,6 +117,8 @@ def test_every_rank_stops_naming_the_failed_one(
         assert _after(survivor) < SURVIVOR_TIMEOUT
     if how == "raise":
         assert "ValueError: the loss exploded" in caught.value.errors[victim]
+    elif how == "oom":
+        assert caught.value.errors[victim].startswith("OutOfMemoryError: CUDA out of memory")
     else:
         assert caught.value.errors[victim].startswith("died with exit code")
 
