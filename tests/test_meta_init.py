@@ -10,6 +10,7 @@ parameters).
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,8 @@ def test_a_tensor_no_reset_parameters_sets_is_refused_by_name() -> None:
 
 
 class _Configured(Chain):
-    """The Chain's net built in ``configure_model``, as for FSDP."""
+    """The Chain's net built on the meta device in ``configure_model``, as for Lightning's
+    ``ModelParallelStrategy`` (and torchtitan)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,7 +71,8 @@ class _Configured(Chain):
 
     def configure_model(self) -> None:
         if not hasattr(self, "net"):
-            self.net = Chain().net
+            with torch.device("meta"):
+                self.net = Chain().net
             self.built_on_meta = all(p.is_meta for p in self.net.parameters())
 
 
@@ -77,8 +80,10 @@ def _meta_worker(rank: int, root: str, how: str) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
     run = trainer(Path(root) / how, PipelineStrategy("1f1b", microbatches=2, balance=[4, 3]), 2)
     if how == "init_module":
-        with run.init_module(empty_init=True):
-            model = Chain()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # Lightning warns when a strategy cannot build the model there
+            with run.init_module(empty_init=True):
+                model = Chain()
         model.built_on_meta = all(p.is_meta for p in model.parameters())
     else:
         model = _Configured()

@@ -480,18 +480,14 @@ class PipelineStrategy(ParallelStrategy):
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Any:
         """``Trainer.init_module(empty_init=True)`` builds the model on the meta device: no rank holds it
-        whole; each materialises its stages once they are placed (:mod:`.materialise`)."""
+        whole; each materialises its stages once they are placed (:mod:`.materialise`). As under
+        Lightning's ``ModelParallelStrategy``, ``configure_model`` runs with real tensors unless it
+        builds its modules under ``torch.device("meta")`` itself (materialised the same way)."""
         if not empty_init:
             with super().tensor_init_context(empty_init):
                 yield
             return
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
-            yield
-
-    @contextlib.contextmanager
-    def model_sharded_context(self) -> Any:
-        """``configure_model`` builds its modules on the meta device, as under FSDP (:meth:`tensor_init_context`)."""
-        with torch.device("meta"):
             yield
 
     def model_to_device(self) -> None:
