@@ -1159,7 +1159,8 @@ class _SpawnLauncher(_MultiProcessingLauncher):
     only its own stages, so the weights it sends are gathered from every rank."""
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
-        full = self._strategy.lightning_module_state_dict()  # a collective: every rank takes part
+        fitted = trainer.state.fn == TrainerFn.FITTING  # Lightning sends weights back only after fit
+        full = self._strategy.lightning_module_state_dict() if fitted else None  # a collective: every rank
         output = super()._collect_rank_zero_results(trainer, results)
         if output is not None and output.weights_path is not None:
             self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)
