@@ -2,7 +2,7 @@
 one process and Lightning's DDP, on a model of over 1 GB of fp32 weights, side by side in one run.
 
 Run: ``python bench/memory.py [--width 4096] [--depth 16] [--optimizer sgd|adam] [--pipe 2 4] [--ddp 2]
-[--batch 16] [--steps 3]`` (about 3 minutes on 2 cores and 24 GB).
+[--batch 16] [--steps 3]`` (about 6 minutes on 2 cores and 24 GB).
 
 The module is ``depth`` Linear(width, width)+ReLU blocks and a 10-class head in one ``nn.Sequential``
 (16 x 4096^2 fp32: 1.07 GB of weights), cross-entropy, SGD with momentum (one state tensor per

@@ -9,21 +9,15 @@ through the strategy's collectives must decide as they do there.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from lightning_pipe.runtime import run_local
-from tests.lightning_cases import fit_case, plain_fit
-from tests.test_strategy import _assert_close_states, _transpose
+from tests.lightning_cases import plain_fit
+from tests.test_strategy import _assert_close_states, _run_cases, _transpose
 
 STAGE_0 = {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}  # layers 0..3 of the Chain
 STAGE_1 = {"net.4.weight", "net.4.bias", "net.6.weight", "net.6.bias"}
-
-
-def _cases_worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [fit_case(rank, str(Path(root) / case["name"]), case) for case in cases]
 
 
 @pytest.mark.timeout(300)
@@ -48,8 +42,8 @@ def test_resume_on_another_split_or_device_count_and_from_or_to_plain_lightning(
     plain_first = tmp_path / "plain_first.ckpt"
     plain_fit(tmp_path / "plain_first", {"batches": 4, "save_after": str(plain_first)})
     cases.append({**base, **two_epochs, "name": "from_plain", "resume": str(plain_first), "strategy": {}})
-    results = _transpose(run_local(_cases_worker, 2, str(tmp_path), cases, timeout=240), cases)
-    (one,) = run_local(_cases_worker, 1, str(tmp_path / "one"), [{**cases[1], "name": "one", "strategy": {}}])
+    results = _transpose(_run_cases(tmp_path, 2, cases), cases)
+    (one,) = _run_cases(tmp_path / "one", 1, [{**cases[1], "name": "one", "strategy": {}}])
     expected = plain_fit(tmp_path / "plain", {"batches": 4, **two_epochs})["final"]
     by_plain = plain_fit(tmp_path / "by_plain", {"batches": 4, **two_epochs, "resume": str(first)})["final"]
     for name in ("rebalanced", "gpipe", "after_save", "from_plain"):
@@ -84,7 +78,7 @@ def test_callbacks_decide_as_under_plain_lightning(tmp_path: Path) -> None:
     }
     expected = plain_fit(tmp_path / "plain", case)["callbacks"]
     cases = [{**case, "name": name, "strategy": {"schedule": name, "microbatches": 2}} for name in ("1f1b", "2bw")]
-    results = _transpose(run_local(_cases_worker, 2, str(tmp_path), cases, timeout=240), cases)
+    results = _transpose(_run_cases(tmp_path, 2, cases), cases)
     assert expected["best"]["files"] and expected["steps"]["files"]
     for rank in range(2):
         got = results["1f1b"][rank]["callbacks"]

@@ -273,11 +273,10 @@ class PipelineStrategy(ParallelStrategy):
         self._entry: Entry | None = None
         self._chain: PipelineModel | None = None
         self._chain_of: LightningModule | None = None  # the module the chain was captured from
-        self._ownership: Ownership | None = None  # which entries each stage holds, once released
+        self._writers: dict[str, int] | None = None  # the rank giving each state-dict entry, once released
         self._template_names: list[str | None] = []  # the user's optimizer's parameters, by name
         self._saved: dict[str, Any] | None = None  # the plan and carried state of a checkpoint being resumed
         self._carried: dict[str, Any] | None = None  # this rank's carried state when the executor closed
-        self._owners: list[list[int]] = []  # the workers of each stage, once released
         self.differences: list[str] = []  # how the run differs from plain Lightning (rank 0, after planning)
         self._hyper: HyperParameters | None = None
         self._step_args: dict[int, tuple[Any, ...]] = {}
@@ -507,7 +506,7 @@ class PipelineStrategy(ParallelStrategy):
             first = _first_microbatch(self._entry.capture(step, *args), self.microbatches)
             if meta:
                 first = Call(*map_tensors(lambda t: t.to("meta"), (first.args, first.kwargs)))
-            self._chain, self._chain_of, self._ownership = self._capture(module, first), module, None
+            self._chain, self._chain_of = self._capture(module, first), module
             if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(self._chain.layers) - 1:
                 self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(args[0]), meta)
         layers = self._chain.layers
@@ -549,9 +548,9 @@ class PipelineStrategy(ParallelStrategy):
         """Keep only this rank's stages (``mine``): every other stage's weights and buffers go to the
         meta device (:mod:`.ownership`)."""
         assert self.executor is not None and self.stage_plan is not None
-        if self._ownership is None:
-            self._ownership = Ownership.of(module, layers, self.stage_plan.bounds)
-        self._owners = self.executor.schedule.owners
+        ownership = Ownership.of(module, layers, self.stage_plan.bounds)
+        owners, ranks = self.executor.schedule.owners, self.pipelines[0]
+        self._writers = {name: ownership.writer(name, owners, ranks) for name in module.state_dict(keep_vars=True)}
         release([module, *layers], self._foreign(layers, mine), self.optimizers)
 
     def _foreign(self, layers: list[Any], mine: set[int]) -> set[int]:
@@ -563,9 +562,9 @@ class PipelineStrategy(ParallelStrategy):
 
     def _writes(self, name: str) -> bool:
         """Whether this rank contributes state-dict entry ``name`` to a full state (:meth:`Ownership.writer`)."""
-        if self._ownership is None:  # nothing released: global rank 0 holds everything
+        if self._writers is None:  # nothing released: global rank 0 holds everything
             return self.global_rank == 0
-        return self._ownership.writer(name, self._owners, self.pipelines[0]) == self.global_rank
+        return self._writers[name] == self.global_rank
 
     def _plan_options(self, layers: int) -> PlanOptions:
         """The plan options; when resuming a pipeline checkpoint of as many stages and layers (and no
