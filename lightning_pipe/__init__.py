@@ -13,6 +13,7 @@ from lightning_pipe.capture import pipe_split
 from lightning_pipe.costs import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.strategy import PipelineStrategy
+from lightning_pipe.strategy.sharded import consolidate
 
 PipelineStrategy.register_strategies(StrategyRegistry)
 if importlib.util.find_spec("pytorch_lightning") is not None:
@@ -22,5 +23,5 @@ if importlib.util.find_spec("pytorch_lightning") is not None:
 
     _Standalone.register_strategies(_StandaloneRegistry)
 
-__all__ = ["ChainCosts", "LayerCost", "PipelineStrategy", "PlanningError", "pipe_split"]
+__all__ = ["ChainCosts", "LayerCost", "PipelineStrategy", "PlanningError", "consolidate", "pipe_split"]
 __version__ = "0.1.0"

@@ -2,7 +2,8 @@
 
 ``lightning-pipe plan`` profiles a built-in model (or loads a profile) and prints a partition plan
 as a table in the spirit of the Black GPipe ``dp>`` console, or as JSON. ``lightning-pipe simulate``
-generates a schedule, validates and simulates it, and draws it.
+generates a schedule, validates and simulates it, and draws it. ``lightning-pipe consolidate`` turns a
+sharded checkpoint into one Lightning checkpoint file.
 """
 
 from __future__ import annotations
@@ -403,12 +404,40 @@ def _draw(args: argparse.Namespace, result) -> None:
         chrome_trace(result.timeline, args.trace, name=title)
 
 
+def _consolidate_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint directory into one Lightning checkpoint file",
+        description="Read a checkpoint PipelineStrategy(state_dict_type='sharded') wrote (a directory) and write "
+        "the full model and optimizer state as one file in Lightning's own layout: MyModule.load_from_checkpoint, "
+        "plain Lightning, DDP and a pipeline on any split read it.",
+    )
+    parser.add_argument("checkpoint", type=Path, help="the sharded checkpoint directory")
+    parser.add_argument("output", type=Path, nargs="?", help="the file to write (default: CHECKPOINT.consolidated)")
+    parser.set_defaults(run=_run_consolidate)
+
+
+def _run_consolidate(args: argparse.Namespace) -> int:
+    from lightning_pipe.strategy.sharded import consolidate, is_sharded
+
+    if not is_sharded(args.checkpoint):
+        raise PlanningError(
+            f"{args.checkpoint} is not a sharded checkpoint (a directory with meta.pt and the .distcp files that "
+            "PipelineStrategy(state_dict_type='sharded') writes)"
+        )
+    output = args.output or args.checkpoint.with_name(args.checkpoint.name + ".consolidated")
+    checkpoint = consolidate(args.checkpoint, output)
+    print(f"wrote {output}: {len(checkpoint['state_dict'])} state-dict entries")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-pipe``."""
     parser = argparse.ArgumentParser(prog="lightning-pipe", description="Pipeline-parallel planning and training.")
     commands = parser.add_subparsers(dest="command", required=True)
     _plan_parser(commands)
     _simulate_parser(commands)
+    _consolidate_parser(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -120,7 +120,7 @@ def final_state(run: L.Trainer, model: nn.Module) -> dict[str, torch.Tensor]:
     strategy = run.strategy
     if not hasattr(strategy, "stage_plan"):
         return state(model)
-    return strategy.broadcast(strategy.lightning_module_state_dict())
+    return strategy.broadcast(strategy.full_state_dict())
 
 
 def held(model: nn.Module) -> set[str]:

@@ -78,17 +78,28 @@ class _Configured(Chain):
 
 def _meta_worker(rank: int, root: str, how: str) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
-    run = trainer(Path(root) / how, PipelineStrategy("1f1b", microbatches=2, balance=[4, 3]), 2)
-    if how == "init_module":
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # Lightning warns when a strategy cannot build the model there
-            with run.init_module(empty_init=True):
-                model = Chain()
-        model.built_on_meta = all(p.is_meta for p in model.parameters())
-    else:
-        model = _Configured()
-    run.fit(model, loader(4))
-    return {"meta": model.built_on_meta, "held": held(model), "final": final_state(run, model)}
+    result: dict[str, Any] = {}
+    saved = str(Path(root) / "saved")
+    for epochs, resume in ((1, None), (2, saved)) if how == "init_module" else ((1, None),):
+        strategy = PipelineStrategy("1f1b", microbatches=2, balance=[4, 3], state_dict_type="sharded")
+        run = trainer(Path(root) / how / str(epochs), strategy, 2, max_epochs=epochs)
+        if how == "init_module":
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # Lightning warns when a strategy cannot build the model there
+                with run.init_module(empty_init=True):
+                    model = Chain()
+            model.built_on_meta = all(p.is_meta for p in model.parameters())
+        else:
+            model = _Configured()
+        run.fit(model, loader(4), ckpt_path=resume)
+        if resume is None:
+            run.save_checkpoint(saved)
+        result[f"epochs_{epochs}"] = {
+            "meta": model.built_on_meta,
+            "held": held(model),
+            "final": final_state(run, model),
+        }
+    return result
 
 
 @pytest.mark.timeout(240)
@@ -96,9 +107,16 @@ def _meta_worker(rank: int, root: str, how: str) -> dict[str, Any]:
 def test_a_model_built_on_the_meta_device_trains_as_the_eager_one(tmp_path: Path, how: str) -> None:
     """``Trainer.init_module(empty_init=True)`` or ``configure_model``: the module is built on the meta
     device, each of the 2 ranks materialises its stage only, and training ends with the parameters of
-    plain Lightning trained from the eagerly built module (1e-5)."""
+    plain Lightning trained from the eagerly built module (1e-5). A sharded checkpoint of it resumes
+    into a new model built on the meta device (each rank reads its stage's weights and momentum once
+    materialised) and ends as plain Lightning's uninterrupted run."""
     results = run_local(_meta_worker, 2, str(tmp_path), how, timeout=200)
     expected = plain_fit(tmp_path / "plain", {"batches": 4})["final"]
-    assert all(r["meta"] for r in results)
-    assert [r["held"] for r in results] == [STAGE_0, STAGE_1]
-    _assert_close_states(results[0]["final"], expected, 1e-5)
+    runs = [results[0]["epochs_1"], results[1]["epochs_1"]]
+    if how == "init_module":
+        runs += [results[0]["epochs_2"], results[1]["epochs_2"]]
+        two = plain_fit(tmp_path / "plain_two", {"batches": 4, "trainer": {"max_epochs": 2}})["final"]
+        _assert_close_states(results[0]["epochs_2"]["final"], two, 1e-5)
+    assert all(r["meta"] for r in runs)
+    assert [r["held"] for r in runs] == [STAGE_0, STAGE_1] * (len(runs) // 2)
+    _assert_close_states(results[0]["epochs_1"]["final"], expected, 1e-5)

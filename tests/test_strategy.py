@@ -11,14 +11,17 @@ from __future__ import annotations
 import csv
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from lightning_pipe import consolidate
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.affinity import cores_of
+from lightning_pipe.strategy.sharded import METADATA
 from tests import reference
 from tests.lightning_cases import Chain, batch_list, fit_case, plain_fit, stage_modules
 
@@ -223,13 +226,13 @@ def test_resume_checkpoint_and_evaluation(tmp_path: Path) -> None:
     loads with ``Chain.load_from_checkpoint`` on one device, no strategy; (3) validate, test and
     predict after fit give what plain Lightning gives for the same training; (4) a checkpoint of
     plain Lightning (Adam, scheduler) resumes as a pipeline and ends as plain Lightning's uninterrupted
-    run; (5) float16's loss scale resumes where it was; (6) 2BW's checkpoint (written after a drain)
-    resumes on one stage, and one holding a weight version in flight is refused with what would
+    run; (5) float16's loss scale resumes where it was; (6) 2BW's checkpoint (sharded, written after
+    a drain) resumes on one stage, and one holding a weight version in flight is refused with what would
     work. Guards against stage optimizer states, the LR schedule, the step count or the loss scale
     lost at a resume, Adam's moments dropped when resuming an unsplit run, and a checkpoint holding
     only rank 0's stages."""
     runs = {
-        "2bw": {"strategy": {"schedule": "2bw", "microbatches": 2, "balance": [3, 4]}},
+        "2bw": {"strategy": {"schedule": "2bw", "microbatches": 2, "balance": [3, 4], "state_dict_type": "sharded"}},
         "1f1b": {
             "strategy": {"schedule": "1f1b", "balance": [4, 3]},
             "model": {"optimizer": "adam", "scheduler": True},
@@ -267,7 +270,11 @@ def test_resume_checkpoint_and_evaluation(tmp_path: Path) -> None:
         for rank in range(2):
             _assert_close_states(resumed[rank]["final"], whole[rank]["final"], 1e-6)
             assert resumed[rank]["precision"] == whole[rank]["precision"]
-        loaded = Chain.load_from_checkpoint(_checkpoint(tmp_path, f"{name}_whole"), map_location="cpu")
+        path = _checkpoint(tmp_path, f"{name}_whole")
+        if Path(path).is_dir():  # sharded: one file first, by the function behind lightning-pipe consolidate
+            consolidate(path, tmp_path / f"{name}.ckpt")
+            path = str(tmp_path / f"{name}.ckpt")
+        loaded = Chain.load_from_checkpoint(path, map_location="cpu")
         _assert_close_states({k: v for k, v in loaded.state_dict().items()}, whole[0]["final"], 0)
     # 8 steps: the first overflowed (2^40 -> 2^10), 7 good ones grew it 3 times: the resume went on from 2^11
     assert results["gpipe_fp16_whole"][0]["precision"] == {**FP16_STATE, "scale": 2.0**13, "_growth_tracker": 1}
@@ -279,12 +286,14 @@ def test_resume_checkpoint_and_evaluation(tmp_path: Path) -> None:
     # one that held a weight version still to be used could not be split otherwise, and is refused
     (resumed,) = run_local(_resume_worker, 1, str(tmp_path / "one_stage"), _checkpoint(tmp_path, "2bw_first"))
     assert resumed == "resumed"
-    checkpoint = torch.load(_checkpoint(tmp_path, "2bw_first"), weights_only=False)
-    carried = checkpoint["optimizer_states"][0]["pipeline"]["carried"]
-    assert set(carried) == {0, 1} and not carried[1]["versions"]
-    carried[1]["versions"] = {carried[1]["version"] - 1: {}}
-    torch.save(checkpoint, tmp_path / "in_flight.ckpt")
-    (refused,) = run_local(_resume_worker, 1, str(tmp_path / "in_flight"), str(tmp_path / "in_flight.ckpt"))
+    in_flight = tmp_path / "in_flight.ckpt"
+    shutil.copytree(_checkpoint(tmp_path, "2bw_first"), in_flight)
+    metadata = torch.load(in_flight / METADATA, weights_only=False)
+    stages = metadata["optimizer_states"][0]["pipeline"]["stages"]
+    assert set(stages) == {0, 1} and not stages[1]["in_flight"]
+    stages[1]["in_flight"] = True  # as if a weight version were still to be used
+    torch.save(metadata, in_flight / METADATA)
+    (refused,) = run_local(_resume_worker, 1, str(tmp_path / "in_flight"), str(in_flight))
     assert re.search(
         r"holds 2bw weight versions or gradients still to apply for its split \[\[0, 2\], \[3, 6\]\], which this run "
         r"\(1f1b, \[\[0, 6\]\]\) cannot take: resume with schedule='2bw' and the checkpoint's split",
@@ -312,7 +321,8 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
     A checkpoint of one 2-stage pipeline resumes as two copies and ends as DDP resumed from
     Lightning's own checkpoint of the same epoch (the number of copies may change at a resume), and
     as one pipeline of 4 stages it ends as plain Lightning's uninterrupted run (the stages may change
-    at a resume: optimizer state by parameter name), each rank holding its stage's weights only."""
+    at a resume: a sharded checkpoint of 2 stages read by parameter name, optimizer state included),
+    each rank holding its stage's weights only."""
     cases = [
         {"name": "1f1b_4", "batches": 5, "strategy": {"schedule": "1f1b", "microbatches": 4, "balance": [2, 2, 2, 1]}},
         {"name": "2bw_4", "batches": 6, "strategy": {"schedule": "2bw", "microbatches": 4, "balance": [1, 2, 2, 2]}},
@@ -328,11 +338,12 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
     plain_fit(tmp_path / "plain_first", {**first, "name": "plain_first"})
     ddp_case = {**cases[2], "name": "ddp", "lightning_strategy": "ddp"}
     ddp_resumed = {**ddp_case, "name": "ddp_resumed", "resume": _checkpoint(tmp_path, "plain_first")}
-    two = [{**first, "name": "pipe_first"}, ddp_case, ddp_resumed]
+    sharded = {**first, "name": "sharded_first", "strategy": {**first["strategy"], "state_dict_type": "sharded"}}
+    two = [{**first, "name": "pipe_first"}, sharded, ddp_case, ddp_resumed]
     ddp = _transpose(_run_cases(tmp_path, 2, two), two)
     cases.append({**cases[2], "name": "hybrid_resumed", "resume": _checkpoint(tmp_path, "pipe_first")})
     four = {"schedule": "1f1b", "microbatches": 2, "balance": [2, 2, 2, 1]}
-    resumed = {"trainer": {"max_epochs": 2}, "resume": _checkpoint(tmp_path, "pipe_first")}
+    resumed = {"trainer": {"max_epochs": 2}, "resume": _checkpoint(tmp_path, "sharded_first")}
     cases.append({"name": "four_stages_resumed", "batches": 6, "strategy": four, **resumed})
     results = _transpose(_run_cases(tmp_path, 4, cases), cases)
     expected = plain_fit(tmp_path / "plain", cases[0])["final"]

@@ -24,7 +24,9 @@ Lifecycle (Lightning calls these in this order):
    is the full module, ``optimizer_states`` the user's optimizer's state with every parameter's
    state (so ``load_from_checkpoint``, plain Lightning and DDP resume it, and a pipeline resumes it
    on any other split); the plan and a non-flushing schedule's carried state (weight versions)
-   ride along under ``optimizer_states[0]["pipeline"]``.
+   ride along under ``optimizer_states[0]["pipeline"]``. With ``state_dict_type="sharded"`` each rank
+   writes its own stages instead, into a directory (:mod:`.sharded`). A resume reads by name the
+   entries of the stages the rank runs, once they are placed, whatever split wrote them.
 8. **Signals**: SIGTERM (preemption) and SLURM's requeue signal are noted by the handler and acted on
    by every rank at the start of the same training batch (:mod:`.signals`).
 """
@@ -39,7 +41,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -102,6 +104,7 @@ from lightning_pipe.strategy.planning import (
 )
 from lightning_pipe.strategy.relay import Relay
 from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps
+from lightning_pipe.strategy.sharded import METADATA, is_sharded, load_sharded, read_entries, save_sharded
 from lightning_pipe.strategy.signals import Signals
 from lightning_pipe.units import parse_bandwidth, parse_bytes
 
@@ -161,6 +164,10 @@ class PipelineStrategy(ParallelStrategy):
         balance: layers per stage, instead of planning.
         keep_plan: a resume from a pipeline checkpoint with as many stages reuses the checkpoint's
             plan (no profiling: the split does not depend on the machine's load); ``False`` plans anew.
+        state_dict_type: ``full`` (default): a checkpoint is one file in Lightning's own layout, the full
+            model gathered on global rank 0; ``sharded``: a directory where each rank writes its own
+            stages (``torch.distributed.checkpoint``) and a resume reads only its own, by name, on any
+            split (:mod:`.sharded`; ``lightning-pipe consolidate`` makes the single file).
         stage_replicas: workers per stage with ``balance`` for ``1f1b_rr``.
         profile_repeats: timed runs per layer when profiling.
         stages: pipeline stages (default: one per device, or what the family puts on the devices of
@@ -201,6 +208,7 @@ class PipelineStrategy(ParallelStrategy):
         plan: str | None = None,
         balance: list[int] | None = None,
         keep_plan: bool = True,
+        state_dict_type: Literal["full", "sharded"] = "full",
         stage_replicas: list[int] | None = None,
         profile_repeats: int = 3,
         stages: int | None = None,
@@ -261,6 +269,9 @@ class PipelineStrategy(ParallelStrategy):
             raise PlanningError(f"start_method must be 'popen' or 'spawn'; got {start_method!r}")
         self.recompute = recompute
         self.keep_plan = keep_plan
+        if state_dict_type not in ("full", "sharded"):
+            raise PlanningError(f"state_dict_type must be 'full' or 'sharded'; got {state_dict_type!r}")
+        self.state_dict_type = state_dict_type
         self._start_method = start_method
         self.pin_cpus = pin_cpus
         check_whole("shared_memory_bytes", shared_memory_bytes, 0, "bytes", optional=True)
@@ -276,6 +287,8 @@ class PipelineStrategy(ParallelStrategy):
         self._writers: dict[str, int] | None = None  # the rank giving each state-dict entry, once released
         self._template_names: list[str | None] = []  # the user's optimizer's parameters, by name
         self._saved: dict[str, Any] | None = None  # the plan and carried state of a checkpoint being resumed
+        self._saved_states: Mapping[str, Any] | None = None  # its optimizer state by parameter name
+        self._deferred: tuple[Mapping[str, Any], list[str]] | None = None  # its entries for tensors still on meta
         self._carried: dict[str, Any] | None = None  # this rank's carried state when the executor closed
         self.differences: list[str] = []  # how the run differs from plain Lightning (rank 0, after planning)
         self._hyper: HyperParameters | None = None
@@ -518,6 +531,7 @@ class PipelineStrategy(ParallelStrategy):
             materialise(
                 module, [module, *layers], everything - self._foreign(layers, mine), self.root_device, self.optimizers
             )
+            self._load_deferred()  # a resumed checkpoint's values for them
         trainer = module.trainer
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"  # a str enum: compares equal to its value
@@ -538,6 +552,7 @@ class PipelineStrategy(ParallelStrategy):
         )
         if optimizer is not None:
             optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
+        self._restore_optimizer_states()
         self._restore_carried()
         self._release(module, layers, mine)
         if self._parent_watch is not None:  # the pipeline is up: failures travel through the job's store now
@@ -560,8 +575,8 @@ class PipelineStrategy(ParallelStrategy):
         held = tensor_ids(layer for s in mine for layer in spans[s])
         return tensor_ids(layer for s, span in enumerate(spans) if s not in mine for layer in span) - held
 
-    def _writes(self, name: str) -> bool:
-        """Whether this rank contributes state-dict entry ``name`` to a full state (:meth:`Ownership.writer`)."""
+    def _written(self, name: str) -> bool:
+        """Whether this rank writes state-dict entry ``name`` into a checkpoint (:meth:`Ownership.writer`)."""
         if self._writers is None:  # nothing released: global rank 0 holds everything
             return self.global_rank == 0
         return self._writers[name] == self.global_rank
@@ -589,16 +604,20 @@ class PipelineStrategy(ParallelStrategy):
         saved, self._saved = self._saved, None
         if saved is None or self.executor is None:
             return
-        carried: dict[int, dict[str, Any]] = saved["carried"]
         assert self.stage_plan is not None
         same = saved["plan"]["bounds"] == [list(b) for b in self.stage_plan.bounds] and (
             saved["schedule"] == self.schedule_options.family
         )
         if same:
-            stages = {s: carried[s] for s in self.executor.weights}
+            found = read_entries(saved["carried"], [str(s) for s in self.executor.weights])
+            stages = {
+                s: {"version": e["version"], "versions": e.get("versions", {}), "gradients": e.get("gradients", {})}
+                for s, e in ((int(key), entry) for key, entry in found.items())
+            }
         else:
-            versions = {entry["version"] for entry in carried.values()}
-            if len(versions) > 1 or any(e["versions"] or e["gradients"] for e in carried.values()):
+            summary: dict[int, dict[str, Any]] = saved["stages"]
+            versions = {entry["version"] for entry in summary.values()}
+            if len(versions) > 1 or any(entry["in_flight"] for entry in summary.values()):
                 raise PlanningError(
                     f"the checkpoint holds {saved['schedule']} weight versions or gradients still to apply for its "
                     f"split {saved['plan']['bounds']}, which this run ({self.schedule_options.family}, "
@@ -951,12 +970,22 @@ class PipelineStrategy(ParallelStrategy):
 
     # -- weights and checkpoints ---------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full module's state on global rank 0, gathered by name from the ranks holding each entry
-        (a collective: drains first); ``{}`` on the other ranks, which hold only their stages."""
+        """What a checkpoint holds of the module: ``full``: :meth:`full_state_dict`; ``sharded``: the
+        entries this rank writes (a collective: drains first)."""
+        if self.state_dict_type == "full":
+            return self.full_state_dict()
+        self.drain()
+        self._keep_loss_scale()  # Lightning saves the precision plugin's state after the module's
+        return {name: value for name, value in self.lightning_module.state_dict().items() if self._written(name)}
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole module's state on global rank 0 (on the CPU), gathered by name from the ranks
+        holding each entry (a collective: drains first); ``{}`` on the other ranks, which hold only
+        their stages."""
         self.drain()
         self._keep_loss_scale()  # Lightning saves the precision plugin's state after the module's
         state = self.lightning_module.state_dict()
-        mine = {name: value for name, value in state.items() if self.pipeline_index == 0 and self._writes(name)}
+        mine = {name: value for name, value in state.items() if self._written(name)}
         parts = self._gather_to_zero(_to_cpu(mine))
         if parts is None:
             return {}
@@ -964,37 +993,59 @@ class PipelineStrategy(ParallelStrategy):
         return {name: merged[name] for name in state}
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        """Load the entries this rank holds (every entry before the stages are placed); with ``strict``
-        the checkpoint must name every entry of the module and no other."""
+        """Load the entries this rank holds (every entry before the stages are placed; those of a
+        model on the meta device once its stages are materialised); with ``strict`` the checkpoint
+        must name every entry of the module and no other."""
         module = self.lightning_module
         held = module.state_dict(keep_vars=True)
-        state = checkpoint["state_dict"]
-        result = module.load_state_dict(
-            {name: value for name, value in state.items() if not (name in held and held[name].is_meta)}, strict=False
-        )
+        state: Mapping[str, Any] = checkpoint["state_dict"]
         missing = [name for name in held if name not in state]
-        if strict and (missing or result.unexpected_keys):
+        unexpected = [name for name in state if name not in held]
+        if strict and (missing or unexpected):
             raise RuntimeError(
                 f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}, unexpected keys "
-                f"{result.unexpected_keys}"
+                f"{unexpected}"
             )
+        present = [name for name in held if name in state]
+        module.load_state_dict(read_entries(state, [n for n in present if not held[n].is_meta]), strict=False)
+        later = [name for name in present if held[name].is_meta]
+        self._deferred = (state, later) if later and self.executor is None else None
+
+    def _load_deferred(self) -> None:
+        """The resumed checkpoint's entries for the tensors this rank has just materialised."""
+        if self._deferred is None:
+            return
+        (state, names), self._deferred = self._deferred, None
+        held = self.lightning_module.state_dict(keep_vars=True)
+        real = [name for name in names if not held[name].is_meta]
+        self.lightning_module.load_state_dict(read_entries(state, real), strict=False)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """On global rank 0, the user's optimizer's state in Lightning's layout, every parameter's state
-        gathered by name from the stage optimizers (a collective), so that any run resumes it: plain
-        Lightning, DDP, or a pipeline on another split. ``["pipeline"]`` adds the plan and each stage's
-        carried state (step count, weight versions). ``{}`` on the other ranks."""
+        """The user's optimizer's state by parameter, with ``["pipeline"]``: the plan and each stage's
+        carried state (step count, weight versions). ``full``: on global rank 0, in Lightning's
+        layout, every parameter's state gathered by name from the stage optimizers (a collective), so
+        that any run resumes it: plain Lightning, DDP, or a pipeline on another split; ``{}`` on the
+        other ranks. ``sharded``: this rank's parameters' states and carried state, by name."""
+        sharded = self.state_dict_type == "sharded"
         first = self.pipeline_index == 0
-        parts = self._gather_to_zero(
-            {"states": self._parameter_states() if first else {}, "carried": self._carried_state() if first else {}}
-        )
-        if parts is None:
+        states = self._parameter_states() if first else {}
+        carried = self._carried_state() if first else {}
+        stages: dict[int, Any] = carried.get("stages", {})
+        summary = {
+            s: {"version": e["version"], "in_flight": bool(e["versions"] or e["gradients"])} for s, e in stages.items()
+        }
+        part = {"states": states, "carried": stages} if not sharded else {"states": {}, "carried": {}}
+        parts = self._gather_to_zero({**part, "summary": summary})
+        if sharded:
+            state = {"state": states, "param_groups": self._named_groups(optimizer)}
+        elif parts is None:
             return {}
-        by_name = {name: value for part in parts for name, value in part["states"].items()}
-        state = dict(optimizer.state_dict())
-        state["state"] = {i: by_name[name] for i, name in enumerate(self._template_names) if name in by_name}
-        carried = {stage: entry for part in parts for stage, entry in part["carried"].get("stages", {}).items()}
-        if carried:
+        else:
+            by_name = {name: value for part in parts for name, value in part["states"].items()}
+            state = dict(optimizer.state_dict())
+            state["state"] = {i: by_name[name] for i, name in enumerate(self._template_names) if name in by_name}
+            stages = {stage: entry for part in parts for stage, entry in part["carried"].items()}
+        if stages:
             assert self.stage_plan is not None
             state["pipeline"] = {
                 "plan": {
@@ -1003,11 +1054,17 @@ class PipelineStrategy(ParallelStrategy):
                     "layers": self.stage_plan.bounds[-1][1] + 1,
                 },
                 "schedule": self.schedule_options.family,
-                "calls": parts[0]["carried"]["calls"],
-                "origin": parts[0]["carried"]["origin"],
-                "carried": carried,
+                "calls": carried["calls"],
+                "origin": carried["origin"],
+                "stages": {s: e for part in parts or [] for s, e in part["summary"].items()},
+                "carried": {str(stage): entry for stage, entry in stages.items()},
             }
         return state
+
+    def _named_groups(self, optimizer: Any) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups with each parameter's name in place of its position."""
+        groups = optimizer.state_dict()["param_groups"]
+        return [{**group, "params": [self._template_names[i] for i in group["params"]]} for group in groups]
 
     def _parameter_states(self) -> dict[str, Any]:
         """The optimizer state of each parameter this rank writes, by name, on the CPU: its stage
@@ -1021,7 +1078,7 @@ class PipelineStrategy(ParallelStrategy):
             names[id(p)]: _to_cpu(value)
             for source in sources
             for p, value in source.items()
-            if id(p) in names and self._writes(names[id(p)])
+            if id(p) in names and self._written(names[id(p)])
         }
 
     def _carried_state(self) -> dict[str, Any]:
@@ -1035,14 +1092,80 @@ class PipelineStrategy(ParallelStrategy):
         return state
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """The user's optimizer takes the state by parameter (the stage optimizers copy their
-        parameters' when they are built); the plan and carried state wait for the first batch."""
+        """The user's optimizer takes the hyper-parameters; each parameter's state (found by name)
+        waits for the stage optimizers, and the plan and carried state for the first batch."""
         (state,) = checkpoint["optimizer_states"]
-        state = dict(state)
         if self.executor is not None:
             raise PlanningError("a checkpoint can only be restored before the pipeline's first batch")
-        self._saved = state.pop("pipeline", None)
-        self.optimizers[0].load_state_dict(state)
+        template = self.optimizers[0]
+        groups = state["param_groups"]
+        saved_sizes = [len(group["params"]) for group in groups]
+        sizes = [len(group["params"]) for group in template.param_groups]
+        if saved_sizes != sizes:
+            raise PlanningError(
+                f"the checkpoint's optimizer has parameter groups of {saved_sizes} parameters, configure_optimizers "
+                f"gives {sizes}: resume with the optimizer the checkpoint was written with"
+            )
+        named = any(isinstance(p, str) for group in groups for p in group["params"])
+        if named:  # a sharded checkpoint: by name already
+            self._saved_states = state["state"]
+        else:
+            names = self._template_names
+            self._saved_states = {names[i]: value for i, value in state["state"].items() if names[i] is not None}
+        start, positions = 0, []
+        for size in sizes:
+            positions.append(list(range(start, start + size)))
+            start += size
+        template.load_state_dict(
+            {"state": {}, "param_groups": [{**g, "params": p} for g, p in zip(groups, positions, strict=True)]}
+        )
+        self._saved = state.get("pipeline")
+
+    def _restore_optimizer_states(self) -> None:
+        """Each stage optimizer takes its parameters' states from the resumed checkpoint, by name."""
+        states, self._saved_states = self._saved_states, None
+        if states is None or self.executor is None:
+            return
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        for weights in self.executor.weights.values():
+            optimizer = weights.optimizer
+            if optimizer is None:
+                continue
+            params = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+            found = read_entries(states, [name for name in params if name is not None])
+            own = optimizer.state_dict()
+            own["state"] = {i: found[name] for i, name in enumerate(params) if name in found}
+            optimizer.load_state_dict(own)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        """``sharded``: every rank writes its trees into the directory ``filepath`` (a collective;
+        :mod:`.sharded`), global rank 0 the rest of the checkpoint."""
+        if self.state_dict_type == "full":
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"state_dict_type='sharded' takes no storage_options (got {storage_options!r})")
+        trees = {"state_dict": checkpoint.pop("state_dict")}
+        if checkpoint.get("optimizer_states"):
+            (state,) = checkpoint["optimizer_states"]
+            trees["optimizer"] = state.pop("state")
+            if "pipeline" in state:
+                trees["carried"] = state["pipeline"].pop("carried")
+        save_sharded(Path(self.broadcast(str(filepath))), checkpoint, trees, self.is_global_zero, self._objects)
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded checkpoint directory is read on demand (each rank reads its own entries once
+        its stages are placed); a single file as Lightning reads it."""
+        if is_sharded(checkpoint_path):
+            return load_sharded(checkpoint_path, weights_only)
+        if Path(checkpoint_path).is_dir():
+            raise PlanningError(
+                f"{checkpoint_path} is a directory without the {METADATA} of a sharded checkpoint: give a checkpoint "
+                "file, or a directory PipelineStrategy(state_dict_type='sharded') wrote"
+            )
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     def _gather_to_zero(self, part: Any) -> list[Any] | None:
         """Every rank's ``part`` on global rank 0 (``None`` on the others)."""
@@ -1159,7 +1282,7 @@ class _SpawnLauncher(_MultiProcessingLauncher):
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
         fitted = trainer.state.fn == TrainerFn.FITTING  # Lightning sends weights back only after fit
-        full = self._strategy.lightning_module_state_dict() if fitted else None  # a collective: every rank
+        full = self._strategy.full_state_dict() if fitted else None  # a collective: every rank
         output = super()._collect_rank_zero_results(trainer, results)
         if output is not None and output.weights_path is not None:
             self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)

@@ -1,0 +1,181 @@
+"""Sharded checkpoints: each rank writes the state of its own stages, and any run reads back, by
+parameter name, only the entries it holds.
+
+``PipelineStrategy(state_dict_type="sharded")`` saves a checkpoint as a directory, as Lightning's
+``FSDPStrategy`` and ``ModelParallelStrategy`` do:
+
+- ``torch.distributed.checkpoint`` (DCP) files, one per rank, with three trees keyed by name:
+  ``state_dict`` (the module's entries, by their names in ``module.state_dict()``), ``optimizer`` (each
+  parameter's optimizer state, by the parameter's name) and ``carried`` (per stage, the weight
+  versions and gradients a non-flushing schedule carries between steps);
+- ``meta.pt``, written by global rank 0: everything else of Lightning's checkpoint (loops, callbacks,
+  LR schedulers, hyper-parameters), the optimizer's parameter groups with parameter names in place of
+  indices, and the plan.
+
+No rank ever holds the whole model to write or read it: a resume on another split, another number of
+stages or another schedule reads the entries of its own stages by name (DCP's ``no_dist`` load of the
+keys asked for). :func:`consolidate` (command: ``lightning-pipe consolidate DIR FILE``) turns the
+directory into the single-file checkpoint in Lightning's own layout, which ``load_from_checkpoint``,
+plain Lightning and DDP read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.cloud_io import _load
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+__all__ = ["METADATA", "ShardedEntries", "consolidate", "is_sharded", "load_sharded", "read_entries", "save_sharded"]
+
+METADATA = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+TREES = ("state_dict", "optimizer", "carried")
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory."""
+    path = Path(path)
+    return path.is_dir() and (path / METADATA).is_file()
+
+
+class ShardedEntries(Mapping[str, Any]):
+    """One tree of a sharded checkpoint (``state_dict``, ``optimizer`` or ``carried``) as a mapping
+    from name to value, read from the files on demand: :meth:`read` reads several entries at once."""
+
+    def __init__(self, path: str | Path, tree: str) -> None:
+        self.path = Path(path)
+        self.tree = tree
+        metadata = FileSystemReader(str(self.path)).read_metadata()
+        self._storage = metadata.state_dict_metadata
+        self._paths: dict[str, tuple[Any, ...]] = {
+            flat: tuple(steps) for flat, steps in (metadata.planner_data or {}).items() if steps[0] == tree
+        }
+        self._names = sorted({str(steps[1]) for steps in self._paths.values()})
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names:
+            raise KeyError(name)
+        return self.read([name])[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def read(self, names: Iterable[str]) -> dict[str, Any]:
+        """The entries ``names``, on the CPU (tensors as saved, other values as saved)."""
+        wanted = set(names)
+        flat = {key: _placeholder(self._storage[key]) for key, steps in self._paths.items() if steps[1] in wanted}
+        if flat:
+            # the keys asked for are DCP's flat ones; objects are read into this very dictionary
+            planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+            with warnings.catch_warnings():  # DCP warns that it reads in one process: what no_dist asks
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(flat, checkpoint_id=str(self.path), planner=planner, no_dist=True)
+        entries: dict[str, Any] = {}
+        for key, value in flat.items():
+            _put(entries, self._paths[key][1:], value)
+        return entries
+
+
+def read_entries(entries: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """``{name: entries[name]}`` for the ``names`` present, read at once from a sharded checkpoint."""
+    present = [name for name in names if name in entries]
+    if isinstance(entries, ShardedEntries):
+        return entries.read(present)
+    return {name: entries[name] for name in present}
+
+
+def save_sharded(
+    path: str | Path, checkpoint: dict[str, Any], trees: dict[str, dict[str, Any]], write_metadata: bool, group: Any
+) -> None:
+    """Write this rank's ``trees`` (``{tree: {name: value}}``) with DCP, a collective over ``group``;
+    ``write_metadata``: this rank also writes ``checkpoint`` (the rest, the same on every rank)."""
+    path = Path(path)
+    if write_metadata:
+        if path.is_file():  # a single-file checkpoint of the same name, replaced
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    unknown = set(trees) - set(TREES)
+    if unknown:
+        raise ValueError(f"unknown trees {sorted(unknown)}; a sharded checkpoint holds {TREES}")
+    dcp.save({tree: trees.get(tree, {}) for tree in TREES}, checkpoint_id=str(path), process_group=group)
+    if write_metadata:
+        torch.save(checkpoint, path / METADATA)
+
+
+def load_sharded(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """The checkpoint at ``path`` with its trees as :class:`ShardedEntries` read on demand:
+    ``state_dict``, ``optimizer_states[0]["state"]`` and ``optimizer_states[0]["pipeline"]["carried"]``."""
+    checkpoint = _load(Path(path) / METADATA, map_location="cpu", weights_only=weights_only)
+    checkpoint["state_dict"] = ShardedEntries(path, "state_dict")
+    for state in checkpoint.get("optimizer_states", []):
+        state["state"] = ShardedEntries(path, "optimizer")
+        if state.get("pipeline") is not None:
+            state["pipeline"]["carried"] = ShardedEntries(path, "carried")
+    return checkpoint
+
+
+def consolidate(path: str | Path, output: str | Path | None = None) -> dict[str, Any]:
+    """The sharded checkpoint at ``path`` as one checkpoint in Lightning's own layout: the full
+    ``state_dict``, and ``optimizer_states`` indexed by parameter position as ``Optimizer.state_dict()``
+    gives them (plain Lightning, DDP, ``load_from_checkpoint`` and a pipeline on any split read it).
+    With ``output``, it is also written there with ``torch.save``."""
+    checkpoint = load_sharded(path, weights_only=False)
+    entries: ShardedEntries = checkpoint["state_dict"]
+    checkpoint["state_dict"] = entries.read(entries)
+    for state in checkpoint.get("optimizer_states", []):
+        states: ShardedEntries = state["state"]
+        by_name = states.read(states)
+        order = [name for group in state["param_groups"] for name in group["params"]]
+        index = {name: i for i, name in enumerate(order)}
+        state["state"] = {index[name]: value for name, value in by_name.items() if name in index}
+        start = 0
+        for group in state["param_groups"]:
+            group["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+        pipeline = state.get("pipeline")
+        if pipeline is not None:
+            carried: ShardedEntries = pipeline["carried"]
+            pipeline["carried"] = {int(stage): entry for stage, entry in carried.read(carried).items()}
+    if output is not None:
+        torch.save(checkpoint, output)
+    return checkpoint
+
+
+def _placeholder(storage: Any) -> Any:
+    """Where DCP reads an entry: a tensor of the saved shape and type, or ``None`` for an object."""
+    if isinstance(storage, TensorStorageMetadata):
+        return torch.empty(storage.size, dtype=storage.properties.dtype)
+    return None
+
+
+def _put(root: dict[str, Any], steps: tuple[Any, ...], value: Any) -> None:
+    """Set ``value`` at ``steps`` under ``root``, making the dictionaries (string steps) and lists
+    (integer steps: DCP's list positions) on the way."""
+    node: Any = root
+    for step, following in itertools.pairwise(steps):
+        child = [] if isinstance(following, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (step + 1 - len(node)))
+            if node[step] is None:
+                node[step] = child
+            node = node[step]
+        else:
+            node = node.setdefault(step, child)
+    last = steps[-1]
+    if isinstance(node, list):
+        node.extend([None] * (last + 1 - len(node)))
+    node[last] = value
