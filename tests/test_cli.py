@@ -254,3 +254,11 @@ def test_plan_of_a_users_module(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Captured forward" in printed and "model.conv1" in printed and "<- stage cut" not in printed
     assert main(["plan", "--model", "tests.user_modules:Nothing", "--devices", "2"]) == 2
     assert "cannot import tests.user_modules:Nothing" in capsys.readouterr().err
+
+
+def test_consolidate_refuses_what_is_not_a_sharded_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``lightning-pipe consolidate`` on a directory or file that no sharded save wrote says what it needs."""
+    (tmp_path / "file.ckpt").write_bytes(b"")
+    for given in (tmp_path, tmp_path / "file.ckpt"):
+        assert main(["consolidate", str(given)]) == 2
+        assert "is not a sharded checkpoint (a directory with meta.pt" in capsys.readouterr().err

@@ -331,7 +331,14 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
             "batches": 6,
             "collectives": True,
             "trainer": {"max_epochs": 2},
-            "strategy": {"schedule": "1f1b", "data_parallel": 2, "microbatches": 2, "balance": [3, 4]},
+            "checkpoint": True,
+            "strategy": {
+                "schedule": "1f1b",
+                "data_parallel": 2,
+                "microbatches": 2,
+                "balance": [3, 4],
+                "state_dict_type": "sharded",
+            },
         },
     ]
     first = {"batches": 6, "checkpoint": True, "strategy": {"schedule": "1f1b", "microbatches": 2, "balance": [3, 4]}}
@@ -358,6 +365,8 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
             assert torch.allclose(rank_result["final"][name], want, atol=1e-5), name
     for rank_result in results["hybrid"]:
         _assert_close_states(rank_result["final"], ddp["ddp"][0]["final"], 1e-5)
+    written = consolidate(_checkpoint(tmp_path, "hybrid"))  # sharded by the first copy's ranks only
+    _assert_close_states(written["state_dict"], results["hybrid"][0]["final"], 0)
     for rank_result in results["hybrid_resumed"]:  # 1 copy for epoch 1, 2 copies from the resume on
         _assert_close_states(rank_result["final"], ddp["ddp_resumed"][0]["final"], 1e-5)
     _assert_same_metrics(_metrics(tmp_path / "hybrid"), _metrics(tmp_path / "ddp"), 1e-5)
