@@ -1,17 +1,21 @@
 """Resident memory per rank: the pipeline (each rank holds only its stages) against plain Lightning on
-one process and Lightning's DDP, on a model of over 1 GB of fp32 weights, side by side in one run.
+one process and Lightning's DDP, side by side in one run, and against what the plan predicts.
 
-Run: ``python bench/memory.py [--width 4096] [--depth 16] [--optimizer sgd|adam] [--pipe 2 4] [--ddp 2]
-[--batch 16] [--steps 3]`` (about 6 minutes on 2 cores and 24 GB).
+Run: ``python bench/memory.py [--model mlp|resnet18] [--width 4096] [--depth 16] [--optimizer sgd|adam]
+[--pipe 2 4] [--ddp 2] [--batch 16] [--steps 3] [--microbatches M] [--shared-memory-bytes B]
+[--kinds plain ddp pipe pipe-meta]`` (the default, a 1.07 GB MLP, about 6 minutes on 2 cores and 24 GB).
 
-The module is ``depth`` Linear(width, width)+ReLU blocks and a 10-class head in one ``nn.Sequential``
-(16 x 4096^2 fp32: 1.07 GB of weights), cross-entropy, SGD with momentum (one state tensor per
-parameter) or Adam (two). Every configuration runs in fresh processes (a process's peak is its own):
+``--model mlp`` is ``depth`` Linear(width, width)+ReLU blocks and a 10-class head in one
+``nn.Sequential`` (16 x 4096^2 fp32: 1.07 GB of weights: weight-heavy); ``--model resnet18`` the CIFAR
+ResNet-18 of the recipes (45 MB of weights; at ``--batch 256`` activation-heavy). Cross-entropy, SGD
+with momentum (one state tensor per parameter) or Adam (two). Every configuration runs in fresh
+processes (a process's peak is its own):
 
 - ``plain``: Lightning on one process (``strategy="auto"``);
 - ``ddp P``: Lightning's DDP on P processes (each a full replica: weights, gradients, optimizer state,
   and DDP's gradient buckets, one more gradient-sized copy);
-- ``pipe P``: ``PipelineStrategy("1f1b")`` on P processes, the blocks split evenly (``balance``);
+- ``pipe P``: ``PipelineStrategy("1f1b")`` on P processes, split by the ``time`` partitioner (its plan
+  prints each stage's memory);
 - ``pipe-meta P``: the same, the model built in ``trainer.init_module(empty_init=True)`` (on the meta
   device: each rank materialises only its stages, so no rank ever holds the whole model).
 
@@ -19,11 +23,13 @@ Each rank reads ``/proc/self/status`` at three points: before the model is built
 interpreter, torch, Lightning and the process group, the framework baseline), at the end of fit
 (``steady``: VmRSS) and its peak (VmHWM). ``holds`` is the bytes of the parameters the rank holds at
 the end (not on the meta device), ``expected`` = base + holds x (1 weight + 1 gradient + the
-optimizer's copies; DDP: + 1 bucket copy) + the rank's activations (negligible here: ``--batch`` rows of
-``width`` floats per layer). Built eagerly, the pipeline's model is whole on every rank until the
-split is known (its weights, ``whole``), so that peak is expected at base + max(whole, its stages'
-state); built on the meta device, at ``expected``. ``peak/exp`` compares the measured peak with that,
-``steady/exp`` the steady state with ``expected``.
+optimizer's copies; DDP: + 1 bucket copy) + the MLP's activations (``--batch`` rows of ``width`` floats
+per layer; not counted for the ResNet). Built eagerly, the pipeline's model is whole on every rank
+until the split is known (its weights, ``whole``), so that peak is expected at base + max(whole, its
+stages' state); built on the meta device, at ``expected``. ``peak/exp`` compares the measured peak
+with that, ``steady/exp`` the steady state with ``expected``. ``plan MB`` is the memory the plan
+predicts for the rank's stage (weights, gradient, optimizer state, activations in flight: Beaumont
+et al. 2021, §3.2) and ``rise/plan`` the measured rise of the peak over ``base`` against it.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
+from lightning_pipe.classifier import ImageClassifier
 from lightning_pipe.runtime import run_local
 
 MB = 2**20
@@ -57,6 +64,13 @@ def _status(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+
+class ResNet(ImageClassifier):
+    """The CIFAR ResNet-18 of the recipes (activation-heavy: 45 MB of weights, batch 256)."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__("resnet18", optimizer="sgd" if optimizer == "sgd" else "adamw")
 
 
 class DeepMLP(L.LightningModule):
@@ -88,10 +102,10 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
     warnings.filterwarnings("ignore")
     processes = torch.distributed.get_world_size()
     base = _status("VmRSS")
-    if kind.startswith("pipe"):
-        layers = 2 * options.depth + 1
-        balance = [layers // processes + (1 if s < layers % processes else 0) for s in range(processes)]
-        strategy: Any = PipelineStrategy("1f1b", microbatches=processes, balance=balance)
+    if kind.startswith("pipe"):  # planned by the time partitioner: the plan predicts each stage's memory
+        strategy: Any = PipelineStrategy(
+            "1f1b", microbatches=options.microbatches or processes, shared_memory_bytes=options.shared_memory_bytes
+        )
     else:
         strategy = kind if kind == "ddp" else "auto"
     trainer = L.Trainer(
@@ -106,12 +120,19 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
         default_root_dir=root,
     )
     with trainer.init_module(empty_init=kind == "pipe-meta"):
-        model = DeepMLP(options.width, options.depth, options.optimizer)
+        model = (
+            ResNet(options.optimizer)
+            if options.model == "resnet18"
+            else DeepMLP(options.width, options.depth, options.optimizer)
+        )
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = options.batch * options.steps
-    data = TensorDataset(torch.randn(rows, options.width), torch.randint(0, 10, (rows,)))
+    shape = (3, 32, 32) if options.model == "resnet18" else (options.width,)
+    data = TensorDataset(torch.randn(rows, *shape), torch.randint(0, 10, (rows,)))
     trainer.fit(model, DataLoader(data, batch_size=options.batch))
     holds = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    plan = getattr(trainer.strategy, "stage_plan", None)
+    predicted = plan.plan.stages[rank].memory_bytes if plan is not None and plan.plan is not None else None
     copies = 2 + _OPTIMIZER_COPIES[options.optimizer] + (1 if kind == "ddp" else 0)
     activations = 2 * (2 * options.depth + 1) * options.batch * options.width * 4
     expected = base + holds * copies + activations
@@ -123,11 +144,13 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
         "whole": whole,
         "expected": expected,
         "expected_peak": max(expected, base + whole + activations) if kind == "pipe" else expected,
+        "predicted": predicted,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["mlp", "resnet18"], default="mlp")
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--optimizer", choices=sorted(_OPTIMIZER_COPIES), default="sgd")
@@ -135,15 +158,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ddp", type=int, nargs="*", default=[2], help="process counts of the DDP runs")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--microbatches", type=int, default=None, help="per batch (default: the processes)")
+    parser.add_argument("--shared-memory-bytes", type=int, default=None, help="the pipeline's rings (0: gloo only)")
+    parser.add_argument("--kinds", nargs="+", default=["plain", "ddp", "pipe", "pipe-meta"], help="runs to make")
     parser.add_argument("--root", default=tempfile.mkdtemp(prefix="bench_memory_"), help="the runs' files")
     options = parser.parse_args(argv)
     runs = [("plain", 1), *(("ddp", p) for p in options.ddp)]
     runs += [(kind, p) for p in options.pipe for kind in ("pipe", "pipe-meta")]
+    runs = [(kind, p) for kind, p in runs if kind in options.kinds]
     print(
         f"model: {options.depth} x Linear({options.width}, {options.width}) + head, {options.optimizer}, "
         f"batch {options.batch}, {options.steps} steps"
     )
-    header = "run         rank  base MB  holds MB  peak MB  steady MB  expected MB  peak/exp  steady/exp"
+    header = (
+        "run         rank  base MB  holds MB  peak MB  steady MB  expected MB  peak/exp  steady/exp  plan MB  rise/plan"
+    )
     print(header)
     print("-" * len(header))
     for kind, processes in runs:
@@ -152,7 +181,12 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{kind + ' ' + str(processes):11} {rank:4} {r['base'] / MB:8.0f} {r['holds'] / MB:9.0f} "
                 f"{r['peak'] / MB:8.0f} {r['steady'] / MB:10.0f} {r['expected'] / MB:12.0f} "
-                f"{r['peak'] / r['expected_peak']:9.2f} {r['steady'] / r['expected']:11.2f}",
+                f"{r['peak'] / r['expected_peak']:9.2f} {r['steady'] / r['expected']:11.2f} "
+                + (
+                    f"{r['predicted'] / MB:8.0f} {(r['peak'] - r['base']) / r['predicted']:10.2f}"
+                    if r["predicted"]
+                    else f"{'-':>8} {'-':>10}"
+                ),
                 flush=True,
             )
     print(f"whole model: {results[0]['whole'] / MB:.0f} MB of weights")

@@ -18,18 +18,20 @@ __all__ = ["flatten", "map_tensors", "nbytes", "tensors", "unflatten"]
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     """A picklable skeleton of ``obj`` with its tensors replaced by slots, and the tensors in order."""
     found: list[torch.Tensor] = []
+    return _walk(obj, found), found
 
-    def walk(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-            return ("tensor", len(found) - 1)
-        if isinstance(item, tuple | list):
-            return ("sequence", type(item), [walk(x) for x in item])
-        if isinstance(item, dict):
-            return ("dict", type(item), [(key, walk(value)) for key, value in item.items()])
-        return ("value", item)
 
-    return walk(obj), found
+def _walk(item: Any, found: list[torch.Tensor]) -> Any:
+    """:func:`flatten`'s recursion: a module-level function, not a closure over ``found`` (a recursive
+    closure is a reference cycle: the tensors would wait for the garbage collector to be freed)."""
+    if isinstance(item, torch.Tensor):
+        found.append(item)
+        return ("tensor", len(found) - 1)
+    if isinstance(item, tuple | list):
+        return ("sequence", type(item), [_walk(x, found) for x in item])
+    if isinstance(item, dict):
+        return ("dict", type(item), [(key, _walk(value, found)) for key, value in item.items()])
+    return ("value", item)
 
 
 def unflatten(skeleton: Any, values: list[torch.Tensor]) -> Any:

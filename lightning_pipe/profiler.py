@@ -233,6 +233,8 @@ def _profile_layer(
         forward_seconds, backward_seconds = _estimated_seconds(layer, leaf)
     else:
         forward_seconds, backward_seconds = _time_layer(layer, leaf, device, warmup, repeats)
+    for param in layer.parameters():  # freed now, not when the session ends: one layer's gradients at a time
+        param.grad = None
     cost = LayerCost(
         name=label,
         forward_seconds=forward_seconds,

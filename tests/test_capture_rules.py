@@ -3,6 +3,8 @@ refused in ``forward``'s own code (with the line), and what a layer carries acro
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -134,3 +136,23 @@ def test_a_device_read_upstream_arrives_as_the_receiving_stage_device() -> None:
     assert last._device_slots  # the device crosses into the last layer
     carried = [torch.device("meta") if i in last._device_slots else torch.randn(4, 3) for i in range(2)]
     assert last(tuple(carried)).device.type == "cpu"
+
+
+def test_capture_keeps_shapes_not_the_micro_batch_activations() -> None:
+    """The captured graph keeps each traced value's shape and type on the meta device, and no
+    activation of the traced micro-batch stays allocated once ``capture`` returns, even with the
+    garbage collector off (the tracer sits in torch.fx's reference cycles: a CIFAR ResNet-18 kept
+    765 MB per rank for the whole run)."""
+    width = 37  # a shape no other tensor of the test has
+    model = nn.Sequential(nn.Linear(5, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2))
+    gc.collect()
+    gc.disable()
+    try:
+        captured = capture(model, (torch.randn(11, 5),), {}, stages=2)
+        alive = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == (11, width)]
+        assert [t for t in alive if not t.is_meta] == []
+    finally:
+        gc.enable()
+    values = [s.value for s in captured.graph.shadows.values() if isinstance(s.value, torch.Tensor)]
+    assert values and all(v.is_meta for v in values)
+    assert (11, width) in {tuple(v.shape) for v in values}

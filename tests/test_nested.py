@@ -3,7 +3,9 @@ bare tensor and the split of a mini-batch into micro-batches agree with the gene
 
 from __future__ import annotations
 
+import gc
 import pickle
+import weakref
 from collections import namedtuple
 
 import pytest
@@ -105,3 +107,19 @@ def test_tensors_without_the_batch_rows_go_to_every_part(rows: int, other: int, 
         assert (
             got["mask"] is mask if other != rows else torch.equal(got["mask"], torch.tensor_split(mask, parts)[index])
         )
+
+
+def test_flatten_keeps_no_tensor_alive_once_its_results_are_dropped() -> None:
+    """Every message the runtime sends or receives goes through ``flatten``: its tensors must be freed
+    when the caller drops them, not when the cyclic garbage collector next runs (a recursive closure
+    kept every message of a run alive: 67 MB a step on a CIFAR ResNet-18 at micro-batch 128)."""
+    gc.disable()
+    try:
+        message = {"activations": (torch.ones(4, 3), [torch.zeros(2)]), "rows": 4}
+        refs = [weakref.ref(t) for t in tensors(message)]
+        skeleton, found = flatten(message)
+        assert len(found) == 2 and skeleton
+        del message, found, skeleton
+        assert all(ref() is None for ref in refs)
+    finally:
+        gc.enable()

@@ -310,3 +310,19 @@ def test_forward_and_backward_times_are_each_layers_own() -> None:
     assert second.backward_seconds >= 0.002 and second.forward_seconds >= 0.030
     assert first.backward_seconds > first.forward_seconds + 0.02  # a 28 ms difference, measured
     assert second.forward_seconds > second.backward_seconds + 0.02
+
+
+def test_profiling_holds_one_layer_gradients_at_a_time():
+    """Each layer's parameter gradients are freed once it is profiled (on a model of several GB, the
+    profile must not hold the whole model's gradients at once), and ``.grad`` is as before afterwards."""
+    layers = [nn.Linear(8, 8) for _ in range(4)]
+    seen: list[int] = []
+    for layer in layers:
+        layer.register_forward_pre_hook(
+            lambda module, args: seen.append(
+                sum(p.grad is not None for other in layers if other is not module for p in other.parameters())
+            )
+        )
+    profile_layers(layers, torch.randn(2, 8), repeats=1, warmup=0)
+    assert seen and max(seen) == 0
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
