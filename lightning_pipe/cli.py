@@ -87,6 +87,13 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-classes", type=_positive_int, default=1000)
     parser.add_argument("--device", default="cpu", help="device to profile on (default: cpu)")
     parser.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per layer (median)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.0,
+        help="splits within this fraction of the fastest are ties, decided by the least memory (the strategy "
+        "uses 0.05: the same split however the timings jitter); default 0: the fastest as measured",
+    )
     parser.add_argument("--save-profile", metavar="FILE", help="write the profile as JSON")
     parser.add_argument("--devices", type=_positive_int, required=True, help="devices to split over")
     parser.add_argument("--partitioner", default="pipedream", choices=sorted(PARTITIONERS))
@@ -233,6 +240,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         memory=memory,
         network=Network(args.bandwidth),
         straight=args.straight,
+        tolerance=args.tolerance,
     )
     plan = partition(request, args.partitioner)
     if args.json:

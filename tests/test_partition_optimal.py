@@ -167,3 +167,33 @@ def test_noncontiguous_never_worse_than_contiguous(request: PlanRequest) -> None
     found = _outcome(request, "noncontiguous")
     if contiguous is not None:
         assert found is not None and found <= contiguous * (1 + 1e-9) + 1e-12
+
+
+@SETTINGS
+@given(requests(max_layers=7), st.sampled_from([0.05, 0.2, 0.5]))
+def test_near_ties_of_the_time_partitioner_are_decided_by_memory(request: PlanRequest, tolerance: float) -> None:
+    """With a tolerance ``t``, the ``time`` partitioner returns, among the splits whose slowest stage is
+    within ``t`` of the fastest split's (brute force over every split under the memory limit), one
+    with the least peak memory."""
+    costs, devices = request.costs, request.devices
+    if devices > len(costs):
+        return
+    seconds = costs.column("seconds")
+    splits = []
+    for stages in range(1, devices + 1):
+        for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+            bounds = (0, *cuts, len(costs))
+            groups = [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
+            plan = request.plan_unchecked("time", groups, [1] * stages)
+            if request.memory_limit is None or plan.peak_memory_bytes <= request.memory_limit:
+                splits.append((max(sum(seconds[i] for i in group) for group in groups), plan.peak_memory_bytes))
+    try:
+        plan = partition(replace(request, tolerance=tolerance), "time")
+    except PlanningError:
+        assert not splits
+        return
+    fastest = min(time for time, _ in splits)
+    least = min(memory for time, memory in splits if time <= fastest * (1 + tolerance) * (1 + 1e-9))
+    achieved = max(sum(seconds[i] for i in stage.layers) for stage in plan.stages)
+    assert achieved <= fastest * (1 + tolerance) * (1 + 1e-9) + 1e-12
+    assert math.isclose(plan.peak_memory_bytes, least, rel_tol=1e-9, abs_tol=1e-9)

@@ -83,6 +83,8 @@ class ChainProblem:
         replicate: allow data-parallel replicas of a stage (PipeDream); else a straight pipeline.
         network: prices the all-reduce among replicas.
         memory: schedule-dependent memory model; ``memory_limit`` (bytes per worker) or ``None``.
+        tolerance: a plan whose bottleneck is within this fraction of the minimum counts as a tie of
+            the fastest (:meth:`solve`).
     """
 
     seconds: np.ndarray
@@ -94,6 +96,7 @@ class ChainProblem:
     network: Network
     memory: MemoryModel
     memory_limit: float | None = None
+    tolerance: float = 0.0
 
     def __post_init__(self) -> None:
         self.layers = len(self.seconds)
@@ -220,7 +223,8 @@ class ChainProblem:
         return min(plans.items(), key=lambda item: (self.bottleneck(item[1]), -item[0]))[1]
 
     def solve(self) -> list[StageSpan]:
-        """Minimum bottleneck, then minimum peak memory among the fastest plans."""
+        """Minimum bottleneck, then minimum peak memory among the fastest plans: those within
+        ``tolerance`` of the minimum bottleneck (near-ties of measured times decided by memory)."""
         limit = math.inf if self.memory_limit is None else self.memory_limit
         plans = self.cover(math.inf, limit)
         if not plans:
@@ -231,7 +235,7 @@ class ChainProblem:
             plan = self.best(at_low)
         else:
             plan = _bisect(low, plan, self.bottleneck, lambda bound: self.cover(bound, limit), self.best)
-        return self.least_memory(plan, self.bottleneck(plan))
+        return self.least_memory(plan, self.bottleneck(plan) * (1 + self.tolerance))
 
     def least_memory(self, plan: list[StageSpan], bound: float) -> list[StageSpan]:
         """Among plans with bottleneck ``<= bound``, one with the smallest peak memory."""

@@ -29,6 +29,9 @@ class PlanRequest:
         memory: schedule and optimizer memory model (decides activations in flight per stage).
         network: bandwidth for cut and all-reduce costs (default: free).
         straight: forbid stage replication (one worker per stage).
+        tolerance: plans whose slowest stage is within this fraction of the fastest plan's count as
+            ties, and the one needing the least memory is taken (memory is counted, not timed: with
+            measured times, the same model gets the same plan however the timings jitter).
     """
 
     costs: ChainCosts
@@ -37,9 +40,12 @@ class PlanRequest:
     memory: MemoryModel = field(default_factory=MemoryModel)
     network: Network = field(default_factory=Network)
     straight: bool = False
+    tolerance: float = 0.0
 
     def __post_init__(self) -> None:
         check_whole("devices", self.devices, 1)
+        if not 0 <= self.tolerance < 1:
+            raise PlanningError(f"tolerance must be a fraction in [0, 1), got {self.tolerance!r}")
         if self.memory_limit is not None and (math.isnan(self.memory_limit) or self.memory_limit <= 0):
             raise PlanningError(f"memory_limit must be a positive number of bytes, got {self.memory_limit!r}")
 
@@ -66,6 +72,7 @@ class PlanRequest:
             network=self.network,
             memory=self.memory,
             memory_limit=self.memory_limit,
+            tolerance=self.tolerance,
         )
 
     def plan_unchecked(

@@ -44,6 +44,8 @@ __all__ = [
     "schedule_of",
 ]
 
+DEFAULT_TOLERANCE = 0.05
+"""Near-ties of measured splits (``PlanOptions.tolerance``): within 5% of the fastest split."""
 _MEMORY_SCHEDULE = {"gpipe": "gpipe", "pipedream": "pipedream", "2bw": "2bw", "cdp": "2bw"}
 
 
@@ -63,6 +65,9 @@ class PlanOptions:
         stage_replicas: workers per stage with ``balance`` for ``1f1b_rr`` (PipeDream's replicated
             stages); planned by the partitioner otherwise.
         repeats: timed runs per layer when profiling.
+        tolerance: splits within this fraction of the fastest one's bottleneck are ties, decided by
+            the least memory (``PlanRequest.tolerance``): the same model gets the same split however
+            the profile's timings jitter (``bench/plan_stability.py``).
     """
 
     partitioner: str = "time"
@@ -74,6 +79,7 @@ class PlanOptions:
     balance: Sequence[int] | None = None
     stage_replicas: Sequence[int] | None = None
     repeats: int = 3
+    tolerance: float = DEFAULT_TOLERANCE
 
     def __post_init__(self) -> None:
         if self.partitioner not in PARTITIONERS:
@@ -170,6 +176,7 @@ def plan_stages(
         memory=memory,
         network=Network(options.bandwidth),
         straight=not replicate,
+        tolerance=options.tolerance,
     )
     plan = partition(request, options.partitioner)
     if not plan.contiguous:

@@ -93,6 +93,7 @@ from lightning_pipe.strategy.optimizers import HyperParameters, stage_optimizers
 from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
 from lightning_pipe.strategy.parent_watch import LAUNCHER_PID, ParentWatch
 from lightning_pipe.strategy.planning import (
+    DEFAULT_TOLERANCE,
     PlanOptions,
     StagePlan,
     memory_schedule,
@@ -170,6 +171,9 @@ class PipelineStrategy(ParallelStrategy):
             split (:mod:`.sharded`; ``lightning-pipe consolidate`` makes the single file).
         stage_replicas: workers per stage with ``balance`` for ``1f1b_rr``.
         profile_repeats: timed runs per layer when profiling.
+        plan_tolerance: splits within this fraction of the fastest one's bottleneck are ties, decided
+            by memory, so that the same model gets the same split from run to run although its
+            measured times jitter (``bench/plan_stability.py``); 0: the fastest split as measured.
         stages: pipeline stages (default: one per device, or what the family puts on the devices of
             one pipeline); with ``stages``, the devices beyond one pipeline make data-parallel copies.
         data_parallel: copies of the whole pipeline (``devices = workers per pipeline × copies``);
@@ -211,6 +215,7 @@ class PipelineStrategy(ParallelStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         stage_replicas: list[int] | None = None,
         profile_repeats: int = 3,
+        plan_tolerance: float = DEFAULT_TOLERANCE,
         stages: int | None = None,
         data_parallel: int | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
@@ -251,6 +256,7 @@ class PipelineStrategy(ParallelStrategy):
             balance=balance,
             stage_replicas=stage_replicas,
             repeats=profile_repeats,
+            tolerance=plan_tolerance,
         )
         check_whole("profile_repeats", profile_repeats, 1)
         if schedule in _NOT_PLANNED:
