@@ -1,5 +1,5 @@
 """A user's training script: ``python -m tests.strategy_script ROOT STRATEGY [--devices N] [--num-nodes N]
-[--send SIGNAL --to-rank R --at-step S]``.
+[--send SIGNAL --to-rank R --at-step S] [--evaluate]``.
 
 Started plainly, Lightning starts the other processes itself (``pipe*`` re-runs this script,
 ``pipe_spawn`` spawns), as it does for DDP. Started by ``torchrun`` or ``srun`` (one process per
@@ -9,7 +9,8 @@ rank. Every rank prints ``launch: rank=... world=... node=... local=... environm
 With ``--send``, global rank R sends itself that signal after training step S, as a cluster does
 to preempt a job (SIGTERM) or to warn of it (SLURM's SIGUSR1). A run that stops on an exception saves
 ``stopped.ckpt`` first (as a user's callback would on preemption), and every rank prints
-``stopped: rank=... step=... exception=...``.
+``stopped: rank=... step=... exception=...``. With ``--evaluate`` the trained model is then validated,
+tested and predicted with by the same trainer.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--send", help="e.g. SIGTERM, SIGUSR1")
     parser.add_argument("--to-rank", type=int, default=0)
     parser.add_argument("--at-step", type=int, default=3)
+    parser.add_argument("--evaluate", action="store_true", help="validate, test and predict after fit")
     options = parser.parse_args()
     callbacks: list[L.Callback] = [SaveWhenStopped(f"{options.root}/stopped.ckpt")]
     if options.send:
@@ -83,6 +85,11 @@ def main() -> None:
         flush=True,
     )
     trainer.save_checkpoint(f"{options.root}/final.ckpt")  # every rank: each holds only its stages
+    if options.evaluate:  # the same trainer and model after fit, as a user's script goes on
+        trainer.validate(model, loader(2, seed=7), verbose=False)
+        trainer.test(model, loader(2, seed=8), verbose=False)
+        predictions = trainer.predict(model, loader(2, seed=9))
+        print(f"evaluated: rank={trainer.global_rank} predictions={len(predictions)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ from tests.lightning_cases import Chain, loader, state, trainer
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _script(tmp_path: Path, strategy: str) -> tuple[str, Path]:
+def _script(tmp_path: Path, strategy: str, *options: str) -> tuple[str, Path]:
     run = subprocess.run(
-        [sys.executable, "-m", "tests.strategy_script", str(tmp_path), strategy],
+        [sys.executable, "-m", "tests.strategy_script", str(tmp_path), strategy, *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -349,9 +349,12 @@ def test_a_rank_0_failing_at_start_up_stops_the_rank_it_launched(tmp_path: Path)
 
 @pytest.mark.timeout(300)
 def test_finished_fits_exit_cleanly(tmp_path: Path) -> None:
-    """Repeated fits, re-run and spawned, 1F1B and 2BW (each also validates): every process exits with
-    status 0 and no ``terminate called`` (a gloo thread aborting a finished process at interpreter
-    exit, which a scheduler would mark as a failed job). The process groups are closed at exit."""
+    """Repeated fits, re-run and spawned, 1F1B and 2BW (each also validates; the re-run ones then
+    validate, test and predict with the same trainer): every process exits with status 0 and no
+    ``terminate called`` (a gloo thread aborting a finished process at interpreter exit, which a
+    scheduler would mark as a failed job). The process groups are closed at exit."""
     for run, strategy in enumerate(["pipe", "pipe_spawn", "pipe_2bw_spawn", "pipe_2bw", "pipe_spawn", "pipe"]):
-        output, _ = _script(tmp_path / str(run), strategy)
+        evaluate = () if strategy.endswith("spawn") else ("--evaluate",)
+        output, _ = _script(tmp_path / str(run), strategy, *evaluate)
         assert "terminate called" not in output, (strategy, output[-2000:])
+        assert output.count("evaluated: rank=") == (2 if evaluate else 0), output[-2000:]

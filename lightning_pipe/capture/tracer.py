@@ -28,6 +28,7 @@ import linecache
 import operator
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from torch.fx.node import Node, has_side_effect, map_aggregate
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten, unflatten
+from lightning_pipe.nested import flatten, map_tensors, unflatten
 
 __all__ = [
     "DataDependent",
@@ -292,6 +293,8 @@ class ShadowTracer(fx.Tracer):
             shadow.flops = (self._counter.get_total_flops() if self._counter is not None else 0) - before
             shadow.tainted = any(s.tainted for s in inputs) or _reads_values(kind, target, inputs, shadow.value)
         self.shadows[proxy.node] = shadow
+        if kind != "placeholder":
+            weakref.finalize(proxy, _keep_shape_only, shadow).atexit = False
         return proxy
 
     def _run(self, kind: str, target: Any, args: Any, kwargs: Any) -> Any:
@@ -361,6 +364,17 @@ def _factories_traced() -> Iterator[None]:
 @has_side_effect
 def split_marker() -> None:
     """The target of a split point's node (layers are cut there: it never runs)."""
+
+
+def _keep_shape_only(shadow: Shadow) -> None:
+    """Called when the last proxy of a node is gone: no later operation can read its value any more,
+    so the shadow keeps its shape, type and size only (on the meta device). The shadow execution then
+    holds what the untraced forward would, not every value it computed."""
+    shadow.value = map_tensors(_on_meta, shadow.value)
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("meta")
 
 
 def _proxies(obj: Any) -> list[fx.Proxy]:
