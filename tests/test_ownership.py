@@ -7,6 +7,8 @@ released tensor is freed (no reference left anywhere) and the module keeps every
 
 from __future__ import annotations
 
+import copy
+import functools
 import gc
 import itertools
 import weakref
@@ -21,12 +23,22 @@ from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
 from tests.user_modules import GPTModule
 
 
-def _gpt() -> tuple[GPTModule, list[nn.Module]]:
+@functools.cache
+def _captured_gpt() -> tuple[GPTModule, list[nn.Module]]:
     torch.manual_seed(0)
     module = GPTModule()
     tokens = torch.randint(0, 64, (4, 17))
     call = Entry(module).capture(module.training_step, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), 0)
     return module, pipeline_model(module, call, 2).layers
+
+
+def _gpt() -> tuple[GPTModule, list[nn.Module]]:
+    """A fresh copy of the captured GPT and its layers (copied together: the layers share the
+    module's tensors, as the captured ones do), captured once for the whole file."""
+    module, layers = copy.deepcopy(_captured_gpt())
+    assert module.model.transformer.wte.weight is module.model.lm_head.weight
+    assert tensor_ids(layers) <= tensor_ids([module])
+    return module, layers
 
 
 def _split(layers: int, cuts: list[int]) -> list[tuple[int, int]]:
