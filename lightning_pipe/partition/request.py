@@ -30,8 +30,8 @@ class PlanRequest:
         network: bandwidth for cut and all-reduce costs (default: free).
         straight: forbid stage replication (one worker per stage).
         tolerance: plans whose slowest stage is within this fraction of the fastest plan's count as
-            ties, and the one needing the least memory is taken (memory is counted, not timed: with
-            measured times, the same model gets the same plan however the timings jitter).
+            ties, and the one needing the least memory is taken (memory is counted, not timed: splits
+            a few percent apart by measured times swap places less often from run to run).
     """
 
     costs: ChainCosts

@@ -44,8 +44,8 @@ __all__ = [
     "schedule_of",
 ]
 
-DEFAULT_TOLERANCE = 0.05
-"""Near-ties of measured splits (``PlanOptions.tolerance``): within 5% of the fastest split."""
+DEFAULT_TOLERANCE = 0.02
+"""Near-ties of measured splits (``PlanOptions.tolerance``): within 2% of the fastest split."""
 _MEMORY_SCHEDULE = {"gpipe": "gpipe", "pipedream": "pipedream", "2bw": "2bw", "cdp": "2bw"}
 
 
@@ -66,8 +66,8 @@ class PlanOptions:
             stages); planned by the partitioner otherwise.
         repeats: timed runs per layer when profiling.
         tolerance: splits within this fraction of the fastest one's bottleneck are ties, decided by
-            the least memory (``PlanRequest.tolerance``): the same model gets the same split however
-            the profile's timings jitter (``bench/plan_stability.py``).
+            the least memory (``PlanRequest.tolerance``), so that the jitter of the profile's times
+            moves the split less often (``bench/plan_stability.py``).
     """
 
     partitioner: str = "time"

@@ -172,8 +172,8 @@ class PipelineStrategy(ParallelStrategy):
         stage_replicas: workers per stage with ``balance`` for ``1f1b_rr``.
         profile_repeats: timed runs per layer when profiling.
         plan_tolerance: splits within this fraction of the fastest one's bottleneck are ties, decided
-            by memory, so that the same model gets the same split from run to run although its
-            measured times jitter (``bench/plan_stability.py``); 0: the fastest split as measured.
+            by memory, so that the jitter of measured times moves the split less often from run to
+            run (``bench/plan_stability.py``); 0: the fastest split as measured.
         stages: pipeline stages (default: one per device, or what the family puts on the devices of
             one pipeline); with ``stages``, the devices beyond one pipeline make data-parallel copies.
         data_parallel: copies of the whole pipeline (``devices = workers per pipeline × copies``);
