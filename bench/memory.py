@@ -27,9 +27,10 @@ optimizer's copies; DDP: + 1 bucket copy) + the MLP's activations (``--batch`` r
 per layer; not counted for the ResNet). Built eagerly, the pipeline's model is whole on every rank
 until the split is known (its weights, ``whole``), so that peak is expected at base + max(whole, its
 stages' state); built on the meta device, at ``expected``. ``peak/exp`` compares the measured peak
-with that, ``steady/exp`` the steady state with ``expected``. ``plan MB`` is the memory the plan
-predicts for the rank's stage (weights, gradient, optimizer state, activations in flight: Beaumont
-et al. 2021, §3.2) and ``rise/plan`` the measured rise of the peak over ``base`` against it.
+with that, ``steady/exp`` the steady state with ``expected``. ``plan MB`` is the memory the strategy
+predicts for the rank (``PipelineStrategy.predicted_memory``): the plan's for its stage (weights,
+gradient, optimizer state, activations in flight: Beaumont et al. 2021, §3.2) and the shared-memory
+rings it maps; ``rise/plan`` is the measured rise of the peak over ``base`` against it.
 """
 
 from __future__ import annotations
@@ -131,8 +132,7 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
     data = TensorDataset(torch.randn(rows, *shape), torch.randint(0, 10, (rows,)))
     trainer.fit(model, DataLoader(data, batch_size=options.batch))
     holds = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
-    plan = getattr(trainer.strategy, "stage_plan", None)
-    predicted = plan.plan.stages[rank].memory_bytes if plan is not None and plan.plan is not None else None
+    predicted = getattr(trainer.strategy, "predicted_memory", None)  # its stages' (the plan's) + its rings
     copies = 2 + _OPTIMIZER_COPIES[options.optimizer] + (1 if kind == "ddp" else 0)
     activations = 2 * (2 * options.depth + 1) * options.batch * options.width * 4
     expected = base + holds * copies + activations

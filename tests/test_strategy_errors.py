@@ -187,9 +187,15 @@ def _plan_refusal_worker(rank: int, root: str, strategy_options: dict, model: ty
     [
         ({}, _Tiny, r"2 stages but the model has 1 layer \(net.0\): a stage holds at least one layer"),
         (
-            {"partitioner": "memory", "memory_limit": "1KB"},
+            {"partitioner": "memory", "memory_limit": "1KB", "shared_memory_bytes": 0},
             Chain,
             r"no partition on 2 device\(s\) fits the memory limit of 1000 B .*: the smallest limit that fits 2 device",
+        ),
+        (
+            {"partitioner": "memory", "memory_limit": "100MB"},
+            Chain,
+            r"memory_limit=95.4 MiB leaves nothing for the stages once the shared-memory rings between processes "
+            r"\(128 MiB\) are counted: raise the limit, or make the rings smaller \(shared_memory_bytes=",
         ),
         ({"schedule": "cdp", "form": "pyramid"}, Chain, r"pyramid form runs P stages on P\(P\+1\)/2 workers; 2 is no"),
     ],

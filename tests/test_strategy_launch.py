@@ -53,6 +53,8 @@ def test_launched_by_lightning(tmp_path: Path, strategy: str) -> None:
     Lightning's, and the report (timeline picture, trace, pipeline metrics) is in the log directory."""
     output, logs = _script(tmp_path, strategy)
     assert "===== Partition (time) =====" in output and "Predicted schedule" in output
+    # each rank maps one ring to its neighbour and one from it, 64 MiB each by default
+    assert re.search(r"Memory per rank, its stages \+ its shared-memory rings: rank 0: .* \+ 128 MiB, rank 1: ", output)
     assert "pipeline: measured" in output
     assert (logs / "pipeline_timeline.png").stat().st_size > 10_000
     assert '"traceEvents"' in (logs / "pipeline_trace.json").read_text()[:200]

@@ -56,7 +56,7 @@ from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulate import Interval, StageCosts
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["PipelineExecutor", "StepOutput", "rows_of", "split_batch"]
+__all__ = ["PipelineExecutor", "StepOutput", "rows_of", "shared_memory_capacity", "split_batch"]
 _T = TypeVar("_T")
 DEFAULT_SHARED_MEMORY_BYTES = 64 * 1024 * 1024
 """Each shared-memory ring between CPU workers of one host (``shared_memory_bytes``)."""
@@ -263,7 +263,7 @@ class PipelineExecutor:
         self.recompute = {s: bool(flags[s]) for s in mine}
         self.failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
         self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
-        capacity = _shared_memory(shared_memory_bytes, self.device)
+        capacity = shared_memory_capacity(shared_memory_bytes, self.device)
         pairs = [(self.ranks[a], self.ranks[b]) for a, b in self._message_pairs(generated)] if capacity else []
         self.transport = Transport(
             self.global_rank,
@@ -1072,7 +1072,7 @@ def _post_ahead(requested: int | None, device: torch.device) -> int:
     return 256 * 1024 if device.type == "cpu" else 0
 
 
-def _shared_memory(requested: int | None, device: torch.device) -> int:
+def shared_memory_capacity(requested: int | None, device: torch.device) -> int:
     """Bytes of each shared-memory ring (see ``shared_memory_bytes``); 0: no rings."""
     if device.type != "cpu":
         return 0

@@ -76,7 +76,7 @@ from lightning_pipe.memory import MemoryModel
 from lightning_pipe.nested import flatten, map_tensors, unflatten
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.affinity import pin_threads
-from lightning_pipe.runtime.executor import rows_of, split_batch
+from lightning_pipe.runtime.executor import rows_of, shared_memory_capacity, split_batch
 from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
@@ -107,7 +107,7 @@ from lightning_pipe.strategy.relay import Relay
 from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps
 from lightning_pipe.strategy.sharded import METADATA, is_sharded, load_sharded, read_entries, save_sharded
 from lightning_pipe.strategy.signals import Signals
-from lightning_pipe.units import parse_bandwidth, parse_bytes
+from lightning_pipe.units import format_bytes, parse_bandwidth, parse_bytes
 
 __all__ = ["PipelineStrategy"]
 
@@ -304,6 +304,7 @@ class PipelineStrategy(ParallelStrategy):
         self._last_output: Any = torch.tensor(float("nan"))
         self._outputs_read = False
         self._prediction: Simulation | None = None
+        self.predicted_memory: float | None = None  # this rank's: its stages' (the plan's) and its rings
         self._step_seconds: list[float] = []
         self._posted: Any = None
         self._signals: Signals | None = None
@@ -560,10 +561,49 @@ class PipelineStrategy(ParallelStrategy):
             optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
         self._restore_optimizer_states()
         self._restore_carried()
+        self._predict_memory(mine)
         self._release(module, layers, mine)
         if self._parent_watch is not None:  # the pipeline is up: failures travel through the job's store now
             self._parent_watch.stop()
         return self.executor
+
+    def _predict_memory(self, mine: set[int]) -> None:
+        """This rank's predicted memory (:attr:`predicted_memory`): the plan's for its stages (weights,
+        gradients, optimizer state, activations in flight) and the shared-memory rings it maps, which
+        count in its resident memory as messages go round them. Printed per rank on rank 0 (a
+        collective over the pipeline); the framework's own memory (interpreter, torch) is apart."""
+        assert self.executor is not None and self.stage_plan is not None
+        plan = self.stage_plan.plan
+        rings = self.executor.transport.links.ring_bytes
+        stages = None if plan is None else sum(plan.stages[s].memory_bytes for s in mine)
+        self.predicted_memory = None if stages is None else stages + rings
+        shares = self._gather((stages, rings))
+        if self.global_rank == 0 and plan is not None and any(rings for _, rings in shares):
+            parts = [f"rank {w}: {format_bytes(a)} + {format_bytes(b)}" for w, (a, b) in enumerate(shares)]
+            rank_zero_info("Memory per rank, its stages + its shared-memory rings: " + ", ".join(parts))
+
+    def _within_limit(self, options: PlanOptions) -> PlanOptions:
+        """The options with the memory limit less what the shared-memory rings take (:meth:`_ring_reserve`)."""
+        reserve = self._ring_reserve()
+        if options.memory_limit is None or not reserve:
+            return options
+        if options.memory_limit <= reserve:
+            raise PlanningError(
+                f"memory_limit={format_bytes(options.memory_limit)} leaves nothing for the stages once the "
+                f"shared-memory rings between processes ({format_bytes(reserve)}) are counted: raise the limit, or "
+                "make the rings smaller (shared_memory_bytes=..., 0: messages through gloo only)"
+            )
+        rank_zero_info(
+            f"Planning within memory_limit={format_bytes(options.memory_limit)} less {format_bytes(reserve)} of "
+            "shared-memory rings per process"
+        )
+        return dataclasses.replace(options, memory_limit=options.memory_limit - reserve)
+
+    def _ring_reserve(self) -> float:
+        """What the shared-memory rings of a rank with two neighbouring stages take (CPU training):
+        the memory limit is planned without it."""
+        capacity = shared_memory_capacity(self.shared_memory_bytes, self.root_device)
+        return 2.0 * capacity * min(2, self.workers - 1)
 
     def _release(self, module: LightningModule, layers: list[Any], mine: set[int]) -> None:
         """Keep only this rank's stages (``mine``): every other stage's weights and buffers go to the
@@ -669,7 +709,7 @@ class PipelineStrategy(ParallelStrategy):
                     model.layers,
                     model.inputs(first),
                     self.stages,
-                    self._plan_options(len(model.layers)),
+                    self._within_limit(self._plan_options(len(model.layers))),
                     memory,
                     torch.device("meta") if meta else self.root_device,
                     self._replicated,
