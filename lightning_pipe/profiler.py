@@ -224,13 +224,18 @@ def _profile_layer(
     count_flops: bool,
 ) -> tuple[LayerCost, Any]:
     """Cost of one layer on its input ``leaf``, and the layer's detached output for the next layer."""
-    counter = FlopCounterMode(display=False) if count_flops else None
-    with counter or nullcontext():
+    meta = device.type == "meta"  # nothing to time: the FLOPs, forward and backward apart, give the time
+    forward = FlopCounterMode(display=False) if count_flops or meta else None
+    backward = FlopCounterMode(display=False) if count_flops or meta else None
+    with forward or nullcontext():
         saved, output = _forward_saving(label, layer, leaf)
+    with backward or nullcontext():
         _timed_backward(output, device)
     _clear_grads(leaf)
-    if device.type == "meta":
-        forward_seconds, backward_seconds = _estimated_seconds(layer, leaf)
+    if meta:
+        assert forward is not None and backward is not None
+        forward_seconds = forward.get_total_flops() / ESTIMATED_FLOPS_PER_SECOND
+        backward_seconds = backward.get_total_flops() / ESTIMATED_FLOPS_PER_SECOND
     else:
         forward_seconds, backward_seconds = _time_layer(layer, leaf, device, warmup, repeats)
     for param in layer.parameters():  # freed now, not when the session ends: one layer's gradients at a time
@@ -242,9 +247,14 @@ def _profile_layer(
         activation_bytes=nbytes(output),
         saved_bytes=saved,
         param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-        flops=None if counter is None else counter.get_total_flops(),
+        flops=_total(forward, backward) if count_flops else None,
     )
     return cost, map_tensors(torch.Tensor.detach, output)
+
+
+def _total(*counters: FlopCounterMode | None) -> int:
+    """The FLOPs ``counters`` counted together."""
+    return sum(counter.get_total_flops() for counter in counters if counter is not None)
 
 
 def _forward_saving(label: str, layer: nn.Module, leaf: Any) -> tuple[int, Any]:
@@ -280,20 +290,6 @@ def _time_layer(layer: nn.Module, leaf: Any, device: torch.device, warmup: int, 
         backward.append(_timed_backward(output, device))
         _clear_grads(leaf)
     return statistics.median(forward[warmup:]), statistics.median(backward[warmup:])
-
-
-def _estimated_seconds(layer: nn.Module, leaf: Any) -> tuple[float, float]:
-    """Forward and backward seconds of a layer on the meta device (nothing to time): its FLOPs at
-    :data:`ESTIMATED_FLOPS_PER_SECOND`."""
-    with FlopCounterMode(display=False) as forward:
-        output = layer(map_tensors(torch.Tensor.clone, leaf))
-    outputs = [t for t in tensors(output) if t.requires_grad]
-    with FlopCounterMode(display=False) as backward:
-        if outputs:
-            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-    _clear_grads(leaf)
-    rate = ESTIMATED_FLOPS_PER_SECOND
-    return forward.get_total_flops() / rate, backward.get_total_flops() / rate
 
 
 def _timed_backward(output: Any, device: torch.device) -> float:

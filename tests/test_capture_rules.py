@@ -141,8 +141,8 @@ def test_a_device_read_upstream_arrives_as_the_receiving_stage_device() -> None:
 def test_capture_keeps_shapes_not_the_micro_batch_activations() -> None:
     """The captured graph keeps each traced value's shape and type on the meta device, and no
     activation of the traced micro-batch stays allocated once ``capture`` returns, even with the
-    garbage collector off (the tracer sits in torch.fx's reference cycles: a CIFAR ResNet-18 kept
-    765 MB per rank for the whole run)."""
+    garbage collector off (the tracer sits in torch.fx's reference cycles, which would keep every
+    layer's activation of the first micro-batch for the whole run)."""
     width = 37  # a shape no other tensor of the test has
     model = nn.Sequential(nn.Linear(5, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2))
     gc.collect()
@@ -161,8 +161,8 @@ def test_capture_keeps_shapes_not_the_micro_batch_activations() -> None:
 def test_tracing_holds_the_values_forward_holds_not_every_one() -> None:
     """While ``forward`` is traced on the real micro-batch, a node's value is released (to its meta
     shape) once no proxy of it is left: at the last layer of a chain of 12, at most the few values
-    an untraced forward would hold are alive, not the 12 (a CIFAR ResNet-18's capture at micro-batch
-    128 rose 768 MB, 141 MB with it, ``bench/memory.py``)."""
+    an untraced forward would hold are alive, not the 12 (the capture's peak would be every layer's
+    activation of the micro-batch at once)."""
     width, blocks = 41, 12  # a shape no other tensor of the test has
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)])
     alive: list[int] = []

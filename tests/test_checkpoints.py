@@ -9,12 +9,15 @@ through the strategy's collectives must decide as they do there.
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_pipe.cli import main
+from lightning_pipe.strategy.sharded import load_sharded, read_entries
 from tests.lightning_cases import Chain, plain_fit
 from tests.test_strategy import _assert_close_states, _run_cases, _transpose
 
@@ -85,6 +88,10 @@ def _assert_sharded_consolidates_to(sharded: Path, full_path: Path, tmp_path: Pa
     assert shards[0]["state_dict"] == STAGE_0 and shards[1]["state_dict"] == STAGE_1
     assert shards[0]["optimizer"] == STAGE_0 and shards[1]["optimizer"] == STAGE_1
     assert shards[0]["carried"] == {"0"} and shards[1]["carried"] == {"1"}
+    entries = load_sharded(sharded)["state_dict"]
+    with mock.patch.object(dcp, "load", wraps=dcp.load) as reads:
+        assert read_entries(entries, [*STAGE_1, "not.an.entry"]).keys() == STAGE_1
+    assert reads.call_count == 1  # one read of the entries asked for: membership comes from the metadata
     output = tmp_path / "consolidated.ckpt"
     assert main(["consolidate", str(sharded), str(output)]) == 0
     got = torch.load(output, weights_only=False)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from torch.fx.node import Node, map_aggregate
 
 from lightning_pipe.capture.tracer import Shadow, ShadowTracer, TraceFailure
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten, map_tensors, unflatten
+from lightning_pipe.nested import flatten, unflatten
 
 __all__ = ["CapturedGraph", "UntraceableForward", "capture_graph", "signature"]
 
@@ -103,15 +103,8 @@ def capture_graph(
         graph, shadows, attributes = train
         eval_graph, _, eval_attributes = evaluated
         skeleton, _ = flatten((args, kwargs))
-        kept = {node: replace(shadow, value=map_tensors(_shape_only, shadow.value)) for node, shadow in shadows.items()}
-        return CapturedGraph(root, graph, eval_graph, kept, skeleton, {**eval_attributes, **attributes}, leaves)
+        return CapturedGraph(root, graph, eval_graph, shadows, skeleton, {**eval_attributes, **attributes}, leaves)
     raise PlanningError(f"tracing {type(root).__name__}.forward did not settle after {_MAX_RETRACES} attempts")
-
-
-def _shape_only(tensor: torch.Tensor) -> torch.Tensor:
-    """A traced value as the graph keeps it: its shape, type and size on the meta device, not the
-    micro-batch's activations (every layer's, which would stay allocated for the whole run)."""
-    return tensor.to("meta")
 
 
 def _trace(
@@ -134,9 +127,7 @@ def _trace(
             for node in graph.nodes
             if node.op in ("get_attr", "call_module")
         }
-    shadows = dict(tracer.shadows)
-    tracer.shadows.clear()  # the tracer lives on in fx's reference cycles: it must not keep the values alive
-    return graph, shadows, attributes
+    return graph, tracer.shadows, attributes
 
 
 def _eliminate_dead_code(graph: fx.Graph) -> None:

@@ -244,6 +244,8 @@ class ShadowTracer(fx.Tracer):
         finally:
             _ACTIVE.pop()
             self._counter = None
+            for shadow in self.shadows.values():  # the proxies still alive at the end: the graph keeps shapes
+                _keep_shape_only(shadow)
 
     def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None) -> Any:
         call = self._call

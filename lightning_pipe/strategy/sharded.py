@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.cloud_io import _load
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 __all__ = ["METADATA", "ShardedEntries", "consolidate", "is_sharded", "load_sharded", "read_entries", "save_sharded"]
 
@@ -51,18 +51,21 @@ class ShardedEntries(Mapping[str, Any]):
     """One tree of a sharded checkpoint (``state_dict``, ``optimizer`` or ``carried``) as a mapping
     from name to value, read from the files on demand: :meth:`read` reads several entries at once."""
 
-    def __init__(self, path: str | Path, tree: str) -> None:
+    def __init__(self, path: str | Path, tree: str, metadata: Metadata) -> None:
         self.path = Path(path)
         self.tree = tree
-        metadata = FileSystemReader(str(self.path)).read_metadata()
         self._storage = metadata.state_dict_metadata
         self._paths: dict[str, tuple[Any, ...]] = {
             flat: tuple(steps) for flat, steps in (metadata.planner_data or {}).items() if steps[0] == tree
         }
         self._names = sorted({str(steps[1]) for steps in self._paths.values()})
+        self._known = frozenset(self._names)
+
+    def __contains__(self, name: object) -> bool:  # from the metadata: Mapping's would read the entry
+        return name in self._known
 
     def __getitem__(self, name: str) -> Any:
-        if name not in self._names:
+        if name not in self._known:
             raise KeyError(name)
         return self.read([name])[name]
 
@@ -108,9 +111,6 @@ def save_sharded(
         path.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier(group=group)
-    unknown = set(trees) - set(TREES)
-    if unknown:
-        raise ValueError(f"unknown trees {sorted(unknown)}; a sharded checkpoint holds {TREES}")
     dcp.save({tree: trees.get(tree, {}) for tree in TREES}, checkpoint_id=str(path), process_group=group)
     if write_metadata:
         torch.save(checkpoint, path / METADATA)
@@ -120,11 +120,12 @@ def load_sharded(path: str | Path, weights_only: bool | None = None) -> dict[str
     """The checkpoint at ``path`` with its trees as :class:`ShardedEntries` read on demand:
     ``state_dict``, ``optimizer_states[0]["state"]`` and ``optimizer_states[0]["pipeline"]["carried"]``."""
     checkpoint = _load(Path(path) / METADATA, map_location="cpu", weights_only=weights_only)
-    checkpoint["state_dict"] = ShardedEntries(path, "state_dict")
+    metadata = FileSystemReader(str(path)).read_metadata()
+    checkpoint["state_dict"] = ShardedEntries(path, "state_dict", metadata)
     for state in checkpoint.get("optimizer_states", []):
-        state["state"] = ShardedEntries(path, "optimizer")
+        state["state"] = ShardedEntries(path, "optimizer", metadata)
         if state.get("pipeline") is not None:
-            state["pipeline"]["carried"] = ShardedEntries(path, "carried")
+            state["pipeline"]["carried"] = ShardedEntries(path, "carried", metadata)
     return checkpoint
 
 

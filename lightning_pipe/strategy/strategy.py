@@ -561,24 +561,28 @@ class PipelineStrategy(ParallelStrategy):
             optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
         self._restore_optimizer_states()
         self._restore_carried()
-        self._predict_memory(mine)
+        self._predict_memory(mine, announce=fresh)
         self._release(module, layers, mine)
         if self._parent_watch is not None:  # the pipeline is up: failures travel through the job's store now
             self._parent_watch.stop()
         return self.executor
 
-    def _predict_memory(self, mine: set[int]) -> None:
-        """This rank's predicted memory (:attr:`predicted_memory`): the plan's for its stages (weights,
-        gradients, optimizer state, activations in flight) and the shared-memory rings it maps, which
-        count in its resident memory as messages go round them. Printed per rank on rank 0 (a
-        collective over the pipeline); the framework's own memory (interpreter, torch) is apart."""
+    def _predict_memory(self, mine: set[int], announce: bool) -> None:
+        """This rank's predicted memory (:attr:`predicted_memory`; ``None`` when the stages were given,
+        not planned): the plan's for its stages (weights, gradients, optimizer state, activations in
+        flight) and the shared-memory rings it maps, which count in its resident memory as messages
+        go round them. With ``announce`` (a new plan), printed per rank on rank 0 (a collective over
+        the pipeline); the framework's own memory (interpreter, torch) is apart."""
         assert self.executor is not None and self.stage_plan is not None
         plan = self.stage_plan.plan
+        if plan is None:  # every rank has the same plan: none of them gathers
+            self.predicted_memory = None
+            return
+        stages = sum(plan.stages[s].memory_bytes for s in mine)
         rings = self.executor.transport.links.ring_bytes
-        stages = None if plan is None else sum(plan.stages[s].memory_bytes for s in mine)
-        self.predicted_memory = None if stages is None else stages + rings
-        shares = self._gather((stages, rings))
-        if self.global_rank == 0 and plan is not None and any(rings for _, rings in shares):
+        self.predicted_memory = stages + rings
+        if announce:
+            shares = self._gather((stages, rings))
             parts = [f"rank {w}: {format_bytes(a)} + {format_bytes(b)}" for w, (a, b) in enumerate(shares)]
             rank_zero_info("Memory per rank, its stages + its shared-memory rings: " + ", ".join(parts))
 
@@ -1020,23 +1024,23 @@ class PipelineStrategy(ParallelStrategy):
         entries this rank writes (a collective: drains first)."""
         if self.state_dict_type == "full":
             return self.full_state_dict()
-        self.drain()
-        self._keep_loss_scale()  # Lightning saves the precision plugin's state after the module's
-        return {name: value for name, value in self.lightning_module.state_dict().items() if self._written(name)}
+        return self._written_state()
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole module's state on global rank 0 (on the CPU), gathered by name from the ranks
         holding each entry (a collective: drains first); ``{}`` on the other ranks, which hold only
         their stages."""
-        self.drain()
-        self._keep_loss_scale()  # Lightning saves the precision plugin's state after the module's
-        state = self.lightning_module.state_dict()
-        mine = {name: value for name, value in state.items() if self._written(name)}
-        parts = self._gather_to_zero(_to_cpu(mine))
+        parts = self._gather_to_zero(_to_cpu(self._written_state()))
         if parts is None:
             return {}
         merged = {name: value for part in parts for name, value in part.items()}
-        return {name: merged[name] for name in state}
+        return {name: merged[name] for name in self.lightning_module.state_dict(keep_vars=True)}
+
+    def _written_state(self) -> dict[str, Any]:
+        """The state-dict entries this rank writes, after the steps in flight are finished."""
+        self.drain()
+        self._keep_loss_scale()  # Lightning saves the precision plugin's state after the module's
+        return {name: value for name, value in self.lightning_module.state_dict().items() if self._written(name)}
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         """Load the entries this rank holds (every entry before the stages are placed; those of a
