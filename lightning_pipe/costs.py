@@ -31,6 +31,9 @@ class LayerCost:
         saved_bytes: bytes autograd keeps from this layer's forward until its backward.
         param_bytes: bytes of the layer's parameters (one copy of the weights).
         flops: forward + backward floating point operations, when known.
+        kept_gradient_bytes: bytes of the gradients a backward split in two halves keeps from the
+            input half until the weight half (:class:`~lightning_pipe.runtime.split_backward.SplitBackward`):
+            what flows into the layer's weight-owning autograd nodes; 0 when not measured.
     """
 
     name: str
@@ -40,6 +43,7 @@ class LayerCost:
     saved_bytes: float
     param_bytes: float
     flops: float | None = None
+    kept_gradient_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         numbers = {
@@ -48,6 +52,7 @@ class LayerCost:
             "activation_bytes": self.activation_bytes,
             "saved_bytes": self.saved_bytes,
             "param_bytes": self.param_bytes,
+            "kept_gradient_bytes": self.kept_gradient_bytes,
         }
         if self.flops is not None:
             numbers["flops"] = self.flops
@@ -115,6 +120,7 @@ class ChainCosts:
         saved: Sequence[float] | None = None,
         params: Sequence[float] | None = None,
         flops: Sequence[float] | None = None,
+        kept: Sequence[float] | None = None,
         name: str = "chain",
     ) -> ChainCosts:
         """Build a chain from parallel lists (missing lists mean zeros); handy for tests and papers.
@@ -128,12 +134,14 @@ class ChainCosts:
         activation = list(activation) if activation is not None else zeros
         saved = list(saved) if saved is not None else activation
         params = list(params) if params is not None else zeros
+        kept = list(kept) if kept is not None else zeros
         for label, values in (
             ("backward", backward),
             ("activation", activation),
             ("saved", saved),
             ("params", params),
             ("flops", flops or zeros),
+            ("kept", kept),
         ):
             if len(values) != n:
                 raise PlanningError(f"{label} has {len(values)} entries, forward has {n}")
@@ -146,6 +154,7 @@ class ChainCosts:
                 saved_bytes=saved[i],
                 param_bytes=params[i],
                 flops=None if flops is None else flops[i],
+                kept_gradient_bytes=kept[i],
             )
             for i in range(n)
         )

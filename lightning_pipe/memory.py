@@ -15,6 +15,12 @@ replicated ``r`` times, with ``m`` micro-batches per step:
   NOAM for the stage's replicas under 1F1B-RR.
 - ``pipedream`` (asynchronous, weight stashing): ``⌈k/r⌉`` in flight, and as many weight versions.
 - ``2bw`` (PipeDream-2BW): ``⌈k/r⌉`` in flight, two weight versions.
+
+A stage after the first of a flushing schedule runs its cool-down backwards in two halves (input
+gradient first, sent upstream, then the weight gradients: :mod:`lightning_pipe.schedule.early`), one
+at a time; between the halves it keeps the gradients the weight half resumes from, one micro-batch's
+``kept_gradient_bytes`` on top of its activations (``split_backward``: the ``γ`` of
+:meth:`MemoryModel.kept_coefficient`).
 """
 
 from __future__ import annotations
@@ -40,11 +46,14 @@ class MemoryModel:
         microbatches: ``m``; ``None`` means unbounded (steady state of a long run), allowed for
             every schedule but ``gpipe``.
         extra_copies: parameter-sized copies besides the weights (see :data:`EXTRA_COPIES`).
+        split_backward: stages after the first split a backward in two halves and keep one
+            micro-batch's ``kept_gradient_bytes`` between them (flushing schedules' cool-down).
     """
 
     schedule: str = "1f1b"
     microbatches: int | None = None
     extra_copies: float = EXTRA_COPIES["momentum"]
+    split_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -72,14 +81,32 @@ class MemoryModel:
             return self.in_flight(downstream, replicas)
         return 2 if self.schedule == "2bw" else 1
 
-    def stage_bytes(self, param_bytes: float, saved_bytes: float, downstream: int, replicas: int = 1) -> float:
-        """Memory of one replica of a stage (Beaumont §3.2)."""
+    def stage_bytes(
+        self,
+        param_bytes: float,
+        saved_bytes: float,
+        downstream: int,
+        replicas: int = 1,
+        kept_bytes: float = 0.0,
+        first: bool = False,
+    ) -> float:
+        """Memory of one replica of a stage (Beaumont §3.2), plus the gradients a split backward keeps
+        (``kept_bytes``) unless it is the ``first`` stage."""
         per_param, per_saved = self.coefficients(downstream, replicas)
-        return per_param * param_bytes + per_saved * saved_bytes
+        return per_param * param_bytes + per_saved * saved_bytes + self.kept_coefficient(downstream, first) * kept_bytes
 
     def coefficients(self, downstream: int, replicas: int = 1) -> tuple[float, float]:
-        """``(α, β)`` with ``stage_bytes = α·param_bytes + β·saved_bytes``."""
+        """``(α, β)`` with ``stage_bytes = α·param_bytes + β·saved_bytes`` (+ ``γ·kept_bytes``)."""
         return (
             self.weight_versions(downstream, replicas) + self.extra_copies,
             float(self.in_flight(downstream, replicas)),
         )
+
+    def kept_coefficient(self, downstream: int, first: bool) -> float:
+        """``γ``: 1 when the stage splits its cool-down backwards, which it does (one at a time) when
+        it is not the ``first`` (whose input takes no gradient) and its cool-down is no longer than
+        its distance to the end, ``downstream`` (always under 1F1B; under GPipe, whose cool-down is
+        every micro-batch, only when ``m <= downstream``: :mod:`lightning_pipe.schedule.early`)."""
+        if not self.split_backward or first:
+            return 0.0
+        return 0.0 if self.schedule == "gpipe" and self.microbatches > downstream else 1.0  # type: ignore[operator]

@@ -9,7 +9,7 @@ The JSON format (``"format": "lightning_pipe.profile"``, ``"version": 1``)::
       "layers": [
         {"name": "features.0:Conv2d", "forward_seconds": 0.0123, "backward_seconds": 0.0251,
          "activation_bytes": 25690112, "saved_bytes": 602112, "param_bytes": 7168,
-         "flops": 2774532096},
+         "flops": 2774532096, "kept_gradient_bytes": 0},
         ...
       ],
       "boundary_bytes": [25690112, ...],
@@ -18,8 +18,9 @@ The JSON format (``"format": "lightning_pipe.profile"``, ``"version": 1``)::
     }
 
 Times are seconds and sizes bytes, for one micro-batch of ``meta.batch_size``. ``flops`` may be
-``null``; ``boundary_bytes`` (bytes crossing the cut after each layer, ``L - 1`` entries),
-``notes`` and ``meta`` are optional.
+``null``; ``kept_gradient_bytes`` (what a backward split in two halves keeps between them; 0 when
+absent, as in profiles written before it was measured), ``boundary_bytes`` (bytes crossing the cut
+after each layer, ``L - 1`` entries), ``notes`` and ``meta`` are optional.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ def profile_to_dict(costs: ChainCosts) -> dict[str, object]:
         "version": VERSION,
         "name": costs.name,
         "layers": [
-            {"name": layer.name, **{key: getattr(layer, key) for key in _LAYER_FIELDS}, "flops": layer.flops}
+            {
+                "name": layer.name,
+                **{key: getattr(layer, key) for key in _LAYER_FIELDS},
+                "flops": layer.flops,
+                "kept_gradient_bytes": layer.kept_gradient_bytes,
+            }
             for layer in costs.layers
         ],
         "boundary_bytes": list(costs.boundary_bytes),
@@ -64,6 +70,7 @@ def _layer(entry: object, index: int, source: str) -> LayerCost:
         return LayerCost(
             name=str(entry.get("name", f"layer{index}")),
             flops=entry.get("flops"),
+            kept_gradient_bytes=entry.get("kept_gradient_bytes", 0.0),
             **{key: entry[key] for key in _LAYER_FIELDS},
         )
     except PlanningError as error:

@@ -15,6 +15,10 @@ model, and measured for:
   view keeps its whole storage alive. Storages of the layer's parameters and buffers are excluded
   (Linear saves ``weight.t()``, BatchNorm its running stats: model state, not activation memory).
   Tensors a custom ``autograd.Function`` stashes on ``ctx`` outside ``save_for_backward`` are invisible.
+* ``kept_gradient_bytes``: bytes of the gradients a backward split in two halves (zero-bubble's ``I``
+  and ``W``; a cool-down backward of a stage after the first) keeps between them, measured by running
+  the layer's first backward as :class:`~lightning_pipe.runtime.split_backward.SplitBackward`; 0 for
+  a layer whose input takes no gradient (the first).
 * ``flops``: forward + backward FLOPs from :class:`torch.utils.flop_counter.FlopCounterMode` (only
   ops with a registered formula, such as matmul and convolution, count).
 
@@ -46,6 +50,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_pipe.costs import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import map_tensors, nbytes, tensors
+from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.saved_bytes import saved_bytes
 
 __all__ = ["ESTIMATED_FLOPS_PER_SECOND", "profile_layers"]
@@ -230,7 +235,7 @@ def _profile_layer(
     with forward or nullcontext():
         saved, output = _forward_saving(label, layer, leaf)
     with backward or nullcontext():
-        _timed_backward(output, device)
+        kept = _split_backward(layer, leaf, output)
     _clear_grads(leaf)
     if meta:
         assert forward is not None and backward is not None
@@ -248,6 +253,7 @@ def _profile_layer(
         saved_bytes=saved,
         param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
         flops=_total(forward, backward) if count_flops else None,
+        kept_gradient_bytes=kept,
     )
     return cost, map_tensors(torch.Tensor.detach, output)
 
@@ -290,6 +296,23 @@ def _time_layer(layer: nn.Module, leaf: Any, device: torch.device, warmup: int, 
         backward.append(_timed_backward(output, device))
         _clear_grads(leaf)
     return statistics.median(forward[warmup:]), statistics.median(backward[warmup:])
+
+
+def _split_backward(layer: nn.Module, leaf: Any, output: Any) -> int:
+    """The layer's backward in two halves (random output gradients); the bytes kept between them."""
+    outputs = [t for t in tensors(output) if t.requires_grad]
+    if not outputs:
+        return 0
+    split = SplitBackward(
+        outputs,
+        [torch.randn_like(t) for t in outputs],
+        [t for t in tensors(leaf) if t.requires_grad],
+        [p for p in layer.parameters() if p.requires_grad],
+    )
+    split.input_gradients()
+    kept = split.kept_bytes
+    split.weight_gradients(lambda index, grad: None)
+    return kept
 
 
 def _timed_backward(output: Any, device: torch.device) -> float:

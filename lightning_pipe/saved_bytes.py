@@ -27,7 +27,10 @@ def saved_bytes(excluded: Iterable[torch.Tensor] = ()) -> Iterator[Callable[[], 
         key = _storage_key(tensor)
         if key not in skip:
             storages[key] = tensor.untyped_storage().nbytes()
-        return tensor
+        # kept without its autograd history: a saved output kept as itself would hold its own grad_fn,
+        # a cycle through autograd's C++ graph that no garbage collection frees once a backward retained
+        # the graph (the halves of a split backward do)
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield lambda: sum(storages.values())

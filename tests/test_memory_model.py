@@ -136,3 +136,15 @@ def test_stage_bytes_is_linear_in_params_and_saved(
     assert beta == model.in_flight(k, r)
     assert alpha == model.weight_versions(k, r) + 2
     assert model.stage_bytes(params, saved, k, r) == alpha * params + beta * saved
+
+
+def test_a_split_backwards_kept_gradients_count_once_on_stages_after_the_first() -> None:
+    """A flushing schedule splits each cool-down backward of a stage ``s > 0`` (one at a time) when
+    its cool-down has at most ``P - s`` backwards (:mod:`lightning_pipe.schedule.early`): always under
+    1F1B, under GPipe only when ``m <= P - s``. The first stage's input takes no gradient: never."""
+    one_f_one_b = MemoryModel("1f1b", 4, extra_copies=1, split_backward=True)
+    assert one_f_one_b.stage_bytes(10, 2, 3, kept_bytes=5) == 2 * 10 + 3 * 2 + 5
+    assert one_f_one_b.stage_bytes(10, 2, 4, kept_bytes=5, first=True) == 2 * 10 + 4 * 2
+    gpipe = MemoryModel("gpipe", 3, extra_copies=1, split_backward=True)
+    assert [gpipe.kept_coefficient(k, first=False) for k in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    assert MemoryModel("1f1b", 4).kept_coefficient(1, first=False) == 0  # not split (non-flushing, or off)

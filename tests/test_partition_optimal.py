@@ -26,9 +26,9 @@ def chains(draw: st.DrawFn, max_layers: int = 7) -> ChainCosts:
     """Random chains; in about half of them skip connections make some cuts carry more than the
     activation of the layer before them (a DAG laid out as a chain)."""
     n = draw(st.integers(min_value=1, max_value=max_layers))
-    lists = [draw(st.lists(small, min_size=n, max_size=n)) for _ in range(5)]
-    forward, backward, activation, saved, params = lists
-    chain = ChainCosts.from_lists(forward, backward, activation=activation, saved=saved, params=params)
+    lists = [draw(st.lists(small, min_size=n, max_size=n)) for _ in range(6)]
+    forward, backward, activation, saved, params, kept = lists
+    chain = ChainCosts.from_lists(forward, backward, activation=activation, saved=saved, params=params, kept=kept)
     if draw(st.booleans()):
         skips = draw(st.lists(small, min_size=n - 1, max_size=n - 1))
         chain = replace(chain, boundary_bytes=tuple(a + b for a, b in zip(activation, skips, strict=False)))
@@ -40,7 +40,9 @@ def requests(draw: st.DrawFn, max_layers: int = 7, max_devices: int = 4) -> Plan
     costs = draw(chains(max_layers))
     schedule = draw(st.sampled_from(["1f1b", "gpipe", "pipedream", "2bw"]))
     microbatches = draw(st.one_of(st.none(), st.integers(1, 6))) if schedule != "gpipe" else draw(st.integers(1, 6))
-    memory = MemoryModel(schedule, microbatches, extra_copies=draw(st.sampled_from([0, 1, 2, 3])))
+    memory = MemoryModel(
+        schedule, microbatches, extra_copies=draw(st.sampled_from([0, 1, 2, 3])), split_backward=draw(st.booleans())
+    )
     bandwidth = draw(st.sampled_from([math.inf, 1.0, 4.0, 20.0]))
     limit = draw(st.one_of(st.none(), st.integers(1, 120).map(float)))
     return PlanRequest(
@@ -197,3 +199,19 @@ def test_near_ties_of_the_time_partitioner_are_decided_by_memory(request: PlanRe
     achieved = max(sum(seconds[i] for i in stage.layers) for stage in plan.stages)
     assert achieved <= fastest * (1 + tolerance) * (1 + 1e-9) + 1e-12
     assert math.isclose(plan.peak_memory_bytes, least, rel_tol=1e-9, abs_tol=1e-9)
+
+
+@SETTINGS
+@given(requests(max_layers=7), st.data())
+def test_the_searchs_stage_memory_is_the_plans(request: PlanRequest, data: st.DataObject) -> None:
+    """The contiguous search's memory of a split (``ChainProblem.peak_memory``, which decides near-ties
+    and the infeasibility hints) equals the plan's (:func:`evaluate`), the split backward's kept
+    gradients counted on every stage but the first."""
+    n = len(request.costs)
+    stages = data.draw(st.integers(1, min(n, request.devices)))
+    cuts = sorted(data.draw(st.permutations(range(1, n)))[: stages - 1])
+    bounds = (0, *cuts, n)
+    groups = [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
+    plan = request.plan_unchecked("time", groups, [1] * stages)
+    spans = [(group[0], group[-1], 1) for group in groups]
+    assert math.isclose(request.problem(replicate=False).peak_memory(spans), plan.peak_memory_bytes, abs_tol=1e-9)

@@ -326,3 +326,44 @@ def test_profiling_holds_one_layer_gradients_at_a_time():
     profile_layers(layers, torch.randn(2, 8), repeats=1, warmup=0)
     assert seen and max(seen) == 0
     assert all(p.grad is None for layer in layers for p in layer.parameters())
+
+
+def test_kept_gradient_bytes_are_what_flows_into_the_weighted_nodes():
+    """A split backward keeps, between its halves, the gradient flowing into each node that owns a
+    weight: a Linear's output gradient (rows x out floats), a Conv2d's, BatchNorm's; an activation
+    function keeps nothing; the first layer (input without gradient) is never split."""
+    model = nn.Sequential(
+        nn.Linear(6, 16),
+        nn.Unflatten(1, (1, 4, 4)),
+        nn.Conv2d(1, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(48, 5),
+    )
+    layers = quick(model, torch.randn(2, 6)).layers
+    assert [layer.kept_gradient_bytes for layer in layers] == [0, 0, 2 * 3 * 16 * 4, 2 * 3 * 16 * 4, 0, 0, 2 * 5 * 4]
+
+
+def test_profiled_graphs_are_freed_without_the_garbage_collector():
+    """Counting saved tensors must not tie a saved output to its own autograd history: after a
+    backward that retains the graph (the split backward's halves), such a cycle runs through
+    autograd's C++ graph, which Python's garbage collector never frees (Tanh saves its output:
+    profiling a stack of them leaked every layer's activations)."""
+    import gc
+    import weakref
+
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    gc.collect()
+    gc.disable()
+    try:
+        from lightning_pipe.profiler import _forward_saving, _split_backward
+
+        x = torch.randn(4, 8, requires_grad=True)
+        _, output = _forward_saving("tanh", layer, x)
+        _split_backward(layer, x, output)
+        alive = weakref.ref(output)
+        del output
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -79,6 +79,8 @@ class ChainProblem:
         seconds: per-layer time being balanced (measured ``u_F + u_B``, or a proxy such as FLOPs).
         cut_seconds: ``2·C_i`` for each of the ``L - 1`` cuts.
         param_bytes, saved_bytes: per-layer parameter and saved-activation bytes.
+        kept_bytes: per-layer gradients a split backward keeps (counted for stages after the first
+            when ``memory.split_backward``); zeros when not given.
         devices: workers available (at most this many are used).
         replicate: allow data-parallel replicas of a stage (PipeDream); else a straight pipeline.
         network: prices the all-reduce among replicas.
@@ -97,14 +99,16 @@ class ChainProblem:
     memory: MemoryModel
     memory_limit: float | None = None
     tolerance: float = 0.0
+    kept_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.layers = len(self.seconds)
         self._time = _prefix(self.seconds)
         self._params = _prefix(self.param_bytes)
         self._saved = _prefix(self.saved_bytes)
+        self._kept = _prefix(np.zeros(self.layers) if self.kept_bytes is None else self.kept_bytes)
         self._factor_table = np.zeros(0)
-        self._row_of: dict[tuple[float, float], int] = {}
+        self._row_of: dict[tuple[float, float, float], int] = {}
 
     # -- evaluation -------------------------------------------------------------------------
     def stage_seconds(self, first: int, last: int, replicas: int) -> float:
@@ -127,6 +131,7 @@ class ChainProblem:
             per_param, per_saved = self.memory.coefficients(downstream, replicas)
             stage = per_param * (self._params[last + 1] - self._params[first])
             stage += per_saved * (self._saved[last + 1] - self._saved[first])
+            stage += self.memory.kept_coefficient(downstream, first == 0) * (self._kept[last + 1] - self._kept[first])
             peak = max(peak, stage)
         return peak
 
@@ -185,24 +190,29 @@ class ChainProblem:
         return self._factor_table
 
     def _first_within_memory(self, ends: np.ndarray, replicas: np.ndarray, k: int, limit: float) -> np.ndarray:
-        """Memory ``α·P(a..e) + β·S(a..e) <= limit`` for each ``(end, replicas)``.
+        """Memory ``α·P(a..e) + β·S(a..e) + γ·K(a..e) <= limit`` for each ``(end, replicas)``.
 
         ``(α, β)`` depends on ``(k, r)`` only through the in-flight count, so there are few distinct
-        rows ``α·prefix(P) + β·prefix(S)``; they are laid end to end, each shifted above the
-        previous one, so that one ``searchsorted`` answers every query.
+        rows ``α·prefix(P) + β·prefix(S) + γ·prefix(K)``; they are laid end to end, each shifted
+        above the previous one, so that one ``searchsorted`` answers every query. ``γ`` is that of a
+        stage after the first; a stage from layer 0 (``γ = 0``) is checked apart.
         """
         rows = np.array([self._memory_row(k, int(r)) for r in replicas])
         width = self.layers + 1
         lowest = rows * self._row_shift + self._combined[rows, ends] - limit
-        found = np.searchsorted(self._laid_out, lowest, side="left") - rows * width
-        return np.clip(found, 0, self.layers)
+        found = np.clip(np.searchsorted(self._laid_out, lowest, side="left") - rows * width, 0, self.layers)
+        if self.memory.kept_coefficient(k, first=False):
+            pairs = np.array([self.memory.coefficients(k, int(r)) for r in replicas])
+            from_start = pairs[:, 0] * self._params[ends] + pairs[:, 1] * self._saved[ends]
+            found = np.where(from_start <= limit, 0, found)
+        return found
 
     def _memory_row(self, k: int, replicas: int) -> int:
-        pair = self.memory.coefficients(k, replicas)
-        row = self._row_of.get(pair)
+        key = (*self.memory.coefficients(k, replicas), self.memory.kept_coefficient(k, first=False))
+        row = self._row_of.get(key)
         if row is None:
-            row = self._row_of[pair] = len(self._row_of)
-            combined = pair[0] * self._params + pair[1] * self._saved
+            row = self._row_of[key] = len(self._row_of)
+            combined = key[0] * self._params + key[1] * self._saved + key[2] * self._kept
             self._combined = np.vstack([self._combined, combined]) if row else combined[None, :]
             self._row_shift = 2.0 * float(self._combined[:, -1].max()) + 1.0
             self._laid_out = (self._combined + self._row_shift * np.arange(row + 1)[:, None]).ravel()

@@ -177,8 +177,8 @@ def evaluate(
         downstream += replicas[g]
         params = sum(costs.layers[i].param_bytes for i in range(first, last + 1))
         saved = sum(costs.layers[i].saved_bytes for i in range(first, last + 1))
-        per_param, per_saved = memory.coefficients(downstream, replicas[g])
-        memory_bytes[g] += per_param * params + per_saved * saved
+        kept = sum(costs.layers[i].kept_gradient_bytes for i in range(first, last + 1))
+        memory_bytes[g] += memory.stage_bytes(params, saved, downstream, replicas[g], kept, first=first == 0)
 
     stages = []
     for g, group in enumerate(groups):

@@ -73,6 +73,7 @@ class PlanRequest:
             memory=self.memory,
             memory_limit=self.memory_limit,
             tolerance=self.tolerance,
+            kept_bytes=np.asarray(costs.column("kept_gradient_bytes"), dtype=np.float64),
         )
 
     def plan_unchecked(

@@ -702,7 +702,10 @@ class PipelineStrategy(ParallelStrategy):
         plan or the error, print the plan and the prediction. A later ``validate``/``test``/``predict``
         (or ``fit``) of a module with as many layers keeps the plan."""
         memory = MemoryModel(
-            memory_schedule(self.schedule_options.family), self.microbatches, optimizer_copies(optimizer)
+            memory_schedule(self.schedule_options.family),
+            self.microbatches,
+            optimizer_copies(optimizer),
+            split_backward=self.schedule_options.family not in NON_FLUSHING_FAMILIES,
         )
         stage_plan: StagePlan | PlanningError | None = None
         if self.global_rank == 0:
