@@ -3,7 +3,8 @@ one process and Lightning's DDP, side by side in one run, and against what the p
 
 Run: ``python bench/memory.py [--model mlp|resnet18] [--width 4096] [--depth 16] [--optimizer sgd|adam]
 [--pipe 2 4] [--ddp 2] [--batch 16] [--steps 3] [--microbatches M] [--shared-memory-bytes B]
-[--kinds plain ddp pipe pipe-meta]`` (the default, a 1.07 GB MLP, about 6 minutes on 2 cores and 24 GB).
+[--kinds plain ddp pipe pipe-meta] [--mmap-threshold BYTES]`` (the default, a 1.07 GB MLP, about 6
+minutes on 2 cores and 24 GB).
 
 ``--model mlp`` is ``depth`` Linear(width, width)+ReLU blocks and a 10-class head in one
 ``nn.Sequential`` (16 x 4096^2 fp32: 1.07 GB of weights: weight-heavy); ``--model resnet18`` the CIFAR
@@ -31,6 +32,12 @@ with that, ``steady/exp`` the steady state with ``expected``. ``plan MB`` is the
 predicts for the rank (``PipelineStrategy.predicted_memory``): the plan's for its stage (weights,
 gradient, optimizer state, activations in flight: Beaumont et al. 2021, §3.2) and the shared-memory
 rings it maps; ``rise/plan`` is the measured rise of the peak over ``base`` against it.
+
+On CPU the peak is glibc's: a freed block below its (self-raising, up to 32 MiB) mmap threshold stays in
+the process's heap, and the heap's free space adds to the resident memory of activation-heavy runs.
+``--mmap-threshold BYTES`` sets ``MALLOC_MMAP_THRESHOLD_`` for every process of the run, so that
+blocks of at least that size go back to the system when freed (what the plan predicts is then what
+stays resident; each allocation of that size pays its page faults).
 """
 
 from __future__ import annotations
@@ -162,13 +169,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shared-memory-bytes", type=int, default=None, help="the pipeline's rings (0: gloo only)")
     parser.add_argument("--kinds", nargs="+", default=["plain", "ddp", "pipe", "pipe-meta"], help="runs to make")
     parser.add_argument("--root", default=tempfile.mkdtemp(prefix="bench_memory_"), help="the runs' files")
+    parser.add_argument("--mmap-threshold", type=int, default=None, help="glibc's MALLOC_MMAP_THRESHOLD_")
     options = parser.parse_args(argv)
+    if options.mmap_threshold is not None:  # read by glibc when each (spawned) process starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(options.mmap_threshold)
     runs = [("plain", 1), *(("ddp", p) for p in options.ddp)]
     runs += [(kind, p) for p in options.pipe for kind in ("pipe", "pipe-meta")]
     runs = [(kind, p) for kind, p in runs if kind in options.kinds]
+    model = (
+        "CIFAR ResNet-18"
+        if options.model == "resnet18"
+        else f"{options.depth} x Linear({options.width}, {options.width}) + head"
+    )
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default")
     print(
-        f"model: {options.depth} x Linear({options.width}, {options.width}) + head, {options.optimizer}, "
-        f"batch {options.batch}, {options.steps} steps"
+        f"model: {model}, {options.optimizer}, batch {options.batch}, {options.steps} steps, "
+        f"MALLOC_MMAP_THRESHOLD_: {threshold}"
     )
     header = (
         "run         rank  base MB  holds MB  peak MB  steady MB  expected MB  peak/exp  steady/exp  plan MB  rise/plan"

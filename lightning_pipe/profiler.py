@@ -5,7 +5,11 @@ model, and measured for:
 
 * forward and backward time: median of ``repeats`` timed runs after ``warmup`` untimed ones, read with
   :func:`time.perf_counter`, the device synchronised (:func:`torch.accelerator.synchronize`) before
-  every clock read. Backward time is :func:`torch.autograd.backward` alone, with random output
+  every clock read. The timed runs are spread over ``repeats`` passes through the chain (each layer
+  timed once a pass, on the output of the previous layer's timed run), not made one layer after the
+  other: a burst of load from elsewhere (another process, the other ranks starting up) then slows
+  one run of several layers instead of every run of one layer, and the median discards it, so the
+  split does not move with it. Backward time is :func:`torch.autograd.backward` alone, with random output
   gradients; it is 0 when no output requires grad.
 * ``activation_bytes``: bytes of every tensor in the (possibly nested) output.
 * ``param_bytes``: bytes of the layer's distinct parameters (buffers are not counted).
@@ -41,6 +45,7 @@ import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -78,7 +83,7 @@ def profile_layers(
         sample: one micro-batch input for the first layer: a tensor, or a tuple/list/dict of tensors.
         device: where to profile; default: where the first parameter lives, else the CPU.
         warmup: untimed runs before timing.
-        repeats: timed runs; the median is kept.
+        repeats: timed runs per layer, one per pass through the chain; the median is kept.
         count_flops: count FLOPs with ``torch.utils.flop_counter`` (``flops`` is None otherwise).
         name: name of the profile; default: the model's class name.
         layer_names: a name per layer for the profile (default: the layers' class names).
@@ -96,14 +101,27 @@ def profile_layers(
         raise PlanningError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     target = _resolve_device(device, named)
     batch_size = _batch_size(sample)
-    costs = []
+    costs, times = [], []
     with _profiling_session(model, [layer for _, layer in named], target):
         x = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
         for index, (label, layer) in enumerate(named):
-            if index > 0:
-                x = map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
-            cost, x = _profile_layer(label, layer, x, target, warmup, repeats, count_flops)
+            cost, timed, x = _profile_layer(label, layer, _layer_input(x, index), target, warmup, count_flops)
             costs.append(cost)
+            times.append([timed])
+        for _ in range(0 if target.type == "meta" else repeats - 1):  # the other passes: timing only
+            x = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
+            for index, (_, layer) in enumerate(named):
+                *timed, x = _timed_run(layer, _layer_input(x, index), target)
+                times[index].append(tuple(timed))
+    if target.type != "meta":
+        costs = [
+            replace(
+                cost,
+                forward_seconds=statistics.median(f for f, _ in runs),
+                backward_seconds=statistics.median(b for _, b in runs),
+            )
+            for cost, runs in zip(costs, times, strict=True)
+        ]
     meta = {
         "batch_size": batch_size,
         "device": str(target),
@@ -219,16 +237,17 @@ def _layer_state(layer: nn.Module, device: torch.device) -> Iterator[None]:
             layer.get_parameter(name).grad = grad
 
 
+def _layer_input(x: Any, index: int) -> Any:
+    """What layer ``index`` is fed: the previous layer's output as a leaf that takes a gradient, as a
+    received input in a pipeline (the first layer's input keeps ``requires_grad`` as given)."""
+    return x if index == 0 else map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
+
+
 def _profile_layer(
-    label: str,
-    layer: nn.Module,
-    leaf: Any,
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-    count_flops: bool,
-) -> tuple[LayerCost, Any]:
-    """Cost of one layer on its input ``leaf``, and the layer's detached output for the next layer."""
+    label: str, layer: nn.Module, leaf: Any, device: torch.device, warmup: int, count_flops: bool
+) -> tuple[LayerCost, tuple[float, float], Any]:
+    """Cost of one layer on its input ``leaf`` (its time: the first timed run, after ``warmup``; on
+    the meta device, from its FLOPs), that run's seconds, and the layer's detached output."""
     meta = device.type == "meta"  # nothing to time: the FLOPs, forward and backward apart, give the time
     forward = FlopCounterMode(display=False) if count_flops or meta else None
     backward = FlopCounterMode(display=False) if count_flops or meta else None
@@ -242,9 +261,10 @@ def _profile_layer(
         forward_seconds = forward.get_total_flops() / ESTIMATED_FLOPS_PER_SECOND
         backward_seconds = backward.get_total_flops() / ESTIMATED_FLOPS_PER_SECOND
     else:
-        forward_seconds, backward_seconds = _time_layer(layer, leaf, device, warmup, repeats)
-    for param in layer.parameters():  # freed now, not when the session ends: one layer's gradients at a time
-        param.grad = None
+        for _ in range(warmup):
+            _timed_run(layer, leaf, device)
+        forward_seconds, backward_seconds, _ = _timed_run(layer, leaf, device)
+    _free_gradients(layer)
     cost = LayerCost(
         name=label,
         forward_seconds=forward_seconds,
@@ -255,7 +275,7 @@ def _profile_layer(
         flops=_total(forward, backward) if count_flops else None,
         kept_gradient_bytes=kept,
     )
-    return cost, map_tensors(torch.Tensor.detach, output)
+    return cost, (forward_seconds, backward_seconds), map_tensors(torch.Tensor.detach, output)
 
 
 def _total(*counters: FlopCounterMode | None) -> int:
@@ -283,19 +303,25 @@ def _clear_grads(leaf: Any) -> None:
         tensor.grad = None
 
 
-def _time_layer(layer: nn.Module, leaf: Any, device: torch.device, warmup: int, repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds over ``repeats`` runs after ``warmup`` runs."""
-    forward, backward = [], []
-    for _ in range(warmup + repeats):
-        inputs = map_tensors(torch.Tensor.clone, leaf)
-        _synchronize(device)
-        start = time.perf_counter()
-        output = layer(inputs)
-        _synchronize(device)
-        forward.append(time.perf_counter() - start)
-        backward.append(_timed_backward(output, device))
-        _clear_grads(leaf)
-    return statistics.median(forward[warmup:]), statistics.median(backward[warmup:])
+def _free_gradients(layer: nn.Module) -> None:
+    """Freed now, not when the session ends: one layer's gradients at a time."""
+    for param in layer.parameters():
+        param.grad = None
+
+
+def _timed_run(layer: nn.Module, leaf: Any, device: torch.device) -> tuple[float, float, Any]:
+    """One forward and backward of the layer on a copy of ``leaf``: their seconds, and the detached
+    output."""
+    inputs = map_tensors(torch.Tensor.clone, leaf)
+    _synchronize(device)
+    start = time.perf_counter()
+    output = layer(inputs)
+    _synchronize(device)
+    forward = time.perf_counter() - start
+    backward = _timed_backward(output, device)
+    _clear_grads(leaf)
+    _free_gradients(layer)
+    return forward, backward, map_tensors(torch.Tensor.detach, output)
 
 
 def _split_backward(layer: nn.Module, leaf: Any, output: Any) -> int:
