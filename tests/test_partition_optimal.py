@@ -28,7 +28,10 @@ def chains(draw: st.DrawFn, max_layers: int = 7) -> ChainCosts:
     n = draw(st.integers(min_value=1, max_value=max_layers))
     lists = [draw(st.lists(small, min_size=n, max_size=n)) for _ in range(6)]
     forward, backward, activation, saved, params, kept = lists
-    chain = ChainCosts.from_lists(forward, backward, activation=activation, saved=saved, params=params, kept=kept)
+    flops = draw(st.one_of(st.none(), st.lists(small, min_size=n, max_size=n)))
+    chain = ChainCosts.from_lists(
+        forward, backward, activation=activation, saved=saved, params=params, kept=kept, flops=flops
+    )
     if draw(st.booleans()):
         skips = draw(st.lists(small, min_size=n - 1, max_size=n - 1))
         chain = replace(chain, boundary_bytes=tuple(a + b for a, b in zip(activation, skips, strict=False)))
@@ -176,7 +179,8 @@ def test_noncontiguous_never_worse_than_contiguous(request: PlanRequest) -> None
 def test_near_ties_of_the_time_partitioner_are_decided_by_memory(request: PlanRequest, tolerance: float) -> None:
     """With a tolerance ``t``, the ``time`` partitioner returns, among the splits whose slowest stage is
     within ``t`` of the fastest split's (brute force over every split under the memory limit), one
-    with the least peak memory."""
+    with the least peak memory, and among those (when the layers have FLOP counts) one whose largest
+    stage has the fewest FLOPs."""
     costs, devices = request.costs, request.devices
     if devices > len(costs):
         return
@@ -188,17 +192,22 @@ def test_near_ties_of_the_time_partitioner_are_decided_by_memory(request: PlanRe
             groups = [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
             plan = request.plan_unchecked("time", groups, [1] * stages)
             if request.memory_limit is None or plan.peak_memory_bytes <= request.memory_limit:
-                splits.append((max(sum(seconds[i] for i in group) for group in groups), plan.peak_memory_bytes))
+                most = max(sum(costs.layers[i].flops or 0 for i in group) for group in groups)
+                splits.append((max(sum(seconds[i] for i in group) for group in groups), plan.peak_memory_bytes, most))
     try:
         plan = partition(replace(request, tolerance=tolerance), "time")
     except PlanningError:
         assert not splits
         return
-    fastest = min(time for time, _ in splits)
-    least = min(memory for time, memory in splits if time <= fastest * (1 + tolerance) * (1 + 1e-9))
+    fastest = min(time for time, _, _ in splits)
+    ties = [(memory, most) for time, memory, most in splits if time <= fastest * (1 + tolerance) * (1 + 1e-9)]
+    least = min(memory for memory, _ in ties)
     achieved = max(sum(seconds[i] for i in stage.layers) for stage in plan.stages)
     assert achieved <= fastest * (1 + tolerance) * (1 + 1e-9) + 1e-12
     assert math.isclose(plan.peak_memory_bytes, least, rel_tol=1e-9, abs_tol=1e-9)
+    if costs.layers[0].flops is not None:
+        fewest = min(most for memory, most in ties if memory <= least * (1 + 1e-9) + 1e-9)
+        assert max(sum(costs.layers[i].flops for i in stage.layers) for stage in plan.stages) == fewest
 
 
 @SETTINGS

@@ -367,3 +367,30 @@ def test_profiled_graphs_are_freed_without_the_garbage_collector():
         assert alive() is None
     finally:
         gc.enable()
+
+
+class _Burst(nn.Module):
+    """A cheap layer that sleeps on the forwards a shared counter marks: load from elsewhere."""
+
+    def __init__(self, clock: dict) -> None:
+        super().__init__()
+        self.clock = clock
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clock["calls"] += 1
+        if self.clock["calls"] in self.clock["slow"]:
+            time.sleep(0.05)
+        return x * self.scale
+
+
+@pytest.mark.parametrize("start", range(1, 19))
+def test_a_burst_of_load_moves_no_layers_median(start: int) -> None:
+    """Three consecutive forwards slowed by 50 ms, wherever they fall among the profile's 20 forwards
+    of a 4-layer chain (warmup 1, repeats 3): each layer's median stays far below the burst. Timing a
+    layer's runs one after the other instead gave a layer two or three slow runs of its three."""
+    clock: dict = {"calls": 0, "slow": set(range(start, start + 3))}
+    layers = [_Burst(clock) for _ in range(4)]
+    costs = profile_layers(layers, torch.randn(4, 8), warmup=1, repeats=3, count_flops=False)
+    assert clock["calls"] == 20
+    assert max(layer.forward_seconds for layer in costs.layers) < 0.025

@@ -81,6 +81,8 @@ class ChainProblem:
         param_bytes, saved_bytes: per-layer parameter and saved-activation bytes.
         kept_bytes: per-layer gradients a split backward keeps (counted for stages after the first
             when ``memory.split_backward``); zeros when not given.
+        proxy: a per-layer quantity free of timing noise (FLOPs) that decides, with a tolerance, among
+            the fastest plans of equal memory (:meth:`solve`); ``None``: no such choice.
         devices: workers available (at most this many are used).
         replicate: allow data-parallel replicas of a stage (PipeDream); else a straight pipeline.
         network: prices the all-reduce among replicas.
@@ -100,6 +102,7 @@ class ChainProblem:
     memory_limit: float | None = None
     tolerance: float = 0.0
     kept_bytes: np.ndarray | None = None
+    proxy: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.layers = len(self.seconds)
@@ -107,6 +110,7 @@ class ChainProblem:
         self._params = _prefix(self.param_bytes)
         self._saved = _prefix(self.saved_bytes)
         self._kept = _prefix(np.zeros(self.layers) if self.kept_bytes is None else self.kept_bytes)
+        self._proxy = _prefix(np.zeros(self.layers) if self.proxy is None else self.proxy)
         self._factor_table = np.zeros(0)
         self._row_of: dict[tuple[float, float, float], int] = {}
 
@@ -123,6 +127,10 @@ class ChainProblem:
         cuts = [float(self.cut_seconds[last]) for _, last, _ in spans[:-1]]
         return max(stages + cuts)
 
+    def proxy_bottleneck(self, spans: list[StageSpan]) -> float:
+        """Largest per-replica ``proxy`` of a plan's stages."""
+        return max((self._proxy[last + 1] - self._proxy[first]) / replicas for first, last, replicas in spans)
+
     def peak_memory(self, spans: list[StageSpan]) -> float:
         """Largest per-replica memory of a plan."""
         peak, downstream = 0.0, 0
@@ -136,14 +144,17 @@ class ChainProblem:
         return peak
 
     # -- decision procedure -------------------------------------------------------------------
-    def cover(self, bound: float, memory_limit: float, devices: int | None = None) -> dict[int, list[StageSpan]]:
+    def cover(
+        self, bound: float, memory_limit: float, devices: int | None = None, proxy_bound: float = math.inf
+    ) -> dict[int, list[StageSpan]]:
         """Worker counts ``k <= devices`` whose greedy cover ends exactly at layer 0, with its plan.
 
         From the last layer back, each stage (of each replica count) reaches as far toward the front
         as taking at most ``bound`` seconds (cuts included) and ``memory_limit`` bytes per replica
         allows. The chain fits in at most ``devices`` workers exactly when the result is not empty;
         a count is not listed when fewer workers already cover the chain (the greedy never leaves a
-        worker idle), so a tie-break between counts sees only those listed.
+        worker idle), so a tie-break between counts sees only those listed. ``proxy_bound`` also
+        bounds each replica's share of ``proxy``.
         """
         devices = self.devices if devices is None else devices
         n = self.layers
@@ -161,7 +172,7 @@ class ChainProblem:
             if not usable.any():
                 continue
             ends, replicas = ends[usable], replicas[usable]
-            first = self._first_within(ends, replicas, k, bound, memory_limit)
+            first = self._first_within(ends, replicas, k, bound, memory_limit, proxy_bound)
             first = next_allowed[first]
             valid = first < ends
             if valid.any():
@@ -170,10 +181,14 @@ class ChainProblem:
         return {k: self._spans(start, choice, k) for k in range(1, devices + 1) if start[k] == 0}
 
     def _first_within(
-        self, ends: np.ndarray, replicas: np.ndarray, k: int, bound: float, memory_limit: float
+        self, ends: np.ndarray, replicas: np.ndarray, k: int, bound: float, memory_limit: float, proxy_bound: float
     ) -> np.ndarray:
-        """Smallest first layer of a stage ending before ``ends`` that meets time, sync and memory."""
+        """Smallest first layer of a stage ending before ``ends`` that meets time, sync, memory and
+        the proxy's bound."""
         first = np.searchsorted(self._time, self._time[ends] - replicas * bound, side="left")
+        if math.isfinite(proxy_bound):
+            within = np.searchsorted(self._proxy, self._proxy[ends] - replicas * proxy_bound, side="left")
+            first = np.maximum(first, within)
         factors = self._allreduce_factors(int(replicas.max()) + 1)[replicas]
         syncing = factors > 0
         if syncing.any():
@@ -234,7 +249,10 @@ class ChainProblem:
 
     def solve(self) -> list[StageSpan]:
         """Minimum bottleneck, then minimum peak memory among the fastest plans: those within
-        ``tolerance`` of the minimum bottleneck (near-ties of measured times decided by memory)."""
+        ``tolerance`` of the minimum bottleneck (near-ties of measured times decided by memory), then,
+        with a tolerance and a ``proxy``, the smallest largest stage share of the proxy among those:
+        measured times jitter, memory and FLOPs do not, so the choice among near-ties does not
+        follow the jitter (Stable plans: the same model gets the same split)."""
         limit = math.inf if self.memory_limit is None else self.memory_limit
         plans = self.cover(math.inf, limit)
         if not plans:
@@ -245,7 +263,14 @@ class ChainProblem:
             plan = self.best(at_low)
         else:
             plan = _bisect(low, plan, self.bottleneck, lambda bound: self.cover(bound, limit), self.best)
-        return self.least_memory(plan, self.bottleneck(plan) * (1 + self.tolerance))
+        bound = self.bottleneck(plan) * (1 + self.tolerance)
+        plan = self.least_memory(plan, bound)
+        if self.proxy is None or not self.tolerance:
+            return plan
+        memory = self.peak_memory(plan) * (1 + 1e-12)
+        return _bisect(
+            0.0, plan, self.proxy_bottleneck, lambda most: self.cover(bound, memory, proxy_bound=most), self.best
+        )
 
     def least_memory(self, plan: list[StageSpan], bound: float) -> list[StageSpan]:
         """Among plans with bottleneck ``<= bound``, one with the smallest peak memory."""

@@ -30,8 +30,10 @@ class PlanRequest:
         network: bandwidth for cut and all-reduce costs (default: free).
         straight: forbid stage replication (one worker per stage).
         tolerance: plans whose slowest stage is within this fraction of the fastest plan's count as
-            ties, and the one needing the least memory is taken (memory is counted, not timed: splits
-            a few percent apart by measured times swap places less often from run to run).
+            ties, and the one needing the least memory is taken, then, when every layer has a FLOP
+            count, the one whose largest stage has the fewest FLOPs (memory and FLOPs are counted,
+            not timed: splits a few percent apart by measured times swap places less often from run
+            to run).
     """
 
     costs: ChainCosts
@@ -74,6 +76,11 @@ class PlanRequest:
             memory_limit=self.memory_limit,
             tolerance=self.tolerance,
             kept_bytes=np.asarray(costs.column("kept_gradient_bytes"), dtype=np.float64),
+            proxy=(
+                np.asarray(costs.column("flops"), dtype=np.float64)
+                if all(layer.flops is not None for layer in costs.layers)
+                else None
+            ),
         )
 
     def plan_unchecked(
