@@ -111,8 +111,11 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
     processes = torch.distributed.get_world_size()
     base = _status("VmRSS")
     if kind.startswith("pipe"):  # planned by the time partitioner: the plan predicts each stage's memory
-        strategy: Any = PipelineStrategy(
-            "1f1b", microbatches=options.microbatches or processes, shared_memory_bytes=options.shared_memory_bytes
+        strategy: Any = PipelineStrategy(  # profiled every run: the profiling is part of rank 0's peak
+            "1f1b",
+            microbatches=options.microbatches or processes,
+            shared_memory_bytes=options.shared_memory_bytes,
+            profile_cache=False,
         )
     else:
         strategy = kind if kind == "ddp" else "auto"

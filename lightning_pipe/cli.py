@@ -91,8 +91,9 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:
         "--tolerance",
         type=float,
         default=0.0,
-        help="splits within this fraction of the fastest are ties, decided by the least memory (the strategy "
-        "uses 0.02: timing jitter moves the split less often); default 0: the fastest as measured",
+        help="splits within this fraction of the fastest are ties, decided by the least memory, then the fewest "
+        "FLOPs in the largest stage (the strategy uses 0.02: timing jitter moves the split less often); default 0: "
+        "the fastest as measured",
     )
     parser.add_argument("--save-profile", metavar="FILE", help="write the profile as JSON")
     parser.add_argument("--devices", type=_positive_int, required=True, help="devices to split over")

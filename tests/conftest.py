@@ -19,3 +19,10 @@ PROFILES = Path(__file__).resolve().parent / "data" / "pipedream-profiles"
 @pytest.fixture
 def pipedream_profiles() -> Path:
     return PROFILES
+
+
+@pytest.fixture(autouse=True)
+def _own_profile_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test keeps its profiles apart (``$LIGHTNING_PIPE_CACHE``, read when a strategy is made and
+    inherited by the processes it starts): a profile kept by one test must not plan another's model."""
+    monkeypatch.setenv("LIGHTNING_PIPE_CACHE", str(tmp_path_factory.mktemp("profiles")))

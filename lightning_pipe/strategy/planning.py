@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lightning_pipe.capture import CapturedForward
@@ -32,6 +33,7 @@ from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation, check_contention
+from lightning_pipe.strategy.profile_cache import cached_profile, profile_key
 
 __all__ = [
     "PlanOptions",
@@ -66,8 +68,11 @@ class PlanOptions:
             stages); planned by the partitioner otherwise.
         repeats: timed runs per layer when profiling.
         tolerance: splits within this fraction of the fastest one's bottleneck are ties, decided by
-            the least memory (``PlanRequest.tolerance``), so that the jitter of the profile's times
-            moves the split less often (``bench/plan_stability.py``).
+            the least memory, then the fewest FLOPs in the largest stage (``PlanRequest.tolerance``),
+            so that the jitter of the profile's times moves the split less often
+            (``bench/plan_stability.py``).
+        cache: where measured profiles are kept from run to run (:mod:`.profile_cache`), so that
+            the same model on the same machine is planned from the same profile; ``None``: not kept.
     """
 
     partitioner: str = "time"
@@ -80,6 +85,7 @@ class PlanOptions:
     stage_replicas: Sequence[int] | None = None
     repeats: int = 3
     tolerance: float = DEFAULT_TOLERANCE
+    cache: Path | None = None
 
     def __post_init__(self) -> None:
         if self.partitioner not in PARTITIONERS:
@@ -168,7 +174,7 @@ def plan_stages(
         if len(costs) != len(layers):
             raise PlanningError(f"the profile {options.profile} has {len(costs)} layers, the model {len(layers)}")
     else:
-        costs = profile_layers(list(layers), sample, device=device, repeats=options.repeats, layer_names=names)
+        costs = _profile(layers, sample, device, options, names)
     request = PlanRequest(
         costs,
         devices=workers,
@@ -191,6 +197,27 @@ def plan_stages(
         )
     bounds = tuple((s.layers[0], s.layers[-1]) for s in plan.stages)
     return StagePlan(bounds, plan, costs, tuple(s.replicas for s in plan.stages) if replicate else None)
+
+
+def _profile(
+    layers: Sequence[nn.Module], sample: Any, device: torch.device, options: PlanOptions, names: Sequence[str] | None
+) -> ChainCosts:
+    """The layers' profile: measured, or the one measured before for the same layers, micro-batch and
+    device (``options.cache``; a meta-device model's profile is computed, not measured: not kept)."""
+
+    def measure() -> ChainCosts:
+        return profile_layers(list(layers), sample, device=device, repeats=options.repeats, layer_names=names)
+
+    if options.cache is None or device.type == "meta":
+        return measure()
+    key = profile_key(layers, names, sample, device, options.repeats)
+    costs, path, reused = cached_profile(options.cache, key, measure, len(layers))
+    if reused:
+        rank_zero_info(
+            f"Profile of these {len(layers)} layers on this device reused from {path}: planned as the run that "
+            "measured it (profile_cache=False, or deleting the file, measures anew)"
+        )
+    return costs
 
 
 def _replicas_given(options: PlanOptions, workers: int) -> tuple[int, ...]:

@@ -103,6 +103,7 @@ from lightning_pipe.strategy.planning import (
     report,
     schedule_of,
 )
+from lightning_pipe.strategy.profile_cache import default_directory
 from lightning_pipe.strategy.relay import Relay
 from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps
 from lightning_pipe.strategy.sharded import METADATA, is_sharded, load_sharded, read_entries, save_sharded
@@ -126,6 +127,17 @@ _REGISTERED = {
     "pipe_cdp": ("cdp", "popen"),
     "pipe_cdp_spawn": ("cdp", "spawn"),
 }
+
+
+def _profile_directory(cache: bool | str | os.PathLike[str]) -> Path | None:
+    """The directory ``profile_cache`` names (``True``: the default one), or ``None``."""
+    if cache is True:
+        return default_directory()
+    if cache is False:
+        return None
+    if isinstance(cache, str | os.PathLike):
+        return Path(cache).expanduser()
+    raise PlanningError(f"profile_cache must be True, False or a directory, got {cache!r}")
 
 
 def _concatenate(parts: list[Any]) -> Any:
@@ -171,8 +183,12 @@ class PipelineStrategy(ParallelStrategy):
             split (:mod:`.sharded`; ``lightning-pipe consolidate`` makes the single file).
         stage_replicas: workers per stage with ``balance`` for ``1f1b_rr``.
         profile_repeats: timed runs per layer when profiling.
+        profile_cache: keep the measured profile from run to run (``True``: in
+            ``$LIGHTNING_PIPE_CACHE`` or ``~/.cache/lightning_pipe/profiles``; a directory; ``False``:
+            measure every run), so that the same model on the same machine gets the same split
+            (:mod:`lightning_pipe.strategy.profile_cache`).
         plan_tolerance: splits within this fraction of the fastest one's bottleneck are ties, decided
-            by memory, so that the jitter of measured times moves the split less often from run to
+            by memory, then by FLOPs, so that the jitter of measured times moves the split less often from run to
             run (``bench/plan_stability.py``); 0: the fastest split as measured.
         stages: pipeline stages (default: one per device, or what the family puts on the devices of
             one pipeline); with ``stages``, the devices beyond one pipeline make data-parallel copies.
@@ -215,6 +231,7 @@ class PipelineStrategy(ParallelStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         stage_replicas: list[int] | None = None,
         profile_repeats: int = 3,
+        profile_cache: bool | str | os.PathLike[str] = True,
         plan_tolerance: float = DEFAULT_TOLERANCE,
         stages: int | None = None,
         data_parallel: int | None = None,
@@ -257,6 +274,7 @@ class PipelineStrategy(ParallelStrategy):
             stage_replicas=stage_replicas,
             repeats=profile_repeats,
             tolerance=plan_tolerance,
+            cache=_profile_directory(profile_cache),
         )
         check_whole("profile_repeats", profile_repeats, 1)
         if schedule in _NOT_PLANNED:

@@ -97,6 +97,7 @@ def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:
         contention=pipe.contention,
         profile=pipe.profile,
         plan=pipe.plan,
+        profile_cache=pipe.profile_cache,
         balance=_plain(pipe.balance),
         stages=pipe.stages,
         data_parallel=pipe.data_parallel,

@@ -98,6 +98,7 @@ class PipelineConfig:
     contention: float = 1.0  # for the prediction: slowdown of a stage while every process computes (one machine)
     profile: str | None = None  # a saved profile to plan from (lightning-pipe profile)
     plan: str | None = None  # a saved plan to run (lightning-pipe plan)
+    profile_cache: bool = True  # keep the measured profile for the next run ($LIGHTNING_PIPE_CACHE, ~/.cache)
     balance: list[int] | None = None  # layers per stage, instead of planning
     start_method: StartMethod = StartMethod["auto"]  # auto: popen for a run, spawn under multirun
     pin_cpus: bool = False  # each process's threads on cores of its own (Linux, CPU training)
