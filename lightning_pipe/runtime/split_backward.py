@@ -33,10 +33,9 @@ def _nodes(roots: list[torch.Tensor]) -> list[Node]:
     stack = [r.grad_fn for r in roots if r.grad_fn is not None]
     while stack:
         node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen[node] = None
-        stack.extend(child for child, _ in node.next_functions)
+        if node not in seen:
+            seen[node] = None
+            stack.extend(_children(node))
     return list(seen)
 
 
@@ -45,8 +44,8 @@ def _children(node: Node) -> list[Node]:
 
 
 def _closure(nodes: list[Node], base: Callable[[Node], set[int]]) -> dict[Node, set[int]]:
-    """For every node, the union of ``base`` over its descendants (children first; iterative, graphs
-    can be deep)."""
+    """For every node, the union of ``base`` over the node and its descendants (children first;
+    iterative: graphs can be deep)."""
     memo: dict[Node, set[int]] = {}
     for root in nodes:
         stack: list[tuple[Node, bool]] = [(root, False)]
