@@ -101,15 +101,16 @@ def profile_layers(
         raise PlanningError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     target = _resolve_device(device, named)
     batch_size = _batch_size(sample)
-    costs, times = [], []
+    costs = []
     with _profiling_session(model, [layer for _, layer in named], target):
-        x = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
+        first = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
+        x = first
         for index, (label, layer) in enumerate(named):
-            cost, timed, x = _profile_layer(label, layer, _layer_input(x, index), target, warmup, count_flops)
+            cost, x = _profile_layer(label, layer, _layer_input(x, index), target, warmup, count_flops)
             costs.append(cost)
-            times.append([timed])
+        times = [[(cost.forward_seconds, cost.backward_seconds)] for cost in costs]
         for _ in range(0 if target.type == "meta" else repeats - 1):  # the other passes: timing only
-            x = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
+            x = first  # each run feeds a layer a copy of its input
             for index, (_, layer) in enumerate(named):
                 *timed, x = _timed_run(layer, _layer_input(x, index), target)
                 times[index].append(tuple(timed))
@@ -245,9 +246,9 @@ def _layer_input(x: Any, index: int) -> Any:
 
 def _profile_layer(
     label: str, layer: nn.Module, leaf: Any, device: torch.device, warmup: int, count_flops: bool
-) -> tuple[LayerCost, tuple[float, float], Any]:
+) -> tuple[LayerCost, Any]:
     """Cost of one layer on its input ``leaf`` (its time: the first timed run, after ``warmup``; on
-    the meta device, from its FLOPs), that run's seconds, and the layer's detached output."""
+    the meta device, from its FLOPs), and the layer's detached output."""
     meta = device.type == "meta"  # nothing to time: the FLOPs, forward and backward apart, give the time
     forward = FlopCounterMode(display=False) if count_flops or meta else None
     backward = FlopCounterMode(display=False) if count_flops or meta else None
@@ -275,7 +276,7 @@ def _profile_layer(
         flops=_total(forward, backward) if count_flops else None,
         kept_gradient_bytes=kept,
     )
-    return cost, (forward_seconds, backward_seconds), map_tensors(torch.Tensor.detach, output)
+    return cost, map_tensors(torch.Tensor.detach, output)
 
 
 def _total(*counters: FlopCounterMode | None) -> int:

@@ -224,3 +224,17 @@ def test_the_searchs_stage_memory_is_the_plans(request: PlanRequest, data: st.Da
     plan = request.plan_unchecked("time", groups, [1] * stages)
     spans = [(group[0], group[-1], 1) for group in groups]
     assert math.isclose(request.problem(replicate=False).peak_memory(spans), plan.peak_memory_bytes, abs_tol=1e-9)
+
+
+def test_a_stage_counts_its_split_backward_unless_it_starts_the_chain() -> None:
+    """Two splits are equally fast (the second stage takes 1 s either way); the one whose second stage
+    starts at layer 3 keeps that layer's split-backward gradients (1 byte), the other keeps none. The
+    search once let the first stage's exemption (``γ = 0`` from layer 0) pass a later stage too."""
+    costs = ChainCosts.from_lists([0, 0, 0, 0, 1], [0, 0, 1, 0, 0], kept=[0, 0, 0, 1, 0])
+    memory = MemoryModel("1f1b", None, extra_copies=0, split_backward=True)
+    for tolerance in (0.0, 0.05):
+        plan = partition(PlanRequest(costs, 2, memory=memory, tolerance=tolerance), "time")
+        assert [stage.layers for stage in plan.stages] == [(0, 1, 2, 3), (4,)]
+        assert plan.peak_memory_bytes == 0
+    limited = PlanRequest(costs, 2, memory_limit=0.5, memory=memory, straight=True)
+    assert [stage.layers for stage in partition(limited, "pipedream").stages] == [(0, 1, 2, 3), (4,)]

@@ -136,10 +136,14 @@ class ChainProblem:
         peak, downstream = 0.0, 0
         for first, last, replicas in reversed(spans):
             downstream += replicas
-            per_param, per_saved = self.memory.coefficients(downstream, replicas)
-            stage = per_param * (self._params[last + 1] - self._params[first])
-            stage += per_saved * (self._saved[last + 1] - self._saved[first])
-            stage += self.memory.kept_coefficient(downstream, first == 0) * (self._kept[last + 1] - self._kept[first])
+            stage = self.memory.stage_bytes(
+                self._params[last + 1] - self._params[first],
+                self._saved[last + 1] - self._saved[first],
+                downstream,
+                replicas,
+                self._kept[last + 1] - self._kept[first],
+                first=first == 0,
+            )
             peak = max(peak, stage)
         return peak
 
@@ -196,7 +200,8 @@ class ChainProblem:
             limit = self._params[ends[syncing]] - allowance
             first[syncing] = np.maximum(first[syncing], np.searchsorted(self._params, limit, side="left"))
         if math.isfinite(memory_limit):
-            first = np.maximum(first, self._first_within_memory(ends, replicas, k, memory_limit))
+            within, whole = self._first_within_memory(ends, replicas, k, memory_limit)
+            first = np.where((first == 0) & whole, 0, np.maximum(first, within))
         return np.minimum(first, self.layers)
 
     def _allreduce_factors(self, count: int) -> np.ndarray:
@@ -204,23 +209,26 @@ class ChainProblem:
             self._factor_table = np.array([self.network.allreduce_factor(r) for r in range(count)])
         return self._factor_table
 
-    def _first_within_memory(self, ends: np.ndarray, replicas: np.ndarray, k: int, limit: float) -> np.ndarray:
-        """Memory ``α·P(a..e) + β·S(a..e) + γ·K(a..e) <= limit`` for each ``(end, replicas)``.
+    def _first_within_memory(
+        self, ends: np.ndarray, replicas: np.ndarray, k: int, limit: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """For each ``(end, replicas)``: the smallest first layer ``a > 0`` with memory
+        ``α·P(a..e) + β·S(a..e) + γ·K(a..e) <= limit``, and whether a stage from layer 0 fits (its
+        ``γ`` is 0: its input takes no gradient). The stages that fit are thus those from that
+        first layer on, and layer 0 when it fits: not one interval, so the caller combines them
+        with its other bounds.
 
-        ``(α, β)`` depends on ``(k, r)`` only through the in-flight count, so there are few distinct
-        rows ``α·prefix(P) + β·prefix(S) + γ·prefix(K)``; they are laid end to end, each shifted
-        above the previous one, so that one ``searchsorted`` answers every query. ``γ`` is that of a
-        stage after the first; a stage from layer 0 (``γ = 0``) is checked apart.
+        ``(α, β, γ)`` depends on ``(k, r)`` only through the in-flight count, so there are few
+        distinct rows ``α·prefix(P) + β·prefix(S) + γ·prefix(K)``; they are laid end to end, each
+        shifted above the previous one, so that one ``searchsorted`` answers every query.
         """
         rows = np.array([self._memory_row(k, int(r)) for r in replicas])
         width = self.layers + 1
         lowest = rows * self._row_shift + self._combined[rows, ends] - limit
         found = np.clip(np.searchsorted(self._laid_out, lowest, side="left") - rows * width, 0, self.layers)
-        if self.memory.kept_coefficient(k, first=False):
-            pairs = np.array([self.memory.coefficients(k, int(r)) for r in replicas])
-            from_start = pairs[:, 0] * self._params[ends] + pairs[:, 1] * self._saved[ends]
-            found = np.where(from_start <= limit, 0, found)
-        return found
+        pairs = np.array([self.memory.coefficients(k, int(r)) for r in replicas])
+        whole = pairs[:, 0] * self._params[ends] + pairs[:, 1] * self._saved[ends] <= limit
+        return found, whole
 
     def _memory_row(self, k: int, replicas: int) -> int:
         key = (*self.memory.coefficients(k, replicas), self.memory.kept_coefficient(k, first=False))

@@ -100,8 +100,11 @@ def cached_profile(
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
             temporary = Path(handle.name)
+    except OSError:
+        return costs, path, False
+    try:
         save_profile(costs, temporary)
         os.replace(temporary, path)  # atomic: a concurrent run reads the old file or the new one
     except OSError:
-        pass
+        temporary.unlink(missing_ok=True)
     return costs, path, False
