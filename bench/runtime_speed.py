@@ -279,7 +279,7 @@ def _messenger(model: argparse.Namespace) -> Transport:
     rank = dist.get_rank()
     capacity = DEFAULT_SHARED_MEMORY_BYTES if model.shared_memory_bytes is None else model.shared_memory_bytes
     groups = (dist.new_group([0, 1]), dist.new_group([0, 1]))
-    links = open_links([(0, 1), (1, 0)], groups[0], capacity) if capacity else None
+    links = open_links({(0, 1): capacity, (1, 0): capacity}, groups[0]) if capacity else None
     board = FailureBoard(dist.distributed_c10d._get_default_store(), rank)
     return Transport(rank, torch.device("cpu"), board, groups, links=links)
 

@@ -65,7 +65,7 @@ def _exchange(rank: int, capacity: int, fail: str | None = None) -> dict:
     dist.barrier()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        links = shared_memory.open_links([(0, 1), (1, 0)], dist.group.WORLD, capacity)
+        links = shared_memory.open_links({(0, 1): capacity, (1, 0): capacity}, dist.group.WORLD)
     transport = _transport(rank, links)
     offsets: list[int] = []
     for outbox in links.outboxes.values():
@@ -177,11 +177,37 @@ def test_a_pair_that_cannot_share_memory_stays_on_gloo(fail: str, sender: int, r
         assert result["leftovers"] == set()
 
 
+def _shared_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssShmem:"))
+
+
+def _open_uneven(rank: int) -> tuple[int, list[int], list[int]]:
+    """Rings of 1 MiB from 0 to 1 and 3 MiB back (none from 1 to 2, a pair of size 0): the KiB of
+    shared memory this process gained by opening them, and its rings' sizes (outboxes, inboxes)."""
+    before = _shared_kib()
+    links = shared_memory.open_links({(0, 1): 1 << 20, (1, 0): 3 << 20, (1, 2): 0}, dist.group.WORLD)
+    gained = _shared_kib() - before
+    sizes = ([o.ring.numel() for o in links.outboxes.values()], [i.ring.numel() for i in links.inboxes.values()])
+    links.close()
+    return gained, *sizes
+
+
+@pytest.mark.timeout(60)
+def test_each_link_has_its_size_and_its_pages_are_resident_from_the_start() -> None:
+    """Each direction's ring has the bytes asked for it; both processes hold every page of both rings
+    as soon as the links are open (what the plan counts), before any message."""
+    (gained0, out0, in0), (gained1, out1, in1) = run_local(_open_uneven, 2, timeout=45)
+    assert (out0, in0, out1, in1) == ([1 << 20], [3 << 20], [3 << 20], [1 << 20])
+    for gained in (gained0, gained1):
+        assert 4096 <= gained < 4096 + 256, gained
+
+
 def _wait_for_nothing(rank: int, how: str) -> str:
     """Rank 0 waits for a message rank 1 never sends: rank 1 dies (after forking a child that outlives
     it: a data-loader worker's copy of the pipe must not keep the link open), or aborts, or just
     waits."""
-    links = shared_memory.open_links([(1, 0)], dist.group.WORLD, 1 << 20)
+    links = shared_memory.open_links({(1, 0): 1 << 20}, dist.group.WORLD)
     transport = _transport(rank, links, timeout=2.0 if how == "is silent" else 20.0)
     dist.barrier()
     if rank == 1:

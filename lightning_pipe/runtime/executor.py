@@ -45,6 +45,7 @@ from lightning_pipe.runtime.failure import FailureBoard, add_note, raised_elsewh
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, shift
+from lightning_pipe.runtime.ring_sizes import ring_sizes
 from lightning_pipe.runtime.shared_memory import open_links
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.ties import Tie, find_ties
@@ -191,6 +192,10 @@ class PipelineExecutor:
             buffer of this many bytes per direction in shared memory instead of gloo's sockets
             (:mod:`lightning_pipe.runtime.shared_memory`; a message that finds the ring full goes by
             gloo). Default 64 MiB on the CPU; 0 (gloo only) on GPUs, whose messages NCCL carries.
+            With ``message_bytes``, each ring is only as large as its link needs
+            (:mod:`~lightning_pipe.runtime.ring_sizes`), at most this.
+        message_bytes: the bytes of one micro-batch's activation leaving each stage but the last
+            (and of its gradient coming back), as a plan knows them: they size the rings.
 
     :attr:`timeline` holds the actions run: each one's start and end (seconds since the executor was
     made) and the seconds it waited for messages; the rest is its own compute.
@@ -212,6 +217,7 @@ class PipelineExecutor:
         gc_every: int | None = 50,
         post_ahead_bytes: int | None = None,
         shared_memory_bytes: int | None = None,
+        message_bytes: Sequence[float] | None = None,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         before_update: Callable[[int, int, torch.optim.Optimizer | None], None] | None = None,
@@ -264,7 +270,7 @@ class PipelineExecutor:
         self.failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
         self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
         capacity = shared_memory_capacity(shared_memory_bytes, self.device)
-        pairs = [(self.ranks[a], self.ranks[b]) for a, b in self._message_pairs(generated)] if capacity else []
+        rings = self._ring_sizes(generated, capacity, message_bytes) if capacity else {}
         self.transport = Transport(
             self.global_rank,
             self.device,
@@ -273,7 +279,7 @@ class PipelineExecutor:
             timeout_seconds=timeout_seconds,
             keep_sends=2 * max(p.period for p in self.programs) + 2,
             post_ahead_bytes=_post_ahead(post_ahead_bytes, self.device),
-            links=open_links(pairs, data_group, capacity) if capacity else None,
+            links=open_links(rings, data_group) if rings else None,
         )
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
         self.needs_inputs = any(a.stage == 0 for a in ours)
@@ -362,6 +368,20 @@ class PipelineExecutor:
         first = [owners[0] for owners in self.schedule.owners]
         pairs |= set(itertools.pairwise(first))
         return {(a, b) for a, b in pairs if a != b}
+
+    def _ring_sizes(
+        self, generated: Schedule, capacity: int, message_bytes: Sequence[float] | None
+    ) -> dict[tuple[int, int], int]:
+        """The bytes of the ring of every pair of global ranks that exchange messages
+        (:func:`ring_sizes`; as asked when stages lend their weights: the messages are weights then)."""
+        if message_bytes is not None and len(message_bytes) != self.schedule.stages - 1:
+            raise PlanningError(
+                f"message_bytes gives {len(message_bytes)} sizes; the schedule has {self.schedule.stages} stages, "
+                f"so {self.schedule.stages - 1} boundaries"
+            )
+        lends = any(Lending.of(self.schedule, worker).lenders for worker in range(self.schedule.workers))
+        sizes = ring_sizes(generated, self._message_pairs(generated), capacity, None if lends else message_bytes)
+        return {(self.ranks[a], self.ranks[b]): size for (a, b), size in sizes.items()}
 
     def _consumers(self, action: Action) -> list[tuple[_Key, Kind]]:
         """Messages ``action`` produces, with the kind of action that consumes each."""

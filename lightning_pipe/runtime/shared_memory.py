@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
+import mmap
 import os
 import secrets
 import select
@@ -43,7 +44,7 @@ import tempfile
 import time
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -77,12 +78,14 @@ class Outbox:
         self.capacity = ring.numel()
         self.written = 0  # bytes of the ring handed out so far (padding at the wrap included)
         self.read = 0  # how far the receiver acknowledged reading
+        self.overflows = 0  # messages that found no room in the ring (they went by gloo)
 
     def reserve(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
         """Room for a message of ``nbytes``: its offset and a view of the ring to fill (then
         :meth:`post` it), or ``None`` when the ring has no room for it now."""
         size = -(-nbytes // _ALIGN) * _ALIGN
         if size > self.capacity:
+            self.overflows += 1
             return None
         self._take_acks()
         position = self.written % self.capacity
@@ -91,6 +94,7 @@ class Outbox:
             self.read, position = self.written, 0
         padding = self.capacity - position if position + size > self.capacity else 0
         if self.written + padding + size - self.read > self.capacity:
+            self.overflows += 1
             return None
         offset = (position + padding) % self.capacity
         self.written += padding + size
@@ -214,28 +218,36 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-def open_links(pairs: Iterable[tuple[int, int]], group: dist.ProcessGroup, capacity: int) -> Links:
-    """Open a link of ``capacity`` bytes for every ``(sender, receiver)`` pair of global ranks in
-    ``pairs`` whose processes share ``/dev/shm`` (the others keep using gloo). A collective over
-    ``group``: every rank of it calls, with the same ``pairs``."""
+def open_links(capacities: Mapping[tuple[int, int], int], group: dist.ProcessGroup) -> Links:
+    """Open a link for every ``(sender, receiver)`` pair of global ranks in ``capacities`` whose
+    processes share ``/dev/shm`` (the others keep using gloo), its ring of the pair's bytes (none
+    for 0). A collective over ``group``: every rank of it calls, with the same pairs.
+
+    Both processes map every page of a ring at once (:func:`_map_every_page`): each holds the whole
+    ring resident from the start, as much as it will ever hold of it, so the memory a plan counts
+    for the rings is what the process holds however far the messages reach in them."""
     me = dist.get_rank()
     hosts = _gather({me: _host()}, group)
-    wanted = sorted({(s, r) for s, r in pairs if s != r and me in (s, r) and hosts.get(s) == hosts.get(r)})
+    wanted = sorted(
+        (s, r)
+        for (s, r), capacity in capacities.items()
+        if capacity > 0 and s != r and me in (s, r) and hosts.get(s) == hosts.get(r)
+    )
     # 1. the sender makes the ring and the FIFOs, and opens the acknowledgements' reading end
     made: dict[tuple[int, int], tuple[str, bytes, torch.Tensor, int]] = {}
     problems: list[str] = []
     supported = os.path.isdir(_SHM) and hasattr(os, "posix_fallocate") and hasattr(os, "mkfifo")  # Linux
     for sender, receiver in wanted:
-        if sender == me and capacity > 0 and supported:
+        if sender == me and supported:
             try:
-                made[(sender, receiver)] = _make(capacity)
+                made[(sender, receiver)] = _make(capacities[(sender, receiver)])
             except OSError as error:
                 problems.append(f"rank {me} -> {receiver}: {error}")
-    offers = _gather({key: (path, token) for key, (path, token, _, _) in made.items()}, group)
+    offers = _gather({key: (path, token, ring.numel()) for key, (path, token, ring, _) in made.items()}, group)
     # 2. the receiver maps the ring and checks it is the sender's, opens the records' reading end
     #    and the acknowledgements' writing end
     received: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
-    for (sender, receiver), (path, token) in offers.items():
+    for (sender, receiver), (path, token, capacity) in offers.items():
         if receiver == me:
             try:
                 received[(sender, receiver)] = _join(path, token, capacity)
@@ -294,6 +306,7 @@ def _make(capacity: int) -> tuple[str, bytes, torch.Tensor, int]:
         finally:
             os.close(fd)
         ring = torch.from_file(ring_file, shared=True, size=capacity, dtype=torch.uint8)
+        _map_every_page(ring)
         token = secrets.token_bytes(16)
         ring[: len(token)].copy_(torch.frombuffer(bytearray(token), dtype=torch.uint8))
         for name in ("records", "acks"):
@@ -305,6 +318,12 @@ def _make(capacity: int) -> tuple[str, bytes, torch.Tensor, int]:
     return path, token, ring, acks
 
 
+def _map_every_page(ring: torch.Tensor) -> None:
+    """Read one byte of every page of ``ring``: the pages (allocated by ``posix_fallocate``) are
+    mapped into this process now, resident in it for as long as the ring is."""
+    int(ring[:: mmap.PAGESIZE].sum())
+
+
 def _join(path: str, token: bytes, capacity: int) -> tuple[torch.Tensor, int, int]:
     ring_file = os.path.join(path, "ring")
     if not os.path.exists(ring_file):
@@ -312,6 +331,7 @@ def _join(path: str, token: bytes, capacity: int) -> tuple[torch.Tensor, int, in
     ring = torch.from_file(ring_file, shared=True, size=capacity, dtype=torch.uint8)
     if bytes(ring[: len(token)].tolist()) != token:
         raise OSError(errno.EINVAL, f"{ring_file} is not the sender's ring (another /dev/shm)")
+    _map_every_page(ring)
     records = os.open(os.path.join(path, "records"), os.O_RDONLY | os.O_NONBLOCK)
     acks = os.open(os.path.join(path, "acks"), os.O_WRONLY | os.O_NONBLOCK)
     return ring, records, acks

@@ -569,6 +569,7 @@ class PipelineStrategy(ParallelStrategy):
             recompute=self.recompute,
             timeout_seconds=self._timeout.total_seconds(),
             shared_memory_bytes=self.shared_memory_bytes,
+            message_bytes=_message_bytes(stage_plan),
             clip_grad_norm=float(clip) if clip and algorithm == "norm" else None,
             clip_grad_value=float(clip) if clip and algorithm == "value" else None,
             before_update=self._before_update,
@@ -1388,6 +1389,13 @@ def _step_output(loss: float, records: list[Record]) -> Any:
     if not extras:
         return torch.tensor(loss)
     return {"loss": torch.tensor(loss), **_concatenate(extras)}
+
+
+def _message_bytes(stage_plan: StagePlan) -> list[float] | None:
+    """The bytes each stage but the last sends on per micro-batch, by the plan (``None`` without one)."""
+    if stage_plan.plan is None:
+        return None
+    return [stage.output_bytes for stage in stage_plan.plan.stages[:-1]]
 
 
 def _first_microbatch(call: Call, microbatches: int) -> Call:

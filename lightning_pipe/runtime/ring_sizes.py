@@ -1,0 +1,67 @@
+"""How many bytes each shared-memory ring between two workers gets.
+
+A ring is resident in both its processes for the whole run (:func:`~lightning_pipe.runtime.shared_memory.open_links`),
+so it should be no larger than its link needs: the most bytes the schedule can leave on the link
+sent but not yet taken (:func:`~lightning_pipe.schedule.backlog.link_backlogs`: GPipe's ``m``
+messages, 1F1B's ``P - s`` on the links of stage ``s``), or an evaluation's forwards (the first
+stage may send every micro-batch before the next takes one), whichever is more, plus one message
+more for the room lost where a message does not fit before the ring's end and starts again at its
+front. Never more than the size asked for (a message that finds the ring full goes by gloo).
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+from collections.abc import Iterable, Sequence
+
+from lightning_pipe.schedule.backlog import LinkLoad, link_loads
+from lightning_pipe.schedule.ir import Action, Schedule
+
+__all__ = ["MESSAGE_OVERHEAD", "ring_sizes"]
+
+MESSAGE_OVERHEAD = 4096
+"""Bytes a message takes besides its tensors' own: the description of its layout (with the first
+message of a stream) and the alignment of each tensor."""
+
+
+def ring_sizes(
+    schedule: Schedule,
+    pairs: Iterable[tuple[int, int]],
+    requested: int,
+    message_bytes: Sequence[float] | None,
+) -> dict[tuple[int, int], int]:
+    """The ring of every ``(sender, receiver)`` pair of workers of ``schedule`` (enough steps of it
+    to reach its steady state): ``requested`` bytes at most, or exactly that without
+    ``message_bytes`` (the bytes of one micro-batch's activation leaving each stage but the last,
+    and of the gradient coming back)."""
+    pairs = list(pairs)
+    if message_bytes is None:
+        return dict.fromkeys(pairs, requested)
+
+    def size(producer: Action, consumer: Action) -> float:
+        return message_bytes[min(producer.stage, consumer.stage)] + MESSAGE_OVERHEAD
+
+    loads = link_loads(schedule, size)
+    evaluation: dict[tuple[int, int], LinkLoad] = {}  # evaluate() runs each stage on its first owner
+    first = [owners[0] for owners in schedule.owners]
+    for stage, (sender, receiver) in enumerate(itertools.pairwise(first)):
+        if sender != receiver:
+            message = message_bytes[stage] + MESSAGE_OVERHEAD
+            known = evaluation.get((sender, receiver), LinkLoad(0.0, 0.0))
+            evaluation[(sender, receiver)] = LinkLoad(
+                known.backlog + schedule.microbatches * message, max(known.largest, message)
+            )
+    sizes = {}
+    for pair in pairs:
+        found = [load for load in (loads.get(pair), evaluation.get(pair)) if load is not None]
+        if not found:  # no activation or gradient goes this way (lent weights do): as asked
+            sizes[pair] = requested
+            continue
+        need = max(load.backlog for load in found) + max(load.largest for load in found)
+        sizes[pair] = min(requested, _whole_pages(need))
+    return sizes
+
+
+def _whole_pages(nbytes: float) -> int:
+    return -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
