@@ -43,10 +43,12 @@ stays resident; each allocation of that size pays its page faults).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,70 @@ def _status(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (glibc >= 2.33)."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in [
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        ]
+    ]
+
+
+class _Peaks:
+    """While a fit runs, samples every 5 ms the bytes glibc has handed out and not yet been given
+    back (``mallinfo2``: heap blocks in use + mmapped blocks; on CPU what
+    ``torch.cuda.max_memory_allocated`` counts on a GPU, without the free space glibc keeps) and the
+    shared memory the process maps (``RssShmem``: its rings), keeping each one's peak;
+    ``allocated`` is the peak less what was allocated when the fit started (``None`` without glibc)."""
+
+    def __init__(self) -> None:
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallinfo2.restype = _MallInfo2
+            self._mallinfo2 = libc.mallinfo2
+        except (OSError, AttributeError):
+            self._mallinfo2 = None
+        self._start = self._in_use()
+        self._peak, self.shared = self._start, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _in_use(self) -> int:
+        if self._mallinfo2 is None:
+            return 0
+        info = self._mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak = max(self._peak, self._in_use())
+            self.shared = max(self.shared, _status("RssShmem"))
+            self._stop.wait(0.005)
+
+    @property
+    def allocated(self) -> int | None:
+        return None if self._mallinfo2 is None else self._peak - self._start
+
+    def __enter__(self) -> _Peaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class ResNet(ImageClassifier):
@@ -115,6 +181,7 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
             "1f1b",
             microbatches=options.microbatches or processes,
             shared_memory_bytes=options.shared_memory_bytes,
+            release_memory=options.release_memory,
             profile_cache=False,
         )
     else:
@@ -140,7 +207,8 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
     rows = options.batch * options.steps
     shape = (3, 32, 32) if options.model == "resnet18" else (options.width,)
     data = TensorDataset(torch.randn(rows, *shape), torch.randint(0, 10, (rows,)))
-    trainer.fit(model, DataLoader(data, batch_size=options.batch))
+    with _Peaks() as peaks:
+        trainer.fit(model, DataLoader(data, batch_size=options.batch))
     holds = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     predicted = getattr(trainer.strategy, "predicted_memory", None)  # its stages' (the plan's) + its rings
     copies = 2 + _OPTIMIZER_COPIES[options.optimizer] + (1 if kind == "ddp" else 0)
@@ -156,7 +224,18 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
         "expected": expected,
         "expected_peak": max(expected, base + whole + activations) if kind == "pipe" else expected,
         "predicted": predicted,
+        "rings": getattr(trainer.strategy, "ring_bytes", 0),
+        "allocated": peaks.allocated,
+        "shared": peaks.shared,
     }
+
+
+def _parts(r: dict[str, Any]) -> str:
+    """The allocated peak against the plan's stages, the shared memory against the rings."""
+    allocated = "-" if r["allocated"] is None else f"{r['allocated'] / MB:.0f}"
+    stages = r["predicted"] - r["rings"] if r["predicted"] else None
+    ratio = f"{r['allocated'] / stages:.2f}" if stages and r["allocated"] is not None else "-"
+    return f" {allocated:>9} {ratio:>13} {r['shared'] / MB:7.0f} {r['rings'] / MB:9.0f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kinds", nargs="+", default=["plain", "ddp", "pipe", "pipe-meta"], help="runs to make")
     parser.add_argument("--root", default=tempfile.mkdtemp(prefix="bench_memory_"), help="the runs' files")
     parser.add_argument("--mmap-threshold", type=int, default=None, help="glibc's MALLOC_MMAP_THRESHOLD_")
+    parser.add_argument(
+        "--release-memory", action="store_true", help="the pipeline's release_memory=True (its runs only)"
+    )
     options = parser.parse_args(argv)
     if options.mmap_threshold is not None:  # read by glibc when each (spawned) process starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(options.mmap_threshold)
@@ -188,10 +270,11 @@ def main(argv: list[str] | None = None) -> None:
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default")
     print(
         f"model: {model}, {options.optimizer}, batch {options.batch}, {options.steps} steps, "
-        f"MALLOC_MMAP_THRESHOLD_: {threshold}"
+        f"MALLOC_MMAP_THRESHOLD_: {threshold}, the pipeline's release_memory: {options.release_memory}"
     )
     header = (
         "run         rank  base MB  holds MB  peak MB  steady MB  expected MB  peak/exp  steady/exp  plan MB  rise/plan"
+        "  alloc MB  alloc/stages  shm MB  rings MB"
     )
     print(header)
     print("-" * len(header))
@@ -206,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{r['predicted'] / MB:8.0f} {(r['peak'] - r['base']) / r['predicted']:10.2f}"
                     if r["predicted"]
                     else f"{'-':>8} {'-':>10}"
-                ),
+                )
+                + _parts(r),
                 flush=True,
             )
     print(f"whole model: {results[0]['whole'] / MB:.0f} MB of weights")

@@ -54,6 +54,12 @@ def test_shared_memory_reaches_the_strategy(value: str, expected: int) -> None:
     assert strategy.shared_memory_bytes == expected
 
 
+@pytest.mark.parametrize(("value", "expected"), [("null", None), ("true", True), ("false", False)])
+def test_release_memory_reaches_the_strategy(value: str, expected: bool | None) -> None:
+    strategy = build.strategy(_compose(f"pipeline.release_memory={value}"), multirun=False)
+    assert strategy.release_memory is expected
+
+
 def test_update_rule_picks_a_schedule_that_runs_it_unless_one_is_given() -> None:
     expected = {"sync": "1f1b", "stash": "pipedream", "vertical": "pipedream", "2bw": "2bw", "cdp_v1": "cdp"}
     for rule, family in expected.items():

@@ -76,6 +76,7 @@ from lightning_pipe.memory import MemoryModel
 from lightning_pipe.nested import flatten, map_tensors, unflatten
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.affinity import pin_threads
+from lightning_pipe.runtime.allocator import release_freed_memory
 from lightning_pipe.runtime.executor import rows_of, shared_memory_capacity, split_batch
 from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
 from lightning_pipe.runtime.loss_scaling import LossScale
@@ -202,6 +203,11 @@ class PipelineStrategy(ParallelStrategy):
             buffers of this many bytes per direction in ``/dev/shm`` instead of gloo's sockets
             (default 64 MiB; 0: gloo only; a message that finds the ring full goes by gloo);
             :mod:`lightning_pipe.runtime.shared_memory`.
+        release_memory: CPU training (glibc): blocks of 4 MiB or more are unmapped when freed instead of
+            kept in glibc's heap, so each process's resident memory follows the memory the plan
+            predicts (:mod:`lightning_pipe.runtime.allocator`), at a cost in speed (each such block's
+            pages are faulted in again). ``None`` (default): only when planning within a
+            ``memory_limit``.
         timeout: of the process group and of any single pipeline wait (a hang fails after it).
         process_group_backend: ``gloo``/``nccl``; default from the device.
     """
@@ -238,6 +244,7 @@ class PipelineStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
         pin_cpus: bool = False,
         shared_memory_bytes: int | None = None,
+        release_memory: bool | None = None,
         timeout: timedelta = default_pg_timeout,
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -300,6 +307,11 @@ class PipelineStrategy(ParallelStrategy):
         self.pin_cpus = pin_cpus
         check_whole("shared_memory_bytes", shared_memory_bytes, 0, "bytes", optional=True)
         self.shared_memory_bytes = shared_memory_bytes
+        if release_memory not in (None, True, False):
+            raise PlanningError(
+                f"release_memory must be True, False or None (only with a memory_limit), got {release_memory!r}"
+            )
+        self.release_memory = release_memory
         self._timeout = timeout
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -323,6 +335,7 @@ class PipelineStrategy(ParallelStrategy):
         self._outputs_read = False
         self._prediction: Simulation | None = None
         self.predicted_memory: float | None = None  # this rank's: its stages' (the plan's) and its rings
+        self.ring_bytes = 0  # this rank's shared-memory rings (resident from the start: part of predicted_memory)
         self._step_seconds: list[float] = []
         self._posted: Any = None
         self._signals: Signals | None = None
@@ -450,6 +463,7 @@ class PipelineStrategy(ParallelStrategy):
         atexit.register(_close_process_groups)
         if self.pin_cpus:
             pin_threads(self.local_rank, self.num_processes)
+        self._release_freed_memory()
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
@@ -459,6 +473,19 @@ class PipelineStrategy(ParallelStrategy):
         positions = [dist.new_group(list(range(w, self.world_size, self.workers))) for w in range(self.workers)]
         self._copies = positions[self.global_rank % self.workers]
         self._failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
+
+    def _release_freed_memory(self) -> None:
+        """CPU training with ``release_memory`` (by default: within a ``memory_limit``): freed blocks
+        of 4 MiB or more go back to the system (:func:`release_freed_memory`)."""
+        wanted = self.release_memory
+        if wanted is None:
+            wanted = self.plan_options.memory_limit is not None
+        if wanted and self.root_device.type == "cpu" and release_freed_memory():
+            rank_zero_info(
+                "CPU training: freed blocks of 4 MiB or more go back to the system (glibc's mmap threshold), so each "
+                "process's resident memory follows the planned memory; steps pay the page faults "
+                "(release_memory=False keeps glibc's heap)"
+            )
 
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -589,16 +616,17 @@ class PipelineStrategy(ParallelStrategy):
     def _predict_memory(self, mine: set[int], announce: bool) -> None:
         """This rank's predicted memory (:attr:`predicted_memory`; ``None`` when the stages were given,
         not planned): the plan's for its stages (weights, gradients, optimizer state, activations in
-        flight) and the shared-memory rings it maps, which count in its resident memory as messages
-        go round them. With ``announce`` (a new plan), printed per rank on rank 0 (a collective over
-        the pipeline); the framework's own memory (interpreter, torch) is apart."""
+        flight) and the shared-memory rings it maps (:attr:`ring_bytes`), resident in it from the
+        start (:func:`~lightning_pipe.runtime.shared_memory.open_links`). With ``announce`` (a new
+        plan), printed per rank on rank 0 (a collective over the pipeline); the framework's own memory
+        (interpreter, torch) is apart."""
         assert self.executor is not None and self.stage_plan is not None
         plan = self.stage_plan.plan
         if plan is None:  # every rank has the same plan: none of them gathers
             self.predicted_memory = None
             return
         stages = sum(plan.stages[s].memory_bytes for s in mine)
-        rings = self.executor.transport.links.ring_bytes
+        rings = self.ring_bytes = self.executor.transport.links.ring_bytes
         self.predicted_memory = stages + rings
         if announce:
             shares = self._gather((stages, rings))

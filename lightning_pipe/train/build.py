@@ -104,6 +104,7 @@ def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:
         start_method=start,
         pin_cpus=pipe.pin_cpus,
         shared_memory_bytes=_ring_bytes(pipe.shared_memory),
+        release_memory=pipe.release_memory,
         timeout=timedelta(minutes=pipe.timeout_minutes),
     )
 
