@@ -3,8 +3,8 @@ one process and Lightning's DDP, side by side in one run, and against what the p
 
 Run: ``python bench/memory.py [--model mlp|resnet18] [--width 4096] [--depth 16] [--optimizer sgd|adam]
 [--pipe 2 4] [--ddp 2] [--batch 16] [--steps 3] [--microbatches M] [--shared-memory-bytes B]
-[--kinds plain ddp pipe pipe-meta] [--mmap-threshold BYTES]`` (the default, a 1.07 GB MLP, about 6
-minutes on 2 cores and 24 GB).
+[--kinds plain ddp pipe pipe-meta] [--mmap-threshold BYTES] [--release-memory]`` (the default, a
+1.07 GB MLP, about 6 minutes on 2 cores and 24 GB).
 
 ``--model mlp`` is ``depth`` Linear(width, width)+ReLU blocks and a 10-class head in one
 ``nn.Sequential`` (16 x 4096^2 fp32: 1.07 GB of weights: weight-heavy); ``--model resnet18`` the CIFAR
@@ -33,11 +33,19 @@ predicts for the rank (``PipelineStrategy.predicted_memory``): the plan's for it
 gradient, optimizer state, activations in flight: Beaumont et al. 2021, §3.2) and the shared-memory
 rings it maps; ``rise/plan`` is the measured rise of the peak over ``base`` against it.
 
+The rise is then taken apart, sampled every 5 ms from the base to the end of fit: ``alloc MB``, the
+peak of the bytes glibc has handed out and not had back (``mallinfo2``, less its value at the base: on CPU what
+``torch.cuda.max_memory_allocated`` counts on a GPU), against the plan's memory for the rank's stages
+(``alloc/stages``); ``shm MB``, the peak of its shared memory (``RssShmem``), against its rings
+(``rings MB``); ``other MB``, the rise less both (the heap glibc keeps, code pages of the kernels
+loaded, threads' stacks; the peaks need not coincide).
+
 On CPU the peak is glibc's: a freed block below its (self-raising, up to 32 MiB) mmap threshold stays in
 the process's heap, and the heap's free space adds to the resident memory of activation-heavy runs.
-``--mmap-threshold BYTES`` sets ``MALLOC_MMAP_THRESHOLD_`` for every process of the run, so that
-blocks of at least that size go back to the system when freed (what the plan predicts is then what
-stays resident; each allocation of that size pays its page faults).
+``--release-memory`` runs the pipeline with ``release_memory=True`` (blocks of 4 MiB or more go back
+to the system when freed: :mod:`lightning_pipe.runtime.allocator`); ``--mmap-threshold BYTES`` sets
+``MALLOC_MMAP_THRESHOLD_`` for every process of the run, plain Lightning's and DDP's too. Either way
+each allocation of that size pays its page faults.
 """
 
 from __future__ import annotations
@@ -97,11 +105,11 @@ class _MallInfo2(ctypes.Structure):
 
 
 class _Peaks:
-    """While a fit runs, samples every 5 ms the bytes glibc has handed out and not yet been given
+    """From the base until fit ends, samples every 5 ms the bytes glibc has handed out and not yet been given
     back (``mallinfo2``: heap blocks in use + mmapped blocks; on CPU what
     ``torch.cuda.max_memory_allocated`` counts on a GPU, without the free space glibc keeps) and the
     shared memory the process maps (``RssShmem``: its rings), keeping each one's peak;
-    ``allocated`` is the peak less what was allocated when the fit started (``None`` without glibc)."""
+    ``allocated`` is the peak less what was allocated at the start (``None`` without glibc)."""
 
     def __init__(self) -> None:
         try:
@@ -131,11 +139,11 @@ class _Peaks:
     def allocated(self) -> int | None:
         return None if self._mallinfo2 is None else self._peak - self._start
 
-    def __enter__(self) -> _Peaks:
+    def start(self) -> _Peaks:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
@@ -176,6 +184,7 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
     warnings.filterwarnings("ignore")
     processes = torch.distributed.get_world_size()
     base = _status("VmRSS")
+    peaks = _Peaks().start()  # from the base on: the model's weights count, built eagerly or not
     if kind.startswith("pipe"):  # planned by the time partitioner: the plan predicts each stage's memory
         strategy: Any = PipelineStrategy(  # profiled every run: the profiling is part of rank 0's peak
             "1f1b",
@@ -207,8 +216,8 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
     rows = options.batch * options.steps
     shape = (3, 32, 32) if options.model == "resnet18" else (options.width,)
     data = TensorDataset(torch.randn(rows, *shape), torch.randint(0, 10, (rows,)))
-    with _Peaks() as peaks:
-        trainer.fit(model, DataLoader(data, batch_size=options.batch))
+    trainer.fit(model, DataLoader(data, batch_size=options.batch))
+    peaks.stop()
     holds = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     predicted = getattr(trainer.strategy, "predicted_memory", None)  # its stages' (the plan's) + its rings
     copies = 2 + _OPTIMIZER_COPIES[options.optimizer] + (1 if kind == "ddp" else 0)
@@ -231,11 +240,12 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
 
 
 def _parts(r: dict[str, Any]) -> str:
-    """The allocated peak against the plan's stages, the shared memory against the rings."""
+    """The allocated peak against the plan's stages, the shared memory against the rings, the rest."""
     allocated = "-" if r["allocated"] is None else f"{r['allocated'] / MB:.0f}"
     stages = r["predicted"] - r["rings"] if r["predicted"] else None
     ratio = f"{r['allocated'] / stages:.2f}" if stages and r["allocated"] is not None else "-"
-    return f" {allocated:>9} {ratio:>13} {r['shared'] / MB:7.0f} {r['rings'] / MB:9.0f}"
+    other = "-" if r["allocated"] is None else f"{(r['peak'] - r['base'] - r['allocated'] - r['shared']) / MB:.0f}"
+    return f" {allocated:>9} {ratio:>13} {r['shared'] / MB:7.0f} {r['rings'] / MB:9.0f} {other:>9}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     header = (
         "run         rank  base MB  holds MB  peak MB  steady MB  expected MB  peak/exp  steady/exp  plan MB  rise/plan"
-        "  alloc MB  alloc/stages  shm MB  rings MB"
+        "  alloc MB  alloc/stages  shm MB  rings MB  other MB"
     )
     print(header)
     print("-" * len(header))
