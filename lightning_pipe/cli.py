@@ -234,6 +234,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         microbatches=args.microbatches or args.devices,
         extra_copies=EXTRA_COPIES[args.optimizer],
         split_backward=args.schedule in ("1f1b", "gpipe"),  # the runtime's early cool-down gradients
+        accumulation=True,
     )
     request = PlanRequest(
         costs,

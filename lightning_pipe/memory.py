@@ -21,6 +21,12 @@ gradient first, sent upstream, then the weight gradients: :mod:`lightning_pipe.s
 at a time; between the halves it keeps the gradients the weight half resumes from, one micro-batch's
 ``kept_gradient_bytes`` on top of its activations (``split_backward``: the ``γ`` of
 :meth:`MemoryModel.kept_coefficient`).
+
+With more than one micro-batch per step, each micro-batch's weight gradient is added into the one
+already there (autograd's ``grad += new``): for a moment a layer's new gradient exists beside it, one
+layer at a time. A stage holds that transient on top, the parameter bytes of its largest layer
+(:meth:`MemoryModel.accumulating_bytes`): on a 16 x Linear(4096, 4096) MLP 64 MiB per stage, a
+twelfth of a 4-layer stage's weights, gradients and momentum.
 """
 
 from __future__ import annotations
@@ -48,12 +54,15 @@ class MemoryModel:
         extra_copies: parameter-sized copies besides the weights (see :data:`EXTRA_COPIES`).
         split_backward: stages after the first split a backward in two halves and keep one
             micro-batch's ``kept_gradient_bytes`` between them (flushing schedules' cool-down).
+        accumulation: count the gradient a stage adds into the last one (:meth:`accumulating_bytes`),
+            as the runtime does it.
     """
 
     schedule: str = "1f1b"
     microbatches: int | None = None
     extra_copies: float = EXTRA_COPIES["momentum"]
     split_backward: bool = False
+    accumulation: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -94,6 +103,14 @@ class MemoryModel:
         (``kept_bytes``) unless it is the ``first`` stage."""
         per_param, per_saved = self.coefficients(downstream, replicas)
         return per_param * param_bytes + per_saved * saved_bytes + self.kept_coefficient(downstream, first) * kept_bytes
+
+    def accumulating_bytes(self, largest_param_bytes: float) -> float:
+        """The gradient a stage adds into ``.grad`` at a time (module docstring): its largest layer's
+        parameter bytes (``largest_param_bytes``), with ``accumulation`` and more than one
+        micro-batch per step."""
+        if not self.accumulation or self.microbatches == 1:
+            return 0.0
+        return largest_param_bytes
 
     def coefficients(self, downstream: int, replicas: int = 1) -> tuple[float, float]:
         """``(α, β)`` with ``stage_bytes = α·param_bytes + β·saved_bytes`` (+ ``γ·kept_bytes``)."""

@@ -148,3 +148,11 @@ def test_a_split_backwards_kept_gradients_count_once_on_stages_after_the_first()
     gpipe = MemoryModel("gpipe", 3, extra_copies=1, split_backward=True)
     assert [gpipe.kept_coefficient(k, first=False) for k in (1, 2, 3, 4)] == [0, 0, 1, 1]
     assert MemoryModel("1f1b", 4).kept_coefficient(1, first=False) == 0  # not split (non-flushing, or off)
+
+
+def test_an_accumulated_gradient_counts_the_largest_layer_with_more_than_one_micro_batch() -> None:
+    """One micro-batch's gradient of a layer exists beside the one it is added to (``grad += new``)."""
+    assert MemoryModel("1f1b", 4, accumulation=True).accumulating_bytes(64.0) == 64.0
+    assert MemoryModel("1f1b", None, accumulation=True).accumulating_bytes(64.0) == 64.0  # a long run's steps
+    assert MemoryModel("1f1b", 1, accumulation=True).accumulating_bytes(64.0) == 0.0  # nothing to add to
+    assert MemoryModel("1f1b", 4).accumulating_bytes(64.0) == 0.0  # Beaumont et al.'s model alone

@@ -44,7 +44,11 @@ def requests(draw: st.DrawFn, max_layers: int = 7, max_devices: int = 4) -> Plan
     schedule = draw(st.sampled_from(["1f1b", "gpipe", "pipedream", "2bw"]))
     microbatches = draw(st.one_of(st.none(), st.integers(1, 6))) if schedule != "gpipe" else draw(st.integers(1, 6))
     memory = MemoryModel(
-        schedule, microbatches, extra_copies=draw(st.sampled_from([0, 1, 2, 3])), split_backward=draw(st.booleans())
+        schedule,
+        microbatches,
+        extra_copies=draw(st.sampled_from([0, 1, 2, 3])),
+        split_backward=draw(st.booleans()),
+        accumulation=draw(st.booleans()),
     )
     bandwidth = draw(st.sampled_from([math.inf, 1.0, 4.0, 20.0]))
     limit = draw(st.one_of(st.none(), st.integers(1, 120).map(float)))

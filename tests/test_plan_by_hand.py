@@ -518,3 +518,15 @@ def test_a_layer_larger_than_the_limit_is_named() -> None:
         "no partition on 2 device(s) fits the memory limit of 5 B per device under 1f1b: the smallest limit "
         "that fits 2 device(s) is 13 B; no device count fits 5 B: layer 1 alone needs 9 B"
     )
+
+
+def test_a_worker_counts_its_largest_layer_once_for_the_gradient_it_accumulates() -> None:
+    """Layers of 40, 10, 30 and 20 parameter bytes: stage {0, 2} (two runs of layers on one worker)
+    adds 40 once, stage {1, 3} adds 20, on top of its weights, gradient, activations (1F1B, m = 2)."""
+    costs = ChainCosts.from_lists([1.0] * 4, [1.0] * 4, params=[40.0, 10.0, 30.0, 20.0], saved=[0.0] * 4)
+    plain = MemoryModel("1f1b", 2, extra_copies=1)
+    counted = MemoryModel("1f1b", 2, extra_copies=1, accumulation=True)
+    without = evaluate(costs, [[0, 2], [1, 3]], partitioner="hand", devices=2, memory=plain)
+    within = evaluate(costs, [[0, 2], [1, 3]], partitioner="hand", devices=2, memory=counted)
+    added = [b.memory_bytes - a.memory_bytes for a, b in zip(without.stages, within.stages, strict=True)]
+    assert added == [40.0, 20.0]

@@ -71,6 +71,20 @@ def _prefix(values: np.ndarray) -> np.ndarray:
     return np.concatenate(([0.0], np.cumsum(values, dtype=np.float64)))
 
 
+def _range_maxima(values: np.ndarray) -> np.ndarray:
+    """A sparse table: row ``j`` holds at ``i`` the largest of ``values[i : i + 2**j]`` (0 where the
+    range would run past the end), so the largest of any range is the larger of two entries."""
+    rows = [values]
+    while 2 ** len(rows) <= len(values):
+        previous, half = rows[-1], 2 ** (len(rows) - 1)
+        row = np.zeros_like(values)
+        row[: len(values) - 2 * half + 1] = np.maximum(
+            previous[: len(values) - 2 * half + 1], previous[half:][: len(values) - 2 * half + 1]
+        )
+        rows.append(row)
+    return np.vstack(rows)
+
+
 @dataclass
 class ChainProblem:
     """One contiguous partitioning instance.
@@ -113,6 +127,8 @@ class ChainProblem:
         self._proxy = _prefix(np.zeros(self.layers) if self.proxy is None else self.proxy)
         self._factor_table = np.zeros(0)
         self._row_of: dict[tuple[float, float, float], int] = {}
+        self._largest = _range_maxima(np.asarray(self.param_bytes, dtype=np.float64))
+        self._accumulating = self.memory.accumulating_bytes(1.0) > 0  # the stage's largest layer counts
 
     # -- evaluation -------------------------------------------------------------------------
     def stage_seconds(self, first: int, last: int, replicas: int) -> float:
@@ -144,6 +160,7 @@ class ChainProblem:
                 self._kept[last + 1] - self._kept[first],
                 first=first == 0,
             )
+            stage += self.memory.accumulating_bytes(float(np.max(self.param_bytes[first : last + 1])))
             peak = max(peak, stage)
         return peak
 
@@ -227,8 +244,35 @@ class ChainProblem:
         lowest = rows * self._row_shift + self._combined[rows, ends] - limit
         found = np.clip(np.searchsorted(self._laid_out, lowest, side="left") - rows * width, 0, self.layers)
         pairs = np.array([self.memory.coefficients(k, int(r)) for r in replicas])
-        whole = pairs[:, 0] * self._params[ends] + pairs[:, 1] * self._saved[ends] <= limit
-        return found, whole
+        whole = pairs[:, 0] * self._params[ends] + pairs[:, 1] * self._saved[ends]
+        if not self._accumulating:
+            return found, whole <= limit
+        whole = whole + self._largest_between(np.zeros_like(ends), ends) <= limit
+        return self._first_with_largest(np.minimum(found, ends), ends, rows, limit), whole
+
+    def _first_with_largest(self, found: np.ndarray, ends: np.ndarray, rows: np.ndarray, limit: float) -> np.ndarray:
+        """From ``found`` (where the stage fits without it) on, the smallest first layer whose stage
+        also fits with its largest layer's gradient being accumulated (``accumulating_bytes``): the
+        memory still falls as the first layer moves toward the end, so a bisection over every
+        query at once (an empty stage, ``first == end``, fits)."""
+        low, high = found.copy(), ends.copy()
+        while (open_ := low < high).any():
+            middle = (low + high) // 2
+            memory = self._combined[rows, ends] - self._combined[rows, middle] + self._largest_between(middle, ends)
+            fits = memory <= limit
+            high = np.where(open_ & fits, middle, high)
+            low = np.where(open_ & ~fits, middle + 1, low)
+        return low
+
+    def _largest_between(self, firsts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """The largest ``param_bytes`` of layers ``firsts .. ends - 1`` (0 for an empty range), from
+        the sparse table of :func:`_range_maxima`."""
+        length = ends - firsts
+        level = np.floor(np.log2(np.maximum(length, 1))).astype(np.int64)
+        span = np.left_shift(1, level)
+        last = np.maximum(ends - span, 0)
+        largest = np.maximum(self._largest[level, np.minimum(firsts, self.layers - 1)], self._largest[level, last])
+        return np.where(length > 0, largest, 0.0)
 
     def _memory_row(self, k: int, replicas: int) -> int:
         key = (*self.memory.coefficients(k, replicas), self.memory.kept_coefficient(k, first=False))

@@ -179,6 +179,8 @@ def evaluate(
         saved = sum(costs.layers[i].saved_bytes for i in range(first, last + 1))
         kept = sum(costs.layers[i].kept_gradient_bytes for i in range(first, last + 1))
         memory_bytes[g] += memory.stage_bytes(params, saved, downstream, replicas[g], kept, first=first == 0)
+    for g, group in enumerate(groups):  # once per worker, however many runs of layers it holds
+        memory_bytes[g] += memory.accumulating_bytes(max(costs.layers[i].param_bytes for i in group))
 
     stages = []
     for g, group in enumerate(groups):

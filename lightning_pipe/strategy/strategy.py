@@ -753,6 +753,7 @@ class PipelineStrategy(ParallelStrategy):
             self.microbatches,
             optimizer_copies(optimizer),
             split_backward=self.schedule_options.family not in NON_FLUSHING_FAMILIES,
+            accumulation=True,
         )
         stage_plan: StagePlan | PlanningError | None = None
         if self.global_rank == 0:
