@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_pipe.units import parse_bytes
 from tests.lightning_cases import Chain, loader, state, trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,8 +54,11 @@ def test_launched_by_lightning(tmp_path: Path, strategy: str) -> None:
     Lightning's, and the report (timeline picture, trace, pipeline metrics) is in the log directory."""
     output, logs = _script(tmp_path, strategy)
     assert "===== Partition (time) =====" in output and "Predicted schedule" in output
-    # each rank maps one ring to its neighbour and one from it, 64 MiB each by default
-    assert re.search(r"Memory per rank, its stages \+ its shared-memory rings: rank 0: .* \+ 128 MiB, rank 1: ", output)
+    # each rank maps one ring to its neighbour and one from it, sized to the plan's small messages
+    rings = re.search(r"shared-memory rings: rank 0: [^,]+ \+ ([^,]+), rank 1: [^,]+ \+ (.+)", output)
+    assert rings is not None
+    both = [parse_bytes(rings.group(i).strip()) for i in (1, 2)]
+    assert both[0] == both[1] and 2 * 4096 <= both[0] < 2**20, both  # not 2 x the default 64 MiB
     assert "pipeline: measured" in output
     assert (logs / "pipeline_timeline.png").stat().st_size > 10_000
     assert '"traceEvents"' in (logs / "pipeline_trace.json").read_text()[:200]
