@@ -193,8 +193,8 @@ class Links:
 
     @property
     def ring_bytes(self) -> int:
-        """Bytes of the rings this process maps (its outboxes' and inboxes'): they count in its
-        resident memory as messages go round them."""
+        """Bytes of the rings this process maps (its outboxes' and inboxes'), all resident in it
+        (:func:`open_links` maps every page)."""
         ends = [*self.outboxes.values(), *self.inboxes.values()]
         return sum(end.ring.numel() * end.ring.element_size() for end in ends)
 
