@@ -62,7 +62,9 @@ def _largest_backlogs(schedule, size) -> dict[tuple[int, int], float]:
     microbatches=st.integers(1, 4),
     steps=st.integers(1, 2),
 )
-def test_the_bound_is_the_largest_backlog_of_any_run(family, stages, microbatches, steps) -> None:
+def test_the_bound_is_the_largest_backlog_of_any_run(
+    family: tuple[str, dict], stages: int, microbatches: int, steps: int
+) -> None:
     name, options = family
     if name == "1f1b_rr":  # 3 workers: stage 1 on two of them
         stages, microbatches = 2, max(microbatches, 2)

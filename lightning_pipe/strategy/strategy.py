@@ -1421,8 +1421,9 @@ def _step_output(loss: float, records: list[Record]) -> Any:
 
 
 def _message_bytes(stage_plan: StagePlan) -> list[float] | None:
-    """The bytes each stage but the last sends on per micro-batch, by the plan (``None`` without one)."""
-    if stage_plan.plan is None:
+    """The bytes each stage but the last sends on per micro-batch, by the plan (``None`` without one,
+    or when its stages are not the ones run)."""
+    if stage_plan.plan is None or len(stage_plan.plan.stages) != len(stage_plan.bounds):
         return None
     return [stage.output_bytes for stage in stage_plan.plan.stages[:-1]]
 
