@@ -51,7 +51,6 @@ each allocation of that size pays its page faults.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import sys
@@ -71,6 +70,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.classifier import ImageClassifier
 from lightning_pipe.runtime import run_local
+from lightning_pipe.runtime.allocator import mallinfo
 
 MB = 2**20
 _OPTIMIZER_COPIES = {"sgd": 1, "adam": 2}
@@ -84,26 +84,6 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-class _MallInfo2(ctypes.Structure):
-    """glibc's ``struct mallinfo2`` (glibc >= 2.33)."""
-
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in [
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        ]
-    ]
-
-
 class _Peaks:
     """From the base until fit ends, samples every 5 ms the bytes glibc has handed out and not yet been given
     back (``mallinfo2``: heap blocks in use + mmapped blocks; on CPU what
@@ -112,22 +92,15 @@ class _Peaks:
     ``allocated`` is the peak less what was allocated at the start (``None`` without glibc)."""
 
     def __init__(self) -> None:
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            libc.mallinfo2.restype = _MallInfo2
-            self._mallinfo2 = libc.mallinfo2
-        except (OSError, AttributeError):
-            self._mallinfo2 = None
+        self._glibc = mallinfo() is not None
         self._start = self._in_use()
         self._peak, self.shared = self._start, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _in_use(self) -> int:
-        if self._mallinfo2 is None:
-            return 0
-        info = self._mallinfo2()
-        return info.uordblks + info.hblkhd
+        info = mallinfo()
+        return 0 if info is None else info.in_use
 
     def _sample(self) -> None:
         while not self._stop.is_set():
@@ -137,7 +110,7 @@ class _Peaks:
 
     @property
     def allocated(self) -> int | None:
-        return None if self._mallinfo2 is None else self._peak - self._start
+        return self._peak - self._start if self._glibc else None
 
     def start(self) -> _Peaks:
         self._thread.start()
@@ -190,7 +163,7 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
             "1f1b",
             microbatches=options.microbatches or processes,
             shared_memory_bytes=options.shared_memory_bytes,
-            release_memory=options.release_memory,
+            release_memory=True if options.release_memory else None,  # None: the strategy's default
             profile_cache=False,
         )
     else:
@@ -280,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default")
     print(
         f"model: {model}, {options.optimizer}, batch {options.batch}, {options.steps} steps, "
-        f"MALLOC_MMAP_THRESHOLD_: {threshold}, the pipeline's release_memory: {options.release_memory}"
+        f"MALLOC_MMAP_THRESHOLD_: {threshold}, the pipeline's release_memory: "
+        f"{'True' if options.release_memory else 'its default (off: no memory limit)'}"
     )
     header = (
         "run         rank  base MB  holds MB  peak MB  steady MB  expected MB  peak/exp  steady/exp  plan MB  rise/plan"

@@ -104,13 +104,16 @@ class MemoryModel:
         per_param, per_saved = self.coefficients(downstream, replicas)
         return per_param * param_bytes + per_saved * saved_bytes + self.kept_coefficient(downstream, first) * kept_bytes
 
+    @property
+    def accumulates(self) -> bool:
+        """Whether a stage's largest layer's gradient counts (:meth:`accumulating_bytes`): with
+        ``accumulation`` and more than one micro-batch per step."""
+        return self.accumulation and self.microbatches != 1
+
     def accumulating_bytes(self, largest_param_bytes: float) -> float:
         """The gradient a stage adds into ``.grad`` at a time (module docstring): its largest layer's
-        parameter bytes (``largest_param_bytes``), with ``accumulation`` and more than one
-        micro-batch per step."""
-        if not self.accumulation or self.microbatches == 1:
-            return 0.0
-        return largest_param_bytes
+        parameter bytes (``largest_param_bytes``) when it :attr:`accumulates`."""
+        return largest_param_bytes if self.accumulates else 0.0
 
     def coefficients(self, downstream: int, replicas: int = 1) -> tuple[float, float]:
         """``(α, β)`` with ``stage_bytes = α·param_bytes + β·saved_bytes`` (+ ``γ·kept_bytes``)."""

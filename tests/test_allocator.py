@@ -13,17 +13,9 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.strategy import strategy as strategy_module
 
 _ONE_PROCESS = """
-import ctypes
 import sys
 import torch
-from lightning_pipe.runtime.allocator import release_freed_memory
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ["arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost"]]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
+from lightning_pipe.runtime.allocator import mallinfo, release_freed_memory
 
 def resident():
     with open("/proc/self/status") as status:
@@ -32,9 +24,9 @@ def resident():
 if sys.argv[1] == "release":
     assert release_freed_memory()
 for step in range(3):  # a step's activations: 4, 8 and 16 MiB, freed at its end
-    mapped = libc.mallinfo2().hblks
+    mapped = mallinfo().hblks
     blocks = [torch.ones(1 << 20 + (i % 3)) for i in range(6)]
-    mapped = libc.mallinfo2().hblks - mapped
+    mapped = mallinfo().hblks - mapped
     before_free = resident()
     del blocks
     print(step, mapped, before_free - resident())

@@ -128,7 +128,6 @@ class ChainProblem:
         self._factor_table = np.zeros(0)
         self._row_of: dict[tuple[float, float, float], int] = {}
         self._largest = _range_maxima(np.asarray(self.param_bytes, dtype=np.float64))
-        self._accumulating = self.memory.accumulating_bytes(1.0) > 0  # the stage's largest layer counts
 
     # -- evaluation -------------------------------------------------------------------------
     def stage_seconds(self, first: int, last: int, replicas: int) -> float:
@@ -245,7 +244,7 @@ class ChainProblem:
         found = np.clip(np.searchsorted(self._laid_out, lowest, side="left") - rows * width, 0, self.layers)
         pairs = np.array([self.memory.coefficients(k, int(r)) for r in replicas])
         whole = pairs[:, 0] * self._params[ends] + pairs[:, 1] * self._saved[ends]
-        if not self._accumulating:
+        if not self.memory.accumulates:
             return found, whole <= limit
         whole = whole + self._largest_between(np.zeros_like(ends), ends) <= limit
         return self._first_with_largest(np.minimum(found, ends), ends, rows, limit), whole
@@ -256,10 +255,10 @@ class ChainProblem:
         memory still falls as the first layer moves toward the end, so a bisection over every
         query at once (an empty stage, ``first == end``, fits)."""
         low, high = found.copy(), ends.copy()
+        to_end = self._combined[rows, ends]
         while (open_ := low < high).any():
             middle = (low + high) // 2
-            memory = self._combined[rows, ends] - self._combined[rows, middle] + self._largest_between(middle, ends)
-            fits = memory <= limit
+            fits = to_end - self._combined[rows, middle] + self._largest_between(middle, ends) <= limit
             high = np.where(open_ & fits, middle, high)
             low = np.where(open_ & ~fits, middle + 1, low)
         return low

@@ -179,8 +179,6 @@ def evaluate(
         saved = sum(costs.layers[i].saved_bytes for i in range(first, last + 1))
         kept = sum(costs.layers[i].kept_gradient_bytes for i in range(first, last + 1))
         memory_bytes[g] += memory.stage_bytes(params, saved, downstream, replicas[g], kept, first=first == 0)
-    for g, group in enumerate(groups):  # once per worker, however many runs of layers it holds
-        memory_bytes[g] += memory.accumulating_bytes(max(costs.layers[i].param_bytes for i in group))
 
     stages = []
     for g, group in enumerate(groups):
@@ -196,7 +194,9 @@ def evaluate(
                 compute_seconds=compute,
                 sync_seconds=sync,
                 stage_seconds=max(compute, sync) / replicas[g],
-                memory_bytes=memory_bytes[g],
+                # the gradient it accumulates: once per worker, however many runs of layers it holds
+                memory_bytes=memory_bytes[g]
+                + memory.accumulating_bytes(max(costs.layers[i].param_bytes for i in layers)),
                 forward_seconds=sum(costs.layers[i].forward_seconds for i in layers),
                 backward_seconds=sum(costs.layers[i].backward_seconds for i in layers),
                 output_bytes=costs.boundary_bytes[last] if last < len(costs) - 1 else 0.0,

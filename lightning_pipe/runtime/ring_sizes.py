@@ -2,7 +2,7 @@
 
 A ring is resident in both its processes for the whole run (:func:`~lightning_pipe.runtime.shared_memory.open_links`),
 so it should be no larger than its link needs: the most bytes the schedule can leave on the link
-sent but not yet taken (:func:`~lightning_pipe.schedule.backlog.link_backlogs`: GPipe's ``m``
+sent but not yet taken (:func:`~lightning_pipe.schedule.backlog.link_loads`: GPipe's ``m``
 messages, 1F1B's ``P - s`` on the links of stage ``s``), or an evaluation's forwards (the first
 stage may send every micro-batch before the next takes one), whichever is more, plus one message
 more for the room lost where a message does not fit before the ring's end and starts again at its

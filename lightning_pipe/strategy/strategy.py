@@ -622,11 +622,11 @@ class PipelineStrategy(ParallelStrategy):
         (interpreter, torch) is apart."""
         assert self.executor is not None and self.stage_plan is not None
         plan = self.stage_plan.plan
+        rings = self.ring_bytes = self.executor.transport.links.ring_bytes
         if plan is None:  # every rank has the same plan: none of them gathers
             self.predicted_memory = None
             return
         stages = sum(plan.stages[s].memory_bytes for s in mine)
-        rings = self.ring_bytes = self.executor.transport.links.ring_bytes
         self.predicted_memory = stages + rings
         if announce:
             shares = self._gather((stages, rings))
