@@ -406,20 +406,32 @@ OTHER_SYNC_CASES = [
     {"name": "pp", "strategy": {"schedule": "pp", "balance": [3, 4]}},
     {"name": "1f1b_rr_given", "strategy": {"schedule": "1f1b_rr", "balance": [7], "stage_replicas": [2]}},
     {"name": "1f1b_rr_planned", "strategy": {"schedule": "1f1b_rr", "partitioner": "pipedream", "microbatches": 4}},
+    {"name": "ddp", "strategy": {"schedule": "ddp", "balance": [3, 4]}},
+    {"name": "ddp_accumulating", "strategy": {"schedule": "ddp", "microbatches": 4, "stages": 3}},
+    {"name": "fsdp", "strategy": {"schedule": "fsdp", "balance": [3, 4]}},
+    {"name": "lpp", "strategy": {"schedule": "lpp", "groups": 1, "microbatches": 2, "balance": [2, 2, 2, 1]}},
+    {"name": "fslpp", "strategy": {"schedule": "fslpp", "groups": 2, "balance": [3, 4]}},
+]
+HELD_BY_LPP = [  # lpp on one group of 2 workers: worker w holds stages w and w + 2 (net.0, net.2, net.4, net.6)
+    {f"net.{i}.{p}" for i in (0, 4) for p in ("weight", "bias")},
+    {f"net.{i}.{p}" for i in (2, 6) for p in ("weight", "bias")},
 ]
 
 
 @pytest.mark.timeout(300)
 def test_every_other_runnable_family_trains_as_plain_lightning(tmp_path: Path) -> None:
-    """Looped BFS, 1F1B*, k-periodic, Rahimi's pp and 1F1B-RR (a stage replicated over both
-    workers, given or planned by PipeDream's partitioner) through Lightning on 2 processes end with
-    plain Lightning's parameters; the families that move weights between workers are refused."""
+    """Looped BFS, 1F1B*, k-periodic, 1F1B-RR (a stage replicated over both workers, given or
+    planned by PipeDream's partitioner) and Rahimi et al.'s w(s, b, d) families (pp; ddp, also with
+    two micro-batches per worker; fsdp, whose workers borrow each other's stages; lpp on one group
+    of two workers; fslpp on two groups of one) through Lightning on 2 processes end with plain
+    Lightning's parameters. Each rank of lpp holds only the stages it loops over."""
     cases = [{**case, "batches": 4} for case in OTHER_SYNC_CASES]
     results = _transpose(_run_cases(tmp_path, 2, cases), cases)
     for case in cases:
         expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
         for rank_result in results[case["name"]]:
             _assert_close_states(rank_result["final"], expected, 1e-5)
+    assert [rank_result["held"] for rank_result in results["lpp"]] == HELD_BY_LPP
 
 
 FP16_CASES = [

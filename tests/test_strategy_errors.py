@@ -72,11 +72,8 @@ def test_constructor_refusals() -> None:
         PipelineStrategy(microbatches=0)
     with pytest.raises(PlanningError, match="banana"):
         PipelineStrategy(memory_limit="banana")
-    for family in ("ddp", "fsdp", "lpp", "fslpp"):
-        with pytest.raises(
-            PlanningError, match=f"{family} places stages on workers by.*PipelineExecutor.*data_parallel=N"
-        ):
-            PipelineStrategy(family)
+    with pytest.raises(PlanningError, match="groups must be a whole number >= 1"):
+        PipelineStrategy("lpp", groups=0)
     with pytest.raises(PlanningError, match="start_method must be 'popen' or 'spawn'"):
         PipelineStrategy(start_method="fork")
     with pytest.raises(PlanningError, match=r"^contention must be a finite factor >= 1 \(1: no sharing\), got 0.5$"):

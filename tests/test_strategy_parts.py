@@ -23,7 +23,7 @@ from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.logs import Record, combine, recording
-from lightning_pipe.strategy.planning import StagePlan, predict
+from lightning_pipe.strategy.planning import StagePlan, placement_table, predict
 from lightning_pipe.strategy.relay import Relay
 
 
@@ -135,3 +135,16 @@ def test_the_prediction_shares_the_machine_by_the_contention_given() -> None:
     expected = simulate(make_schedule("1f1b", 2, 4, 3), replace(priced, contention=1.5), early_gradients=True)
     assert shared.makespan == expected.makespan
     assert alone.makespan < shared.makespan <= 1.5 * alone.makespan
+
+
+def test_placement_table_shows_where_stages_compute_and_where_their_weights_live() -> None:
+    """The set-up print of Rahimi's families: FSDP computes every stage on every worker and keeps
+    stage ``s``'s weights on worker ``s mod W``; LPP on one group of two loops the stages over the
+    workers; FSLPP on two groups of one computes everywhere, weights on ``h(s, s)``."""
+    fsdp = placement_table(make_schedule("fsdp", 3, 4, workers=2)).splitlines()
+    assert fsdp[0] == "===== Placement (fsdp, 2 workers per pipeline) ====="
+    assert [line.split() for line in fsdp[2:]] == [["0", "0,1", "0"], ["1", "0,1", "1"], ["2", "0,1", "0"]]
+    lpp = placement_table(make_schedule("lpp", 4, 2, groups=1, replicas=2)).splitlines()
+    assert [line.split()[1:] for line in lpp[2:]] == [["0", "0"], ["1", "1"], ["0", "0"], ["1", "1"]]
+    ddp = placement_table(make_schedule("ddp", 2, 4)).splitlines()
+    assert [line.split()[1:] for line in ddp[2:]] == [["0-3", "0-3"]] * 2

@@ -54,6 +54,15 @@ def test_shared_memory_reaches_the_strategy(value: str, expected: int) -> None:
     assert strategy.shared_memory_bytes == expected
 
 
+def test_rahimi_families_take_their_groups() -> None:
+    """``schedule=lpp schedule.groups=2``: two groups of half the devices each (Rahimi 2025)."""
+    strategy = build.strategy(_compose("schedule=lpp", "schedule.groups=2"), multirun=False)
+    assert (strategy.schedule_options.family, strategy.schedule_options.groups) == ("lpp", 2)
+    assert strategy.schedule_options.on_workers(4).replicas == 2
+    with pytest.raises(PlanningError, match=r"lpp runs groups × replicas = 2 × 1 workers, not 3: choose groups"):
+        strategy.schedule_options.on_workers(3)
+
+
 @pytest.mark.parametrize(("value", "expected"), [("null", None), ("true", True), ("false", False)])
 def test_release_memory_reaches_the_strategy(value: str, expected: bool | None) -> None:
     strategy = build.strategy(_compose(f"pipeline.release_memory={value}"), multirun=False)
@@ -76,7 +85,7 @@ def test_update_rule_picks_a_schedule_that_runs_it_unless_one_is_given() -> None
     [
         ("schedule=zigzag", MissingConfigException, r"Could not find 'schedule/zigzag'"),
         ("schedule.family=zigzag", ValidationError, r"Invalid value 'zigzag', expected one of \[gpipe, 1f1b"),
-        ("schedule.family=ddp", ValidationError, r"Invalid value 'ddp'"),  # w(s, b, d): runtime only
+        ("schedule.groups=two", ValidationError, r"'two' of type 'str' could not be converted to Integer"),
         ("schedule.microbatchs=4", ConfigKeyError, r"Key 'microbatchs' not in 'ScheduleConfig'"),
         ("trainer.devices=two", ValidationError, r"'two' of type 'str' could not be converted to Integer"),
         ("partitioner.name=balanced", ValidationError, r"Invalid value 'balanced'"),
@@ -136,10 +145,13 @@ def test_main_job_trains_to_the_stated_accuracy_and_writes_its_run_directory(tmp
 
 
 @pytest.mark.timeout(400)
-def test_multirun_sweeps_update_rules_on_two_processes_per_run(tmp_path: Path) -> None:
-    """``-m update_rule=sync,cdp_v2``: Hydra runs the jobs in one process, so the strategy spawns each
-    run's two processes (``start_method: auto``); each run trains and writes its own directory."""
-    args = [sys.executable, "-m", "lightning_pipe.train", "-m", "update_rule=sync,cdp_v2", "trainer.max_epochs=2"]
+def test_multirun_sweeps_schedules_on_two_processes_per_run(tmp_path: Path) -> None:
+    """``-m schedule=lpp,cdp schedule.groups=2``: Hydra runs the jobs in one process, so the strategy
+    spawns each run's two processes (``start_method: auto``); each run trains and writes its own
+    directory. The sweep covers both kinds of update: Rahimi's LPP on two groups of one worker
+    (synchronous) and CDP (its CDP-v2 rule)."""
+    sweep = ["-m", "schedule=lpp,cdp", "schedule.groups=2"]
+    args = [sys.executable, "-m", "lightning_pipe.train", *sweep, "trainer.max_epochs=2"]
     done = _train([*args, "trainer.enable_progress_bar=false"], tmp_path, timeout=360)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = _run_directories(tmp_path / "logs")
@@ -149,9 +161,9 @@ def test_multirun_sweeps_update_rules_on_two_processes_per_run(tmp_path: Path) -
     for run in runs:  # the fit's metrics survive the test's spawned processes
         assert "train_loss_epoch" in (run / "metrics.csv").read_text().splitlines()[0]
         assert "test_acc" in (run / "test" / "metrics.csv").read_text().splitlines()[0]
-    assert {(run / ".hydra" / "overrides.yaml").read_text().split("update_rule=")[1].split()[0] for run in runs} == {
-        "sync",
-        "cdp_v2",
+    assert {(run / ".hydra" / "overrides.yaml").read_text().split("schedule=")[1].split()[0] for run in runs} == {
+        "lpp",
+        "cdp",
     }
 
 

@@ -94,6 +94,7 @@ def _generate(
     form: str,
     groups: int,
     replicas: int,
+    workers: int | None,
     priority: str,
     forward: float,
     backward: float,
@@ -133,9 +134,9 @@ def _generate(
         )
     options = {"priority": priority, "forward": forward, "backward": backward}
     if family == "ddp":
-        return master.ddp(stages, microbatches, steps, **options)
+        return master.ddp(stages, microbatches, steps, workers, **options)
     if family == "fsdp":
-        return master.fsdp(stages, microbatches, steps, **options)
+        return master.fsdp(stages, microbatches, steps, workers, **options)
     if family == "pp":
         return master.pipeline_parallel(stages, microbatches, steps, **options)
     if family == "lpp":
@@ -164,6 +165,7 @@ def build_schedule(
     form: str = "pipeline",
     groups: int = 2,
     replicas: int = 2,
+    workers: int | None = None,
     priority: str = "backward_first",
     forward: float = 1.0,
     backward: float = 2.0,
@@ -184,6 +186,7 @@ def build_schedule(
             ``cdp_v1``/``cdp_v2`` for ``cdp``.
         form: ``pipeline`` or ``pyramid`` for ``cdp``.
         groups, replicas: ``G`` and ``R`` for ``lpp``/``fslpp``.
+        workers: ``W`` of ``ddp``/``fsdp`` (default: one per micro-batch).
         priority, forward, backward: tie break and job durations of the greedy families
             (``ddp``, ``fsdp``, ``pp``, ``lpp``, ``fslpp``, ``1f1b_rr``; ``zb_h1`` splits ``backward`` in halves).
         stage_replicas: workers per stage for ``1f1b_rr`` (e.g. a pipedream plan's replicas).
@@ -204,6 +207,7 @@ def build_schedule(
         form=form,
         groups=groups,
         replicas=replicas,
+        workers=workers,
         priority=priority,
         forward=forward,
         backward=backward,

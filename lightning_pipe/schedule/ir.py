@@ -175,6 +175,10 @@ class Schedule:
             for position, action in enumerate(order):
                 yield worker, position, action
 
+    def computing(self, stage: int) -> tuple[int, ...]:
+        """The workers that compute ``stage`` (its forwards and backwards), in order."""
+        return tuple(sorted({w for w, _, a in self.actions() if a.stage == stage and a.kind in COMPUTE}))
+
     def with_orders(self, orders: Sequence[Sequence[Action]], **changes: object) -> Schedule:
         return replace(self, orders=orders, **changes)
 

@@ -151,15 +151,30 @@ def replicated(stage_replicas: Sequence[int], microbatches: int, steps: int = 1,
     return replace(schedule, params={**schedule.params, "stage_replicas": replicas})
 
 
-def ddp(stages: int, microbatches: int, steps: int = 1, **options: object) -> Schedule:
-    """``w = (b, b)``: one worker per micro-batch, every worker holds every stage."""
-    return master("ddp", stages, microbatches, microbatches, lambda s, b, d: (b, b), steps=steps, **options)
+def _data_workers(family: str, microbatches: int, workers: int | None) -> int:
+    """``W`` of DDP and FSDP: one worker per micro-batch unless given (micro-batch ``b`` then runs on
+    worker ``b mod W``, each worker accumulating ``m / W`` of them)."""
+    if workers is None:
+        return microbatches
+    check_whole(f"{family}: workers", workers, 1)
+    if microbatches < workers:
+        raise PlanningError(
+            f"{family}: {workers} workers need at least {workers} micro-batches per step (one each), got {microbatches}"
+        )
+    return workers
 
 
-def fsdp(stages: int, microbatches: int, steps: int = 1, **options: object) -> Schedule:
-    """``w = (s, b)``: compute per micro-batch, stage ``s``'s weights sharded to worker ``s mod W``."""
-    workers = microbatches
-    return master("fsdp", stages, microbatches, workers, lambda s, b, d: (s % workers, b), steps=steps, **options)
+def ddp(stages: int, microbatches: int, steps: int = 1, workers: int | None = None, **options: object) -> Schedule:
+    """``w = (b, b)``: micro-batch ``b`` on worker ``b mod W``, every worker holds every stage."""
+    count = _data_workers("ddp", microbatches, workers)
+    return master("ddp", stages, microbatches, count, lambda s, b, d: (b % count, b % count), steps=steps, **options)
+
+
+def fsdp(stages: int, microbatches: int, steps: int = 1, workers: int | None = None, **options: object) -> Schedule:
+    """``w = (s, b)``: micro-batch ``b`` computed on worker ``b mod W``, stage ``s``'s weights sharded
+    to worker ``s mod W``."""
+    count = _data_workers("fsdp", microbatches, workers)
+    return master("fsdp", stages, microbatches, count, lambda s, b, d: (s % count, b % count), steps=steps, **options)
 
 
 def pipeline_parallel(stages: int, microbatches: int, steps: int = 1, **options: object) -> Schedule:

@@ -7,13 +7,16 @@ stage count and the steps; the strategy's constructor and the Hydra configuratio
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.schedule import FAMILIES, check_rule, make_schedule
 from lightning_pipe.schedule.ir import Schedule
 
-__all__ = ["ScheduleOptions"]
+__all__ = ["PLACED_FAMILIES", "ScheduleOptions"]
+
+PLACED_FAMILIES: tuple[str, ...] = ("ddp", "fsdp", "lpp", "fslpp")
+"""Rahimi's families whose placement ``w(s, b, d)`` puts stages on workers, whatever their number."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,10 @@ class ScheduleOptions:
         virtual_stages: stages per worker (``interleaved``, ``looped_bfs``).
         form: ``pipeline`` or ``pyramid`` (``cdp``).
         period: ``T`` of ``1f1b_star``; k: of ``kperiodic``.
-        groups, replicas, priority: of the master-schedule families (``lpp``, ``fslpp``, ...).
+        groups, replicas, priority: of the master-schedule families (``lpp``, ``fslpp``, ...);
+            ``replicas`` (workers per group) ``None``: the workers divided by ``groups``
+            (:meth:`on_workers`).
+        workers: ``W`` of ``ddp`` and ``fsdp`` (``None``: one per micro-batch, or the devices).
     """
 
     family: str = "1f1b"
@@ -42,8 +48,9 @@ class ScheduleOptions:
     period: float | None = None
     k: int | None = None
     groups: int = 2
-    replicas: int = 2
+    replicas: int | None = None
     priority: str = "backward_first"
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -52,9 +59,29 @@ class ScheduleOptions:
         check_whole("microbatches", self.microbatches, 1, optional=True)
         check_whole("slack", self.slack, 0)
         check_whole("virtual_stages", self.virtual_stages, 1)
+        check_whole("groups", self.groups, 1)
+        check_whole("replicas", self.replicas, 1, optional=True)
+        check_whole("workers", self.workers, 1, optional=True)
+
+    def on_workers(self, workers: int) -> ScheduleOptions:
+        """These options with what follows from running on ``workers`` workers: ``W`` for ``ddp`` and
+        ``fsdp``, ``R = W / G`` for ``lpp`` and ``fslpp``."""
+        if self.family in ("ddp", "fsdp"):
+            return replace(self, workers=workers)
+        if self.family not in ("lpp", "fslpp"):
+            return self
+        replicas = self.replicas if self.replicas is not None else workers // self.groups
+        if self.groups * replicas != workers:
+            raise PlanningError(
+                f"{self.family} runs groups × replicas = {self.groups} × {self.replicas or replicas} workers, not "
+                f"{workers}: choose groups among {[g for g in range(1, workers + 1) if workers % g == 0]} (replicas "
+                "then follows from the devices)"
+            )
+        return replace(self, replicas=replicas)
 
     def stages_for(self, workers: int) -> int:
-        """The stage count that puts this family on ``workers`` workers, when it follows from them."""
+        """The stage count that puts this family on ``workers`` workers, when it follows from them
+        (Rahimi's families: one stage per worker, by default)."""
         if self.family in ("interleaved", "looped_bfs"):
             return workers * self.virtual_stages
         if self.family == "cdp" and self.form == "pyramid":
@@ -67,8 +94,11 @@ class ScheduleOptions:
             return stages
         return workers
 
-    def workers_for(self, stages: int) -> int:
-        """The workers one pipeline of ``stages`` stages of this family runs on."""
+    def workers_for(self, stages: int) -> int | None:
+        """The workers one pipeline of ``stages`` stages of this family runs on (``None``: any number,
+        Rahimi's families placing stages by ``w(s, b, d)``)."""
+        if self.family in PLACED_FAMILIES:
+            return None
         if self.family in ("interleaved", "looped_bfs"):
             if stages % self.virtual_stages:
                 raise PlanningError(
@@ -82,5 +112,6 @@ class ScheduleOptions:
     def make(self, stages: int, microbatches: int, **extra: object) -> Callable[[int], Schedule]:
         """``steps -> schedule`` of this family on ``stages`` stages (what the executor takes)."""
         options = {k: v for k, v in asdict(self).items() if k not in ("family", "microbatches")}
+        options = {k: v for k, v in options.items() if v is not None or k not in ("replicas", "workers")}
         options.update(extra)
         return lambda steps: make_schedule(self.family, stages, microbatches, steps, **options)

@@ -270,14 +270,40 @@ def predict(
     return simulate(schedule_of(stage_plan, schedule, microbatches)(3), costs, early_gradients=True)
 
 
-def report(stage_plan: StagePlan, prediction: Simulation | None, captured: CapturedForward | None = None) -> str:
-    """The captured layers and cuts (when ``forward`` was captured), the plan table and the
-    prediction, as ``lightning-pipe plan`` and ``simulate`` print them."""
+def placement_table(schedule: Schedule) -> str:
+    """Where each stage computes and where its weights live (the workers of one pipeline): Rahimi's
+    ``w(s, b, d)`` as it came out, for every family."""
+    lines = [
+        f"===== Placement ({schedule.family}, {schedule.workers} workers per pipeline) =====",
+        "stage  computes on  weights on",
+    ]
+    for stage in range(schedule.stages):
+        computing, owners = schedule.computing(stage), schedule.owners[stage]
+        lines.append(f"{stage:>5}  {_workers(computing):<11} {_workers(owners)}")
+    return "\n".join(lines)
+
+
+def _workers(workers: Sequence[int]) -> str:
+    """``0``, ``0,2`` or ``0-3``."""
+    if len(workers) > 2 and list(workers) == list(range(workers[0], workers[-1] + 1)):
+        return f"{workers[0]}-{workers[-1]}"
+    return ",".join(map(str, workers))
+
+
+def report(
+    stage_plan: StagePlan,
+    prediction: Simulation | None,
+    captured: CapturedForward | None = None,
+    schedule: Schedule | None = None,
+) -> str:
+    """The captured layers and cuts (when ``forward`` was captured), the plan table, the placement of
+    ``schedule`` and the prediction, as ``lightning-pipe plan`` and ``simulate`` print them."""
     lines = [describe(captured, stage_plan.bounds)] if captured is not None else []
+    placement = [placement_table(schedule)] if schedule is not None else []
     if stage_plan.plan is None or stage_plan.costs is None:
         spans = ", ".join(f"{a}..{b}" for a, b in stage_plan.bounds)
-        return "\n".join([*lines, f"Pipeline stages (layers, as given): {spans}"])
-    lines.append(plan_table(stage_plan.costs, stage_plan.plan))
+        return "\n".join([*lines, f"Pipeline stages (layers, as given): {spans}", *placement])
+    lines += [plan_table(stage_plan.costs, stage_plan.plan), *placement]
     if prediction is not None:
         lines += ["===== Predicted schedule (measured costs, seconds) =====", simulation_table(prediction)]
     return "\n".join(lines)

@@ -80,9 +80,9 @@ from lightning_pipe.runtime.allocator import release_freed_memory
 from lightning_pipe.runtime.executor import rows_of, shared_memory_capacity, split_batch
 from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
 from lightning_pipe.runtime.loss_scaling import LossScale
-from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
+from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE
-from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.schedule.options import PLACED_FAMILIES, ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
 from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.contract import Call, Entry, PipelineModel, pipeline_model
@@ -113,7 +113,6 @@ from lightning_pipe.units import format_bytes, parse_bandwidth, parse_bytes
 
 __all__ = ["PipelineStrategy"]
 
-_NOT_PLANNED = ("ddp", "fsdp", "lpp", "fslpp")  # Rahimi's w(s, b, d) placement: not one stage per device
 _SYNC_DIST_ADVICE = r"It is recommended to use `self.log\(.*sync_dist=True"
 
 _REGISTERED = {
@@ -127,6 +126,10 @@ _REGISTERED = {
     "pipe_2bw_spawn": ("2bw", "spawn"),
     "pipe_cdp": ("cdp", "popen"),
     "pipe_cdp_spawn": ("cdp", "spawn"),
+    "pipe_ddp": ("ddp", "popen"),
+    "pipe_fsdp": ("fsdp", "popen"),
+    "pipe_lpp": ("lpp", "popen"),
+    "pipe_fslpp": ("fslpp", "popen"),
 }
 
 
@@ -165,6 +168,9 @@ class PipelineStrategy(ParallelStrategy):
         microbatches: micro-batches per batch (default: the number of stages).
         rule, slack, virtual_stages, form, period, k: the schedule's options
             (:class:`~lightning_pipe.schedule.options.ScheduleOptions`).
+        groups: ``G`` of ``lpp`` and ``fslpp`` (Rahimi 2025): the devices form ``G`` groups of
+            ``devices / G`` workers, each group a looped pipeline over the stages, micro-batches dealt
+            round robin over the groups.
         partitioner: how layers are split (``time`` by default: measured forward + backward).
         memory_limit: bytes per device (a number or a string such as ``"8GB"``); the partitioner plans
             within it and refuses what cannot fit.
@@ -225,6 +231,7 @@ class PipelineStrategy(ParallelStrategy):
         form: str = "pipeline",
         period: float | None = None,
         k: int | None = None,
+        groups: int = 2,
         partitioner: str = "time",
         memory_limit: float | str | None = None,
         bandwidth: float | str | None = None,
@@ -269,6 +276,7 @@ class PipelineStrategy(ParallelStrategy):
             form=form,
             period=period,
             k=k,
+            groups=groups,
         )
         self.plan_options = PlanOptions(
             partitioner=partitioner,
@@ -284,13 +292,6 @@ class PipelineStrategy(ParallelStrategy):
             cache=_profile_directory(profile_cache),
         )
         check_whole("profile_repeats", profile_repeats, 1)
-        if schedule in _NOT_PLANNED:
-            raise PlanningError(
-                f"{schedule} places stages on workers by Rahimi et al.'s w(s, b, d), not one stage per device as this "
-                "strategy plans them: run it with the runtime (PipelineExecutor, docs/runtime.md) or simulate it "
-                "(lightning-pipe simulate); for data parallelism give data_parallel=N with any pipeline family (or use "
-                "Lightning's ddp/fsdp); pp is the member of that family the strategy runs"
-            )
         check_whole("stages", stages, 1, optional=True)
         check_whole("data_parallel", data_parallel, 1, optional=True)
         if stages is not None and data_parallel is not None:
@@ -350,6 +351,8 @@ class PipelineStrategy(ParallelStrategy):
         if self._stages_option is None:
             return 1
         workers = self.schedule_options.workers_for(self._stages_option)
+        if workers is None:  # Rahimi's families place the stages on however many workers there are
+            return 1
         if self.world_size % workers:
             raise PlanningError(
                 f"{self.world_size} devices are not a multiple of the {workers} workers a pipeline of "
@@ -367,6 +370,11 @@ class PipelineStrategy(ParallelStrategy):
                 f"{self.data_parallel} devices"
             )
         return self.world_size // self.data_parallel
+
+    @property
+    def options(self) -> ScheduleOptions:
+        """The schedule's options on this strategy's workers (:meth:`ScheduleOptions.on_workers`)."""
+        return self.schedule_options.on_workers(self.workers)
 
     @property
     def pipelines(self) -> list[list[int]]:
@@ -426,7 +434,12 @@ class PipelineStrategy(ParallelStrategy):
         plan replicates over the workers for ``1f1b_rr``)."""
         if self.stage_plan is not None:
             return len(self.stage_plan.bounds)
-        return self._stages_option or self.schedule_options.stages_for(self.workers)
+        if self._stages_option is not None:
+            return self._stages_option
+        balance = self.plan_options.balance
+        if balance is not None and self.schedule_options.family in PLACED_FAMILIES:  # any count: the split says
+            return len(balance)
+        return self.schedule_options.stages_for(self.workers)
 
     @property
     def _replicated(self) -> bool:
@@ -576,7 +589,7 @@ class PipelineStrategy(ParallelStrategy):
                 self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(args[0]), meta)
         layers = self._chain.layers
         stage_plan = self.stage_plan
-        make = schedule_of(stage_plan, self.schedule_options, self.microbatches)
+        make = schedule_of(stage_plan, self.options, self.microbatches)
         mine = {a.stage for a in make(1).orders[self.global_rank % self.workers] if a.kind in COMPUTE}
         if meta:  # this rank's stages only, initialised as the whole model would be (.materialise)
             everything = {id(t) for root in (module, *layers) for t in [*root.parameters(), *root.buffers()]}
@@ -776,9 +789,7 @@ class PipelineStrategy(ParallelStrategy):
         if isinstance(stage_plan, PlanningError):
             raise stage_plan
         if self.global_rank == 0:
-            self._prediction = predict(
-                stage_plan, self.schedule_options, self.microbatches, self.plan_options.contention
-            )
+            self._prediction = predict(stage_plan, self.options, self.microbatches, self.plan_options.contention)
             self.differences = differences(
                 self.lightning_module,
                 stage_plan.modules(model.layers),
@@ -787,7 +798,9 @@ class PipelineStrategy(ParallelStrategy):
                 self.schedule_options.family not in NON_FLUSHING_FAMILIES,
             )
             notes = [MATERIALISED] if meta else []
-            rank_zero_info("\n".join([report(stage_plan, self._prediction, model.captured), *self.differences, *notes]))
+            schedule = schedule_of(stage_plan, self.options, self.microbatches)(1)
+            text = report(stage_plan, self._prediction, model.captured, schedule)
+            rank_zero_info("\n".join([text, *self.differences, *notes]))
         return stage_plan
 
     def _verify(self, model: PipelineModel, first: Call) -> None:
@@ -1010,7 +1023,7 @@ class PipelineStrategy(ParallelStrategy):
             last_steps([i for part in timelines for i in part]),
             self._step_seconds[2:],
             in_run,
-            schedule_of(self.stage_plan, self.schedule_options, self.microbatches)(STEPS_SHOWN),
+            schedule_of(self.stage_plan, self.options, self.microbatches)(STEPS_SHOWN),
             self._prediction,
         )
         picture, trace = fit.write(directory)
@@ -1371,7 +1384,7 @@ class PipelineStrategy(ParallelStrategy):
             strategy_registry.register(
                 name,
                 cls,
-                description=f"pipeline parallel, {family} schedule, start method {start_method}",
+                description=f"{FAMILIES[family]}: the {family} schedule, start method {start_method}",
                 schedule=family,
                 start_method=start_method,
             )

@@ -90,6 +90,7 @@ def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:
         form=schedule.form,
         period=schedule.period,
         k=schedule.k,
+        groups=schedule.groups,
         partitioner=_plain(cfg.partitioner.name),
         memory_limit=cfg.memory.limit,
         recompute=cfg.memory.recompute,

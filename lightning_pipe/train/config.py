@@ -37,14 +37,11 @@ __all__ = [
     "register_configs",
 ]
 
-NOT_PLANNED = ("ddp", "fsdp", "lpp", "fslpp")  # placed by w(s, b, d): the runtime runs them, the strategy does not
-
-
 def _names(kind: str, names: Any) -> type[Enum]:
     return Enum(kind, {name: name for name in names})  # type: ignore[return-value]
 
 
-Family = _names("Family", [name for name in FAMILIES if name not in NOT_PLANNED])
+Family = _names("Family", FAMILIES)
 Rule = _names("Rule", RULES)
 Partitioner = _names("Partitioner", PARTITIONERS)
 Model = _names("Model", ("mlp", *MODEL_NAMES))
@@ -71,6 +68,7 @@ class ScheduleConfig:
     form: str = "pipeline"
     period: float | None = None
     k: int | None = None
+    groups: int = 2  # G of lpp and fslpp: groups of devices / G workers
 
 
 @dataclass
