@@ -37,6 +37,7 @@ __all__ = [
     "register_configs",
 ]
 
+
 def _names(kind: str, names: Any) -> type[Enum]:
     return Enum(kind, {name: name for name in names})  # type: ignore[return-value]
 
