@@ -22,6 +22,7 @@ from lightning_pipe.memory import EXTRA_COPIES, SCHEDULES, MemoryModel
 from lightning_pipe.network import Network
 from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
 from lightning_pipe.profile_file import load_profile, save_profile
+from lightning_pipe.schedule.cyclic import FORMS
 from lightning_pipe.units import format_bytes, format_seconds, parse_bandwidth, parse_bytes
 
 if TYPE_CHECKING:
@@ -280,7 +281,7 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:
         "--slack", type=_whole, default=0, help="extra warm-up forwards per link (1f1b, pipedream, 2bw; default 0)"
     )
     parser.add_argument("--rule", help="update rule: stash|vertical (pipedream), cdp_v1|cdp_v2 (cdp)")
-    parser.add_argument("--form", default="pipeline", choices=["pipeline", "pyramid"], help="cdp form")
+    parser.add_argument("--form", default="pipeline", choices=list(FORMS), help="cdp form")
     parser.add_argument("--groups", type=_positive_int, default=2, help="G of lpp/fslpp")
     parser.add_argument("--replicas", type=_positive_int, default=2, help="R of lpp/fslpp")
     parser.add_argument("--stage-replicas", type=_replica_list, help="workers per stage of 1f1b_rr, e.g. 2,1,1")

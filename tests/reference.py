@@ -166,9 +166,10 @@ def leading_forwards(actions: list[Action]) -> int:
 
 def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch.Tensor]]]:
     """Worker of :func:`lightning_pipe.runtime.launch.run_local`: train every case with the runtime;
-    returns ``{case name: {stage: parameters}}`` for the stages this rank holds, and under
-    ``"leading forwards"`` how many forwards this rank ran before its first backward, per case."""
-    results: dict = {"leading forwards": {}}
+    returns ``{case name: {stage: parameters}}`` for the stages this rank holds, under
+    ``"leading forwards"`` how many forwards this rank ran before its first backward, and under
+    ``"ring messages"`` the partial and whole sums it sent along rings, per case."""
+    results: dict = {"leading forwards": {}, "ring messages": {}}
     for case in cases:
         options = case.get("options", {})
         executor = PipelineExecutor(
@@ -191,6 +192,7 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
         executor.close()
         results[case["name"]] = {s: [p.detach().clone() for p in w.params] for s, w in executor.weights.items()}
         results["leading forwards"][case["name"]] = leading_forwards([i.action for i in executor.timeline])
+        results["ring messages"][case["name"]] = dict(executor.rings.sent)
     return results
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_pipe.runtime.launch import run_local
+from lightning_pipe.runtime.rings import PARTIAL, SUM
 from lightning_pipe.schedule import make_schedule
 from tests.reference import (
     batches,
@@ -66,6 +67,27 @@ def _check(cases: list[dict], workers: int) -> None:
         assert sorted(seen) == list(range(case["stages"])), case["name"]
         if case.get("options", {}).get("slack"):
             _check_warmup(case, [rank_result["leading forwards"][case["name"]] for rank_result in results])
+        if case.get("options", {}).get("form") == "dp":
+            _check_ring(case, [rank_result["ring messages"][case["name"]] for rank_result in results])
+
+
+def _check_ring(case: dict, sent: list[dict[tuple[str, int, int], int]]) -> None:
+    """CDP's dp form: each step, each stage's partial sum crossed each link ``k -> k + 1`` of the
+    ring of workers once (none into the first worker), and the whole sum each link of its spread
+    once, nothing else: ``2 (W - 1)`` messages per stage and step, no collective."""
+    workers, steps = len(sent), case["steps"]
+    for stage in range(case["stages"]):
+        spread = [
+            workers - 1,
+            *make_schedule("cdp", case["stages"], case["microbatches"], 3, **case["options"]).rings[stage].spread,
+        ]
+        for worker, counts in enumerate(sent):
+            expected = {}
+            if worker + 1 < workers:
+                expected[(PARTIAL, stage, worker + 1)] = steps
+            if worker in spread[:-1]:
+                expected[(SUM, stage, spread[spread.index(worker) + 1])] = steps
+            assert {k: v for k, v in counts.items() if k[1] == stage} == expected, (case["name"], worker, counts)
 
 
 def _check_warmup(case: dict, ran: list[int]) -> None:
@@ -104,6 +126,9 @@ TWO_WORKERS = [
     _case("cdp-v1", "cdp", 2, 2, options={"rule": "cdp_v1"}),
     _case("cdp-v2", "cdp", 2, 2, steps=5, options={"rule": "cdp_v2"}),
     _case("cdp-v2-adam", "cdp", 2, 3, optimizer="adam", options={"rule": "cdp_v2"}),
+    # CDP's dp form: a replica per micro-batch, gradients reduced along the ring of workers
+    _case("cdp-dp-v1", "cdp", 2, 2, options={"rule": "cdp_v1", "form": "dp"}),
+    _case("cdp-dp-v2", "cdp", 2, 2, steps=5, options={"rule": "cdp_v2", "form": "dp"}),
     # frozen parameters: never differentiated, untouched by weight decay or momentum
     _case("1f1b-frozen-first-stage", "1f1b", 2, 3, frozen=((0, "0.weight"), (0, "0.bias"))),
     _case("2bw-frozen-weight", "2bw", 2, 2, frozen=((1, "weight"),)),
@@ -155,6 +180,9 @@ FOUR_WORKERS = [
     _case("fsdp", "fsdp", 4, 4, foreign_init=True),
     _case("2bw", "2bw", 4, 4, optimizer="adam"),
     _case("cdp-v2", "cdp", 4, 4, options={"rule": "cdp_v2"}),
+    _case("cdp-dp-v2", "cdp", 4, 4, options={"rule": "cdp_v2", "form": "dp"}),
+    _case("cdp-dp-v1-adam", "cdp", 4, 4, steps=5, optimizer="adam", options={"rule": "cdp_v1", "form": "dp"}),
+    _case("cdp-dp-v2-3-stages-uneven", "cdp", 3, 4, rows=11, options={"rule": "cdp_v2", "form": "dp"}),
     _case("1f1b_star", "1f1b_star", 4, 4, options={"period": 6.0}),
     _case("gpipe-uneven-all-ahead", "gpipe", 4, 3, rows=11, post_ahead_bytes=0, shared_memory_bytes=0),
     _case("interleaved-small-ring", "interleaved", 8, 4, options={"virtual_stages": 2}, shared_memory_bytes=512),
@@ -170,6 +198,19 @@ def test_two_workers_equal_the_references() -> None:
 @pytest.mark.timeout(300)
 def test_four_workers_equal_the_references() -> None:
     _check(FOUR_WORKERS, 4)
+
+
+@pytest.mark.timeout(120)
+def test_cdp_on_one_device_equals_its_references() -> None:
+    """CDP's single-device form (Fournier & Oyallon 2024, §4.1): every micro-batch's stages in the
+    cyclic timeline's order on one worker, with both rules."""
+    _check(
+        [
+            _case("cdp-single-v2", "cdp", 4, 4, options={"rule": "cdp_v2", "form": "single"}),
+            _case("cdp-single-v1-adam", "cdp", 3, 3, optimizer="adam", options={"rule": "cdp_v1", "form": "single"}),
+        ],
+        1,
+    )
 
 
 @pytest.mark.timeout(300)

@@ -146,6 +146,12 @@ NONFLUSH_CASES = [
     {"name": "2bw", "rule": "2bw", "strategy": {"schedule": "2bw", "microbatches": 2, "balance": [3, 4]}},
     {"name": "cdp_v1", "rule": "2bw", "strategy": {"schedule": "cdp", "rule": "cdp_v1", "balance": [4, 3]}},
     {"name": "cdp_v2", "rule": "cdp_v2", "strategy": {"schedule": "cdp", "rule": "cdp_v2", "balance": [4, 3]}},
+    {
+        "name": "cdp_dp_v1",
+        "rule": "2bw",
+        "strategy": {"schedule": "cdp", "form": "dp", "rule": "cdp_v1", "balance": [3, 4]},
+    },
+    {"name": "cdp_dp_v2", "rule": "cdp_v2", "strategy": {"schedule": "cdp", "form": "dp", "balance": [4, 3]}},
     {"name": "pipedream", "rule": "stash", "strategy": {"schedule": "pipedream", "microbatches": 2, "balance": [3, 4]}},
     {
         "name": "2bw_max_steps",
@@ -178,13 +184,20 @@ def _rule(case: dict[str, Any], stages: int, microbatches: int, steps: int) -> r
 
 @pytest.mark.timeout(300)
 def test_delayed_weight_families_equal_their_references(tmp_path: Path) -> None:
-    """2BW (both rules), CDP-v1, CDP-v2 and PipeDream (stash, vertical sync) through Lightning, one
+    """2BW (both rules), CDP-v1, CDP-v2 (as a pipeline, and in the dp form: a replica per process,
+    gradients reduced along the ring) and PipeDream (stash, vertical sync) through Lightning, one
     epoch of 6 batches on 2 processes (the pipeline drained only at the epoch's end), end with the
-    parameters of the
-    single-process reference of their update rule. Guards against a drain on every batch (which
-    would make them synchronous) and against weight versions lost between Lightning's batches."""
+    parameters of the single-process reference of their update rule. Guards against a drain on
+    every batch (which would make them synchronous) and against weight versions lost between
+    Lightning's batches."""
     cases = [{**case, "batches": 6} for case in NONFLUSH_CASES]
     results = _transpose(_run_cases(tmp_path, 2, cases), cases)
+    _assert_references(cases, results)
+
+
+def _assert_references(cases: list[dict[str, Any]], results: dict[str, list[dict]]) -> None:
+    """Every rank's parameters are those of the case's update rule's reference, and not those of
+    synchronous training."""
     for case in cases:
         balance = case["strategy"]["balance"]
         microbatches = case["strategy"].get("microbatches", len(balance))
@@ -388,15 +401,28 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_one_device(tmp_path: Path) -> None:
     """``PipelineStrategy()`` on one device (one stage, one micro-batch) trains exactly as Lightning
-    alone, in 32-true and bf16-mixed."""
+    alone, in 32-true and bf16-mixed; CDP's single-device form (three stages, three micro-batches in
+    the cyclic order) ends with the parameters of its rules' references."""
     cases = [
         {"name": "one_device", "batches": 5, "strategy": {}},
         {"name": "one_device_bf16", "batches": 5, "strategy": {}, "trainer": {"precision": "bf16-mixed"}},
     ]
-    results = _transpose(_run_cases(tmp_path, 1, cases), cases)
+    single = [
+        {"name": "cdp_single_v2", "rule": "cdp_v2", "batches": 6, "strategy": {"schedule": "cdp", "form": "single"}},
+        {
+            "name": "cdp_single_v1",
+            "rule": "2bw",
+            "batches": 6,
+            "strategy": {"schedule": "cdp", "form": "single", "rule": "cdp_v1"},
+        },
+    ]
+    for case in single:
+        case["strategy"].update(balance=[2, 2, 3])
+    results = _transpose(_run_cases(tmp_path, 1, cases + single), cases + single)
     for case in cases:
         expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
         _assert_close_states(results[case["name"]][0]["final"], expected, 0)
+    _assert_references(single, results)
 
 
 OTHER_SYNC_CASES = [

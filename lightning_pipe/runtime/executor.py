@@ -46,6 +46,7 @@ from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, shift
 from lightning_pipe.runtime.ring_sizes import ring_sizes
+from lightning_pipe.runtime.rings import RingReducer
 from lightning_pipe.runtime.shared_memory import open_links
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.ties import Tie, find_ties
@@ -281,6 +282,12 @@ class PipelineExecutor:
             post_ahead_bytes=_post_ahead(post_ahead_bytes, self.device),
             links=open_links(rings, data_group) if rings else None,
         )
+        if self.schedule.rings and len(self.pipelines) > 1:
+            raise PlanningError(
+                f"{self.schedule.family}: its stages' gradients are reduced along a ring of its workers, which is "
+                "its data parallelism: run it on one pipeline (no data_parallel copies)"
+            )
+        self.rings = RingReducer(self.schedule, self.rank, self.ranks, self.transport)
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
         self.needs_inputs = any(a.stage == 0 for a in ours)
         self.needs_targets = any(a.stage == self.schedule.stages - 1 for a in ours)
@@ -367,20 +374,24 @@ class PipelineExecutor:
             pairs |= {(self.rank, borrower), (borrower, self.rank)}
         first = [owners[0] for owners in self.schedule.owners]
         pairs |= set(itertools.pairwise(first))
+        for ring in self.schedule.rings:  # partial sums, then the whole sum
+            pairs |= set(itertools.pairwise(ring.gather)) | set(itertools.pairwise((ring.reducer, *ring.spread)))
         return {(a, b) for a, b in pairs if a != b}
 
     def _ring_sizes(
         self, generated: Schedule, capacity: int, message_bytes: Sequence[float] | None
     ) -> dict[tuple[int, int], int]:
         """The bytes of the ring of every pair of global ranks that exchange messages
-        (:func:`ring_sizes`; as asked when stages lend their weights: the messages are weights then)."""
+        (:func:`ring_sizes`; as asked when stages lend their weights or reduce their gradients point to
+        point: the messages are weights or gradients then)."""
         if message_bytes is not None and len(message_bytes) != self.schedule.stages - 1:
             raise PlanningError(
                 f"message_bytes gives {len(message_bytes)} sizes; the schedule has {self.schedule.stages} stages, "
                 f"so {self.schedule.stages - 1} boundaries"
             )
         lends = any(Lending.of(self.schedule, worker).lenders for worker in range(self.schedule.workers))
-        sizes = ring_sizes(generated, self._message_pairs(generated), capacity, None if lends else message_bytes)
+        sized = message_bytes if not lends and not self.schedule.rings else None  # weights or gradients: as asked
+        sizes = ring_sizes(generated, self._message_pairs(generated), capacity, sized)
         return {(self.ranks[a], self.ranks[b]): size for (a, b), size in sizes.items()}
 
     def _consumers(self, action: Action) -> list[tuple[_Key, Kind]]:
@@ -403,16 +414,17 @@ class PipelineExecutor:
             actions = actions_of(peer)
             lent = {s for s, borrowers in self.lending.borrowers.items() if peer in borrowers}
             returns = last_gradients(actions, lent)
+            gathers = last_gradients(actions, self.rings.stages)
             sender = self.ranks[peer]
             for position, action in enumerate(actions):
-                if action.kind not in COMPUTE:
-                    continue
-                for key, kind in self._consumers(action):
-                    if self._destination(key, kind) == self.rank:
-                        self.expected[key] = (sender, self.transport.expect(sender, key[:3]))
+                if action.kind in COMPUTE:
+                    for key, kind in self._consumers(action):
+                        if self._destination(key, kind) == self.rank:
+                            self.expected[key] = (sender, self.transport.expect(sender, key[:3]))
                 if position in returns:  # after its last backward of a stage lent to it: the gradients
                     stage, step = returns[position]
                     self._lent[(stage, step, peer)] = (sender, self.transport.expect(sender, ("G", stage, 0)))
+                self.rings.expect(peer, action, gathers.get(position))
 
     def _lend(self, peers: Callable[[int], list[Action]]) -> None:
         """Send the live weights of each stage this worker lends to the workers computing it in this call."""
@@ -466,7 +478,7 @@ class PipelineExecutor:
         groups = {}
         for stage, owners in enumerate(self.schedule.owners):
             holders = sorted(ranks[w] for ranks in self.pipelines for w in owners)
-            if len(holders) > 1:
+            if len(holders) > 1 and not self.schedule.rings:  # a ring reduces point to point (.rings)
                 group = dist.new_group(holders)
                 if self.global_rank in holders:
                     groups[stage] = group
@@ -706,6 +718,7 @@ class PipelineExecutor:
             early = cooldown_backwards(actions, self.early_gradients, self.schedule.stages)
             self._running = actions
             returning = last_gradients(actions, self.borrowed)  # position -> (borrowed stage, step)
+            gathering = last_gradients(actions, self.rings.stages)  # position -> (ring stage, step)
             for position, action in enumerate(actions):
                 self._position = position
                 self._sent_early = None
@@ -713,6 +726,9 @@ class PipelineExecutor:
                 self._execute(action, output, return_outputs, position in early)
                 if position in returning:
                     self._return_gradients(*returning[position])
+                if position in gathering:
+                    stage, step = gathering[position]
+                    self.rings.gather(self.weights[stage], stage, step)
                 self._record(action, start, waited)
             if self.deferring:
                 self._deferred_updates()
@@ -761,6 +777,8 @@ class PipelineExecutor:
             self.deferred.append(action)  # after every stage's gradient of the step: the global norm
         elif action.kind is Kind.UPDATE:
             self._collect_lent(action)
+            if action.stage in self.rings.stages:
+                self.rings.spread(self.weights[action.stage], action.stage, action.step)
             self._update(action, self.clip_grad_norm)
 
     def _update(self, action: Action, stage_norm: float | None, skip: bool = False) -> None:

@@ -45,7 +45,7 @@ FAMILIES: dict[str, str] = {
     "kperiodic": "1F1B with every (k+1)-th slot dropped (Beaumont et al. 2021, Thm 4)",
     "pipedream": "asynchronous 1F1B with weight stashing or vertical sync (PipeDream)",
     "2bw": "1F1B without flush, double-buffered weights (PipeDream-2BW)",
-    "cdp": "Cyclic Data Parallelism, pipeline or pyramid form (Fournier & Oyallon 2024)",
+    "cdp": "Cyclic Data Parallelism: pipeline, pyramid, single-device, dp or ZeRO form (Fournier & Oyallon 2024)",
     "zb_h1": "zero bubble with 1F1B's memory (Qi et al. 2024)",
     "ddp": "w(s,b,d) = (b, b) (Rahimi 2025)",
     "fsdp": "w(s,b,d) = (s, b) (Rahimi 2025)",
@@ -184,7 +184,8 @@ def build_schedule(
         k: for ``kperiodic``.
         rule: ``stash``/``vertical`` for ``pipedream``, ``2bw``/``stash`` for ``2bw``,
             ``cdp_v1``/``cdp_v2`` for ``cdp``.
-        form: ``pipeline`` or ``pyramid`` for ``cdp``.
+        form: ``pipeline``, ``pyramid``, ``single``, ``dp`` or ``zero`` for ``cdp``
+            (:data:`~lightning_pipe.schedule.cyclic.FORMS`).
         groups, replicas: ``G`` and ``R`` for ``lpp``/``fslpp``.
         workers: ``W`` of ``ddp``/``fsdp`` (default: one per micro-batch).
         priority, forward, backward: tie break and job durations of the greedy families

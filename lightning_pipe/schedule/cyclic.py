@@ -1,31 +1,49 @@
-"""Cyclic Data Parallelism (Fournier & Oyallon 2024, §3.2 and §4.3, Fig. 1).
+"""Cyclic Data Parallelism (Fournier & Oyallon 2024, §3.2 and §4, Fig. 1 and 2).
 
 Micro-batch ``g`` (counted over all steps) starts two time steps after micro-batch ``g - 1``: its
 forward on stage ``j`` runs at ``2g + j`` and its backward at ``2g + 2P - 1 - j``, so every stage
 alternates one forward and one backward and activation memory stays flat instead of peaking.
+The same timeline runs in five settings (``form``):
 
-- ``form="pipeline"``: one worker per stage (the PP form of CDP, Fig. 2c-iii), which is 1F1B
-  without flush;
-- ``form="pyramid"``: model parallelism where a worker holds one micro-batch's activations at a time;
+- ``"pipeline"``: one worker per stage (the PP form, Fig. 2c-iii), which is 1F1B without flush;
+- ``"pyramid"``: model parallelism where a worker holds one micro-batch's activations at a time;
   stage ``j`` needs ``P - j`` workers shared round robin by the micro-batches, ``P(P+1)/2`` in all
-  (Fig. 2c-ii); the workers of a stage all hold its weights and reduce its gradients.
+  (Fig. 2c-ii); the workers of a stage all hold its weights and all-reduce its gradients;
+- ``"single"``: one device runs every micro-batch of the timeline in its time order (§4.1, Fig.
+  2a-ii): about ``(N+1)/2`` micro-batches' activations alive instead of ``N``;
+- ``"dp"``: ``N`` workers, each a full replica computing its own micro-batch of every step (§4.2, Fig.
+  2b-ii). A stage's gradient is reduced point to point during the step (a :class:`Ring`): each worker
+  adds its gradient to the partial sum of the previous one and passes it on as soon as its backward
+  of the stage is done; the last one holds the sum and passes it to the others in the order they
+  next compute the stage, each applying the update just before that;
+- ``"zero"``: as ``"dp"``, but each stage's parameters, gradient and optimizer state live on one
+  worker at a time (§4.4, Fig. 2d-ii): :mod:`lightning_pipe.schedule.cyclic_zero`.
 
 The update rules are CDP-v1 (``θ_{t-1}`` everywhere, = 2BW) and CDP-v2 (stage ``j`` of micro-batch
-``i`` uses ``θ_t`` when ``i + j >= P - 1``, which the timeline has just produced). Each worker
-updates a stage right after the step's last gradient of it.
+``i`` uses ``θ_t`` when ``i + j >= P - 1``, which the timeline has just produced).
 """
 
 from __future__ import annotations
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.schedule.ir import Action, Kind, Schedule
+from lightning_pipe.schedule.ir import Action, Kind, Ring, Schedule
 from lightning_pipe.schedule.pipeline import check_sizes
+from lightning_pipe.schedule.versions import formula_version
 
-__all__ = ["cdp"]
+__all__ = ["FORMS", "cdp"]
+
+FORMS: dict[str, str] = {
+    "pipeline": "one worker per stage (Fig. 2c-iii)",
+    "pyramid": "P - j workers for stage j, P(P+1)/2 in all (Fig. 2c-ii)",
+    "single": "every micro-batch on one device (§4.1, Fig. 2a-ii)",
+    "dp": "one full replica per micro-batch, gradients reduced along a ring (§4.2, Fig. 2b-ii)",
+    "zero": "one replica per micro-batch, each stage's state on one worker at a time (§4.4, Fig. 2d-ii)",
+}
 
 
 def _timed(stages: int, microbatches: int, steps: int) -> list[tuple[float, Action]]:
-    """Every action with its time step in the cyclic timeline, updates included."""
+    """Every action with its time step in the cyclic timeline, updates included (each stage's
+    right after the step's last gradient of it)."""
     timed = []
     for t in range(steps):
         for i in range(microbatches):
@@ -39,11 +57,80 @@ def _timed(stages: int, microbatches: int, steps: int) -> list[tuple[float, Acti
     return timed
 
 
+def _in_time_order(timed: list[tuple[float, Action]]) -> list[Action]:
+    """Actions by time step; at the same time step backwards first (they free activations)."""
+    return [a for _, a in sorted(timed, key=lambda e: (e[0], e[1].kind is not Kind.B, e[1].stage))]
+
+
+def _model_parallel_orders(
+    stages: int, microbatches: int, steps: int, form: str
+) -> tuple[list[list[Action]], list[range]]:
+    """The pipeline, pyramid and single forms: stage ``j`` on ``width[j]`` workers from ``first[j]``,
+    its micro-batches dealt round robin, each worker updating its stages right after the step's last
+    gradient."""
+    width = [stages - j if form == "pyramid" else 1 for j in range(stages)]
+    first = [0] * stages
+    if form != "single":
+        for j in range(1, stages):
+            first[j] = first[j - 1] + width[j - 1]
+    timed: list[list[tuple[float, Action]]] = [[] for _ in range(first[-1] + width[-1])]
+    for time, action in _timed(stages, microbatches, steps):
+        if action.kind is Kind.UPDATE:
+            for k in range(width[action.stage]):
+                timed[first[action.stage] + k].append((time, action))
+        else:
+            g = action.step * microbatches + action.microbatch
+            timed[first[action.stage] + g % width[action.stage]].append((time, action))
+    return [_in_time_order(order) for order in timed], [range(first[j], first[j] + width[j]) for j in range(stages)]
+
+
+def _need_time(stages: int, microbatches: int, rule: str, worker: int, stage: int) -> float:
+    """When, in the steady state, ``worker`` (micro-batch ``worker`` of every step) first computes
+    ``stage`` with the weights of step ``t``'s update, ``t`` a step far from the start."""
+    t = 4
+    for later in range(t + 1, t + 4):
+        forward = Action(Kind.F, stage, worker, later)
+        if formula_version(rule, forward, stages) >= t + 1:
+            return 2 * (later * microbatches + worker) + stage
+    raise AssertionError("every rule uses a step's weights within two steps")  # pragma: no cover
+
+
+def _data_parallel_orders(stages: int, microbatches: int, steps: int, rule: str) -> list[list[Action]]:
+    """The dp form: worker ``k`` computes micro-batch ``k`` of every step in the timeline's order and
+    updates stage ``j`` of step ``t`` just before its first action using the new weights (after its
+    last use of the weights it replaces: one version held at a time), or at its end."""
+    orders = []
+    for worker in range(microbatches):
+        timed = [(time, a) for time, a in _timed(stages, microbatches, steps) if a.microbatch == worker]
+        actions = _in_time_order(timed)
+        placed: list[Action] = []
+        pending = [Action(Kind.UPDATE, j, None, t) for t in range(steps) for j in range(stages)]
+        for action in actions:
+            version = formula_version(rule, action, stages)
+            due = [u for u in pending if u.stage == action.stage and u.step < version]
+            placed += due
+            pending = [u for u in pending if u not in due]
+            placed.append(action)
+        orders.append(placed + pending)
+    return orders
+
+
+def _rings(stages: int, microbatches: int, rule: str) -> list[Ring]:
+    """Each stage's ring in the dp form: gathered in micro-batch order (the reducer is the worker of
+    the step's last micro-batch), spread in the order the workers next compute the stage."""
+    reducer = microbatches - 1
+    rings = []
+    for stage in range(stages):
+        others = sorted(range(reducer), key=lambda k: _need_time(stages, microbatches, rule, k, stage))
+        rings.append(Ring(gather=tuple(range(microbatches)), spread=tuple(others)))
+    return rings
+
+
 def cdp(stages: int, microbatches: int, steps: int = 2, *, form: str = "pipeline", rule: str = "cdp_v2") -> Schedule:
-    """Cyclic Data Parallelism in its pipeline or pyramid form."""
+    """Cyclic Data Parallelism in one of its :data:`FORMS`."""
     check_sizes("cdp", stages, microbatches, steps)
-    if form not in ("pipeline", "pyramid"):
-        raise PlanningError(f"cdp: form must be 'pipeline' or 'pyramid', got {form!r}")
+    if form not in FORMS:
+        raise PlanningError(f"cdp: form must be one of {', '.join(map(repr, FORMS))}; got {form!r}")
     if rule not in ("cdp_v1", "cdp_v2"):
         raise PlanningError(f"cdp: rule must be 'cdp_v1' or 'cdp_v2', got {rule!r}")
     if microbatches < stages - 1:
@@ -51,27 +138,32 @@ def cdp(stages: int, microbatches: int, steps: int = 2, *, form: str = "pipeline
             f"cdp: {microbatches} micro-batches per step cannot keep a delay of one step on {stages} stages: the "
             f"first stage would need θ_(t-1) before it exists; use m >= P - 1 = {stages - 1} (the paper uses m = P)"
         )
-    first = [0] * stages
-    for j in range(1, stages):
-        first[j] = first[j - 1] + (1 if form == "pipeline" else stages - j + 1)
-    width = [1 if form == "pipeline" else stages - j for j in range(stages)]
-    workers = first[-1] + width[-1]
-    orders: list[list[tuple[float, Action]]] = [[] for _ in range(workers)]
-    for time, action in _timed(stages, microbatches, steps):
-        if action.kind is Kind.UPDATE:
-            for k in range(width[action.stage]):
-                orders[first[action.stage] + k].append((time, action))
-        else:
-            g = action.step * microbatches + action.microbatch
-            orders[first[action.stage] + g % width[action.stage]].append((time, action))
+    if form in ("dp", "zero") and microbatches < stages:
+        raise PlanningError(
+            f"cdp: the {form} form computes micro-batch k of every step on worker k; with {stages} stages and "
+            f"{microbatches} micro-batches a worker's consecutive micro-batches would overlap: use microbatches >= "
+            f"stages (the paper: N = P), or fewer stages"
+        )
+    if form == "zero":
+        from lightning_pipe.schedule.cyclic_zero import cdp_zero
+
+        return cdp_zero(stages, microbatches, steps, rule=rule)
+    rings: list[Ring] = []
+    if form == "dp":
+        orders = _data_parallel_orders(stages, microbatches, steps, rule)
+        owners = [range(microbatches)] * stages
+        rings = _rings(stages, microbatches, rule)
+    else:
+        orders, owners = _model_parallel_orders(stages, microbatches, steps, form)
     return Schedule(
         family="cdp",
         stages=stages,
         microbatches=microbatches,
         steps=steps,
-        orders=[[a for _, a in sorted(order, key=lambda e: e[0])] for order in orders],
-        owners=[range(first[j], first[j] + width[j]) for j in range(stages)],
+        orders=orders,
+        owners=owners,
         rule=rule,
         flush=False,
+        rings=rings,
         params={"form": form},
     )

@@ -9,6 +9,10 @@ Nodes are the actions of all workers. Edges:
 - weights: an action using version ``v >= 1`` of stage ``s`` after the ``UPDATE`` of step ``v - 1``
   of that stage; an ``UPDATE`` of step ``t`` after every backward of step ``t`` of that stage, and,
   when replicas update together (a collective reduce), after every other replica reached its update;
+- rings (:class:`~lightning_pipe.schedule.ir.Ring`, CDP's dp form): a worker's last gradient of a stage
+  and step after the previous owner's (the partial sum), an update after the update of the owner
+  passing it the sum, or after the reducer's last gradient (instead of after every replica's
+  gradients);
 - transfers, when the schedule spells them out: ``RECV`` after its ``SEND``.
 
 A data edge between two workers is a transfer (implicit unless spelled out); the simulator prices
@@ -210,6 +214,44 @@ def _received(schedule: Schedule, index: _Index, worker: int, action: Action, de
     return index.where.get((kinds[1], action.stage, action.microbatch, action.step, worker), dep)
 
 
+def _last_gradient(index: _Index, stage: int, step: int, worker: int) -> Node | None:
+    """The node of ``worker``'s last gradient action of ``stage`` in ``step``."""
+    nodes = [node for node in index.gradients.get((stage, step), ()) if node[0] == worker]
+    return max(nodes, default=None)
+
+
+def _ring_gather(schedule: Schedule, index: _Index, node: Node, action: Action) -> list[tuple[Node, str]]:
+    """A worker's last gradient of a stage and step takes the partial sum its ring's previous owner
+    passed on after its own last gradient (:class:`~lightning_pipe.schedule.ir.Ring`)."""
+    worker = node[0]
+    if _last_gradient(index, action.stage, action.step, worker) != node:
+        return []
+    previous = schedule.rings[action.stage].gathered_from(worker)
+    if previous is None:
+        return []
+    dep = _last_gradient(index, action.stage, action.step, previous)
+    if dep is None:
+        raise PlanningError(f"{_where(schedule, node, action)}: ring owner {previous} computes no gradient of it")
+    return [(dep, "ring")]
+
+
+def _ring_update(schedule: Schedule, index: _Index, worker: int, action: Action) -> list[tuple[Node, str]]:
+    """An update on a ring: after the worker's own gradients of the step (the reducer's sum includes
+    every owner's, passed along the ring) and the update of the owner that passes it the sum (the
+    reducer passes it after its last gradient)."""
+    edges = [(dep, "grad") for dep in index.gradients.get((action.stage, action.step), ()) if dep[0] == worker]
+    ring = schedule.rings[action.stage]
+    previous = ring.spread_from(worker)
+    if previous == ring.reducer:  # it passes the sum on as soon as it has it
+        edges.append((_last_gradient(index, action.stage, action.step, previous), "ring"))
+    elif previous is not None:
+        dep = index.where.get((Kind.UPDATE, action.stage, None, action.step, previous))
+        if dep is None:
+            raise PlanningError(f"{schedule.family}: ring owner {previous} has no {action}")
+        edges.append((dep, "ring"))
+    return edges
+
+
 def build_graph(schedule: Schedule) -> Graph:
     """Index the actions and derive every dependency; raises a PlanningError for an action that
     appears twice or a dependency that never happens. Dependencies already implied by the worker's
@@ -233,6 +275,10 @@ def build_graph(schedule: Schedule) -> Graph:
                     edges.append((_received(schedule, index, worker, action, dep), "act"))
                 if action.version:
                     edges.append((_weight_producer(schedule, index, node, action), "weight"))
+                if schedule.rings and kind in (Kind.B, Kind.W):
+                    edges += _ring_gather(schedule, index, node, action)
+            elif kind is Kind.UPDATE and schedule.rings:
+                edges += _ring_update(schedule, index, worker, action)
             elif kind is Kind.UPDATE:
                 edges += [(dep, "grad") for dep in index.gradients.get((action.stage, action.step), ())]
                 # replicas reduce together: none finishes before every other one has reached its update

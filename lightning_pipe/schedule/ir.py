@@ -23,7 +23,7 @@ from enum import Enum
 
 from lightning_pipe.errors import PlanningError
 
-__all__ = ["COMPUTE", "Action", "Kind", "Schedule"]
+__all__ = ["COMPUTE", "Action", "Kind", "Ring", "Schedule"]
 
 
 class Kind(str, Enum):
@@ -133,6 +133,54 @@ def _parse_torch(text: str | None) -> list[Action]:
 
 
 @dataclass(frozen=True)
+class Ring:
+    """How the owners of one stage reduce its gradient point to point instead of all-reducing it at
+    the update (Cyclic Data Parallelism, Fournier & Oyallon 2024, §4.2).
+
+    Attributes:
+        gather: the owners in the order they add their gradient of a step: after its last gradient
+            of the step, ``gather[i]`` takes the partial sum from ``gather[i - 1]``, adds its own and
+            passes it to ``gather[i + 1]``; the last one (the *reducer*) then holds the step's sum.
+        spread: the other owners in the order the sum reaches them: the reducer passes it to
+            ``spread[0]`` as soon as it has it; at its update of the step each takes it from the
+            previous one and passes it on.
+    """
+
+    gather: tuple[int, ...]
+    spread: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gather", tuple(self.gather))
+        object.__setattr__(self, "spread", tuple(self.spread))
+
+    @property
+    def reducer(self) -> int:
+        return self.gather[-1]
+
+    def gathered_from(self, worker: int) -> int | None:
+        """The owner ``worker`` takes the partial sum from (``None``: it starts the sum)."""
+        i = self.gather.index(worker)
+        return self.gather[i - 1] if i else None
+
+    def gathers_to(self, worker: int) -> int | None:
+        """The owner ``worker`` passes its partial sum to (``None``: it is the reducer)."""
+        i = self.gather.index(worker)
+        return self.gather[i + 1] if i + 1 < len(self.gather) else None
+
+    def spread_from(self, worker: int) -> int | None:
+        """The owner ``worker`` takes the step's sum from (``None``: the reducer has it)."""
+        chain = (self.reducer, *self.spread)
+        i = chain.index(worker)
+        return chain[i - 1] if i else None
+
+    def spreads_to(self, worker: int) -> int | None:
+        """The owner ``worker`` passes the step's sum to at its update (``None``: the last one)."""
+        chain = (self.reducer, *self.spread)
+        i = chain.index(worker)
+        return chain[i + 1] if i + 1 < len(chain) else None
+
+
+@dataclass(frozen=True)
 class Schedule:
     """Per-worker action orders plus what they are about.
 
@@ -148,6 +196,8 @@ class Schedule:
         rule: the update rule the versions follow (``sync``, ``stash``, ``vertical``, ``2bw``,
             ``cdp_v1``, ``cdp_v2``).
         flush: whether consecutive steps are separated by a pipeline flush.
+        rings: per stage, how its owners reduce its gradient point to point (:class:`Ring`); empty:
+            a stage's owners all-reduce it at their update.
         params: the generator's parameters, for the record.
     """
 
@@ -159,11 +209,23 @@ class Schedule:
     owners: tuple[tuple[int, ...], ...]
     rule: str = "sync"
     flush: bool = True
+    rings: tuple[Ring, ...] = ()
     params: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "orders", tuple(tuple(order) for order in self.orders))
         object.__setattr__(self, "owners", tuple(tuple(workers) for workers in self.owners))
+        object.__setattr__(self, "rings", tuple(self.rings))
+        if self.rings and len(self.rings) != self.stages:
+            raise PlanningError(f"{self.family}: {len(self.rings)} rings for {self.stages} stages")
+        for stage, ring in enumerate(self.rings):
+            if sorted(ring.gather) != sorted(self.owners[stage]) or sorted((ring.reducer, *ring.spread)) != sorted(
+                self.owners[stage]
+            ):
+                raise PlanningError(
+                    f"{self.family}: stage {stage}'s ring {ring} must gather and spread over its owners "
+                    f"{list(self.owners[stage])}, each once"
+                )
 
     @property
     def workers(self) -> int:
@@ -195,6 +257,7 @@ class Schedule:
             "flush": self.flush,
             "params": dict(self.params),
             "owners": [list(o) for o in self.owners],
+            **({"rings": [[list(r.gather), list(r.spread)] for r in self.rings]} if self.rings else {}),
             "orders": [[a.to_dict() for a in order] for order in self.orders],
         }
 
@@ -212,6 +275,7 @@ class Schedule:
                 owners=tuple(tuple(int(w) for w in owner) for owner in document["owners"]),
                 rule=str(document.get("rule", "sync")),
                 flush=bool(document.get("flush", True)),
+                rings=tuple(Ring(*ring) for ring in document.get("rings") or ()),
                 params=dict(document.get("params") or {}),
             )
         except (KeyError, TypeError, ValueError) as error:

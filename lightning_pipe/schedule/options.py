@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.schedule import FAMILIES, check_rule, make_schedule
+from lightning_pipe.schedule.cyclic import FORMS
 from lightning_pipe.schedule.ir import Schedule
 
 __all__ = ["PLACED_FAMILIES", "ScheduleOptions"]
@@ -31,7 +32,9 @@ class ScheduleOptions:
             ``cdp_v1``/``cdp_v2``); ``None``: the family's own.
         slack: extra warm-up forwards per link (``1f1b``, ``pipedream``, ``2bw``).
         virtual_stages: stages per worker (``interleaved``, ``looped_bfs``).
-        form: ``pipeline`` or ``pyramid`` (``cdp``).
+        form: ``cdp``'s setting: ``pipeline``, ``pyramid``, ``single`` (one device), ``dp`` (a
+            replica per worker, gradients reduced along a ring) or ``zero`` (each stage's state on one
+            worker at a time); :data:`~lightning_pipe.schedule.cyclic.FORMS`.
         period: ``T`` of ``1f1b_star``; k: of ``kperiodic``.
         groups, replicas, priority: of the master-schedule families (``lpp``, ``fslpp``, ...);
             ``replicas`` (workers per group) ``None``: the workers divided by ``groups``
@@ -59,6 +62,10 @@ class ScheduleOptions:
         check_whole("microbatches", self.microbatches, 1, optional=True)
         check_whole("slack", self.slack, 0)
         check_whole("virtual_stages", self.virtual_stages, 1)
+        if self.form not in FORMS:
+            raise PlanningError(
+                f"form must be one of {', '.join(map(repr, FORMS))} (cdp's settings); got {self.form!r}"
+            )
         check_whole("groups", self.groups, 1)
         check_whole("replicas", self.replicas, 1, optional=True)
         check_whole("workers", self.workers, 1, optional=True)
@@ -66,6 +73,11 @@ class ScheduleOptions:
     def on_workers(self, workers: int) -> ScheduleOptions:
         """These options with what follows from running on ``workers`` workers: ``W`` for ``ddp`` and
         ``fsdp``, ``R = W / G`` for ``lpp`` and ``fslpp``."""
+        if self.family == "cdp" and self.form in ("dp", "zero") and self.microbatches not in (None, workers):
+            raise PlanningError(
+                f"cdp's {self.form} form computes one micro-batch per worker and step: microbatches must be the "
+                f"{workers} workers, not {self.microbatches}"
+            )
         if self.family in ("ddp", "fsdp"):
             return replace(self, workers=workers)
         if self.family not in ("lpp", "fslpp"):
@@ -79,9 +91,28 @@ class ScheduleOptions:
             )
         return replace(self, replicas=replicas)
 
+    @property
+    def any_stage_count(self) -> bool:
+        """Whether the stage count is free of the workers: Rahimi's families, and CDP in its
+        single-device, dp and ZeRO forms (the stages the rule sees)."""
+        return self.family in PLACED_FAMILIES or (self.family == "cdp" and self.form in ("single", "dp", "zero"))
+
+    @property
+    def one_device(self) -> bool:
+        """CDP's single-device form: one worker, whatever the stages."""
+        return self.family == "cdp" and self.form == "single"
+
     def stages_for(self, workers: int) -> int:
         """The stage count that puts this family on ``workers`` workers, when it follows from them
-        (Rahimi's families: one stage per worker, by default)."""
+        (Rahimi's families and CDP's dp forms: one stage per worker, by default; CDP on one device:
+        one per micro-batch, the paper's ``N = P``)."""
+        if self.one_device:
+            if self.microbatches is None:
+                raise PlanningError(
+                    "cdp's single form runs every stage on one device: give stages= (the stages the rule sees, P) or "
+                    "microbatches= (N; P = N by default)"
+                )
+            return self.microbatches
         if self.family in ("interleaved", "looped_bfs"):
             return workers * self.virtual_stages
         if self.family == "cdp" and self.form == "pyramid":
@@ -95,9 +126,11 @@ class ScheduleOptions:
         return workers
 
     def workers_for(self, stages: int) -> int | None:
-        """The workers one pipeline of ``stages`` stages of this family runs on (``None``: any number,
-        Rahimi's families placing stages by ``w(s, b, d)``)."""
-        if self.family in PLACED_FAMILIES:
+        """The workers one pipeline of ``stages`` stages of this family runs on (``None``: any number:
+        Rahimi's families placing stages by ``w(s, b, d)``, CDP's dp forms)."""
+        if self.one_device:
+            return 1
+        if self.any_stage_count:
             return None
         if self.family in ("interleaved", "looped_bfs"):
             if stages % self.virtual_stages:

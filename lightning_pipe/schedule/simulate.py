@@ -262,7 +262,7 @@ _CATEGORIES = ("activation", "gradient", "reduce", "weight")
 
 def _category(action: Action, label: str) -> str:
     """What a cross-worker edge carries: activation, gradient, reduce (gradients to an update) or weight."""
-    if label == "grad":
+    if label in ("grad", "ring"):  # to an update, or a partial or whole sum passed along a ring
         return "reduce"
     if action.kind in (Kind.F, Kind.RECV_F):
         return "activation"
@@ -357,7 +357,7 @@ class _Replay:
         self.received[category][worker] += nbytes
         self.count[category][worker] += 1
         # an early input gradient leaves before the weight gradients are computed; a reduce carries those
-        sent = self.left[dep] if dep in self.early and label != "grad" else self.end[dep]
+        sent = self.left[dep] if dep in self.early and label not in ("grad", "ring") else self.end[dep]
         return sent + self.costs.transfer(nbytes)
 
     def input_grad_seconds(self, node: Node) -> float:
@@ -366,7 +366,7 @@ class _Replay:
 
     def has_left(self, dep: Node, label: str) -> bool:
         """Whether what ``dep`` sends along an edge labelled ``label`` has left it."""
-        return dep in self.end or (label != "grad" and dep in self.left)
+        return dep in self.end or (label not in ("grad", "ring") and dep in self.left)
 
     def fetch(self, worker: int, action: Action, ready: float) -> float:
         """Weights of a stage this worker does not own: fetched (prefetched while its previous action

@@ -22,12 +22,14 @@ from __future__ import annotations
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 
-__all__ = ["RULES", "assign_versions"]
+__all__ = ["RULES", "assign_versions", "formula_version"]
 
 RULES = ("sync", "stash", "vertical", "2bw", "cdp_v1", "cdp_v2")
 
 
-def _formula(rule: str, action: Action, stages: int) -> int:
+def formula_version(rule: str, action: Action, stages: int) -> int:
+    """The version a compute action uses under a rule given by a formula (``sync``, ``2bw``,
+    ``cdp_v1``, ``cdp_v2``), wherever it runs."""
     t = action.step
     if rule == "sync":
         return t
@@ -66,7 +68,7 @@ def assign_versions(schedule: Schedule, rule: str) -> Schedule:
             return stashed[(action.stage, action.microbatch, action.step)]
         if rule == "vertical":
             return stashed[(0, action.microbatch, action.step)]
-        return _formula(rule, action, schedule.stages)
+        return formula_version(rule, action, schedule.stages)
 
     orders = [
         [Action(a.kind, a.stage, a.microbatch, a.step, version(a), a.peer) if a.kind in COMPUTE else a for a in order]

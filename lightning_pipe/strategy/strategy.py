@@ -82,7 +82,7 @@ from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE
-from lightning_pipe.schedule.options import PLACED_FAMILIES, ScheduleOptions
+from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
 from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.contract import Call, Entry, PipelineModel, pipeline_model
@@ -348,8 +348,8 @@ class PipelineStrategy(ParallelStrategy):
         """Copies of the pipeline (each a group of consecutive ranks)."""
         if self._data_parallel_option is not None:
             return self._data_parallel_option
-        if self._stages_option is None:
-            return 1
+        if self._stages_option is None:  # each device a copy of CDP on one device, or one pipeline
+            return self.world_size if self.schedule_options.one_device else 1
         workers = self.schedule_options.workers_for(self._stages_option)
         if workers is None:  # Rahimi's families place the stages on however many workers there are
             return 1
@@ -437,7 +437,7 @@ class PipelineStrategy(ParallelStrategy):
         if self._stages_option is not None:
             return self._stages_option
         balance = self.plan_options.balance
-        if balance is not None and self.schedule_options.family in PLACED_FAMILIES:  # any count: the split says
+        if balance is not None and self.schedule_options.any_stage_count:  # the split says how many
             return len(balance)
         return self.schedule_options.stages_for(self.workers)
 
@@ -448,7 +448,12 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def microbatches(self) -> int:
-        return self.schedule_options.microbatches or self.schedule_options.stages_for(self.workers)
+        """Micro-batches per batch: as given, else one per stage on one device (CDP's single form),
+        else what the family puts on the workers (one per stage, or one per worker)."""
+        options = self.schedule_options
+        if options.microbatches is not None:
+            return options.microbatches
+        return self.stages if options.one_device else options.stages_for(self.workers)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
