@@ -125,9 +125,16 @@ def test_to_dict_reports_every_field_of_the_hand_worked_gpipe() -> None:
             "gradient": [8.0, 0.0],
             "reduce": [0.0, 0.0],
             "weight": [0.0, 0.0],
+            "cue": [0.0, 0.0],
         },
-        "sent_bytes": {"activation": [8.0, 0.0], "gradient": [0.0, 8.0], "reduce": [0.0, 0.0], "weight": [0.0, 0.0]},
-        "transfers": {"activation": [0, 1], "gradient": [1, 0], "reduce": [0, 0], "weight": [0, 0]},
+        "sent_bytes": {
+            "activation": [8.0, 0.0],
+            "gradient": [0.0, 8.0],
+            "reduce": [0.0, 0.0],
+            "weight": [0.0, 0.0],
+            "cue": [0.0, 0.0],
+        },
+        "transfers": {"activation": [0, 1], "gradient": [1, 0], "reduce": [0, 0], "weight": [0, 0], "cue": [0, 0]},
     }
 
 

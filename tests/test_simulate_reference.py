@@ -28,8 +28,8 @@ from lightning_pipe.schedule.graph import build_graph
 from lightning_pipe.schedule.lower import with_transfers
 from tests.reference import hand_schedule
 
-CATEGORIES = ("activation", "gradient", "reduce", "weight")
-CROSS_LABELS = ("act", "grad", "msg")  # edges that move data between workers; "weight"/"sync" do not
+CATEGORIES = ("activation", "gradient", "reduce", "weight", "cue")
+CROSS_LABELS = ("act", "grad", "msg", "ring", "cue")  # edges that move data between workers; "weight"/"sync" do not
 
 
 def duration(costs: StageCosts, action: Action, adds: bool = False) -> float:
@@ -67,8 +67,11 @@ def per_stage(values: object, stage: int) -> float:
 def message(costs: StageCosts, receiver: Action, label: str) -> tuple[str, float]:
     """Category and bytes of a message received by ``receiver``: gradients to an UPDATE are a reduce
     of the stage's weights; a forward (or its RECV) takes the previous stage's output; anything else
-    takes a gradient the size of its own stage's output."""
-    if label == "grad":
+    takes a gradient the size of its own stage's output; a partial or whole sum passed along a ring
+    is a reduce too; a cue carries nothing."""
+    if label == "cue":
+        return "cue", 0.0
+    if label in ("grad", "ring"):
         return "reduce", per_stage(costs.weight_bytes, receiver.stage)
     if receiver.kind in (Kind.F, Kind.RECV_F):
         return "activation", per_stage(costs.activation_bytes, receiver.stage - 1)
@@ -181,9 +184,9 @@ def reference_replay(
                 ref.sent[category][dep[0]] += nbytes
                 ref.received[category][worker] += nbytes
                 ref.transfers[category][worker] += 1
-                if dep in early and label != "grad" and leaves is not None:
+                if dep in early and label not in ("grad", "ring") and leaves is not None:
                     leaves_at = leaves[dep]
-                elif dep in early and label != "grad":  # only the input gradient leaves early
+                elif dep in early and label not in ("grad", "ring"):  # only the input gradient leaves early
                     producer = orders[dep[0]][dep[1]]
                     leaves_at = ref.start[dep] + duration(costs, Action(Kind.I, producer.stage))
                 else:
@@ -407,6 +410,25 @@ def test_simulate_equals_the_reference_replay(
         schedule = with_transfers(schedule)
     costs = data.draw(stage_costs(stages))
     assert_matches(schedule, costs, early_gradients)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    form=st.sampled_from(["pyramid", "single", "dp"]),
+    rule=st.sampled_from(["cdp_v1", "cdp_v2"]),
+    stages=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    steps=st.integers(1, 3),
+    data=st.data(),
+)
+def test_cdp_forms_simulate_as_the_reference_replay(
+    form: str, rule: str, stages: int, extra: int, steps: int, data: st.DataObject
+) -> None:
+    """CDP's pyramid, single-device and dp forms: the dp form's partial and whole sums along its rings
+    (reduce traffic, one message per link) and its cues (no bytes, one message) are priced as the
+    reference prices them."""
+    schedule = make_schedule("cdp", stages, stages + extra, steps, form=form, rule=rule)
+    assert_matches(schedule, data.draw(stage_costs(stages)), early_gradients=False)
 
 
 def _replicated_owner_with_a_fetcher() -> Schedule:

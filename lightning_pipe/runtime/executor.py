@@ -425,6 +425,8 @@ class PipelineExecutor:
                     stage, step = returns[position]
                     self._lent[(stage, step, peer)] = (sender, self.transport.expect(sender, ("G", stage, 0)))
                 self.rings.expect(peer, action, gathers.get(position))
+                if action.kind is Kind.SIGNAL and action.peer == self.rank:
+                    self.expected[action.key] = (sender, self.transport.expect(sender, "cue"))
 
     def _lend(self, peers: Callable[[int], list[Action]]) -> None:
         """Send the live weights of each stage this worker lends to the workers computing it in this call."""
@@ -772,6 +774,10 @@ class PipelineExecutor:
             self._backward(action, weights_too=action.kind is Kind.B, early=early)
         elif action.kind is Kind.W:
             self._weight_gradient(action)
+        elif action.kind is Kind.SIGNAL:  # a cue: this worker has come this far
+            self.transport.send(self.ranks[action.peer], [], "cue")
+        elif action.kind is Kind.WAIT:
+            self.transport.receive(*self.expected.pop(replace(action, kind=Kind.SIGNAL).key))
         elif action.kind is Kind.UPDATE and self.deferring:
             self._collect_lent(action)
             self.deferred.append(action)  # after every stage's gradient of the step: the global norm

@@ -11,11 +11,12 @@ The same timeline runs in five settings (``form``):
   (Fig. 2c-ii); the workers of a stage all hold its weights and all-reduce its gradients;
 - ``"single"``: one device runs every micro-batch of the timeline in its time order (§4.1, Fig.
   2a-ii): about ``(N+1)/2`` micro-batches' activations alive instead of ``N``;
-- ``"dp"``: ``N`` workers, each a full replica computing its own micro-batch of every step (§4.2, Fig.
-  2b-ii). A stage's gradient is reduced point to point during the step (a :class:`Ring`): each worker
-  adds its gradient to the partial sum of the previous one and passes it on as soon as its backward
-  of the stage is done; the last one holds the sum and passes it to the others in the order they
-  next compute the stage, each applying the update just before that;
+- ``"dp"``: ``N`` workers, each a full replica computing its own micro-batch of every step, started
+  two time steps after the previous one (a cue: ``SIGNAL``/``WAIT``) (§4.2, Fig. 2b-ii). A stage's
+  gradient is reduced point to point during the step (a :class:`Ring`): each worker adds its gradient
+  to the partial sum of the previous one and passes it on as soon as its backward of the stage is
+  done; the last one holds the sum and passes it to the others in the order they next compute the
+  stage, each applying the update just before that;
 - ``"zero"``: as ``"dp"``, but each stage's parameters, gradient and optimizer state live on one
   worker at a time (§4.4, Fig. 2d-ii): :mod:`lightning_pipe.schedule.cyclic_zero`.
 
@@ -95,17 +96,37 @@ def _need_time(stages: int, microbatches: int, rule: str, worker: int, stage: in
     raise AssertionError("every rule uses a step's weights within two steps")  # pragma: no cover
 
 
+def _cues(stages: int, microbatches: int, steps: int) -> list[tuple[int, float, Action]]:
+    """The uniform delay of the dp form as cues ``(worker, time, action)``: micro-batch ``g`` starts
+    once the worker of micro-batch ``g - 1`` has done its action of time step ``2g - 1`` (its second
+    forward, or its backward on one stage), two time steps after it started."""
+    cues = []
+    for g in range(1, steps * microbatches):
+        step, worker = divmod(g, microbatches)
+        previous = (worker - 1) % microbatches
+        key = (0, worker, step)
+        cues.append((previous, 2 * g - 0.1, Action(Kind.SIGNAL, *key, peer=worker)))
+        cues.append((worker, 2 * g - 0.05, Action(Kind.WAIT, *key, peer=previous)))
+    return cues
+
+
 def _data_parallel_orders(stages: int, microbatches: int, steps: int, rule: str) -> list[list[Action]]:
-    """The dp form: worker ``k`` computes micro-batch ``k`` of every step in the timeline's order and
+    """The dp form: worker ``k`` computes micro-batch ``k`` of every step in the timeline's order,
+    waiting for the previous worker's cue before each of its micro-batches (:func:`_cues`), and
     updates stage ``j`` of step ``t`` just before its first action using the new weights (after its
     last use of the weights it replaces: one version held at a time), or at its end."""
     orders = []
+    cues = _cues(stages, microbatches, steps)
     for worker in range(microbatches):
         timed = [(time, a) for time, a in _timed(stages, microbatches, steps) if a.microbatch == worker]
+        timed += [(time, a) for w, time, a in cues if w == worker]
         actions = _in_time_order(timed)
         placed: list[Action] = []
         pending = [Action(Kind.UPDATE, j, None, t) for t in range(steps) for j in range(stages)]
         for action in actions:
+            if action.kind not in (Kind.F, Kind.B):
+                placed.append(action)
+                continue
             version = formula_version(rule, action, stages)
             due = [u for u in pending if u.stage == action.stage and u.step < version]
             placed += due

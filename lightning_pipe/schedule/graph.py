@@ -13,7 +13,8 @@ Nodes are the actions of all workers. Edges:
   and step after the previous owner's (the partial sum), an update after the update of the owner
   passing it the sum, or after the reducer's last gradient (instead of after every replica's
   gradients);
-- transfers, when the schedule spells them out: ``RECV`` after its ``SEND``.
+- transfers, when the schedule spells them out: ``RECV`` after its ``SEND``; cues: ``WAIT`` after
+  its peer's ``SIGNAL``.
 
 A data edge between two workers is a transfer (implicit unless spelled out); the simulator prices
 it. Sends never block (``isend``), receives do, so the schedule deadlocks exactly when this graph
@@ -37,7 +38,7 @@ _Key = tuple
 """Identity of an action: ``(kind, stage, microbatch, step)`` for compute, plus the worker for
 per-worker actions (updates, transfers)."""
 
-_PER_WORKER = frozenset({Kind.UPDATE, Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B})
+_PER_WORKER = frozenset({Kind.UPDATE, Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B, Kind.SIGNAL, Kind.WAIT})
 
 
 def _identity(worker: int, action: Action) -> _Key:
@@ -194,6 +195,14 @@ def _sender(schedule: Schedule, index: _Index, node: Node, action: Action) -> No
     return dep
 
 
+def _signal(schedule: Schedule, index: _Index, node: Node, action: Action) -> Node:
+    """The ``SIGNAL`` a ``WAIT`` waits for: its peer's, of the same stage, micro-batch and step."""
+    dep = None if action.peer is None else index.where.get((Kind.SIGNAL, *action.key[1:], action.peer))
+    if dep is None:
+        raise PlanningError(f"{_where(schedule, node, action)} has no matching SIGNAL on worker {action.peer}")
+    return dep
+
+
 def message_kinds(action: Action, producer: Action) -> tuple[Kind, Kind] | None:
     """``(send kind, receive kind)`` of the message carrying the data ``action`` takes from ``producer``
     when they run on different workers (an activation or a gradient), else ``None``."""
@@ -289,6 +298,8 @@ def build_graph(schedule: Schedule) -> Graph:
                 ]
             elif kind is Kind.RECV_F or kind is Kind.RECV_B:
                 edges.append((_sender(schedule, index, node, action), "msg"))
+            elif kind is Kind.WAIT:
+                edges.append((_signal(schedule, index, node, action), "cue"))
             edges = [(dep, label) for dep, label in edges if dep[0] != worker or dep[1] > position]
             if edges:
                 deps[node] = [dep for dep, _ in edges]

@@ -5,7 +5,9 @@ them all (DESIGN.md). An :class:`Action` is a forward ``F``, a full backward ``B
 of a split backward (zero bubble: ``I`` for the input gradient, ``W`` for the weight gradient) of a
 (stage, micro-batch, step), with the weight version it computes with; or an ``UPDATE`` (optimizer step)
 of a stage; or a transfer: ``SEND_F``/``RECV_F`` (activation), ``SEND_B``/``RECV_B`` (gradient),
-``FETCH`` (weights of a stage from the worker that owns them).
+``FETCH`` (weights of a stage from the worker that owns them); or a cue: ``SIGNAL`` tells worker
+``peer`` that this worker has come this far, ``WAIT`` holds this worker until worker ``peer``'s
+``SIGNAL`` of the same (stage, micro-batch, step) (CDP's uniform delay between replicas).
 
 Weight versions count optimizer steps: version ``v`` of a stage is its weights after ``v`` updates;
 the update of step ``t`` produces version ``t + 1``.
@@ -39,6 +41,8 @@ class Kind(str, Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
     FETCH = "FETCH"
+    SIGNAL = "SIGNAL"
+    WAIT = "WAIT"
 
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})

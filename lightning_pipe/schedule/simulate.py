@@ -257,11 +257,14 @@ class Simulation:
         }
 
 
-_CATEGORIES = ("activation", "gradient", "reduce", "weight")
+_CATEGORIES = ("activation", "gradient", "reduce", "weight", "cue")
 
 
 def _category(action: Action, label: str) -> str:
-    """What a cross-worker edge carries: activation, gradient, reduce (gradients to an update) or weight."""
+    """What a cross-worker edge carries: activation, gradient, reduce (gradients to an update), weight
+    or cue (nothing: a worker telling another it has come this far)."""
+    if label == "cue":
+        return "cue"
     if label in ("grad", "ring"):  # to an update, or a partial or whole sum passed along a ring
         return "reduce"
     if action.kind in (Kind.F, Kind.RECV_F):
@@ -270,6 +273,8 @@ def _category(action: Action, label: str) -> str:
 
 
 def _edge_bytes(costs: StageCosts, action: Action, dep: Action, category: str) -> float:
+    if category == "cue":
+        return 0.0
     if category == "reduce":
         return costs._bytes("weight_bytes", action.stage)
     if category == "activation":
