@@ -9,19 +9,31 @@ materialised) a storage is told by the tensor it views.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 
-__all__ = ["saved_bytes"]
+__all__ = ["Saved", "saved_bytes"]
+
+
+class Saved:
+    """What a block saved: :attr:`storages` (storage key -> bytes); calling it gives their sum."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+
+    def __call__(self) -> int:
+        return sum(self.storages.values())
 
 
 @contextmanager
-def saved_bytes(excluded: Iterable[torch.Tensor] = ()) -> Iterator[Callable[[], int]]:
-    """Within the block, count what autograd saves; the yielded function returns the bytes so far."""
+def saved_bytes(excluded: Iterable[torch.Tensor] = ()) -> Iterator[Saved]:
+    """Within the block, count what autograd saves; the yielded :class:`Saved` returns the bytes so
+    far (and which storages they are: two blocks saving views of one storage hold it once)."""
     skip = {_storage_key(t) for t in excluded}
-    storages: dict[int, int] = {}
+    saved = Saved()
+    storages = saved.storages
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
@@ -33,7 +45,7 @@ def saved_bytes(excluded: Iterable[torch.Tensor] = ()) -> Iterator[Callable[[], 
         return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield lambda: sum(storages.values())
+        yield saved
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

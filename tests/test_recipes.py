@@ -82,11 +82,23 @@ def test_cdp_memory_of_the_papers_step_model() -> None:
 
 @pytest.mark.timeout(200)
 def test_cdp_memory_smoke(tmp_path: Path) -> None:
-    """The memory recipe at its smoke size: a table row per model and N, CDP below DP, the plot."""
+    """The memory recipe at its smoke size: a measured row per model and setting (on one device, the
+    runtime's ratio near the simulator's), an extrapolated row per model and N (CDP below DP), the
+    plot."""
     _recipe("cdp_memory").main(["--size", "smoke", "--output", str(tmp_path)])
-    rows = [line.split("|") for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| ")]
-    assert len(rows[2:]) == 6
-    for row in rows[2:]:
+    measured, extrapolated = (
+        [line.split("|") for line in part.splitlines() if line.startswith("| ")][2:]
+        for part in (tmp_path / "table.md").read_text().split("\n\n`")
+    )
+    assert [(row[1].strip(), row[2].strip()) for row in measured] == [
+        (model, setting) for model in ("resnet18", "vit_tiny") for setting in ("one device", "processes")
+    ]
+    for row in measured:  # on one device the order, so the memory, is the schedule's; processes race
+        ratio, simulated = float(row[6]), float(row[7])
+        assert 0 < ratio < 1.05, row
+        assert row[2].strip() == "processes" or abs(ratio - simulated) < 0.1, row
+    assert len(extrapolated) == 6
+    for row in extrapolated:
         assert 0 < float(row[5]) < float(row[4]), row
     assert (tmp_path / "memory.png").stat().st_size > 0
 

@@ -19,7 +19,7 @@ import itertools
 import math
 import time
 import traceback
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -93,7 +93,7 @@ class _InFlight:
     leaves: dict[str, torch.Tensor]
     outputs: Any = None
     loss: torch.Tensor | None = None
-    saved_bytes: int = 0
+    saved: dict[int, int] = field(default_factory=dict)  # storages autograd saved (key -> bytes), when tracked
     rng: tuple[torch.Tensor, ...] | None = None
     roots: list[torch.Tensor] = field(default_factory=list)
     root_grads: list[torch.Tensor] | None = None
@@ -159,8 +159,11 @@ class PipelineExecutor:
             per stage.
         early_gradients: in the cool-down of a flushing schedule, a backward sends its input gradient
             before computing its weight gradients (:mod:`lightning_pipe.schedule.early`).
-        track_memory: count the bytes autograd saves for the micro-batches in flight
-            (:attr:`saved_bytes`, :attr:`peak_saved_bytes`; saved-tensor hooks cost a little time).
+        track_memory: count the bytes autograd saves for the micro-batches in flight, each storage
+            once however many of them save it (the micro-batches of the first stage are views of one
+            batch) (:attr:`saved_bytes`, :attr:`peak_saved_bytes`, and :attr:`memory_timeline`: the
+            count after every action, which changes only in forwards (up) and backwards (down);
+            saved-tensor hooks cost a little time).
         timeout_seconds: a single wait longer than this fails (a deadlock, or a peer that hangs).
         timeline_length: how many of the latest actions :attr:`timeline` keeps (``None``: all of them,
             which grows without bound over a long training run).
@@ -305,6 +308,9 @@ class PipelineExecutor:
         self.early_gradients = early_gradients and self.schedule.flush
         self.saved_bytes = 0
         self.peak_saved_bytes = 0
+        self._holders: Counter[int] = Counter()  # saved storage -> forwards in flight saving it
+        self._held_bytes: dict[int, int] = {}
+        self.memory_timeline: deque[tuple[float, int]] = deque(maxlen=timeline_length)  # (end, saved bytes)
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
         # (stage, entry of the program, position) -> versions used after it, less the call's shift
         self._upcoming: dict[tuple[int, int, int], frozenset[int]] = {}
@@ -745,6 +751,8 @@ class PipelineExecutor:
         gradient left and ``W`` after: what a split backward costs is then measured
         (:mod:`~lightning_pipe.runtime.calibration`), and priced by the simulator."""
         end, waits = time.perf_counter(), self.transport.waited
+        if self.track_memory:
+            self.memory_timeline.append((end - self.epoch, self.saved_bytes))
         if self._sent_early is None:
             self.timeline.append(Interval(self.rank, action, start - self.epoch, end - self.epoch, waits - waited))
             return
@@ -867,7 +875,7 @@ class PipelineExecutor:
                     with torch.no_grad():  # on a copy: a first layer working in place would change the input kept
                         state.outputs = weights.forward(state.leaves, map_tensors(torch.Tensor.clone, inputs))
                 else:
-                    state.outputs, state.saved_bytes = self._in_place_safe(
+                    state.outputs, state.saved = self._in_place_safe(
                         s, inputs, lambda x: self._forward_saving(weights, state.leaves, x)
                     )
         except Exception as error:
@@ -915,17 +923,23 @@ class PipelineExecutor:
                 output.losses[step] = sum(self.loss_parts.pop(step).values())
         return output
 
-    def _forward_saving(self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any) -> tuple[Any, int]:
-        """Forward with autograd; also the bytes it saved for backward when memory is tracked (model
-        state excluded: the parameters, and buffers such as batch norm's running statistics)."""
+    def _forward_saving(
+        self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any
+    ) -> tuple[Any, dict[int, int]]:
+        """Forward with autograd; also the storages it saved for backward when memory is tracked
+        (model state excluded: the parameters, and buffers such as batch norm's running statistics),
+        counted in :attr:`saved_bytes` until :meth:`_release`."""
         if not self.track_memory:
-            return weights.forward(leaves, inputs), 0
+            return weights.forward(leaves, inputs), {}
         with saved_bytes([*leaves.values(), *weights.module.buffers()]) as counted:
             result = weights.forward(leaves, inputs)
-            saved = counted()
-        self.saved_bytes += saved
+        for key, nbytes in counted.storages.items():
+            if not self._holders[key]:
+                self._held_bytes[key] = nbytes
+                self.saved_bytes += nbytes
+            self._holders[key] += 1
         self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
-        return result, saved
+        return result, counted.storages
 
     def _in_place_safe(self, stage: int, inputs: Any, forward: Callable[[Any], _T]) -> _T:
         """``forward(inputs)``, or ``forward`` of a copy of them for a stage whose first layer works in
@@ -970,7 +984,7 @@ class PipelineExecutor:
             torch.set_rng_state(state.rng[0])
             if accelerated:
                 torch.cuda.set_rng_state(state.rng[1], self.device)
-            state.outputs, state.saved_bytes = self._in_place_safe(
+            state.outputs, state.saved = self._in_place_safe(
                 action.stage, state.inputs, lambda x: self._forward_saving(weights, state.leaves, x)
             )
         for buffer, before in buffers:
@@ -1043,7 +1057,11 @@ class PipelineExecutor:
         """Forget a micro-batch once its last backward half ran."""
         s, t = action.stage, action.step
         state = self.in_flight.pop((s, action.microbatch, t))
-        self.saved_bytes -= state.saved_bytes
+        for key in state.saved:
+            self._holders[key] -= 1
+            if not self._holders[key]:
+                del self._holders[key]
+                self.saved_bytes -= self._held_bytes.pop(key)
         if s == self.schedule.stages - 1:
             self.targets_left[t] -= 1
             if not self.targets_left[t]:
