@@ -190,7 +190,8 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
             executor.step(inputs, targets)
         executor.drain()
         executor.close()
-        results[case["name"]] = {s: [p.detach().clone() for p in w.params] for s, w in executor.weights.items()}
+        held = {s for s in executor.weights if s not in executor.relays.stages or s in executor.relays.held}
+        results[case["name"]] = {s: [p.detach().clone() for p in executor.weights[s].params] for s in held}
         results["leading forwards"][case["name"]] = leading_forwards([i.action for i in executor.timeline])
         results["ring messages"][case["name"]] = dict(executor.rings.sent)
     return results

@@ -129,6 +129,9 @@ TWO_WORKERS = [
     # CDP's dp form: a replica per micro-batch, gradients reduced along the ring of workers
     _case("cdp-dp-v1", "cdp", 2, 2, options={"rule": "cdp_v1", "form": "dp"}),
     _case("cdp-dp-v2", "cdp", 2, 2, steps=5, options={"rule": "cdp_v2", "form": "dp"}),
+    # CDP's ZeRO form: each stage's whole state passed from worker to worker
+    _case("cdp-zero-v1", "cdp", 2, 2, options={"rule": "cdp_v1", "form": "zero"}),
+    _case("cdp-zero-v2", "cdp", 2, 2, steps=5, options={"rule": "cdp_v2", "form": "zero"}),
     # frozen parameters: never differentiated, untouched by weight decay or momentum
     _case("1f1b-frozen-first-stage", "1f1b", 2, 3, frozen=((0, "0.weight"), (0, "0.bias"))),
     _case("2bw-frozen-weight", "2bw", 2, 2, frozen=((1, "weight"),)),
@@ -183,6 +186,9 @@ FOUR_WORKERS = [
     _case("cdp-dp-v2", "cdp", 4, 4, options={"rule": "cdp_v2", "form": "dp"}),
     _case("cdp-dp-v1-adam", "cdp", 4, 4, steps=5, optimizer="adam", options={"rule": "cdp_v1", "form": "dp"}),
     _case("cdp-dp-v2-3-stages-uneven", "cdp", 3, 4, rows=11, options={"rule": "cdp_v2", "form": "dp"}),
+    _case("cdp-zero-v2", "cdp", 4, 4, options={"rule": "cdp_v2", "form": "zero"}),
+    _case("cdp-zero-v1-adam", "cdp", 4, 4, steps=5, optimizer="adam", options={"rule": "cdp_v1", "form": "zero"}),
+    _case("cdp-zero-v2-3-stages-uneven", "cdp", 3, 4, rows=11, options={"rule": "cdp_v2", "form": "zero"}),
     _case("1f1b_star", "1f1b_star", 4, 4, options={"period": 6.0}),
     _case("gpipe-uneven-all-ahead", "gpipe", 4, 3, rows=11, post_ahead_bytes=0, shared_memory_bytes=0),
     _case("interleaved-small-ring", "interleaved", 8, 4, options={"virtual_stages": 2}, shared_memory_bytes=512),

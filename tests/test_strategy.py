@@ -152,6 +152,7 @@ NONFLUSH_CASES = [
         "strategy": {"schedule": "cdp", "form": "dp", "rule": "cdp_v1", "balance": [3, 4]},
     },
     {"name": "cdp_dp_v2", "rule": "cdp_v2", "strategy": {"schedule": "cdp", "form": "dp", "balance": [4, 3]}},
+    {"name": "cdp_zero_v2", "rule": "cdp_v2", "strategy": {"schedule": "cdp", "form": "zero", "balance": [3, 4]}},
     {"name": "pipedream", "rule": "stash", "strategy": {"schedule": "pipedream", "microbatches": 2, "balance": [3, 4]}},
     {
         "name": "2bw_max_steps",
@@ -184,8 +185,9 @@ def _rule(case: dict[str, Any], stages: int, microbatches: int, steps: int) -> r
 
 @pytest.mark.timeout(300)
 def test_delayed_weight_families_equal_their_references(tmp_path: Path) -> None:
-    """2BW (both rules), CDP-v1, CDP-v2 (as a pipeline, and in the dp form: a replica per process,
-    gradients reduced along the ring) and PipeDream (stash, vertical sync) through Lightning, one
+    """2BW (both rules), CDP-v1, CDP-v2 (as a pipeline; in the dp form, a replica per process,
+    gradients reduced along the ring; in the ZeRO form, each stage's state passed from process to
+    process) and PipeDream (stash, vertical sync) through Lightning, one
     epoch of 6 batches on 2 processes (the pipeline drained only at the epoch's end), end with the
     parameters of the single-process reference of their update rule. Guards against a drain on
     every batch (which would make them synchronous) and against weight versions lost between

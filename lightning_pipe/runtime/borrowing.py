@@ -38,6 +38,8 @@ class Lending:
 
     @classmethod
     def of(cls, schedule: Schedule, worker: int) -> Lending:
+        if schedule.relays:  # a relayed stage's whole state goes to the worker computing it (.relays)
+            return cls({}, {})
         computing: dict[int, set[int]] = {s: set() for s in range(schedule.stages)}
         for w, order in enumerate(schedule.orders):
             for action in order:
@@ -56,7 +58,7 @@ def check_borrowing(schedule: Schedule) -> None:
     """Refuse a non-flushing schedule in which a worker computes a stage it does not own: its calls
     overlap steps, so the weights a call needs may not be the lender's live ones. Every rank refuses
     alike: none waits."""
-    if schedule.flush:
+    if schedule.flush or schedule.relays:
         return
     for worker, order in enumerate(schedule.orders):
         for action in order:

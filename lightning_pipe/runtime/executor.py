@@ -45,6 +45,7 @@ from lightning_pipe.runtime.failure import FailureBoard, add_note, raised_elsewh
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, shift
+from lightning_pipe.runtime.relays import Relays
 from lightning_pipe.runtime.ring_sizes import ring_sizes
 from lightning_pipe.runtime.rings import RingReducer
 from lightning_pipe.runtime.shared_memory import open_links
@@ -291,6 +292,10 @@ class PipelineExecutor:
                 "its data parallelism: run it on one pipeline (no data_parallel copies)"
             )
         self.rings = RingReducer(self.schedule, self.rank, self.ranks, self.transport)
+        base, period = max(p.base for p in self.programs), max(p.period for p in self.programs)
+        self.relays = Relays(generated, self.rank, self.ranks, base, period, self.transport, lambda t: t - self.origin)
+        self.relays.attach(self.weights)
+        self._last_relayed: dict[int, Action] = {}  # relayed stage -> this worker's last action on it
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
         self.needs_inputs = any(a.stage == 0 for a in ours)
         self.needs_targets = any(a.stage == self.schedule.stages - 1 for a in ours)
@@ -431,8 +436,30 @@ class PipelineExecutor:
                     stage, step = returns[position]
                     self._lent[(stage, step, peer)] = (sender, self.transport.expect(sender, ("G", stage, 0)))
                 self.rings.expect(peer, action, gathers.get(position))
+                self.relays.expect(peer, action)
                 if action.kind is Kind.SIGNAL and action.peer == self.rank:
                     self.expected[action.key] = (sender, self.transport.expect(sender, "cue"))
+
+    def _send_home_states(self, peers: Callable[[int], list[Action]]) -> None:
+        """The first call of a run: each relayed stage goes from its owner, where it rests between
+        runs, to the worker of its first action (:mod:`~lightning_pipe.runtime.relays`)."""
+        for stage in sorted(self.relays.stages):
+            first = self.relays.relays[stage][0]
+            worker = next(
+                w
+                for w in range(self.world)
+                if any(a.key[1:] == first.key[1:] and a.kind is first.kind for a in peers(w))
+            )
+            home = self.relays.homes[stage]
+            if home == worker:
+                continue
+            if self.rank == home:
+                self.transport.send(self.ranks[worker], self.weights[stage].hand_over(), ("state", stage))
+                self.weights[stage].release()
+                self.relays.held.discard(stage)
+            elif self.rank == worker:
+                rank = self.ranks[home]
+                self.relays.expected[("home", stage)] = (rank, self.transport.expect(rank, ("state", stage)))
 
     def _lend(self, peers: Callable[[int], list[Action]]) -> None:
         """Send the live weights of each stage this worker lends to the workers computing it in this call."""
@@ -584,7 +611,10 @@ class PipelineExecutor:
         The next :meth:`step` starts a new fill."""
         output = StepOutput()
         if self.calls:
+            if self.relays.stages:
+                self.relays.begin_drain(self._drain_actions, self.world, self.origin + self.calls)
             output = self._run(self._drain_actions(self.rank), self._drain_actions, return_outputs)
+            self.relays.end_drain()
             self.transport.flush()
             self.origin += self.calls
             self.calls = 0
@@ -720,6 +750,8 @@ class PipelineExecutor:
         output = StepOutput()
         try:
             self.transport.next_call()
+            if self.relays.stages and self.calls == 0 and actions is self._calls_cache.get((self.rank, 0)):
+                self._send_home_states(peers)
             self._lend(peers)
             self._borrow(actions)
             self._expect(peers)
@@ -731,7 +763,14 @@ class PipelineExecutor:
                 self._position = position
                 self._sent_early = None
                 start, waited = time.perf_counter(), self.transport.waited
+                relayed = action.stage in self.relays.stages and (action.kind in COMPUTE or action.kind is Kind.UPDATE)
+                if relayed:
+                    self.relays.take(self.weights[action.stage], action)
                 self._execute(action, output, return_outputs, position in early)
+                if relayed:
+                    if action.kind is not Kind.UPDATE:
+                        self._last_relayed[action.stage] = action
+                    self.relays.give(self.weights[action.stage], action)
                 if position in returning:
                     self._return_gradients(*returning[position])
                 if position in gathering:
@@ -1070,7 +1109,10 @@ class PipelineExecutor:
 
     def _versions_kept(self, stage: int) -> set[int]:
         """Versions of ``stage`` that micro-batches in flight, the rest of this call or the next calls of
-        this worker use."""
+        this worker use; for a relayed stage, those its next actions anywhere use."""
+        if stage in self.relays.stages:
+            window = 4 * (self.schedule.stages + self.schedule.microbatches)
+            return self.relays.upcoming_versions(self._last_relayed[stage], window)
         kept = {state.version for (s, _, _), state in self.in_flight.items() if s == stage}
         return kept | self._upcoming_versions(stage)
 

@@ -331,6 +331,33 @@ class StageWeights:
             for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
                 grad.copy_(summed.view_as(grad))
 
+    def hand_over(self) -> dict[str, object]:
+        """The stage's whole state, to pass to another worker (:mod:`~lightning_pipe.runtime.relays`):
+        :meth:`state_dict` with the live weights and buffers."""
+        state = self.state_dict()
+        state["live"] = [p.detach() for p in self.params]
+        state["buffers"] = list(self.module.buffers())
+        return state
+
+    def release(self) -> None:
+        """Free the stage's state on this worker (it was passed on): weights, buffers, versions,
+        gradients and optimizer state become empty until :meth:`take_over`."""
+        self.forget_versions()
+        self.gradients.clear()
+        self._summed.clear()
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        for tensor in [*self.params, *self.module.buffers()]:
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+    def take_over(self, state: dict[str, object]) -> None:
+        """Hold the state another worker passed on (:meth:`hand_over`)."""
+        for tensor, value in zip(
+            [*self.params, *self.module.buffers()], [*state["live"], *state["buffers"]], strict=True
+        ):
+            tensor.data = value.to(tensor.device, copy=True)
+        self.load_state_dict(state)
+
     def state_dict(self, optimizer: bool = True) -> dict[str, object]:
         """What carries over between calls: version counter, kept versions, pending gradients, and
         (``optimizer``) the optimizer's state."""

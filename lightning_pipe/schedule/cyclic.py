@@ -18,7 +18,10 @@ The same timeline runs in five settings (``form``):
   done; the last one holds the sum and passes it to the others in the order they next compute the
   stage, each applying the update just before that;
 - ``"zero"``: as ``"dp"``, but each stage's parameters, gradient and optimizer state live on one
-  worker at a time (§4.4, Fig. 2d-ii): :mod:`lightning_pipe.schedule.cyclic_zero`.
+  worker at a time (§4.4, Fig. 2d-ii): the stage is computed by one worker at each time step, which
+  passes its whole state point to point to the worker computing it at the next (the schedule's
+  relays), so the gradient sums itself on the way and the last micro-batch's worker updates it; no
+  broadcast, no all-gather.
 
 The update rules are CDP-v1 (``θ_{t-1}`` everywhere, = 2BW) and CDP-v2 (stage ``j`` of micro-batch
 ``i`` uses ``θ_t`` when ``i + j >= P - 1``, which the timeline has just produced).
@@ -136,6 +139,23 @@ def _data_parallel_orders(stages: int, microbatches: int, steps: int, rule: str)
     return orders
 
 
+def _zero_orders(stages: int, microbatches: int, steps: int) -> tuple[list[list[Action]], list[tuple[Action, ...]]]:
+    """The ZeRO form: worker ``k`` computes micro-batch ``k`` of every step in the timeline's order; a
+    stage's state goes from action to action in the timeline's order (its relay), the step's update
+    included: the worker of the step's last micro-batch, which holds it after the step's last
+    backward, updates it before passing it on."""
+    timed = _timed(stages, microbatches, steps)
+    orders = []
+    for worker in range(microbatches):
+        mine = [(time, a) for time, a in timed if a.microbatch == worker]
+        if worker == microbatches - 1:
+            mine += [(time, a) for time, a in timed if a.kind is Kind.UPDATE]
+        orders.append(_in_time_order(mine))
+    by_time = sorted(timed, key=lambda e: e[0])
+    relays = [tuple(a for _, a in by_time if a.stage == j) for j in range(stages)]
+    return orders, relays
+
+
 def _rings(stages: int, microbatches: int, rule: str) -> list[Ring]:
     """Each stage's ring in the dp form: gathered in micro-batch order (the reducer is the worker of
     the step's last micro-batch), spread in the order the workers next compute the stage."""
@@ -165,12 +185,12 @@ def cdp(stages: int, microbatches: int, steps: int = 2, *, form: str = "pipeline
             f"{microbatches} micro-batches a worker's consecutive micro-batches would overlap: use microbatches >= "
             f"stages (the paper: N = P), or fewer stages"
         )
-    if form == "zero":
-        from lightning_pipe.schedule.cyclic_zero import cdp_zero
-
-        return cdp_zero(stages, microbatches, steps, rule=rule)
     rings: list[Ring] = []
-    if form == "dp":
+    relays: list[tuple[Action, ...]] = []
+    if form == "zero":
+        orders, relays = _zero_orders(stages, microbatches, steps)
+        owners = [(microbatches - 1,)] * stages
+    elif form == "dp":
         orders = _data_parallel_orders(stages, microbatches, steps, rule)
         owners = [range(microbatches)] * stages
         rings = _rings(stages, microbatches, rule)
@@ -186,5 +206,6 @@ def cdp(stages: int, microbatches: int, steps: int = 2, *, form: str = "pipeline
         rule=rule,
         flush=False,
         rings=rings,
+        relays=relays,
         params={"form": form},
     )

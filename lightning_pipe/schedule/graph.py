@@ -13,6 +13,8 @@ Nodes are the actions of all workers. Edges:
   and step after the previous owner's (the partial sum), an update after the update of the owner
   passing it the sum, or after the reducer's last gradient (instead of after every replica's
   gradients);
+- relays (CDP's ZeRO form): a compute action of a stage after the stage's previous action, whose
+  worker passes it the stage's state; an update after its own worker's gradients only;
 - transfers, when the schedule spells them out: ``RECV`` after its ``SEND``; cues: ``WAIT`` after
   its peer's ``SIGNAL``.
 
@@ -261,11 +263,29 @@ def _ring_update(schedule: Schedule, index: _Index, worker: int, action: Action)
     return edges
 
 
+def _relay_key(schedule: Schedule, action: Action) -> _Key:
+    """How a relayed action is indexed: an update with the stage's one owner, which makes it."""
+    return (*action.key, schedule.owners[action.stage][0]) if action.kind is Kind.UPDATE else action.key
+
+
+def _relayed(previous: dict[_Key, _Key], index: _Index, key: _Key) -> list[tuple[Node, str]]:
+    """An action of a relayed stage (``key``: its :func:`_relay_key`) waits for the stage's previous
+    action, whose worker passes it the stage's state (:attr:`~lightning_pipe.schedule.ir.Schedule.relays`)."""
+    before = previous.get(key)
+    return [] if before is None else [(index.where[before], "relay")]
+
+
 def build_graph(schedule: Schedule) -> Graph:
     """Index the actions and derive every dependency; raises a PlanningError for an action that
     appears twice or a dependency that never happens. Dependencies already implied by the worker's
     own order are left out; one on a later action of the same worker is kept (it is a cycle)."""
     index = _index(schedule)
+    relays = {
+        _relay_key(schedule, a): _relay_key(schedule, relay[i - 1])
+        for relay in schedule.relays
+        for i, a in enumerate(relay)
+        if i
+    }
     deps: dict[Node, list[Node]] = {}
     kinds: dict[Node, list[str]] = {}
     last_stage = schedule.stages - 1
@@ -286,8 +306,12 @@ def build_graph(schedule: Schedule) -> Graph:
                     edges.append((_weight_producer(schedule, index, node, action), "weight"))
                 if schedule.rings and kind in (Kind.B, Kind.W):
                     edges += _ring_gather(schedule, index, node, action)
+                if schedule.relays:
+                    edges += _relayed(relays, index, action.key)
             elif kind is Kind.UPDATE and schedule.rings:
                 edges += _ring_update(schedule, index, worker, action)
+            elif kind is Kind.UPDATE and schedule.relays:  # the gradient travelled with the stage's state
+                edges += _relayed(relays, index, _relay_key(schedule, action))
             elif kind is Kind.UPDATE:
                 edges += [(dep, "grad") for dep in index.gradients.get((action.stage, action.step), ())]
                 # replicas reduce together: none finishes before every other one has reached its update

@@ -202,6 +202,11 @@ class Schedule:
         flush: whether consecutive steps are separated by a pipeline flush.
         rings: per stage, how its owners reduce its gradient point to point (:class:`Ring`); empty:
             a stage's owners all-reduce it at their update.
+        relays: per stage, its compute actions and updates (versions left out) in the order the
+            stage's whole state (weights, kept versions, gradients, optimizer state) visits them: one
+            worker holds it at a time and passes it to the worker of the next one (CDP's ZeRO form);
+            between runs it rests on its owner, which makes the updates. Empty: a stage's state stays
+            on its owners.
         params: the generator's parameters, for the record.
     """
 
@@ -214,12 +219,16 @@ class Schedule:
     rule: str = "sync"
     flush: bool = True
     rings: tuple[Ring, ...] = ()
+    relays: tuple[tuple[Action, ...], ...] = ()
     params: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "orders", tuple(tuple(order) for order in self.orders))
         object.__setattr__(self, "owners", tuple(tuple(workers) for workers in self.owners))
         object.__setattr__(self, "rings", tuple(self.rings))
+        object.__setattr__(self, "relays", tuple(tuple(relay) for relay in self.relays))
+        if self.relays and (len(self.relays) != self.stages or any(len(o) != 1 for o in self.owners)):
+            raise PlanningError(f"{self.family}: a relayed schedule needs a relay and one owner per stage")
         if self.rings and len(self.rings) != self.stages:
             raise PlanningError(f"{self.family}: {len(self.rings)} rings for {self.stages} stages")
         for stage, ring in enumerate(self.rings):
@@ -262,6 +271,7 @@ class Schedule:
             "params": dict(self.params),
             "owners": [list(o) for o in self.owners],
             **({"rings": [[list(r.gather), list(r.spread)] for r in self.rings]} if self.rings else {}),
+            **({"relays": [[a.to_dict() for a in relay] for relay in self.relays]} if self.relays else {}),
             "orders": [[a.to_dict() for a in order] for order in self.orders],
         }
 
@@ -280,6 +290,7 @@ class Schedule:
                 rule=str(document.get("rule", "sync")),
                 flush=bool(document.get("flush", True)),
                 rings=tuple(Ring(*ring) for ring in document.get("rings") or ()),
+                relays=tuple(tuple(Action.from_dict(a) for a in relay) for relay in document.get("relays") or ()),
                 params=dict(document.get("params") or {}),
             )
         except (KeyError, TypeError, ValueError) as error:

@@ -265,6 +265,8 @@ def _category(action: Action, label: str) -> str:
     or cue (nothing: a worker telling another it has come this far)."""
     if label == "cue":
         return "cue"
+    if label == "relay":  # a stage's state passed on to the next worker computing it
+        return "weight"
     if label in ("grad", "ring"):  # to an update, or a partial or whole sum passed along a ring
         return "reduce"
     if action.kind in (Kind.F, Kind.RECV_F):
@@ -275,7 +277,7 @@ def _category(action: Action, label: str) -> str:
 def _edge_bytes(costs: StageCosts, action: Action, dep: Action, category: str) -> float:
     if category == "cue":
         return 0.0
-    if category == "reduce":
+    if category in ("reduce", "weight"):
         return costs._bytes("weight_bytes", action.stage)
     if category == "activation":
         return costs._bytes("activation_bytes", dep.stage)
@@ -445,7 +447,7 @@ class _Replay:
 
     def _weights(self, worker: int, action: Action, ready: float) -> float:
         """When the weights ``action`` needs are on ``worker``: owners have them; others fetch."""
-        owned = worker in self.owners[action.stage]
+        owned = worker in self.owners[action.stage] or bool(self.schedule.relays)  # a relayed state comes along
         current = self.run[worker]
         if owned:
             if current is not None:

@@ -118,8 +118,12 @@ def stage_saved_bytes(stages: Sequence[nn.Module], inputs: Any, one_device: bool
     current = inputs
     held: set[int] = set()
     for stage in stages:
-        with saved_bytes([*stage.parameters(), *stage.buffers()]) as counted:
-            output = stage(current)
+        try:
+            with saved_bytes([*stage.parameters(), *stage.buffers()]) as counted:
+                output = stage(current)
+        except RuntimeError:  # its first layer works in place on its input: fed a copy, as the runtime does
+            with saved_bytes([*stage.parameters(), *stage.buffers()]) as counted:
+                output = stage(map_tensors(torch.Tensor.clone, current))
         mine = {key: nbytes for key, nbytes in counted.storages.items() if not (one_device and key in held)}
         saved.append(float(sum(mine.values())))
         held = set(counted.storages)

@@ -1,0 +1,55 @@
+"""CDP's ZeRO form (Fournier & Oyallon 2024, §4.4): each stage's whole state passed from worker to
+worker (:mod:`lightning_pipe.runtime.relays`). Equality with the rules' references is in
+``test_runtime_rules.py``; here, what a worker holds."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.runtime import PipelineExecutor, run_local
+from lightning_pipe.schedule import make_schedule
+
+
+def _stages() -> list[nn.Module]:
+    torch.manual_seed(0)
+    widths = [8, 64, 16, 32, 8]  # stages of unequal size: the bound is on the largest two
+    return [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(widths)]
+
+
+def _held(rank: int, steps: int) -> dict[str, object]:
+    executor = PipelineExecutor(
+        lambda k: make_schedule("cdp", 4, 4, k, form="zero", rule="cdp_v2"),
+        _stages(),
+        nn.functional.mse_loss,
+        lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    )
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        executor.step(torch.randn(8, 8, generator=generator), torch.randn(8, 8, generator=generator))
+    training = executor.relays.peak_bytes
+    executor.drain()
+    executor.close()
+    return {"peak": training, "taken": executor.relays.taken_bytes, "held after": sorted(executor.relays.held)}
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_holds_the_stage_it_computes_and_the_one_it_receives() -> None:
+    """Four workers, four stages of unequal size, CDP-v2 for 5 steps: at every take, a worker holds at
+    most the state of two stages (measured bytes: weights, kept versions, gradients, optimizer
+    state), never the whole model's; after the drain every stage rests on its owner, the last
+    worker."""
+    results = run_local(_held, 4, 5, timeout=100)
+    taken: dict[int, int] = {}
+    for result in results:
+        for stage, nbytes in result["taken"].items():
+            taken[stage] = max(taken.get(stage, 0), nbytes)
+    largest_two = sum(sorted(taken.values())[-2:])
+    assert sorted(taken) == [0, 1, 2, 3]
+    for result in results:
+        assert 0 < result["peak"] <= largest_two, (result["peak"], taken)
+        assert result["peak"] < sum(taken.values())
+    assert [result["held after"] for result in results] == [[], [], [], [0, 1, 2, 3]]
