@@ -12,7 +12,7 @@ import torch
 
 from lightning_pipe.runtime.launch import run_local
 from lightning_pipe.runtime.rings import PARTIAL, SUM
-from lightning_pipe.schedule import make_schedule
+from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from tests.reference import (
     batches,
     build_stages,
@@ -88,6 +88,10 @@ def _check_ring(case: dict, sent: list[dict[tuple[str, int, int], int]]) -> None
             if worker in spread[:-1]:
                 expected[(SUM, stage, spread[spread.index(worker) + 1])] = steps
             assert {k: v for k, v in counts.items() if k[1] == stage} == expected, (case["name"], worker, counts)
+    schedule = make_schedule("cdp", case["stages"], case["microbatches"], steps, **case["options"])
+    predicted = simulate(schedule, StageCosts.uniform(case["stages"])).transfers["reduce"]
+    received = [sum(n for c in sent for (_, _, to), n in c.items() if to == worker) for worker in range(workers)]
+    assert received == predicted, (case["name"], received, predicted)  # the simulator prices each message
 
 
 def _check_warmup(case: dict, ran: list[int]) -> None:

@@ -29,7 +29,14 @@ from lightning_pipe.schedule.lower import with_transfers
 from tests.reference import hand_schedule
 
 CATEGORIES = ("activation", "gradient", "reduce", "weight", "cue")
-CROSS_LABELS = ("act", "grad", "msg", "ring", "cue")  # edges that move data between workers; "weight"/"sync" do not
+CROSS_LABELS = (
+    "act",
+    "grad",
+    "msg",
+    "ring",
+    "cue",
+    "relay",
+)  # edges that move data between workers; "weight"/"sync" do not
 
 
 def duration(costs: StageCosts, action: Action, adds: bool = False) -> float:
@@ -71,6 +78,8 @@ def message(costs: StageCosts, receiver: Action, label: str) -> tuple[str, float
     is a reduce too; a cue carries nothing."""
     if label == "cue":
         return "cue", 0.0
+    if label == "relay":  # a relayed stage's state, priced as its weights
+        return "weight", per_stage(costs.weight_bytes, receiver.stage)
     if label in ("grad", "ring"):
         return "reduce", per_stage(costs.weight_bytes, receiver.stage)
     if receiver.kind in (Kind.F, Kind.RECV_F):
@@ -197,7 +206,7 @@ def reference_replay(
         compute = action.kind in (Kind.F, Kind.B, Kind.I, Kind.W)
         version = action.version or 0
         owners = schedule.owners[action.stage]
-        if compute and worker in owners:
+        if compute and (worker in owners or schedule.relays):  # a relayed stage's state comes with it
             if fetched[worker] is not None:
                 release(worker)
         elif compute and fetched[worker] != (action.stage, version):
@@ -280,7 +289,15 @@ def reference_replay(
             for events in (stage_events[a.stage], worker_events[w]):
                 events += [(ref.start[(w, p)], 1, nbytes), (ref.end[last], -1, nbytes)]
     weight_events: dict[int, list] = defaultdict(list)
-    for s, owners in enumerate(schedule.owners):
+    held_since = dict.fromkeys(range(schedule.stages), 0.0)  # relayed: since the previous holder's end
+    place = {a.key: i for relay in schedule.relays for i, a in enumerate(relay)}  # ties at equal ends
+    for node in sorted(nodes, key=lambda n: (ref.end[n], place.get(orders[n[0]][n[1]].key, -1))):
+        a = orders[node[0]][node[1]]
+        if schedule.relays and a.kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.UPDATE):
+            nbytes = per_stage(costs.weight_bytes, a.stage)
+            weight_events[node[0]] += [(held_since[a.stage], 1, nbytes), (ref.end[node], -1, nbytes)]
+            held_since[a.stage] = ref.end[node]
+    for s, owners in enumerate(schedule.owners if not schedule.relays else ()):
         nbytes = per_stage(costs.weight_bytes, s)
         for w in owners:
             for v in range(steps + 1):
@@ -414,7 +431,7 @@ def test_simulate_equals_the_reference_replay(
 
 @settings(max_examples=60, deadline=None)
 @given(
-    form=st.sampled_from(["pyramid", "single", "dp"]),
+    form=st.sampled_from(["pyramid", "single", "dp", "zero"]),
     rule=st.sampled_from(["cdp_v1", "cdp_v2"]),
     stages=st.integers(1, 3),
     extra=st.integers(0, 2),
@@ -424,9 +441,10 @@ def test_simulate_equals_the_reference_replay(
 def test_cdp_forms_simulate_as_the_reference_replay(
     form: str, rule: str, stages: int, extra: int, steps: int, data: st.DataObject
 ) -> None:
-    """CDP's pyramid, single-device and dp forms: the dp form's partial and whole sums along its rings
-    (reduce traffic, one message per link) and its cues (no bytes, one message) are priced as the
-    reference prices them."""
+    """CDP's pyramid, single-device, dp and ZeRO forms: the dp form's partial and whole sums along its
+    rings (reduce traffic, one message per link) and its cues (no bytes, one message), the ZeRO form's
+    states passed along its relays (weight traffic, held from the previous action's end) are priced as
+    the reference prices them."""
     schedule = make_schedule("cdp", stages, stages + extra, steps, form=form, rule=rule)
     assert_matches(schedule, data.draw(stage_costs(stages)), early_gradients=False)
 

@@ -66,6 +66,8 @@ class Relays:
         peak_bytes: the most bytes of relayed stages' state this worker held at once, each time it
             took one (its own and the one taken).
         taken_bytes: per stage, the most bytes of its state this worker took.
+        received: states this worker took from the worker of the stage's previous action (the
+            simulator's relay transfers; not counting a run's start from the owner).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Relays:
         self.expected: dict[_Key, tuple[int, int]] = {}
         self.peak_bytes = 0
         self.taken_bytes: dict[int, int] = {}
+        self.received = 0
         self.draining: dict[int, list[Action]] | None = None  # per stage, the drain's actions in relay order
         step_of = {a.key: a.step for relay in self.relays for a in relay}
         middle = base + period
@@ -230,6 +233,7 @@ class Relays:
                 key = ("home", action.stage)
             else:
                 key = (previous.kind, previous.stage, previous.microbatch, previous.step + shift)
+        self.received += key[0] != "home"
         self._take_over(weights, key)
 
     def _take_over(self, weights: StageWeights, key: _Key) -> None:

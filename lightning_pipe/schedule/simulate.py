@@ -636,9 +636,12 @@ def _weight_copies(schedule: Schedule, costs: StageCosts, replay: _Replay, makes
     """Peak number and bytes of weight copies (stage, version) held by each worker.
 
     An owner holds version ``v`` from its update (version 0: from the start) until version ``v + 1``
-    exists and the last action using ``v`` is over; a fetched copy lives for its run.
+    exists and the last action using ``v`` is over; a fetched copy lives for its run. A relayed stage
+    is held as :func:`_relayed_copies` says.
     """
     events: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
+    if schedule.relays:
+        return _relayed_copies(schedule, costs, replay)
     for s, owners in enumerate(schedule.owners):
         nbytes = costs._bytes("weight_bytes", s)
         for w in owners:
@@ -651,4 +654,20 @@ def _weight_copies(schedule: Schedule, costs: StageCosts, replay: _Replay, makes
     for w, s, arrival, release in replay.copies:
         nbytes = costs._bytes("weight_bytes", s)
         events[w] += [(arrival, 1, nbytes), (release, -1, nbytes)]
+    return [_sweep(events[w])[:2] for w in range(schedule.workers)]
+
+
+def _relayed_copies(schedule: Schedule, costs: StageCosts, replay: _Replay) -> list[tuple[int, float]]:
+    """Relayed stages (CDP's ZeRO form): the worker of each action of a stage's relay holds the
+    stage's weights from the end of the relay's previous action (it is being passed on) to the end of
+    its own, so a worker holds the stage it computes and the one coming to it."""
+    events: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
+    for stage, relay in enumerate(schedule.relays):
+        nbytes = costs._bytes("weight_bytes", stage)
+        arrives = 0.0
+        for action in relay:
+            key = (*action.key, schedule.owners[stage][0]) if action.kind is Kind.UPDATE else action.key
+            node = replay.graph.where[key]
+            events[node[0]] += [(arrives, 1, nbytes), (replay.end[node], -1, nbytes)]
+            arrives = replay.end[node]
     return [_sweep(events[w])[:2] for w in range(schedule.workers)]
