@@ -265,6 +265,7 @@ class PipelineExecutor:
             for s in mine
             if s not in self.lending.lenders
         }
+        self._replicated_stages = {s for s, w in self.weights.items() if w.group is not None}
         # stages computed here with another worker's weights (FSDP, FSLPP): no optimizer, lent every call
         self.borrowed = {s: StageWeights(modules[s].to(self.device), None, False) for s in self.lending.lenders}
         self.ties = self._tie_groups(find_ties(modules))
@@ -293,7 +294,7 @@ class PipelineExecutor:
             )
         self.rings = RingReducer(self.schedule, self.rank, self.ranks, self.transport)
         base, period = max(p.base for p in self.programs), max(p.period for p in self.programs)
-        self.relays = Relays(generated, self.rank, self.ranks, base, period, self.transport, lambda t: t - self.origin)
+        self.relays = Relays(generated, self.rank, self.ranks, base, period, self.transport)
         self.relays.attach(self.weights)
         self._last_relayed: dict[int, Action] = {}  # relayed stage -> this worker's last action on it
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
@@ -617,6 +618,7 @@ class PipelineExecutor:
             self.relays.end_drain()
             self.transport.flush()
             self.origin += self.calls
+            self.relays.origin = self.origin
             self.calls = 0
             self._calls_cache.clear()
             for weights in self.weights.values():  # the next fill starts from the live weights
@@ -721,7 +723,7 @@ class PipelineExecutor:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.calls = int(state["calls"])
-        self.origin = int(state["origin"])
+        self.origin = self.relays.origin = int(state["origin"])
         self._calls_cache.clear()  # keyed by call, relative to the origin just replaced
         for stage, entry in state["stages"].items():
             if "module" in entry:
@@ -759,6 +761,8 @@ class PipelineExecutor:
             self._running = actions
             returning = last_gradients(actions, self.borrowed)  # position -> (borrowed stage, step)
             gathering = last_gradients(actions, self.rings.stages)  # position -> (ring stage, step)
+            # a flushing call holds every gradient of its step: each replicated stage's sum starts after its last
+            summing = last_gradients(actions, self._replicated_stages) if self.schedule.flush else {}
             for position, action in enumerate(actions):
                 self._position = position
                 self._sent_early = None
@@ -776,6 +780,9 @@ class PipelineExecutor:
                 if position in gathering:
                     stage, step = gathering[position]
                     self.rings.gather(self.weights[stage], stage, step)
+                if position in summing:
+                    stage, step = summing[position]
+                    self.weights[stage].start_sum(step)
                 self._record(action, start, waited)
             if self.deferring:
                 self._deferred_updates()
@@ -915,7 +922,7 @@ class PipelineExecutor:
                         state.outputs = weights.forward(state.leaves, map_tensors(torch.Tensor.clone, inputs))
                 else:
                     state.outputs, state.saved = self._in_place_safe(
-                        s, inputs, lambda x: self._forward_saving(weights, state.leaves, x)
+                        s, inputs, lambda x: self._forward_saving(weights, state.leaves, x, s == 0)
                     )
         except Exception as error:
             add_note(error, self._where(action, inputs))
@@ -963,14 +970,16 @@ class PipelineExecutor:
         return output
 
     def _forward_saving(
-        self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any
+        self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any, first: bool
     ) -> tuple[Any, dict[int, int]]:
         """Forward with autograd; also the storages it saved for backward when memory is tracked
-        (model state excluded: the parameters, and buffers such as batch norm's running statistics),
-        counted in :attr:`saved_bytes` until :meth:`_release`."""
+        (model state excluded: the parameters, and buffers such as batch norm's running statistics;
+        and the ``first`` stage's inputs, the mini-batch's data, which the step holds whatever the
+        schedule), counted in :attr:`saved_bytes` until :meth:`_release`."""
         if not self.track_memory:
             return weights.forward(leaves, inputs), {}
-        with saved_bytes([*leaves.values(), *weights.module.buffers()]) as counted:
+        data = list(tensors(inputs)) if first else []
+        with saved_bytes([*leaves.values(), *weights.module.buffers(), *data]) as counted:
             result = weights.forward(leaves, inputs)
         for key, nbytes in counted.storages.items():
             if not self._holders[key]:
@@ -1024,7 +1033,7 @@ class PipelineExecutor:
             if accelerated:
                 torch.cuda.set_rng_state(state.rng[1], self.device)
             state.outputs, state.saved = self._in_place_safe(
-                action.stage, state.inputs, lambda x: self._forward_saving(weights, state.leaves, x)
+                action.stage, state.inputs, lambda x: self._forward_saving(weights, state.leaves, x, action.stage == 0)
             )
         for buffer, before in buffers:
             # through .data: batch norm's backward node holds the running statistics it was given and

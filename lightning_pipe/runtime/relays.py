@@ -59,7 +59,6 @@ class Relays:
         base, period: where the programs' steady state starts and its period (steps beyond the
             generated ones repeat those of the steady state).
         transport: the pipeline's transport.
-        program_step: a running action's step relative to the program (absolute step less the origin).
 
     Attributes:
         held: the relayed stages this worker holds.
@@ -78,12 +77,11 @@ class Relays:
         base: int,
         period: int,
         transport: Transport,
-        program_step: Callable[[int], int],
     ) -> None:
         self.relays = schedule.relays
         self.worker, self.ranks, self.transport = worker, ranks, transport
         self.base, self.period, self.known = base, period, schedule.steps
-        self.program_step = program_step
+        self.origin = 0  # the step the programs count from (the executor's, moved on by each drain)
         self.homes = [owners[0] for owners in schedule.owners]
         self.where = {a.key: w for w, _, a in schedule.actions() if a.kind in COMPUTE or a.kind is Kind.UPDATE}
         self.versions = {a.key: a.version for _, _, a in schedule.actions() if a.kind in COMPUTE}
@@ -109,7 +107,7 @@ class Relays:
     def _neighbour(self, action: Action, offset: int) -> tuple[Action | None, int]:
         """The relay's action ``offset`` places from ``action`` (``None`` before the first), shifted
         back to ``action``'s steps, and that shift."""
-        step = self.program_step(action.step)
+        step = action.step - self.origin
         mapped = step
         if step >= self.base + self.period:  # into the middle of the generated steps: neighbours exist
             mapped = self.base + self.period + (step - self.base) % self.period

@@ -105,6 +105,7 @@ class StageWeights:
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.gradients: dict[int, list[torch.Tensor]] = {}
         self._summed: set[int] = set()  # steps whose buffer already holds the replicas' sum
+        self._summing: dict[int, list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]]] = {}  # started sums
         # (step, leaves, their differentiable list) whose .grad holds that step's gradient meanwhile
         self._lent: tuple[int, dict[str, torch.Tensor], list[torch.Tensor]] | None = None
         self._bound: WeightCopy | None = None  # the copy sharing the live parameters' storage
@@ -263,11 +264,27 @@ class StageWeights:
     def summed_gradients(self, step: int) -> list[torch.Tensor | None]:
         """``step``'s gradient summed over the stage's replicas (once: :meth:`update` applies it)."""
         buffer = self.pop_gradients(step)
-        if self.group is not None and self.params and step not in self._summed:
-            self._sum_replicas(buffer)
+        if step in self._summing:
+            for work, grads, flat in self._summing.pop(step):
+                work.wait()
+                _unflatten(grads, flat)
+        elif self.group is not None and self.params and step not in self._summed:
+            for work, grads, flat in self._start_sum(buffer):
+                work.wait()
+                _unflatten(grads, flat)
         self._summed.add(step)
         self.gradients[step] = buffer
         return buffer
+
+    def start_sum(self, step: int) -> None:
+        """Start summing ``step``'s gradient over the stage's replicas in the background (this worker
+        has computed all of it), so that the transfer overlaps the backwards of the other stages, as
+        DDP's buckets do; :meth:`summed_gradients` waits for it."""
+        if self.group is None or not self.params or step in self._summed or step in self._summing:
+            return
+        buffer = self.pop_gradients(step)
+        self.gradients[step] = buffer
+        self._summing[step] = self._start_sum(buffer)
 
     def update(
         self,
@@ -312,9 +329,10 @@ class StageWeights:
                 self._spare = dropped
         return self.version in keep and self.leaves(self.version) is self._bound
 
-    def _sum_replicas(self, buffer: list[torch.Tensor | None]) -> None:
-        """Sum ``buffer`` over the stage's replicas in place: a weight some replica has a gradient
-        for gets one on all (zeros where missing), the others stay ``None``; one all-reduce per dtype."""
+    def _start_sum(self, buffer: list[torch.Tensor | None]) -> list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]]:
+        """Start summing ``buffer`` over the stage's replicas in place: a weight some replica has a
+        gradient for gets one on all (zeros where missing; which ones is agreed first, in one small
+        all-reduce), the others stay ``None``; one all-reduce per dtype, not waited for."""
         device = self.params[0].device
         present = torch.tensor([grad is not None for grad in buffer], dtype=torch.int32, device=device)
         dist.all_reduce(present, group=self.group)
@@ -325,11 +343,11 @@ class StageWeights:
         for grad in buffer:
             if grad is not None:
                 by_dtype.setdefault(grad.dtype, []).append(grad)
+        started = []
         for grads in by_dtype.values():
             flat = torch.cat([grad.reshape(-1) for grad in grads])
-            dist.all_reduce(flat, group=self.group)
-            for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
-                grad.copy_(summed.view_as(grad))
+            started.append((dist.all_reduce(flat, group=self.group, async_op=True), grads, flat))
+        return started
 
     def hand_over(self) -> dict[str, object]:
         """The stage's whole state, to pass to another worker (:mod:`~lightning_pipe.runtime.relays`):
@@ -384,3 +402,9 @@ class StageWeights:
         }
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _unflatten(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy the summed ``flat`` back into the gradients it was made of."""
+    for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
+        grad.copy_(summed.view_as(grad))

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.memory import MemoryModel
-from lightning_pipe.nested import map_tensors
+from lightning_pipe.nested import map_tensors, tensors
 from lightning_pipe.runtime import PipelineExecutor, run_local
 from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule import StageCosts, simulate
@@ -111,18 +111,20 @@ def plan_split(build: Builder, microbatch: torch.Tensor, stages: int, repeats: i
 def stage_saved_bytes(stages: Sequence[nn.Module], inputs: Any, one_device: bool) -> list[float]:
     """What each stage saves for its backward on ``inputs`` (one micro-batch), each stage as one unit,
     as the runtime counts it: a tensor two of its layers save counts once (the profile counts it per
-    layer). Each stage is fed the previous stage's output; on ``one_device`` a tensor the previous
-    stage saved too (its output, when its last layer keeps it) is held once, by the previous stage,
-    whose backward comes later; on several devices the input is a received copy."""
+    layer), the first stage's inputs (the data) not at all. Each stage is fed the previous stage's
+    output; on ``one_device`` a tensor the previous stage saved too (its output, when its last layer
+    keeps it) is held once, by the previous stage, whose backward comes later; on several devices
+    the input is a received copy."""
     saved = []
     current = inputs
     held: set[int] = set()
-    for stage in stages:
+    for index, stage in enumerate(stages):
+        model_state = [*stage.parameters(), *stage.buffers(), *(tensors(current) if index == 0 else ())]
         try:
-            with saved_bytes([*stage.parameters(), *stage.buffers()]) as counted:
+            with saved_bytes(model_state) as counted:
                 output = stage(current)
         except RuntimeError:  # its first layer works in place on its input: fed a copy, as the runtime does
-            with saved_bytes([*stage.parameters(), *stage.buffers()]) as counted:
+            with saved_bytes(model_state) as counted:
                 output = stage(map_tensors(torch.Tensor.clone, current))
         mine = {key: nbytes for key, nbytes in counted.storages.items() if not (one_device and key in held)}
         saved.append(float(sum(mine.values())))
