@@ -93,16 +93,23 @@ def seconds_on_wire(costs: StageCosts, nbytes: float) -> float:
 
 def early_backwards(schedule: Schedule) -> set[tuple[int, int]]:
     """Cool-down backwards: a B of a stage s > 0 placed after its worker's last F of that step
-    (flushing schedules only), when that stage has at most P - s of them in the step."""
+    (flushing schedules only) whose input gradient goes to another worker, when that stage has at
+    most P - s of them in the step."""
     if not schedule.flush:
         return set()
+    backward_on = {(a.stage, a.microbatch, a.step): w for w, _, a in schedule.actions() if a.kind in (Kind.B, Kind.I)}
     early = set()
     for worker, order in enumerate(schedule.orders):
         for position, action in enumerate(order):
             later_forwards = [
                 a for a in order[position + 1 :] if a.kind is Kind.F and a.step == action.step
             ]  # none may follow
-            if action.kind is Kind.B and action.stage > 0 and not later_forwards:
+            leaves = action.kind is Kind.B and action.stage > 0
+            if (
+                leaves
+                and not later_forwards
+                and backward_on[(action.stage - 1, action.microbatch, action.step)] != worker
+            ):
                 early.add((worker, position))
     per_stage_step = Counter((w, schedule.orders[w][p].stage, schedule.orders[w][p].step) for w, p in early)
     return {

@@ -5,11 +5,12 @@ micro-batch's mean and variance (not the mini-batch's, as the unsplit model does
 would also update its running statistics once per micro-batch, ``m`` times per step with ``m`` times
 the momentum's weight on the newest. :class:`DeferredNorms` keeps the running statistics as the
 unsplit model updates them, once per step: while the executor runs a micro-batch's forward
-(:func:`running_forward`) each layer's update is undone and the micro-batch's count, mean and sum
-of squared deviations are kept; when the stage applies the step (:meth:`DeferredNorms.commit`)
-they are combined (Chan et al.'s parallel variance) into the mean and unbiased variance of all the
-step's rows, and the running statistics move once, with the layer's momentum (or its cumulative
-average when ``momentum=None``). Kim et al. 2020 (torchgpipe, §3.4) describe the idea.
+(:func:`running_forward`) each layer updates its running statistics with momentum 1, which leaves
+there the micro-batch's mean and unbiased variance as the layer computed them; they are kept with
+the micro-batch's count and the layer's statistics put back. When the stage applies the step
+(:meth:`DeferredNorms.commit`) they are combined (Chan et al.'s parallel variance) into the mean and
+unbiased variance of all the step's rows, and the running statistics move once, with the layer's
+momentum (or its cumulative average when ``momentum=None``). Kim et al. 2020 (torchgpipe, §3.4) describe the idea.
 
 Forwards outside :func:`running_forward` (evaluation, profiling, the verification of a captured
 graph, recomputation in the backward) leave batch norm as it is.
@@ -69,22 +70,26 @@ class DeferredNorms:
             running = _STEP.get()
             if running is None or not layer.training:
                 return
-            step, microbatch = running
-            x = args[0].detach()
-            dims = [d for d in range(x.dim()) if d != 1]
-            var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
-            rows = x.numel() // x.shape[1]
-            self.pending.setdefault(step, {}).setdefault(index, {})[microbatch] = (rows, mean, var * rows)
-            self._saved[index] = tuple(t.detach().clone() for t in _statistics(layer))
+            # with momentum 1 the layer's own update writes this micro-batch's mean and unbiased
+            # variance into its running statistics, as it computes them (no second pass over the input)
+            self._saved[index] = (layer.momentum, *(t.detach().clone() for t in _statistics(layer)))
+            layer.momentum = 1.0
 
         return hook
 
     def _after(self, index: int) -> Any:
         def hook(layer: _BatchNorm, args: tuple[Any, ...], output: Any) -> None:
             saved = self._saved.pop(index, None)
-            if saved is not None:
-                for buffer, value in zip(_statistics(layer), saved, strict=True):
-                    buffer.data.copy_(value)  # .data: the backward node holds these and checks their version
+            if saved is None:
+                return
+            step, microbatch = _STEP.get()
+            x = args[0]
+            rows = x.numel() // x.shape[1]
+            mean, unbiased = layer.running_mean.detach().clone(), layer.running_var.detach().clone()
+            self.pending.setdefault(step, {}).setdefault(index, {})[microbatch] = (rows, mean, unbiased * (rows - 1))
+            layer.momentum = saved[0]
+            for buffer, value in zip(_statistics(layer), saved[1:], strict=True):
+                buffer.data.copy_(value)  # .data: the backward node holds these and checks their version
 
         return hook
 
