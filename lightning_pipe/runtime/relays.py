@@ -80,7 +80,7 @@ class Relays:
     ) -> None:
         self.relays = schedule.relays
         self.worker, self.ranks, self.transport = worker, ranks, transport
-        self.base, self.period, self.known = base, period, schedule.steps
+        self.base, self.period = base, period
         self.origin = 0  # the step the programs count from (the executor's, moved on by each drain)
         self.homes = [owners[0] for owners in schedule.owners]
         self.where = {a.key: w for w, _, a in schedule.actions() if a.kind in COMPUTE or a.kind is Kind.UPDATE}
@@ -92,11 +92,10 @@ class Relays:
         self.taken_bytes: dict[int, int] = {}
         self.received = 0
         self.draining: dict[int, list[Action]] | None = None  # per stage, the drain's actions in relay order
-        step_of = {a.key: a.step for relay in self.relays for a in relay}
-        middle = base + period
-        self._per_period = 0
+        self._per_period = 0  # relay actions of a stage per period of steps, in the steady state
         if self.relays:
-            first = next(a for a in self.relays[0] if step_of[a.key] == middle)
+            middle = base + period
+            first = next(a for a in self.relays[0] if a.step == middle)
             later = (first.kind, first.stage, first.microbatch, middle + period)
             self._per_period = self.index[later][1] - self.index[first.key][1]
 
@@ -122,12 +121,6 @@ class Relays:
         _, shift = self._neighbour(action, 0)
         position = self.index[(action.kind, action.stage, action.microbatch, action.step - shift)][1]
         return position + (shift // self.period) * self._per_period
-
-    def source(self, action: Action) -> int:
-        """The worker ``action``'s stage state comes from: the previous action's, or the stage's owner
-        for the first action of a run."""
-        previous, _ = self._neighbour(action, -1)
-        return self.homes[action.stage] if previous is None else self.where[previous.key]
 
     def destination(self, action: Action) -> int:
         """The worker the stage's state goes to after ``action`` (the owner, after the last one; in a

@@ -41,6 +41,9 @@ from lightning_pipe.runtime.out_of_place import step_into, steps_out_of_place
 
 __all__ = ["StageWeights", "WeightCopy"]
 
+_Sum = list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]]
+"""A sum over a stage's replicas under way: the presence counts, then one flat buffer per dtype."""
+
 
 class WeightCopy(dict[str, torch.Tensor]):
     """One copy of a stage's weights: parameter name -> detached leaf, and :attr:`module`, a replica of
@@ -105,7 +108,7 @@ class StageWeights:
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.gradients: dict[int, list[torch.Tensor]] = {}
         self._summed: set[int] = set()  # steps whose buffer already holds the replicas' sum
-        self._summing: dict[int, list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]]] = {}  # started sums
+        self._summing: dict[int, _Sum] = {}  # sums over the replicas started, by step
         # (step, leaves, their differentiable list) whose .grad holds that step's gradient meanwhile
         self._lent: tuple[int, dict[str, torch.Tensor], list[torch.Tensor]] | None = None
         self._bound: WeightCopy | None = None  # the copy sharing the live parameters' storage
@@ -265,13 +268,9 @@ class StageWeights:
         """``step``'s gradient summed over the stage's replicas (once: :meth:`update` applies it)."""
         buffer = self.pop_gradients(step)
         if step in self._summing:
-            for work, grads, flat in self._summing.pop(step):
-                work.wait()
-                _unflatten(grads, flat)
+            self._finish_sum(buffer, self._summing.pop(step))
         elif self.group is not None and self.params and step not in self._summed:
-            for work, grads, flat in self._start_sum(buffer):
-                work.wait()
-                _unflatten(grads, flat)
+            self._finish_sum(buffer, self._start_sum(buffer))
         self._summed.add(step)
         self.gradients[step] = buffer
         return buffer
@@ -329,25 +328,35 @@ class StageWeights:
                 self._spare = dropped
         return self.version in keep and self.leaves(self.version) is self._bound
 
-    def _start_sum(self, buffer: list[torch.Tensor | None]) -> list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]]:
-        """Start summing ``buffer`` over the stage's replicas in place: a weight some replica has a
-        gradient for gets one on all (zeros where missing; which ones is agreed first, in one small
-        all-reduce), the others stay ``None``; one all-reduce per dtype, not waited for."""
+    def _start_sum(self, buffer: list[torch.Tensor | None]) -> _Sum:
+        """Start summing ``buffer`` over the stage's replicas in place, not waited for: every
+        trainable weight's gradient (zeros where this replica has none) in one all-reduce per dtype,
+        and beside it how many replicas had one."""
         device = self.params[0].device
         present = torch.tensor([grad is not None for grad in buffer], dtype=torch.int32, device=device)
-        dist.all_reduce(present, group=self.group)
-        for index in present.nonzero().flatten().tolist():
+        for index in self.trainable:
             if buffer[index] is None:
                 buffer[index] = torch.zeros_like(self.params[index])
+        started = [(dist.all_reduce(present, group=self.group, async_op=True), [], present)]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for grad in buffer:
             if grad is not None:
                 by_dtype.setdefault(grad.dtype, []).append(grad)
-        started = []
         for grads in by_dtype.values():
             flat = torch.cat([grad.reshape(-1) for grad in grads])
             started.append((dist.all_reduce(flat, group=self.group, async_op=True), grads, flat))
         return started
+
+    def _finish_sum(self, buffer: list[torch.Tensor | None], started: _Sum) -> None:
+        """Wait for a sum :meth:`_start_sum` started; a weight no replica had a gradient for gets
+        ``None`` back (the optimizer skips it)."""
+        for work, grads, flat in started:
+            work.wait()
+            if grads:
+                _unflatten(grads, flat)
+        present = started[0][2]
+        for index in (present == 0).nonzero().flatten().tolist():
+            buffer[index] = None
 
     def hand_over(self) -> dict[str, object]:
         """The stage's whole state, to pass to another worker (:mod:`~lightning_pipe.runtime.relays`):
