@@ -798,7 +798,7 @@ class PipelineExecutor:
         (:mod:`~lightning_pipe.runtime.calibration`), and priced by the simulator."""
         end, waits = time.perf_counter(), self.transport.waited
         if self.track_memory:
-            self.memory_timeline.append((end - self.epoch, self.saved_bytes))
+            self.memory_timeline.append((end, self.saved_bytes))  # the host's clock: processes line up
         if self._sent_early is None:
             self.timeline.append(Interval(self.rank, action, start - self.epoch, end - self.epoch, waits - waited))
             return
@@ -922,7 +922,7 @@ class PipelineExecutor:
                         state.outputs = weights.forward(state.leaves, map_tensors(torch.Tensor.clone, inputs))
                 else:
                     state.outputs, state.saved = self._in_place_safe(
-                        s, inputs, lambda x: self._forward_saving(weights, state.leaves, x, s == 0)
+                        s, inputs, lambda x: self._forward_saving(weights, state.leaves, x, t, s == 0)
                     )
         except Exception as error:
             add_note(error, self._where(action, inputs))
@@ -970,15 +970,16 @@ class PipelineExecutor:
         return output
 
     def _forward_saving(
-        self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any, first: bool
+        self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any, step: int, first: bool
     ) -> tuple[Any, dict[int, int]]:
         """Forward with autograd; also the storages it saved for backward when memory is tracked
         (model state excluded: the parameters, and buffers such as batch norm's running statistics;
-        and the ``first`` stage's inputs, the mini-batch's data, which the step holds whatever the
-        schedule), counted in :attr:`saved_bytes` until :meth:`_release`."""
+        and ``step``'s mini-batch, the data, which the step holds whatever the schedule: the ``first``
+        stage's inputs, and views of them however far they travel), counted in :attr:`saved_bytes`
+        until :meth:`_release`."""
         if not self.track_memory:
             return weights.forward(leaves, inputs), {}
-        data = list(tensors(inputs)) if first else []
+        data = [*tensors(self.inputs.get(step, ())), *(tensors(inputs) if first else ())]
         with saved_bytes([*leaves.values(), *weights.module.buffers(), *data]) as counted:
             result = weights.forward(leaves, inputs)
         for key, nbytes in counted.storages.items():
@@ -1033,7 +1034,9 @@ class PipelineExecutor:
             if accelerated:
                 torch.cuda.set_rng_state(state.rng[1], self.device)
             state.outputs, state.saved = self._in_place_safe(
-                action.stage, state.inputs, lambda x: self._forward_saving(weights, state.leaves, x, action.stage == 0)
+                action.stage,
+                state.inputs,
+                lambda x: self._forward_saving(weights, state.leaves, x, action.step, action.stage == 0),
             )
         for buffer, before in buffers:
             # through .data: batch norm's backward node holds the running statistics it was given and

@@ -111,15 +111,16 @@ def plan_split(build: Builder, microbatch: torch.Tensor, stages: int, repeats: i
 def stage_saved_bytes(stages: Sequence[nn.Module], inputs: Any, one_device: bool) -> list[float]:
     """What each stage saves for its backward on ``inputs`` (one micro-batch), each stage as one unit,
     as the runtime counts it: a tensor two of its layers save counts once (the profile counts it per
-    layer), the first stage's inputs (the data) not at all. Each stage is fed the previous stage's
-    output; on ``one_device`` a tensor the previous stage saved too (its output, when its last layer
-    keeps it) is held once, by the previous stage, whose backward comes later; on several devices
-    the input is a received copy."""
+    layer), the data (the first stage's inputs, and views of them further on) not at all. Each stage
+    is fed the previous stage's output; on ``one_device`` a tensor the previous stage saved too (its
+    output, when its last layer keeps it) is held once, by the previous stage, whose backward comes
+    later; on several devices the input is a received copy."""
     saved = []
     current = inputs
     held: set[int] = set()
-    for index, stage in enumerate(stages):
-        model_state = [*stage.parameters(), *stage.buffers(), *(tensors(current) if index == 0 else ())]
+    data = list(tensors(inputs))
+    for stage in stages:
+        model_state = [*stage.parameters(), *stage.buffers(), *data]
         try:
             with saved_bytes(model_state) as counted:
                 output = stage(current)
