@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -92,6 +93,7 @@ def _train(rank: int, kind: str, model: str, rows: int, steps: int, warmup: int)
         enable_model_summary=False,
         enable_checkpointing=False,
         callbacks=[timer],
+        default_root_dir=tempfile.mkdtemp(prefix="data_parallel_"),  # the pipeline's end-of-fit report goes there
     )
     trainer.fit(Classifier(model), DataLoader(data, batch_size=batch, drop_last=True))
     return [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :], strict=False)]
