@@ -125,17 +125,16 @@ def _data_parallel_orders(stages: int, microbatches: int, steps: int, rule: str)
         timed += [(time, a) for w, time, a in cues if w == worker]
         actions = _in_time_order(timed)
         placed: list[Action] = []
-        pending = [Action(Kind.UPDATE, j, None, t) for t in range(steps) for j in range(stages)]
+        updates = [0] * stages  # per stage, the next step whose update is still to place
         for action in actions:
-            if action.kind not in (Kind.F, Kind.B):
-                placed.append(action)
-                continue
-            version = formula_version(rule, action, stages)
-            due = [u for u in pending if u.stage == action.stage and u.step < version]
-            placed += due
-            pending = [u for u in pending if u not in due]
+            if action.kind in (Kind.F, Kind.B):
+                version = formula_version(rule, action, stages)
+                while updates[action.stage] < version:
+                    placed.append(Action(Kind.UPDATE, action.stage, None, updates[action.stage]))
+                    updates[action.stage] += 1
             placed.append(action)
-        orders.append(placed + pending)
+        rest = [Action(Kind.UPDATE, j, None, t) for t in range(steps) for j in range(stages) if t >= updates[j]]
+        orders.append(placed + rest)
     return orders
 
 
