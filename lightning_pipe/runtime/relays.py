@@ -79,6 +79,7 @@ class Relays:
         transport: Transport,
     ) -> None:
         self.relays = schedule.relays
+        self.stages = frozenset(range(len(self.relays)))  # the relayed stages
         self.worker, self.ranks, self.transport = worker, ranks, transport
         self.base, self.period = base, period
         self.origin = 0  # the step the programs count from (the executor's, moved on by each drain)
@@ -98,10 +99,6 @@ class Relays:
             first = next(a for a in self.relays[0] if a.step == middle)
             later = (first.kind, first.stage, first.microbatch, middle + period)
             self._per_period = self.index[later][1] - self.index[first.key][1]
-
-    @property
-    def stages(self) -> set[int]:
-        return set(range(len(self.relays)))
 
     def _neighbour(self, action: Action, offset: int) -> tuple[Action | None, int]:
         """The relay's action ``offset`` places from ``action`` (``None`` before the first), shifted
@@ -127,7 +124,7 @@ class Relays:
         drain, the worker of the drain's next action of the stage)."""
         if self.draining is not None:
             order = self.draining[action.stage]
-            position = next(i for i, a in enumerate(order) if a.key == action.key)
+            position = self._drain_place[action.key]
             return self.homes[action.stage] if position + 1 == len(order) else self.where_of(order[position + 1])
         following, _ = self._neighbour(action, +1)
         return self.homes[action.stage] if following is None else self.where[following.key]
@@ -142,12 +139,14 @@ class Relays:
         was passed to, after the last action that ran, to the worker of the drain's first action of
         it (to its owner when the drain has none), and the drain's actions pass it on among themselves."""
         self.draining = {stage: [] for stage in self.stages}
+        self._drain_place: dict[_Key, int] = {}  # an action's place in its stage's drain order
         for worker in range(workers):
             for action in actions_of(worker):
                 if action.stage in self.stages and (action.kind in COMPUTE or action.kind is Kind.UPDATE):
                     self.draining[action.stage].append(action)
         for stage, order in self.draining.items():
             order.sort(key=self._order)
+            self._drain_place.update((a.key, i) for i, a in enumerate(order))
             last_run = self._last_run(stage, order, end)
             holder = self.homes[stage] if last_run is None else self._steady_destination(last_run)
             target = self.where_of(order[0]) if order else self.homes[stage]
@@ -216,7 +215,7 @@ class Relays:
             return
         if self.draining is not None:
             order = self.draining[action.stage]
-            position = next(i for i, a in enumerate(order) if a.key == action.key)
+            position = self._drain_place[action.key]
             key = ("drain", action.stage) if position == 0 else order[position - 1].key
         else:
             previous, shift = self._neighbour(action, -1)

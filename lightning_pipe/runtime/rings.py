@@ -36,16 +36,12 @@ class RingReducer:
 
     def __init__(self, schedule: Schedule, worker: int, ranks: Sequence[int], transport: Transport) -> None:
         self.rings = schedule.rings
+        self.stages = frozenset(range(len(self.rings)))  # the stages reduced along rings
         self.worker = worker
         self.ranks = list(ranks)
         self.transport = transport
         self.expected: dict[tuple[str, int, int], tuple[int, int]] = {}
         self.sent: Counter[tuple[str, int, int]] = Counter()
-
-    @property
-    def stages(self) -> set[int]:
-        """The stages reduced along rings."""
-        return set(range(len(self.rings)))
 
     def expect(self, peer: int, action: Action, last_gradient: tuple[int, int] | None) -> None:
         """Announce what ``peer`` sends this worker after ``action`` (``last_gradient``: the stage
