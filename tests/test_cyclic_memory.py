@@ -5,19 +5,26 @@ runtime's measurement on one device against the simulator's."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule import StageCosts, simulate
+from lightning_pipe.schedule.cyclic import CUE_TOLERANCE, cue_after
 from lightning_pipe.train.cyclic_memory import measure, per_worker_peak, plan_split, schedule_of
 
 
-def _step_model(setting: str, kind: str, workers: int, steps: int = 4) -> float:
-    costs = StageCosts.uniform(workers, 1.0, 1.0, saved_bytes=[1.0] * workers)
-    simulation = simulate(schedule_of(setting, kind, workers, workers)(steps), costs)
+def _step_model(
+    setting: str, kind: str, workers: int, steps: int = 4, backward: float = 1.0, by_time: bool = False
+) -> float:
+    costs = StageCosts.uniform(workers, 1.0, backward, saved_bytes=[1.0] * workers)
+    durations = (costs.forward, costs.backward) if by_time else None
+    simulation = simulate(schedule_of(setting, kind, workers, workers, durations)(steps), costs)
     return per_worker_peak(simulation.memory_timeline, workers)
 
 
@@ -43,6 +50,48 @@ def test_step_model_on_processes_keeps_the_papers_n_plus_one_over_two(workers: i
     where DP, every replica at once, holds N (Table 1's ``(N+1)/2 B Psi_A`` against ``N B Psi_A``)."""
     assert _step_model("processes", "dp", workers) == workers
     assert _step_model("processes", "cdp", workers) == pytest.approx((workers + 1) / 2)
+
+
+@pytest.mark.parametrize("workers", [3, 4, 5, 8])
+def test_replicas_cued_by_time_keep_n_plus_one_over_two_when_backwards_take_twice_the_forwards(workers: int) -> None:
+    """With backwards twice the forwards, two actions are less than 1/N of a pass: replicas started two
+    actions apart hold more than (N + 1) / 2 units at their peak. Started 1/N of the pass apart (the
+    stages' durations given), they hold (N + 1) / 2 again."""
+    dp = _step_model("processes", "dp", workers, backward=2.0)
+    assert dp == workers
+    assert _step_model("processes", "cdp", workers, backward=2.0) > (workers + 1) / 2
+    assert _step_model("processes", "cdp", workers, backward=2.0, by_time=True) == pytest.approx((workers + 1) / 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 6), st.data())
+def test_the_cue_follows_the_last_action_by_one_nth_of_the_pass(workers: int, data: st.DataObject) -> None:
+    """Any stage durations: the cue follows the last action of a pass ending by 1/N of it, 1% of it
+    allowed (brute force over the pass's actions; the first action when none does)."""
+    seconds = st.lists(st.floats(0.01, 3.0), min_size=workers, max_size=workers)
+    forward, backward = data.draw(seconds), data.draw(seconds)
+    ends = list(itertools.accumulate([*forward, *reversed(backward)]))
+    by = [a for a in range(len(ends)) if ends[a] <= ends[-1] / workers * (1 + CUE_TOLERANCE)]
+    assert cue_after(workers, workers, (forward, backward)) == max(by, default=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 6), st.floats(0.1, 3.0), st.floats(0.1, 3.0))
+def test_replicas_cued_by_time_run_as_fast_as_dp(workers: int, forward: float, backward: float) -> None:
+    """Stages of equal durations, backwards faster or slower than forwards: replicas started 1/N of a
+    pass apart (as nearly as whole actions allow) are never slower than DP's by more than the 1%
+    the cue may fall late."""
+    costs = StageCosts.uniform(workers, forward, backward, saved_bytes=[1.0] * workers)
+    dp = simulate(schedule_of("processes", "dp", workers, workers)(6), costs)
+    by_time = simulate(schedule_of("processes", "cdp", workers, workers, (costs.forward, costs.backward))(6), costs)
+    assert by_time.throughput >= dp.throughput * (1 - CUE_TOLERANCE)
+
+
+def test_durations_are_checked() -> None:
+    with pytest.raises(PlanningError, match="3 forward and 2 backward durations for 2 stages"):
+        cue_after(2, 2, ([1.0] * 3, [1.0] * 2))
+    with pytest.raises(PlanningError, match="cannot be negative"):
+        cue_after(2, 2, ([1.0, -1.0], [1.0, 1.0]))
 
 
 @pytest.mark.parametrize("workers", [2, 3, 4, 5, 8])

@@ -187,7 +187,8 @@ FOUR_WORKERS = [
     _case("fsdp", "fsdp", 4, 4, foreign_init=True),
     _case("2bw", "2bw", 4, 4, optimizer="adam"),
     _case("cdp-v2", "cdp", 4, 4, options={"rule": "cdp_v2"}),
-    _case("cdp-dp-v2", "cdp", 4, 4, options={"rule": "cdp_v2", "form": "dp"}),
+    # backwards twice the forwards: each replica starts a quarter of a pass (three actions) after the previous
+    _case("cdp-dp-v2-cued-by-time", "cdp", 4, 4, options={"form": "dp", "stage_durations": ([1.0] * 4, [2.0] * 4)}),
     _case("cdp-dp-v1-adam", "cdp", 4, 4, steps=5, optimizer="adam", options={"rule": "cdp_v1", "form": "dp"}),
     _case("cdp-dp-v2-3-stages-uneven", "cdp", 3, 4, rows=11, options={"rule": "cdp_v2", "form": "dp"}),
     _case("cdp-zero-v2", "cdp", 4, 4, options={"rule": "cdp_v2", "form": "zero"}),

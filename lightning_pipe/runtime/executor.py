@@ -163,7 +163,8 @@ class PipelineExecutor:
         track_memory: count the bytes autograd saves for the micro-batches in flight, each storage
             once however many of them save it (the micro-batches of the first stage are views of one
             batch) (:attr:`saved_bytes`, :attr:`peak_saved_bytes`, and :attr:`memory_timeline`: the
-            count after every action, which changes only in forwards (up) and backwards (down);
+            count after every action, which changes only in forwards (up, from the start of their
+            compute) and backwards (down, at their end);
             saved-tensor hooks cost a little time).
         timeout_seconds: a single wait longer than this fails (a deadlock, or a peer that hangs).
         timeline_length: how many of the latest actions :attr:`timeline` keeps (``None``: all of them,
@@ -316,7 +317,7 @@ class PipelineExecutor:
         self.peak_saved_bytes = 0
         self._holders: Counter[int] = Counter()  # saved storage -> forwards in flight saving it
         self._held_bytes: dict[int, int] = {}
-        self.memory_timeline: deque[tuple[float, int]] = deque(maxlen=timeline_length)  # (end, saved bytes)
+        self.memory_timeline: deque[tuple[float, int]] = deque(maxlen=timeline_length)  # (moment, saved bytes)
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
         # (stage, entry of the program, position) -> versions used after it, less the call's shift
         self._upcoming: dict[tuple[int, int, int], frozenset[int]] = {}
@@ -797,8 +798,11 @@ class PipelineExecutor:
         gradient left and ``W`` after: what a split backward costs is then measured
         (:mod:`~lightning_pipe.runtime.calibration`), and priced by the simulator."""
         end, waits = time.perf_counter(), self.transport.waited
-        if self.track_memory:
-            self.memory_timeline.append((end, self.saved_bytes))  # the host's clock: processes line up
+        if self.track_memory:  # on the host's clock, so processes line up
+            # a forward's saved bytes count from the start of its compute (after its input arrived), as the
+            # simulator and the paper's time steps count them; a backward's are freed at its end
+            moment = start + (waits - waited) if action.kind is Kind.F else end
+            self.memory_timeline.append((moment, self.saved_bytes))
         if self._sent_early is None:
             self.timeline.append(Interval(self.rank, action, start - self.epoch, end - self.epoch, waits - waited))
             return

@@ -100,6 +100,7 @@ def _generate(
     backward: float,
     stage_replicas: Sequence[int] | None,
     slack: int,
+    stage_durations: cyclic.Durations | None,
 ) -> Schedule:
     if slack and family in FAMILIES and family not in SLACK_FAMILIES:
         raise PlanningError(
@@ -127,7 +128,7 @@ def _generate(
     if family == "2bw":
         return asynchronous.two_bw(stages, microbatches, steps, rule=rule or "2bw", slack=slack)
     if family == "cdp":
-        return cyclic.cdp(stages, microbatches, steps, form=form, rule=rule or "cdp_v2")
+        return cyclic.cdp(stages, microbatches, steps, form=form, rule=rule or "cdp_v2", durations=stage_durations)
     if family == "zb_h1":
         return zero_bubble.zb_h1(
             stages, microbatches, steps, forward=forward, input_grad=backward / 2, weight_grad=backward / 2
@@ -171,6 +172,7 @@ def build_schedule(
     backward: float = 2.0,
     stage_replicas: Sequence[int] | None = None,
     slack: int = 0,
+    stage_durations: cyclic.Durations | None = None,
 ) -> Graph:
     """Build, version and validate the schedule ``family``; returns its dependency graph (the
     schedule is ``.schedule``), so a simulation need not validate it again.
@@ -193,6 +195,9 @@ def build_schedule(
         stage_replicas: workers per stage for ``1f1b_rr`` (e.g. a pipedream plan's replicas).
         slack: extra warm-up forwards per link for ``1f1b``, ``pipedream`` and ``2bw``, so messages cross
             while the sender computes (:mod:`~lightning_pipe.schedule.pipeline`; 0: plain 1F1B).
+        stage_durations: each stage's forward and backward seconds, where ``cdp``'s dp form starts
+            each replica: 1/N of a pass after the previous (default: two time steps, the paper's
+            delay when every action takes one; :func:`~lightning_pipe.schedule.cyclic.cue_after`).
     """
     check_rule(family, rule)
     schedule = _generate(
@@ -214,6 +219,7 @@ def build_schedule(
         backward=backward,
         stage_replicas=stage_replicas,
         slack=slack,
+        stage_durations=stage_durations,
     )
     return validate(assign_versions(schedule, schedule.rule))
 

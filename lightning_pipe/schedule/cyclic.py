@@ -12,7 +12,8 @@ The same timeline runs in five settings (``form``):
 - ``"single"``: one device runs every micro-batch of the timeline in its time order (§4.1, Fig.
   2a-ii): about ``(N+1)/2`` micro-batches' activations alive instead of ``N``;
 - ``"dp"``: ``N`` workers, each a full replica computing its own micro-batch of every step, started
-  two time steps after the previous one (a cue: ``SIGNAL``/``WAIT``) (§4.2, Fig. 2b-ii). A stage's
+  two time steps after the previous one, or 1/N of a pass in time when the stages' durations are
+  known (a cue: ``SIGNAL``/``WAIT``) (§4.2, Fig. 2b-ii). A stage's
   gradient is reduced point to point during the step (a :class:`Ring`): each worker adds its gradient
   to the partial sum of the previous one and passes it on as soon as its backward of the stage is
   done; the last one holds the sum and passes it to the others in the order they next compute the
@@ -29,12 +30,21 @@ The update rules are CDP-v1 (``θ_{t-1}`` everywhere, = 2BW) and CDP-v2 (stage `
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import Action, Kind, Ring, Schedule
 from lightning_pipe.schedule.pipeline import check_sizes
 from lightning_pipe.schedule.versions import formula_version
 
-__all__ = ["FORMS", "cdp"]
+__all__ = ["CUE_TOLERANCE", "FORMS", "Durations", "cdp", "cue_after"]
+
+Durations = tuple[Sequence[float], Sequence[float]]
+"""Each stage's forward and backward seconds."""
+
+CUE_TOLERANCE = 0.01
+"""How far past ``1/N`` of a pass the dp form's cue may fall (:func:`cue_after`), as a fraction of it."""
 
 FORMS: dict[str, str] = {
     "pipeline": "one worker per stage (Fig. 2c-iii)",
@@ -99,27 +109,48 @@ def _need_time(stages: int, microbatches: int, rule: str, worker: int, stage: in
     raise AssertionError("every rule uses a step's weights within two steps")  # pragma: no cover
 
 
-def _cues(stages: int, microbatches: int, steps: int) -> list[tuple[int, float, Action]]:
+def cue_after(stages: int, microbatches: int, durations: Durations | None = None) -> int:
+    """Which action of a pass (``F_0 .. F_(P-1)``, then ``B_(P-1) .. B_0``) the previous worker's cue
+    follows in the dp form: the last one ending by ``1/N`` of the pass (or at most 1% after it), the
+    uniform delay of §3.2 as nearly as whole actions allow. A later one would idle the replicas: N
+    delays would outlast the pass (by up to 1% of it here, so that durations a hair apart do not
+    flip the choice). ``durations`` are each stage's forward and backward seconds; without them
+    every action takes one time step and the cue follows the second action: the paper's two time
+    steps. Real backwards outlast forwards, so two actions fall short of ``1/N`` of a pass and would
+    bring the replicas' activation peaks closer together than the paper's. A first forward longer
+    than ``1/N`` of the pass is followed all the same, and the replicas then wait for each other:
+    split the model finer at its start."""
+    forward, backward = durations if durations is not None else ([1.0] * stages, [1.0] * stages)
+    if len(forward) != stages or len(backward) != stages:
+        raise PlanningError(f"cdp: {len(forward)} forward and {len(backward)} backward durations for {stages} stages")
+    if min(*forward, *backward) < 0:
+        raise PlanningError(f"cdp: durations cannot be negative; got {list(forward)}, {list(backward)}")
+    ends = list(itertools.accumulate([*forward, *reversed(backward)]))
+    target = ends[-1] / microbatches * (1 + CUE_TOLERANCE)
+    return max([a for a, end in enumerate(ends) if end <= target], default=0)
+
+
+def _cues(stages: int, microbatches: int, steps: int, after: int) -> list[tuple[int, float, Action]]:
     """The uniform delay of the dp form as cues ``(worker, time, action)``: micro-batch ``g`` starts
-    once the worker of micro-batch ``g - 1`` has done its action of time step ``2g - 1`` (its second
-    forward, or its backward on one stage), two time steps after it started."""
+    once the worker of micro-batch ``g - 1`` has done action ``after`` of it (:func:`cue_after`),
+    which the timeline puts at time step ``2(g - 1) + after``."""
     cues = []
     for g in range(1, steps * microbatches):
         step, worker = divmod(g, microbatches)
         previous = (worker - 1) % microbatches
         key = (0, worker, step)
-        cues.append((previous, 2 * g - 0.1, Action(Kind.SIGNAL, *key, peer=worker)))
+        cues.append((previous, 2 * (g - 1) + after + 0.9, Action(Kind.SIGNAL, *key, peer=worker)))
         cues.append((worker, 2 * g - 0.05, Action(Kind.WAIT, *key, peer=previous)))
     return cues
 
 
-def _data_parallel_orders(stages: int, microbatches: int, steps: int, rule: str) -> list[list[Action]]:
+def _data_parallel_orders(stages: int, microbatches: int, steps: int, rule: str, after: int) -> list[list[Action]]:
     """The dp form: worker ``k`` computes micro-batch ``k`` of every step in the timeline's order,
     waiting for the previous worker's cue before each of its micro-batches (:func:`_cues`), and
     updates stage ``j`` of step ``t`` just before its first action using the new weights (after its
     last use of the weights it replaces: one version held at a time), or at its end."""
     orders = []
-    cues = _cues(stages, microbatches, steps)
+    cues = _cues(stages, microbatches, steps, after)
     for worker in range(microbatches):
         timed = [(time, a) for time, a in _timed(stages, microbatches, steps) if a.microbatch == worker]
         timed += [(time, a) for w, time, a in cues if w == worker]
@@ -166,8 +197,17 @@ def _rings(stages: int, microbatches: int, rule: str) -> list[Ring]:
     return rings
 
 
-def cdp(stages: int, microbatches: int, steps: int = 2, *, form: str = "pipeline", rule: str = "cdp_v2") -> Schedule:
-    """Cyclic Data Parallelism in one of its :data:`FORMS`."""
+def cdp(
+    stages: int,
+    microbatches: int,
+    steps: int = 2,
+    *,
+    form: str = "pipeline",
+    rule: str = "cdp_v2",
+    durations: Durations | None = None,
+) -> Schedule:
+    """Cyclic Data Parallelism in one of its :data:`FORMS`; ``durations`` (each stage's forward and
+    backward seconds) place the dp form's cues 1/N of a pass apart (:func:`cue_after`)."""
     check_sizes("cdp", stages, microbatches, steps)
     if form not in FORMS:
         raise PlanningError(f"cdp: form must be one of {', '.join(map(repr, FORMS))}; got {form!r}")
@@ -186,11 +226,13 @@ def cdp(stages: int, microbatches: int, steps: int = 2, *, form: str = "pipeline
         )
     rings: list[Ring] = []
     relays: list[tuple[Action, ...]] = []
+    params: dict[str, object] = {"form": form}
     if form == "zero":
         orders, relays = _zero_orders(stages, microbatches, steps)
         owners = [(microbatches - 1,)] * stages
     elif form == "dp":
-        orders = _data_parallel_orders(stages, microbatches, steps, rule)
+        params["cue_after"] = after = cue_after(stages, microbatches, durations)
+        orders = _data_parallel_orders(stages, microbatches, steps, rule, after)
         owners = [range(microbatches)] * stages
         rings = _rings(stages, microbatches, rule)
     else:
@@ -206,5 +248,5 @@ def cdp(stages: int, microbatches: int, steps: int = 2, *, form: str = "pipeline
         flush=False,
         rings=rings,
         relays=relays,
-        params={"form": form},
+        params=params,
     )

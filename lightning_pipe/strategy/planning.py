@@ -253,8 +253,14 @@ def _plan_file(path: str, layers: int, workers: int, replicate: bool) -> StagePl
 
 
 def schedule_of(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: int) -> Callable[[int], Schedule]:
-    """``steps -> schedule`` for the plan's stages (and their replicas, for ``1f1b_rr``)."""
-    extra = {} if stage_plan.replicas is None else {"stage_replicas": list(stage_plan.replicas)}
+    """``steps -> schedule`` for the plan's stages (and their replicas, for ``1f1b_rr``; their profiled
+    durations, which space CDP's dp-form replicas 1/N of a pass apart)."""
+    extra: dict[str, object] = {}
+    if stage_plan.replicas is not None:
+        extra["stage_replicas"] = list(stage_plan.replicas)
+    if schedule.family == "cdp" and schedule.form == "dp" and stage_plan.plan is not None:
+        costs = StageCosts.from_plan(stage_plan.plan.to_dict())
+        extra["stage_durations"] = (list(costs.forward), list(costs.backward))
     return schedule.make(len(stage_plan.bounds), microbatches, **extra)
 
 

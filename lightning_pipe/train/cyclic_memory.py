@@ -34,6 +34,7 @@ from lightning_pipe.nested import map_tensors, tensors
 from lightning_pipe.runtime import PipelineExecutor, run_local
 from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule import StageCosts, simulate
+from lightning_pipe.schedule.cyclic import Durations
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import Call, pipeline_model
@@ -54,6 +55,11 @@ class Split:
     bounds: tuple[tuple[int, int], ...]
     costs: StageCosts
     saved_on_one_device: tuple[float, ...]
+
+    @property
+    def durations(self) -> Durations:
+        """Each stage's profiled forward and backward seconds."""
+        return tuple(self.costs.forward), tuple(self.costs.backward)
 
     def costs_in(self, setting: str) -> StageCosts:
         """The stage costs as ``setting`` holds the activations."""
@@ -134,13 +140,19 @@ def stage_saved_bytes(stages: Sequence[nn.Module], inputs: Any, one_device: bool
     return saved
 
 
-def schedule_of(setting: str, kind: str, stages: int, workers: int) -> Callable[[int], Schedule]:
+def schedule_of(
+    setting: str, kind: str, stages: int, workers: int, durations: Durations | None = None
+) -> Callable[[int], Schedule]:
     """``steps -> schedule`` of DP (``kind="dp"``) or CDP (``"cdp"``, rule CDP-v2) in ``setting``,
-    with ``workers`` micro-batches per step."""
+    with ``workers`` micro-batches per step; ``durations`` (each stage's forward and backward
+    seconds) start CDP's replicas 1/N of a pass apart in ``processes`` (without them: two time steps)."""
     if setting not in SETTINGS or kind not in ("dp", "cdp"):
         raise ValueError(f"setting must be one of {SETTINGS} and kind 'dp' or 'cdp'; got {setting!r}, {kind!r}")
     if kind == "cdp":
-        options = ScheduleOptions("cdp", form="single" if setting == "one device" else "dp", rule="cdp_v2")
+        if setting == "processes":
+            options = ScheduleOptions("cdp", form="dp", rule="cdp_v2")
+            return options.make(stages, workers, stage_durations=durations)
+        options = ScheduleOptions("cdp", form="single", rule="cdp_v2")
     elif setting == "one device":
         options = ScheduleOptions("ddp", workers=1, priority="forward_first")
     else:
@@ -170,13 +182,14 @@ def _measure_worker(
     setting: str,
     microbatches: int,
     steps: int,
+    durations: Durations,
 ) -> dict[str, list[tuple[float, int]]]:
     """Worker of :func:`run_local`: train DP then CDP for ``steps`` steps on the same data; the
     saved-activation bytes after every action of each."""
     layers, _, _ = _layers(build, batch[: batch.shape[0] // microbatches], len(bounds))
     curves = {}
     for kind in ("dp", "cdp"):
-        make = schedule_of(setting, kind, len(bounds), microbatches)
+        make = schedule_of(setting, kind, len(bounds), microbatches, durations)
         stages = StagePlan(bounds).modules(layers)
         executor = PipelineExecutor(
             make,
@@ -209,11 +222,12 @@ def measure(
     process in ``processes``), ``split``'s stages: measured over ``steps`` steps and predicted."""
     batch = microbatch.repeat(workers, *([1] * (microbatch.dim() - 1)))
     processes = workers if setting == "processes" else 1
-    args = (build, batch, classes, split.bounds, setting, workers, steps)
+    args = (build, batch, classes, split.bounds, setting, workers, steps, split.durations)
     results = run_local(_measure_worker, processes, *args, timeout=timeout)
     measured = {kind: per_worker_peak([result[kind] for result in results], workers) for kind in ("dp", "cdp")}
     predicted = {}
     for kind in ("dp", "cdp"):
-        simulation = simulate(schedule_of(setting, kind, len(split.bounds), workers)(steps), split.costs_in(setting))
+        schedule = schedule_of(setting, kind, len(split.bounds), workers, split.durations)(steps)
+        simulation = simulate(schedule, split.costs_in(setting))
         predicted[kind] = per_worker_peak(simulation.memory_timeline, workers)
     return Measurement(setting, workers, measured, predicted)
