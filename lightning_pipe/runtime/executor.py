@@ -317,6 +317,7 @@ class PipelineExecutor:
         self.peak_saved_bytes = 0
         self._holders: Counter[int] = Counter()  # saved storage -> forwards in flight saving it
         self._held_bytes: dict[int, int] = {}
+        self._step_data: dict[int, list[torch.Tensor]] = {}  # step -> its data, while its micro-batches are in flight
         self.memory_timeline: deque[tuple[float, int]] = deque(maxlen=timeline_length)  # (moment, saved bytes)
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
         # (stage, entry of the program, position) -> versions used after it, less the call's shift
@@ -739,6 +740,8 @@ class PipelineExecutor:
             if inputs is None:
                 raise PlanningError(f"rank {self.rank} runs the first stage: step() needs the inputs")
             self.inputs[step] = split_batch(map_tensors(self._to_device, inputs), m)
+            if self.track_memory:  # kept (alive, so no activation takes their addresses) while the step is in flight
+                self._step_data[step] = list(tensors(self.inputs[step]))
         if self.needs_targets:
             if targets is None:
                 raise PlanningError(f"rank {self.rank} runs the last stage: step() needs the targets")
@@ -983,7 +986,7 @@ class PipelineExecutor:
         until :meth:`_release`."""
         if not self.track_memory:
             return weights.forward(leaves, inputs), {}
-        data = [*tensors(self.inputs.get(step, ())), *(tensors(inputs) if first else ())]
+        data = [*self._step_data.get(step, ()), *(tensors(inputs) if first else ())]
         with saved_bytes([*leaves.values(), *weights.module.buffers(), *data]) as counted:
             result = weights.forward(leaves, inputs)
         for key, nbytes in counted.storages.items():
@@ -1117,6 +1120,8 @@ class PipelineExecutor:
             if not self._holders[key]:
                 del self._holders[key]
                 self.saved_bytes -= self._held_bytes.pop(key)
+        if t in self._step_data and t not in self.inputs and all(key[2] != t for key in self.in_flight):
+            del self._step_data[t]
         if s == self.schedule.stages - 1:
             self.targets_left[t] -= 1
             if not self.targets_left[t]:

@@ -195,8 +195,31 @@ def plan_stages(
             f"the {options.partitioner} plan uses {plan.devices_used} of the {workers} workers: 1f1b_rr needs every "
             "worker placed (use the pipedream partitioner, or give balance= and stage_replicas=)"
         )
+    if not replicate and len(plan.stages) < workers:
+        plan = _every_worker_a_stage(request, plan, costs.column("seconds"))
     bounds = tuple((s.layers[0], s.layers[-1]) for s in plan.stages)
     return StagePlan(bounds, plan, costs, tuple(s.replicas for s in plan.stages) if replicate else None)
+
+
+def _every_worker_a_stage(request: PlanRequest, plan: Plan, seconds: Sequence[float]) -> Plan:
+    """``plan`` split into one stage per worker. A partitioner uses at most the devices it is given,
+    and fewer when one layer's time bounds every split (a large first layer); every rank of the
+    pipeline holds a stage, so the longest stage with two layers or more is cut in two where the
+    longer half is shortest, until there are as many as workers: the bottleneck does not grow."""
+    spans = [(stage.layers[0], stage.layers[-1]) for stage in plan.stages]
+    while len(spans) < request.devices:
+        index = max(
+            (i for i, (first, last) in enumerate(spans) if last > first),
+            key=lambda i: sum(seconds[spans[i][0] : spans[i][1] + 1]),
+        )
+        first, last = spans[index]
+        cut = min(
+            range(first, last),
+            key=lambda c: max(sum(seconds[first : c + 1]), sum(seconds[c + 1 : last + 1])),
+        )
+        spans[index : index + 1] = [(first, cut), (cut + 1, last)]
+    note = f"{len(plan.stages)} stages were as fast; split to one per worker"
+    return request.plan_spans(plan.partitioner, [(first, last, 1) for first, last in spans], [*plan.notes, note])
 
 
 def _profile(
