@@ -140,7 +140,9 @@ def test_the_prediction_shares_the_machine_by_the_contention_given() -> None:
 def test_placement_table_shows_where_stages_compute_and_where_their_weights_live() -> None:
     """The set-up print of Rahimi's families: FSDP computes every stage on every worker and keeps
     stage ``s``'s weights on worker ``s mod W``; LPP on one group of two loops the stages over the
-    workers; FSLPP on two groups of one computes everywhere, weights on ``h(s, s)``."""
+    workers; FSLPP on two groups of one computes everywhere, weights on ``h(s, s)``. CDP's dp form
+    says where each replica starts: a quarter of a pass after the previous, three forwards of four
+    stages when backwards take twice as long."""
     fsdp = placement_table(make_schedule("fsdp", 3, 4, workers=2)).splitlines()
     assert fsdp[0] == "===== Placement (fsdp, 2 workers per pipeline) ====="
     assert [line.split() for line in fsdp[2:]] == [["0", "0,1", "0"], ["1", "0,1", "1"], ["2", "0,1", "0"]]
@@ -148,3 +150,5 @@ def test_placement_table_shows_where_stages_compute_and_where_their_weights_live
     assert [line.split()[1:] for line in lpp[2:]] == [["0", "0"], ["1", "1"], ["0", "0"], ["1", "1"]]
     ddp = placement_table(make_schedule("ddp", 2, 4)).splitlines()
     assert [line.split()[1:] for line in ddp[2:]] == [["0-3", "0-3"]] * 2
+    cdp = placement_table(make_schedule("cdp", 4, 4, form="dp", stage_durations=([1.0] * 4, [2.0] * 4)))
+    assert cdp.splitlines()[-1] == "each worker starts its micro-batch when the previous one has done its F2"

@@ -309,6 +309,11 @@ def placement_table(schedule: Schedule) -> str:
     for stage in range(schedule.stages):
         computing, owners = schedule.computing(stage), schedule.owners[stage]
         lines.append(f"{stage:>5}  {_workers(computing):<11} {_workers(owners)}")
+    after = schedule.params.get("cue_after")
+    if isinstance(after, int):  # CDP's dp form: where each replica starts
+        stages = schedule.stages
+        action = f"F{after}" if after < stages else f"B{2 * stages - 1 - after}"
+        lines.append(f"each worker starts its micro-batch when the previous one has done its {action}")
     return "\n".join(lines)
 
 

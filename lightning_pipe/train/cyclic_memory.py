@@ -9,13 +9,14 @@ trained for a few steps in one of two settings:
   backward: :func:`~lightning_pipe.schedule.master.ddp` on one worker, forwards first), CDP in the
   cyclic order (``cdp``, ``form="single"``);
 - ``processes``: ``N`` processes, each a replica with its own micro-batch; DP all at once
-  (:func:`~lightning_pipe.schedule.master.ddp`), CDP each started two time steps after the previous
+  (:func:`~lightning_pipe.schedule.master.ddp`), CDP each started 1/N of a pass after the previous
   (``cdp``, ``form="dp"``).
 
 The runtime counts the bytes autograd saves for the micro-batches in flight after every action
 (``PipelineExecutor(track_memory=True)``); the activation memory per worker is the sum over the
 workers at each moment divided by ``N``, and its peak is compared. The simulator replays the same
-schedules with the profiled stage costs and predicts the same figure. Parameters, gradients and
+schedules with the profiled stage costs, and again with the costs the runs measured, and predicts
+the same figure. Parameters, gradients and
 optimizer state are left out, as in the paper's Fig. 4.
 """
 
@@ -70,13 +71,17 @@ class Split:
 
 @dataclass(frozen=True)
 class Measurement:
-    """Peak activation memory per worker (bytes) of DP and CDP in one setting, measured and
-    predicted."""
+    """Peak activation memory per worker (bytes) of DP and CDP in one setting: ``measured``,
+    ``predicted`` by the simulator from the profiled stage costs, and ``calibrated``: predicted from
+    the costs each run measured (its actions' mean durations, waits left out:
+    :meth:`~lightning_pipe.runtime.PipelineExecutor.measured_costs`), which hold what the profile
+    misses (the workers sharing cores, the executor's own time per action)."""
 
     setting: str
     workers: int
     measured: dict[str, float]
     predicted: dict[str, float]
+    calibrated: dict[str, float]
 
     @property
     def ideal(self) -> float:
@@ -84,8 +89,8 @@ class Measurement:
         return (self.workers + 1) / (2 * self.workers)
 
     def ratio(self, which: str) -> float:
-        """CDP's peak over DP's, ``measured`` or ``predicted``."""
-        values = self.measured if which == "measured" else self.predicted
+        """CDP's peak over DP's, ``measured``, ``predicted`` or ``calibrated``."""
+        values = {"measured": self.measured, "predicted": self.predicted, "calibrated": self.calibrated}[which]
         return values["cdp"] / values["dp"]
 
 
@@ -183,9 +188,10 @@ def _measure_worker(
     microbatches: int,
     steps: int,
     durations: Durations,
-) -> dict[str, list[tuple[float, int]]]:
+) -> dict[str, tuple[list[tuple[float, int]], StageCosts]]:
     """Worker of :func:`run_local`: train DP then CDP for ``steps`` steps on the same data; the
-    saved-activation bytes after every action of each."""
+    saved-activation bytes after every action of each, and the stage costs each measured (the first
+    step, the warm-up, left out)."""
     layers, _, _ = _layers(build, batch[: batch.shape[0] // microbatches], len(bounds))
     curves = {}
     for kind in ("dp", "cdp"):
@@ -203,8 +209,9 @@ def _measure_worker(
             targets = torch.randint(classes, (batch.shape[0],), generator=generator)
             executor.step((batch,), targets)
         executor.drain()
+        costs = executor.measured_costs(since_step=1)
         executor.close()
-        curves[kind] = list(executor.memory_timeline)
+        curves[kind] = (list(executor.memory_timeline), costs)
     return curves
 
 
@@ -224,10 +231,12 @@ def measure(
     processes = workers if setting == "processes" else 1
     args = (build, batch, classes, split.bounds, setting, workers, steps, split.durations)
     results = run_local(_measure_worker, processes, *args, timeout=timeout)
-    measured = {kind: per_worker_peak([result[kind] for result in results], workers) for kind in ("dp", "cdp")}
-    predicted = {}
+    measured, predicted, calibrated = {}, {}, {}
     for kind in ("dp", "cdp"):
+        measured[kind] = per_worker_peak([result[kind][0] for result in results], workers)
         schedule = schedule_of(setting, kind, len(split.bounds), workers, split.durations)(steps)
-        simulation = simulate(schedule, split.costs_in(setting))
-        predicted[kind] = per_worker_peak(simulation.memory_timeline, workers)
-    return Measurement(setting, workers, measured, predicted)
+        profiled = split.costs_in(setting)
+        predicted[kind] = per_worker_peak(simulate(schedule, profiled).memory_timeline, workers)
+        ran = replace(results[0][kind][1], saved_bytes=profiled.saved_bytes)  # every rank's costs are pooled
+        calibrated[kind] = per_worker_peak(simulate(schedule, ran).memory_timeline, workers)
+    return Measurement(setting, workers, measured, predicted, calibrated)
