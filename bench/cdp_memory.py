@@ -4,7 +4,7 @@ predicts (Fournier & Oyallon 2024, §4.1-4.2; :mod:`lightning_pipe.train.cyclic_
     python bench/cdp_memory.py                          # three models, small and large micro-batches
     python bench/cdp_memory.py --models mlp --rows 4 64 --workers 2 4 8
 
-For each model, micro-batch size and N: the model cut into N stages, trained for 3 steps of N
+For each model, micro-batch size and N: the model cut into N stages, trained for 8 steps of N
 micro-batches on one device (DP: together; CDP-v2: in the cyclic order) and on N processes (DP: all
 at once; CDP-v2: each two time steps after the previous), the bytes autograd saves counted after
 every action; the peak per worker (the workers' sum over N) for DP and CDP, their ratio as measured
@@ -14,8 +14,10 @@ is beside them. CDP's replicas start 1/N of a pass apart, by the profiled durati
 
 On ``processes`` the figure depends on when the workers' peaks meet, so on the actions' durations: a
 profile taken alone misses what the run adds (the executor's own time, message latency), which the
-run's costs hold. Rows with more processes than cores are marked: the replicas then share cores and
-do not run at once as the simulator (and the paper) has them.
+run's costs hold; and on the jitter of the actions and of the executor's time between them, where
+two peaks meet by a millisecond or less: a training run's peak is its worst step's, so each run
+takes several steps. Rows with more processes than cores are marked: the replicas then share cores
+and do not run at once as the simulator (and the paper) has them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[2, 32], help="samples per micro-batch")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="N")
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
+    parser.add_argument("--steps", type=int, default=8, help="steps of each run (the peak is over all of them)")
     args = parser.parse_args(argv)
     cores = len(os.sched_getaffinity(0))
     print(
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             for workers in args.workers:
                 split = plan_split(build, microbatch, workers)
                 for setting in args.settings:
-                    result = measure(build, microbatch, 10, setting, workers, split)
+                    result = measure(build, microbatch, 10, setting, workers, split, steps=args.steps)
                     measured, simulated = result.ratio("measured"), result.ratio("predicted")
                     calibrated = result.ratio("calibrated")
                     dp, cdp = (result.measured[kind] / 2**20 for kind in ("dp", "cdp"))

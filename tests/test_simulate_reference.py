@@ -348,6 +348,11 @@ def assert_matches(schedule: Schedule, costs: StageCosts, early_gradients: bool)
     ]
     assert {(i.worker, p): i.start for p, i in _positions(sim.timeline)} == ref.start
     assert {(i.worker, p): i.end for p, i in _positions(sim.timeline)} == ref.end
+    for category, counts in ref.transfers.items():  # every transfer counted is one message logged
+        logged = [
+            sum(1 for m in sim.messages if m.category == category and m.destination == w) for w in range(len(counts))
+        ]
+        assert logged == counts, (category, logged, counts)
     for name, expected in ref.report.items():
         got = getattr(sim, name)
         if name == "bubble_fraction":

@@ -30,7 +30,7 @@ from lightning_pipe.schedule.graph import Graph, Node
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["Interval", "Simulation", "StageCosts", "adds_gradients", "check_contention", "simulate"]
+__all__ = ["Interval", "Message", "Simulation", "StageCosts", "adds_gradients", "check_contention", "simulate"]
 
 
 _SCALARS = ("bandwidth", "latency", "overhead", "contention")
@@ -209,6 +209,19 @@ class Interval:
     waited: float = 0.0
 
 
+@dataclass(frozen=True)
+class Message:
+    """One transfer between workers: when it left ``source`` for ``destination``, what it carried
+    (``activation``, ``gradient``, ``reduce``, ``weight`` or ``cue``) and its bytes. A fetched
+    stage's weights come from its first owner."""
+
+    sent: float
+    source: int
+    destination: int
+    category: str
+    nbytes: float
+
+
 @dataclass
 class Simulation:
     """What :func:`simulate` predicts (times in the unit of the costs, sizes in bytes)."""
@@ -231,6 +244,21 @@ class Simulation:
     transfers: dict[str, list[int]]
     timeline: list[Interval] = field(repr=False)
     memory_timeline: list[list[tuple[float, float]]] = field(repr=False)
+    messages: list[Message] = field(repr=False)
+
+    def sent_per_time_step(self, time_step: float, category: str | None = None) -> list[list[int]]:
+        """Per worker, the messages (of ``category``, or all) it sent in each time step
+        ``[k time_step, (k + 1) time_step)`` of the run: with every action one time step, the
+        paper's time steps (Fournier & Oyallon 2024, Table 1: "max com. steps between 2 time
+        steps")."""
+        if time_step <= 0:
+            raise PlanningError(f"a time step must be positive, got {time_step}")
+        steps = max(1, math.ceil(self.makespan / time_step))
+        counts = [[0] * steps for _ in range(self.schedule.workers)]
+        for message in self.messages:
+            if category is None or message.category == category:
+                counts[message.source][min(int(message.sent // time_step), steps - 1)] += 1
+        return counts
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -329,6 +357,7 @@ class _Replay:
         self.received = {c: [0.0] * workers for c in _CATEGORIES}
         self.sent = {c: [0.0] * workers for c in _CATEGORIES}
         self.count = {c: [0] * workers for c in _CATEGORIES}
+        self.log: list[Message] = []
         self.owners = [set(o) for o in self.schedule.owners]
         self.produced: dict[tuple[int, int], float] = {}
         self.updated: dict[tuple[int, int, int], float] = {}
@@ -365,6 +394,7 @@ class _Replay:
         self.count[category][worker] += 1
         # an early input gradient leaves before the weight gradients are computed; a reduce carries those
         sent = self.left[dep] if dep in self.early and label not in ("grad", "ring") else self.end[dep]
+        self.log.append(Message(sent, dep[0], worker, category, nbytes))
         return sent + self.costs.transfer(nbytes)
 
     def input_grad_seconds(self, node: Node) -> float:
@@ -387,6 +417,7 @@ class _Replay:
         for owner in self.owners[action.stage]:
             self.sent["weight"][owner] += nbytes / len(self.owners[action.stage])
         issued = max(self.produced.get((action.stage, version), 0.0), self.previous_start[worker])
+        self.log.append(Message(issued, min(self.owners[action.stage]), worker, "weight", nbytes))
         arrival = issued + self.costs.transfer(nbytes)
         self.copies.append((worker, action.stage, issued, -1.0))
         return max(ready, arrival)
@@ -594,6 +625,7 @@ def _report(replay: _Replay) -> Simulation:
         transfers=replay.count,
         timeline=timeline,
         memory_timeline=[a[2] for a in activations],
+        messages=sorted(replay.log, key=lambda message: message.sent),
     )
 
 
