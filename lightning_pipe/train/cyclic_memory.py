@@ -23,6 +23,8 @@ optimizer state are left out, as in the paper's Fig. 4.
 from __future__ import annotations
 
 import itertools
+import statistics
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,8 +38,9 @@ from lightning_pipe.runtime import PipelineExecutor, run_local
 from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.cyclic import Durations
-from lightning_pipe.schedule.ir import Schedule
+from lightning_pipe.schedule.ir import Kind, Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.schedule.simulate import Interval
 from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.planning import PlanOptions, StagePlan, plan_stages
 
@@ -73,9 +76,9 @@ class Split:
 class Measurement:
     """Peak activation memory per worker (bytes) of DP and CDP in one setting: ``measured``,
     ``predicted`` by the simulator from the profiled stage costs, and ``calibrated``: predicted from
-    the costs each run measured (its actions' mean durations, waits left out:
-    :meth:`~lightning_pipe.runtime.PipelineExecutor.measured_costs`), which hold what the profile
-    misses (the workers sharing cores, the executor's own time per action)."""
+    the costs each run measured (each action's mean seconds from its start to the next action's,
+    waits left out), which hold what the profile misses (the workers sharing cores, the executor's
+    own time between actions)."""
 
     setting: str
     workers: int
@@ -188,10 +191,9 @@ def _measure_worker(
     microbatches: int,
     steps: int,
     durations: Durations,
-) -> dict[str, tuple[list[tuple[float, int]], StageCosts]]:
+) -> dict[str, tuple[list[tuple[float, int]], dict[tuple[int, Kind], list[float]]]]:
     """Worker of :func:`run_local`: train DP then CDP for ``steps`` steps on the same data; the
-    saved-activation bytes after every action of each, and the stage costs each measured (the first
-    step, the warm-up, left out)."""
+    saved-activation bytes after every action of each, and its actions' seconds (:func:`_spans`)."""
     layers, _, _ = _layers(build, batch[: batch.shape[0] // microbatches], len(bounds))
     curves = {}
     for kind in ("dp", "cdp"):
@@ -209,10 +211,43 @@ def _measure_worker(
             targets = torch.randint(classes, (batch.shape[0],), generator=generator)
             executor.step((batch,), targets)
         executor.drain()
-        costs = executor.measured_costs(since_step=1)
         executor.close()
-        curves[kind] = (list(executor.memory_timeline), costs)
+        curves[kind] = (list(executor.memory_timeline), _spans(executor.timeline))
     return curves
+
+
+def _spans(timeline: Sequence[Interval]) -> dict[tuple[int, Kind], list[float]]:
+    """Each forward's, backward's and update's seconds on this worker, from its start to the next
+    one's, waits left out (steps after the first): the executor's own time between actions counts
+    with the action before it, so that a replay with these costs keeps the actions where they ran."""
+    waited = list(itertools.accumulate((i.waited for i in timeline), initial=0.0))
+    computed = [(p, i) for p, i in enumerate(timeline) if i.action.kind in (Kind.F, Kind.B, Kind.UPDATE)]
+    spans: dict[tuple[int, Kind], list[float]] = defaultdict(list)
+    for (p, interval), (q, following) in itertools.pairwise(computed):
+        if interval.action.step >= 1:
+            seconds = following.start - interval.start - (waited[q] - waited[p])
+            spans[(interval.action.stage, interval.action.kind)].append(seconds)
+    return spans
+
+
+def _run_costs(
+    workers: Sequence[dict[tuple[int, Kind], list[float]]], stages: int, saved: Sequence[float]
+) -> StageCosts:
+    """The mean of every worker's :func:`_spans` per stage and kind, as stage costs."""
+    pooled: dict[tuple[int, Kind], list[float]] = defaultdict(list)
+    for spans in workers:
+        for key, seconds in spans.items():
+            pooled[key] += seconds
+
+    def mean(stage: int, kind: Kind) -> float:
+        return statistics.fmean(pooled[(stage, kind)]) if pooled[(stage, kind)] else 0.0
+
+    return StageCosts(
+        forward=[mean(s, Kind.F) for s in range(stages)],
+        backward=[mean(s, Kind.B) for s in range(stages)],
+        update=[mean(s, Kind.UPDATE) for s in range(stages)],
+        saved_bytes=list(saved),
+    )
 
 
 def measure(
@@ -237,6 +272,6 @@ def measure(
         schedule = schedule_of(setting, kind, len(split.bounds), workers, split.durations)(steps)
         profiled = split.costs_in(setting)
         predicted[kind] = per_worker_peak(simulate(schedule, profiled).memory_timeline, workers)
-        ran = replace(results[0][kind][1], saved_bytes=profiled.saved_bytes)  # every rank's costs are pooled
+        ran = _run_costs([result[kind][1] for result in results], len(split.bounds), profiled.saved_bytes)
         calibrated[kind] = per_worker_peak(simulate(schedule, ran).memory_timeline, workers)
     return Measurement(setting, workers, measured, predicted, calibrated)
