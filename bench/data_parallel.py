@@ -10,8 +10,9 @@ optimizer step (``2 x rows``):
 - ``pipe ddp``: ``PipelineStrategy("ddp")`` (Rahimi 2025's w(s,b,d) = (b, b)), the batch of
   ``2 x rows`` cut into two micro-batches, one per process, gradients all-reduced per stage;
 - ``pipe cdp dp``: ``PipelineStrategy("cdp", form="dp")`` (Fournier & Oyallon 2024, §4.2): the
-  same replicas started two time steps apart, each stage's gradient reduced along the ring of
-  processes during the step (CDP-v2).
+  same replicas started two time steps apart (two stages whose backwards outlast their forwards:
+  the end of the second forward is the last action ending by half a pass), each stage's gradient
+  reduced along the ring of processes during the step (CDP-v2).
 
 Each is timed by the wall time between rank 0's ``on_train_batch_end`` calls after a warm-up, in
 ``--rounds`` rounds that run the three one after the other (paired: the machine's state is shared);
