@@ -162,12 +162,14 @@ class Relays:
                 self.expected[("drain", stage)] = (rank, self.transport.expect(rank, ("state", stage)))
 
     def end_drain(self) -> None:
-        """After a drain: a stage the drain did not compute comes back to its owner here."""
+        """After a drain: every stage comes back to its owner here, from the worker of the drain's last
+        action of it (or from the worker holding it, when the drain did not compute it)."""
         if self.draining is None:
             return
         for stage, order in self.draining.items():
-            if not order and ("drain", stage) in self.expected:
-                self._take_over(self._weights[stage], ("drain", stage))
+            key = order[-1].key if order else ("drain", stage)
+            if key in self.expected:
+                self._take_over(self._weights[stage], key)
         self.draining = None
 
     def _last_run(self, stage: int, remaining: list[Action], end: int) -> Action | None:

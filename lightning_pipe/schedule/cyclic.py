@@ -22,7 +22,7 @@ The same timeline runs in five settings (``form``):
   worker at a time (§4.4, Fig. 2d-ii): the stage is computed by one worker at each time step, which
   passes its whole state point to point to the worker computing it at the next (the schedule's
   relays), so the gradient sums itself on the way and the last micro-batch's worker updates it; no
-  broadcast, no all-gather.
+  broadcast, no all-gather. Between runs stage ``j`` rests on worker ``j mod N``, its owner.
 
 The update rules are CDP-v1 (``θ_{t-1}`` everywhere, = 2BW) and CDP-v2 (stage ``j`` of micro-batch
 ``i`` uses ``θ_t`` when ``i + j >= P - 1``, which the timeline has just produced).
@@ -229,7 +229,7 @@ def cdp(
     params: dict[str, object] = {"form": form}
     if form == "zero":
         orders, relays = _zero_orders(stages, microbatches, steps)
-        owners = [(microbatches - 1,)] * stages
+        owners = [(stage % microbatches,) for stage in range(stages)]  # at rest, the stages spread over the workers
     elif form == "dp":
         params["cue_after"] = after = cue_after(stages, microbatches, durations)
         orders = _data_parallel_orders(stages, microbatches, steps, rule, after)

@@ -263,9 +263,15 @@ def _ring_update(schedule: Schedule, index: _Index, worker: int, action: Action)
     return edges
 
 
-def _relay_key(schedule: Schedule, action: Action) -> _Key:
-    """How a relayed action is indexed: an update with the stage's one owner, which makes it."""
-    return (*action.key, schedule.owners[action.stage][0]) if action.kind is Kind.UPDATE else action.key
+def _relay_key(schedule: Schedule, index: _Index, action: Action) -> _Key:
+    """How a relayed action is indexed: an update with the worker that makes it (the one holding the
+    stage then, not necessarily its owner, where it rests between runs)."""
+    if action.kind is not Kind.UPDATE:
+        return action.key
+    makers = index.updates.get((action.stage, action.step))
+    if not makers:
+        raise PlanningError(f"{schedule.family}: the relay of stage {action.stage} has {action}, which no worker runs")
+    return (*action.key, makers[0][0])
 
 
 def _relayed(previous: dict[_Key, _Key], index: _Index, key: _Key) -> list[tuple[Node, str]]:
@@ -281,7 +287,7 @@ def build_graph(schedule: Schedule) -> Graph:
     own order are left out; one on a later action of the same worker is kept (it is a cycle)."""
     index = _index(schedule)
     relays = {
-        _relay_key(schedule, a): _relay_key(schedule, relay[i - 1])
+        _relay_key(schedule, index, a): _relay_key(schedule, index, relay[i - 1])
         for relay in schedule.relays
         for i, a in enumerate(relay)
         if i
@@ -311,7 +317,7 @@ def build_graph(schedule: Schedule) -> Graph:
             elif kind is Kind.UPDATE and schedule.rings:
                 edges += _ring_update(schedule, index, worker, action)
             elif kind is Kind.UPDATE and schedule.relays:  # the gradient travelled with the stage's state
-                edges += _relayed(relays, index, _relay_key(schedule, action))
+                edges += _relayed(relays, index, _relay_key(schedule, index, action))
             elif kind is Kind.UPDATE:
                 edges += [(dep, "grad") for dep in index.gradients.get((action.stage, action.step), ())]
                 # replicas reduce together: none finishes before every other one has reached its update

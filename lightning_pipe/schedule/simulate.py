@@ -694,12 +694,12 @@ def _relayed_copies(schedule: Schedule, costs: StageCosts, replay: _Replay) -> l
     stage's weights from the end of the relay's previous action (it is being passed on) to the end of
     its own, so a worker holds the stage it computes and the one coming to it."""
     events: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
+    updates = {(a.stage, a.step): (w, p) for w, p, a in schedule.actions() if a.kind is Kind.UPDATE}
     for stage, relay in enumerate(schedule.relays):
         nbytes = costs._bytes("weight_bytes", stage)
         arrives = 0.0
         for action in relay:
-            key = (*action.key, schedule.owners[stage][0]) if action.kind is Kind.UPDATE else action.key
-            node = replay.graph.where[key]
+            node = updates[(stage, action.step)] if action.kind is Kind.UPDATE else replay.graph.where[action.key]
             events[node[0]] += [(arrives, 1, nbytes), (replay.end[node], -1, nbytes)]
             arrives = replay.end[node]
     return [_sweep(events[w])[:2] for w in range(schedule.workers)]

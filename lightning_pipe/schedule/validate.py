@@ -61,6 +61,11 @@ def _check_work(schedule: Schedule) -> None:
 
 
 def _check_updates(schedule: Schedule) -> None:
+    """Each owner of a stage updates it once per step; a relayed stage (its state passed from worker
+    to worker, CDP's ZeRO form) is updated once per step by whichever worker then holds it."""
+    if schedule.relays:
+        _check_relayed_updates(schedule)
+        return
     updates = Counter()
     for worker, position, action in schedule.actions():
         if action.kind is Kind.UPDATE:
@@ -92,6 +97,17 @@ def _check_updates(schedule: Schedule) -> None:
                 raise PlanningError(
                     f"{_where(schedule, worker, position)} uses version {action.version} before this worker's "
                     f"UPDATE of step {action.version - 1} produces it"
+                )
+
+
+def _check_relayed_updates(schedule: Schedule) -> None:
+    updates = Counter((action.stage, action.step) for _, _, action in schedule.actions() if action.kind is Kind.UPDATE)
+    for t in range(schedule.steps):
+        for s in range(schedule.stages):
+            if updates[(s, t)] != 1:
+                raise PlanningError(
+                    f"{schedule.family}: relayed stage {s} is updated {updates[(s, t)]} times in step {t} "
+                    "(needs exactly one UPDATE, by the worker holding it)"
                 )
 
 
