@@ -205,7 +205,7 @@ def _every_worker_a_stage(request: PlanRequest, plan: Plan, seconds: Sequence[fl
     """``plan`` split into one stage per worker. A partitioner uses at most the devices it is given,
     and fewer when one layer's time bounds every split (a large first layer); every rank of the
     pipeline holds a stage, so the longest stage with two layers or more is cut in two where the
-    longer half is shortest, until there are as many as workers: the bottleneck does not grow."""
+    longer half is shortest, until there are as many as workers: no stage's compute grows."""
     spans = [(stage.layers[0], stage.layers[-1]) for stage in plan.stages]
     while len(spans) < request.devices:
         index = max(
