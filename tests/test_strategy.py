@@ -23,7 +23,7 @@ from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.affinity import cores_of
 from lightning_pipe.strategy.sharded import METADATA
 from tests import reference
-from tests.lightning_cases import Chain, batch_list, fit_case, plain_fit, stage_modules
+from tests.lightning_cases import Chain, batch_list, fit_case, loader, plain_fit, stage_modules, trainer
 
 FP16 = {"init_scale": 2.0**40, "backoff_factor": 2.0**-30, "growth_interval": 2}  # overflows at step 1 only
 FP16_STATE = {"growth_factor": 2.0, "backoff_factor": 2.0**-30, "growth_interval": 2}
@@ -189,12 +189,22 @@ def test_delayed_weight_families_equal_their_references(tmp_path: Path) -> None:
     gradients reduced along the ring; in the ZeRO form, each stage's state passed from process to
     process) and PipeDream (stash, vertical sync) through Lightning, one
     epoch of 6 batches on 2 processes (the pipeline drained only at the epoch's end), end with the
-    parameters of the single-process reference of their update rule. Guards against a drain on
-    every batch (which would make them synchronous) and against weight versions lost between
-    Lightning's batches."""
+    parameters of the single-process reference of their update rule; the ZeRO form's validation
+    after fit (its stages spread over their owners) gives what one device gives with those weights.
+    Guards against a drain on every batch (which would make them synchronous) and against weight
+    versions lost between Lightning's batches."""
     cases = [{**case, "batches": 6} for case in NONFLUSH_CASES]
+    zero = next(case for case in cases if case["name"] == "cdp_zero_v2")
+    zero["evaluate"] = True  # the stages rest on their owners, one each: validation runs as a pipeline over them
     results = _transpose(_run_cases(tmp_path, 2, cases), cases)
     _assert_references(cases, results)
+    model = Chain()
+    model.load_state_dict(results["cdp_zero_v2"][0]["final"])
+    plain = trainer(tmp_path / "plain_zero", "auto", 1).validate(model, loader(2, seed=7), verbose=False)
+    for rank_result in results["cdp_zero_v2"]:
+        assert rank_result["validate"][0].keys() == plain[0].keys()
+        for key, value in plain[0].items():
+            assert abs(rank_result["validate"][0][key] - value) < 1e-5, (key, rank_result["validate"], plain)
 
 
 def _assert_references(cases: list[dict[str, Any]], results: dict[str, list[dict]]) -> None:
