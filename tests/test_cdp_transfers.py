@@ -7,6 +7,8 @@ step."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from lightning_pipe.errors import PlanningError
@@ -37,9 +39,15 @@ def test_cdp_spreads_the_reduction_over_the_step_where_dp_sends_it_at_its_end(wo
 
 @pytest.mark.parametrize("workers", [2, 3, 4, 5, 6])
 def test_the_zero_form_passes_a_stage_to_one_worker_at_a_time(workers: int) -> None:
+    """At most one state per worker and time step; over the run, one message per change of worker
+    along each stage's relay (counted on the schedule)."""
     zero = _steady("cdp", workers, "weight", form="zero")
     assert max(max(row) for row in zero) == 1
-    assert sum(map(sum, zero)) > 0
+    schedule = make_schedule("cdp", workers, workers, STEPS, form="zero")
+    where = {action.key: w for w, order in enumerate(schedule.orders) for action in order}
+    passes = sum(where[a.key] != where[b.key] for relay in schedule.relays for a, b in itertools.pairwise(relay))
+    sent = simulate(schedule, StageCosts.uniform(workers, 1.0, 1.0)).sent_per_time_step(1.0, "weight")
+    assert sum(map(sum, sent)) == passes > 0
 
 
 def test_a_time_step_must_be_positive() -> None:

@@ -1,6 +1,7 @@
 """A pipeline's plan gives every worker a stage, even when fewer stages would be as fast (one layer's
 time bounds every split): the partitioner's plan is cut further without a slower bottleneck than the
-best split into as many stages (brute force; near-ties within the planner's tolerance)."""
+best split into as many stages (brute force; near-ties within the planner's tolerance). The plan's
+stage durations also space CDP's dp-form replicas."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from torch import nn
 
 from lightning_pipe.costs import ChainCosts
 from lightning_pipe.memory import MemoryModel
+from lightning_pipe.schedule.cyclic import cue_after
+from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy import planning
-from lightning_pipe.strategy.planning import PlanOptions, plan_stages
+from lightning_pipe.strategy.planning import PlanOptions, StagePlan, plan_stages, schedule_of
 
 
 def _bottleneck(seconds: list[float], bounds: tuple[tuple[int, int], ...]) -> float:
@@ -57,3 +60,16 @@ def test_a_plan_of_fewer_stages_is_cut_and_says_so() -> None:
         plan = plan_stages([nn.Identity()] * 5, torch.zeros(1), 4, PlanOptions(), MemoryModel(), torch.device("cpu"))
     assert plan.bounds == ((0, 0), (1, 1), (2, 2), (3, 4))
     assert any("split to one per worker" in note for note in plan.plan.notes), plan.plan.notes
+
+
+def test_cdp_dp_replicas_start_by_the_plans_durations() -> None:
+    """The strategy's schedule of CDP's dp form spaces the replicas by the planned stages' forward and
+    backward seconds: four equal stages whose backwards take twice the forwards start each replica
+    after the previous one's third forward (a quarter of the pass), not its second (two actions)."""
+    profile = ChainCosts.from_lists([1.0] * 4, [2.0] * 4, params=[1.0] * 4)
+    with mock.patch.object(planning, "profile_layers", lambda *_, **__: profile):
+        plan = plan_stages([nn.Identity()] * 4, torch.zeros(1), 4, PlanOptions(), MemoryModel(), torch.device("cpu"))
+    schedule = schedule_of(plan, ScheduleOptions("cdp", form="dp"), 4)(2)
+    assert schedule.params["cue_after"] == cue_after(4, 4, ([1.0] * 4, [2.0] * 4)) == 2
+    given = schedule_of(StagePlan(plan.bounds), ScheduleOptions("cdp", form="dp"), 4)(2)  # balance=: no durations
+    assert given.params["cue_after"] == 1

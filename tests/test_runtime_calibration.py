@@ -54,6 +54,46 @@ def _timelines(draw: st.DrawFn) -> tuple[int, list[list[Interval]]]:
 
 
 @settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_to_the_next_action_counts_the_time_between_actions_with_the_one_before(data: st.DataObject) -> None:
+    """One rank's actions with gaps between them and cues (not measured) among them: with ``to_next``
+    each measured action lasts from its start to the next measured one's, less every wait in
+    between; the last one keeps its own duration (direct computation)."""
+    intervals, clock = [], 0.0
+    for _ in range(data.draw(st.integers(1, 10))):
+        kind = data.draw(st.sampled_from([Kind.F, Kind.B, Kind.UPDATE, Kind.SIGNAL, Kind.WAIT]))
+        duration = data.draw(st.floats(1e-4, 0.1))
+        waited = data.draw(st.floats(0.0, 1.0)) * duration
+        action = Action(kind, 0, None if kind is Kind.UPDATE else 0, data.draw(st.integers(0, 2)))
+        intervals.append(Interval(0, action, clock, clock + duration, waited))
+        clock += duration + data.draw(st.floats(0.0, 0.01))  # the executor's own time before the next one
+    since = data.draw(st.integers(0, 2))
+    expected: dict = {}
+    measured = [p for p, i in enumerate(intervals) if i.action.kind in (Kind.F, Kind.B, Kind.UPDATE)]
+    for place, p in enumerate(measured):
+        interval = intervals[p]
+        if interval.action.step < since:
+            continue
+        if place + 1 < len(measured):
+            q = measured[place + 1]
+            seconds = intervals[q].start - interval.start - sum(i.waited for i in intervals[p:q])
+        else:
+            seconds = interval.end - interval.start - interval.waited
+        before = [i for i in intervals[:p] if i.action.kind is Kind.B]
+        key = (
+            0,
+            interval.action.kind,
+            interval.action.kind is Kind.B and any(i.action.step == interval.action.step for i in before),
+        )
+        total, count = expected.get(key, (0.0, 0))
+        expected[key] = (total + max(seconds, 0.0), count + 1)
+    got = measured_seconds(intervals, since, to_next=True)
+    assert got.keys() == expected.keys()
+    for key, (total, count) in expected.items():
+        assert got[key][1] == count and math.isclose(got[key][0], total, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
 @given(case=_timelines(), since=st.integers(0, 2))
 def test_means_pooled_over_ranks_equal_a_direct_computation(case: tuple, since: int) -> None:
     stages, timelines = case

@@ -16,6 +16,7 @@ flushing schedule's bubble lets a worker run alone; a non-flushing one keeps all
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,22 +35,34 @@ that added its weight gradients into its step's (:func:`~lightning_pipe.schedule
 _MEASURED = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.UPDATE)
 
 
-def measured_seconds(timeline: Iterable[Interval], since_step: int = 0) -> Totals:
+def measured_seconds(timeline: Iterable[Interval], since_step: int = 0, to_next: bool = False) -> Totals:
     """This rank's compute seconds and action counts per stage and kind, waits for messages
     excluded, over the actions of steps ``>= since_step`` (leave out the warm-up). A ``B`` or ``W``
     that added into gradients its step already had on this rank is counted apart from the step's
-    first (``timeline`` in the order the rank ran it, from each measured step's first backward on)."""
+    first (``timeline`` in the order the rank ran it, from each measured step's first backward on).
+    With ``to_next``, an action lasts until the worker's next measured action starts (the waits in
+    between left out): the executor's own time between actions counts with the action before it, so
+    a replay with these costs keeps the actions where they ran (the worker's last one ends at its end)."""
     by_worker: dict[int, list[Interval]] = defaultdict(list)  # a simulated timeline holds every worker's
     for interval in timeline:
         by_worker[interval.worker].append(interval)
     totals: Totals = {}
     for intervals in by_worker.values():
-        for interval, adds in zip(intervals, adds_gradients(i.action for i in intervals), strict=True):
-            action = interval.action
-            if action.kind in _MEASURED and action.step >= since_step:
-                key = (action.stage, action.kind, adds)
-                seconds, count = totals.get(key, (0.0, 0))
-                totals[key] = (seconds + max(interval.end - interval.start - interval.waited, 0.0), count + 1)
+        waited = list(itertools.accumulate((i.waited for i in intervals), initial=0.0))  # before each position
+        measured = [p for p, i in enumerate(intervals) if i.action.kind in _MEASURED]
+        following = dict(itertools.pairwise(measured)) if to_next else {}
+        adds = adds_gradients(i.action for i in intervals)
+        for p in measured:
+            interval, action = intervals[p], intervals[p].action
+            if action.step < since_step:
+                continue
+            q = following.get(p)
+            seconds = interval.end - interval.start - interval.waited
+            if q is not None:
+                seconds = intervals[q].start - interval.start - (waited[q] - waited[p])
+            key = (action.stage, action.kind, adds[p])
+            spent, count = totals.get(key, (0.0, 0))
+            totals[key] = (spent + max(seconds, 0.0), count + 1)
     return totals
 
 

@@ -41,8 +41,9 @@ from lightning_pipe.runtime.out_of_place import step_into, steps_out_of_place
 
 __all__ = ["StageWeights", "WeightCopy"]
 
-_Sum = list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]]
-"""A sum over a stage's replicas under way: the presence counts, then one flat buffer per dtype."""
+_Sum = tuple[dist.Work, torch.Tensor, list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]]]
+"""A sum over a stage's replicas under way: the presence counts' all-reduce and counts, then each
+dtype's all-reduce, gradients and flat buffer."""
 
 
 class WeightCopy(dict[str, torch.Tensor]):
@@ -337,24 +338,25 @@ class StageWeights:
         for index in self.trainable:
             if buffer[index] is None:
                 buffer[index] = torch.zeros_like(self.params[index])
-        started = [(dist.all_reduce(present, group=self.group, async_op=True), [], present)]
+        counting = dist.all_reduce(present, group=self.group, async_op=True)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for grad in buffer:
             if grad is not None:
                 by_dtype.setdefault(grad.dtype, []).append(grad)
+        summing = []
         for grads in by_dtype.values():
             flat = torch.cat([grad.reshape(-1) for grad in grads])
-            started.append((dist.all_reduce(flat, group=self.group, async_op=True), grads, flat))
-        return started
+            summing.append((dist.all_reduce(flat, group=self.group, async_op=True), grads, flat))
+        return counting, present, summing
 
     def _finish_sum(self, buffer: list[torch.Tensor | None], started: _Sum) -> None:
         """Wait for a sum :meth:`_start_sum` started; a weight no replica had a gradient for gets
         ``None`` back (the optimizer skips it)."""
-        for work, grads, flat in started:
+        counting, present, summing = started
+        counting.wait()
+        for work, grads, flat in summing:
             work.wait()
-            if grads:
-                _unflatten(grads, flat)
-        present = started[0][2]
+            _unflatten(grads, flat)
         for index in (present == 0).nonzero().flatten().tolist():
             buffer[index] = None
 

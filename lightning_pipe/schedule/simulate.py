@@ -417,7 +417,7 @@ class _Replay:
         for owner in self.owners[action.stage]:
             self.sent["weight"][owner] += nbytes / len(self.owners[action.stage])
         issued = max(self.produced.get((action.stage, version), 0.0), self.previous_start[worker])
-        self.log.append(Message(issued, min(self.owners[action.stage]), worker, "weight", nbytes))
+        self.log.append(Message(issued, self.schedule.owners[action.stage][0], worker, "weight", nbytes))
         arrival = issued + self.costs.transfer(nbytes)
         self.copies.append((worker, action.stage, issued, -1.0))
         return max(ready, arrival)

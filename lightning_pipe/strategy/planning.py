@@ -282,8 +282,8 @@ def schedule_of(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: 
     if stage_plan.replicas is not None:
         extra["stage_replicas"] = list(stage_plan.replicas)
     if schedule.family == "cdp" and schedule.form == "dp" and stage_plan.plan is not None:
-        costs = StageCosts.from_plan(stage_plan.plan.to_dict())
-        extra["stage_durations"] = (list(costs.forward), list(costs.backward))
+        stages = stage_plan.plan.stages
+        extra["stage_durations"] = ([s.forward_seconds for s in stages], [s.backward_seconds for s in stages])
     return schedule.make(len(stage_plan.bounds), microbatches, **extra)
 
 

@@ -23,8 +23,6 @@ optimizer state are left out, as in the paper's Fig. 4.
 from __future__ import annotations
 
 import itertools
-import statistics
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,12 +33,12 @@ from torch import nn
 from lightning_pipe.memory import MemoryModel
 from lightning_pipe.nested import map_tensors, tensors
 from lightning_pipe.runtime import PipelineExecutor, run_local
+from lightning_pipe.runtime.calibration import Totals, measured_seconds, stage_costs
 from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.cyclic import Durations
-from lightning_pipe.schedule.ir import Kind, Schedule
+from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.schedule.simulate import Interval
 from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.planning import PlanOptions, StagePlan, plan_stages
 
@@ -191,9 +189,10 @@ def _measure_worker(
     microbatches: int,
     steps: int,
     durations: Durations,
-) -> dict[str, tuple[list[tuple[float, int]], dict[tuple[int, Kind], list[float]]]]:
+) -> dict[str, tuple[list[tuple[float, int]], Totals]]:
     """Worker of :func:`run_local`: train DP then CDP for ``steps`` steps on the same data; the
-    saved-activation bytes after every action of each, and its actions' seconds (:func:`_spans`)."""
+    saved-activation bytes after every action of each, and its actions' seconds, each to the next
+    action's start (:func:`~lightning_pipe.runtime.calibration.measured_seconds` with ``to_next``)."""
     layers, _, _ = _layers(build, batch[: batch.shape[0] // microbatches], len(bounds))
     curves = {}
     for kind in ("dp", "cdp"):
@@ -212,42 +211,8 @@ def _measure_worker(
             executor.step((batch,), targets)
         executor.drain()
         executor.close()
-        curves[kind] = (list(executor.memory_timeline), _spans(executor.timeline))
+        curves[kind] = (list(executor.memory_timeline), measured_seconds(executor.timeline, 1, to_next=True))
     return curves
-
-
-def _spans(timeline: Sequence[Interval]) -> dict[tuple[int, Kind], list[float]]:
-    """Each forward's, backward's and update's seconds on this worker, from its start to the next
-    one's, waits left out (steps after the first): the executor's own time between actions counts
-    with the action before it, so that a replay with these costs keeps the actions where they ran."""
-    waited = list(itertools.accumulate((i.waited for i in timeline), initial=0.0))
-    computed = [(p, i) for p, i in enumerate(timeline) if i.action.kind in (Kind.F, Kind.B, Kind.UPDATE)]
-    spans: dict[tuple[int, Kind], list[float]] = defaultdict(list)
-    for (p, interval), (q, following) in itertools.pairwise(computed):
-        if interval.action.step >= 1:
-            seconds = following.start - interval.start - (waited[q] - waited[p])
-            spans[(interval.action.stage, interval.action.kind)].append(seconds)
-    return spans
-
-
-def _run_costs(
-    workers: Sequence[dict[tuple[int, Kind], list[float]]], stages: int, saved: Sequence[float]
-) -> StageCosts:
-    """The mean of every worker's :func:`_spans` per stage and kind, as stage costs."""
-    pooled: dict[tuple[int, Kind], list[float]] = defaultdict(list)
-    for spans in workers:
-        for key, seconds in spans.items():
-            pooled[key] += seconds
-
-    def mean(stage: int, kind: Kind) -> float:
-        return statistics.fmean(pooled[(stage, kind)]) if pooled[(stage, kind)] else 0.0
-
-    return StageCosts(
-        forward=[mean(s, Kind.F) for s in range(stages)],
-        backward=[mean(s, Kind.B) for s in range(stages)],
-        update=[mean(s, Kind.UPDATE) for s in range(stages)],
-        saved_bytes=list(saved),
-    )
 
 
 def measure(
@@ -272,6 +237,8 @@ def measure(
         schedule = schedule_of(setting, kind, len(split.bounds), workers, split.durations)(steps)
         profiled = split.costs_in(setting)
         predicted[kind] = per_worker_peak(simulate(schedule, profiled).memory_timeline, workers)
-        ran = _run_costs([result[kind][1] for result in results], len(split.bounds), profiled.saved_bytes)
+        ran = replace(
+            stage_costs([result[kind][1] for result in results], len(split.bounds)), saved_bytes=profiled.saved_bytes
+        )
         calibrated[kind] = per_worker_peak(simulate(schedule, ran).memory_timeline, workers)
     return Measurement(setting, workers, measured, predicted, calibrated)
