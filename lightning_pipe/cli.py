@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.costs import ChainCosts
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import CheckpointError, PlanningError
 from lightning_pipe.memory import EXTRA_COPIES, SCHEDULES, MemoryModel
 from lightning_pipe.network import Network
 from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
@@ -453,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except PlanningError as error:
+    except (PlanningError, CheckpointError) as error:
         print(f"lightning-pipe {args.command}: error: {error}", file=sys.stderr)
         return 2
 

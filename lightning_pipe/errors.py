@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PlanningError", "check_whole"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "IncompleteCheckpoint", "PlanningError", "check_whole"]
 
 
 class PlanningError(ValueError):
@@ -10,6 +10,21 @@ class PlanningError(ValueError):
 
     The message always says what is wrong and, where one exists, what would work instead.
     """
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as asked: of another model, damaged, or mixing parts of
+    different saves. The message names the file (or the part of it) and what would work."""
+
+
+class IncompleteCheckpoint(CheckpointError):
+    """A checkpoint whose save did not finish (a stopped process, a full disk): the message names it,
+    says what is missing, and lists the complete checkpoints beside it when it is read to resume."""
+
+
+class CheckpointSaveError(OSError):
+    """A save that failed on some rank, raised on every rank with the path and the cause; the
+    checkpoints saved before are intact and nothing of this one is left."""
 
 
 def check_whole(name: str, value: object, minimum: int, unit: str | None = None, *, optional: bool = False) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -190,10 +191,22 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
         "initial": initial,
         "precision": run.precision_plugin.state_dict(),
         "placements": placements(),
+        "after_fit": after_fit(model),
     }
     if case.get("evaluate"):
         result.update(_evaluations(run, model))
     return result
+
+
+def after_fit(model: nn.Module) -> dict[str, Any]:
+    """What the module holds after ``fit`` (the entries on the meta device) and what calling it gives
+    (its output, or the error's message), as user code after ``fit`` would meet them."""
+    released = sorted(name for name, value in model.state_dict().items() if value.is_meta)
+    try:
+        output: Any = model(torch.ones(2, FEATURES)).detach()
+    except RuntimeError as error:
+        output = str(error)
+    return {"released": released, "output": output}
 
 
 def placements() -> list[tuple[int, ...]]:
@@ -219,6 +232,10 @@ def _callbacks(root: str | Path, case: dict[str, Any]) -> list[L.Callback]:
     callbacks: list[L.Callback] = []
     if case.get("checkpoint"):
         callbacks.append(ModelCheckpoint(dirpath=Path(root) / "checkpoints", save_last=True, save_top_k=-1))
+    if "checkpoint_every" in case:  # every n steps, all kept, and last.ckpt
+        every = case["checkpoint_every"]
+        directory = Path(root) / "checkpoints"
+        callbacks.append(ModelCheckpoint(directory, every_n_train_steps=every, save_last=True, save_top_k=-1))
     if case.get("early_stopping"):
         callbacks.append(EarlyStopping(monitor="val_loss", patience=0, min_delta=1.0, check_on_train_epoch_end=False))
     if "monitor" in case:  # the best k by val_loss, as users keep them
@@ -226,11 +243,28 @@ def _callbacks(root: str | Path, case: dict[str, Any]) -> list[L.Callback]:
         callbacks.append(best)
     if "every_n_train_steps" in case:
         callbacks.append(ModelCheckpoint(Path(root) / "steps", every_n_train_steps=case["every_n_train_steps"]))
+    if "fill_disk_at" in case:
+        callbacks.append(FillDisk(case["fill_disk_at"], Path(root)))
     if case.get("lr_monitor"):
         callbacks.append(LearningRateMonitor("step"))
     if case.get("collectives"):
         callbacks.append(Collectives())
     return callbacks
+
+
+class FillDisk(L.Callback):
+    """At the end of training step ``step``, rank 0 fills the disk holding ``directory`` with a file
+    ``ballast`` there, leaving a page free, so that the checkpoint saved next finds the disk full."""
+
+    def __init__(self, step: int, directory: Path) -> None:
+        self.step, self.directory = step, directory
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == 0:
+            free = shutil.disk_usage(self.directory).free
+            with open(self.directory / "ballast", "wb") as handle:
+                handle.truncate(0)
+                handle.write(b"\0" * max(free - 4096, 0))
 
 
 class Collectives(L.Callback):

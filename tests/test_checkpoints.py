@@ -88,6 +88,7 @@ def _assert_sharded_consolidates_to(sharded: Path, full_path: Path, tmp_path: Pa
     assert shards[0]["state_dict"] == STAGE_0 and shards[1]["state_dict"] == STAGE_1
     assert shards[0]["optimizer"] == STAGE_0 and shards[1]["optimizer"] == STAGE_1
     assert shards[0]["carried"] == {"0"} and shards[1]["carried"] == {"1"}
+    assert shards[0]["stamp"] == {"0"} and shards[1]["stamp"] == {"1"}  # each rank stamps its part
     entries = load_sharded(sharded)["state_dict"]
     with mock.patch.object(dcp, "load", wraps=dcp.load) as reads:
         assert read_entries(entries, [*STAGE_1, "not.an.entry"]).keys() == STAGE_1
@@ -116,7 +117,7 @@ def _assert_sharded_consolidates_to(sharded: Path, full_path: Path, tmp_path: Pa
 def _entries(sharded: Path, rank: int) -> dict[str, set[str]]:
     """The names of each tree rank ``rank`` wrote into the sharded checkpoint."""
     metadata = FileSystemReader(str(sharded)).read_metadata()
-    written: dict[str, set[str]] = {"state_dict": set(), "optimizer": set(), "carried": set()}
+    written: dict[str, set[str]] = {"state_dict": set(), "optimizer": set(), "carried": set(), "stamp": set()}
     for index in metadata.storage_data:
         if index.fqn in metadata.planner_data and metadata.storage_data[index].relative_path == f"__{rank}_0.distcp":
             tree, name, *_ = metadata.planner_data[index.fqn]

@@ -27,6 +27,7 @@ __all__ = ["FailureBoard", "PipelineAborted", "add_note", "raised_elsewhere"]
 
 _ABORT = "lightning_pipe/abort"
 _RAISED_ON = "lightning_pipe_raised_on_rank"  # set on an error rebuilt from another rank's record
+_NO_RECORD = "a peer's process ended without recording an error (killed, or it died: see its own log)"
 
 
 class PipelineAborted(RuntimeError):
@@ -84,7 +85,7 @@ class FailureBoard:
                 f"pipeline stopped on rank {self.rank}: the job's store is unreachable ({error}); the rank that "
                 "hosts it (rank 0) probably died"
             )
-        rank, message, error = pickle.loads(record) if record else (None, "a peer failed", None)
+        rank, message, error = pickle.loads(record) if record else (None, _NO_RECORD, None)
         if error is None:
             return PipelineAborted(f"pipeline stopped on rank {self.rank}: {message}")
         setattr(error, _RAISED_ON, rank)

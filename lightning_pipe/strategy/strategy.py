@@ -48,9 +48,10 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
@@ -71,7 +72,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 
 from lightning_pipe.capture.verify import verify_chain
-from lightning_pipe.errors import PlanningError, check_whole
+from lightning_pipe.errors import CheckpointError, PlanningError, check_whole
 from lightning_pipe.memory import MemoryModel
 from lightning_pipe.nested import flatten, map_tensors, unflatten
 from lightning_pipe.runtime import PipelineExecutor
@@ -84,7 +85,10 @@ from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
+from lightning_pipe.strategy.after_fit import HOW_TO_GET_IT, fill, guard, lift_guard
+from lightning_pipe.strategy.atomic import remove, sweep, write_file
 from lightning_pipe.strategy.batches import check_batches
+from lightning_pipe.strategy.checkpoint_files import check_same_model, load_checkpoint
 from lightning_pipe.strategy.contract import Call, Entry, PipelineModel, pipeline_model
 from lightning_pipe.strategy.differences import differences
 from lightning_pipe.strategy.effects import metric_modules, replay
@@ -107,7 +111,9 @@ from lightning_pipe.strategy.planning import (
 from lightning_pipe.strategy.profile_cache import default_directory
 from lightning_pipe.strategy.relay import Relay
 from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps
-from lightning_pipe.strategy.sharded import METADATA, is_sharded, load_sharded, read_entries, save_sharded
+from lightning_pipe.strategy.resume import complete_last
+from lightning_pipe.strategy.saving import SaveRanks, save_together
+from lightning_pipe.strategy.sharded import read_entries, save_sharded
 from lightning_pipe.strategy.signals import Signals
 from lightning_pipe.units import format_bytes, parse_bandwidth, parse_bytes
 
@@ -214,6 +220,9 @@ class PipelineStrategy(ParallelStrategy):
             predicts (:mod:`lightning_pipe.runtime.allocator`), at a cost in speed (each such block's
             pages are faulted in again). ``None`` (default): only when planning within a
             ``memory_limit``.
+        gather_after_fit: at the end of ``fit``, gather the full model into the module on every rank, as
+            DDP leaves it (each rank then holds the whole model); by default each rank keeps only its
+            stages, as under FSDP, and rank 0 says how to get the full model (:mod:`.after_fit`).
         timeout: of the process group and of any single pipeline wait (a hang fails after it).
         process_group_backend: ``gloo``/``nccl``; default from the device.
     """
@@ -252,6 +261,7 @@ class PipelineStrategy(ParallelStrategy):
         pin_cpus: bool = False,
         shared_memory_bytes: int | None = None,
         release_memory: bool | None = None,
+        gather_after_fit: bool = False,
         timeout: timedelta = default_pg_timeout,
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -313,6 +323,10 @@ class PipelineStrategy(ParallelStrategy):
                 f"release_memory must be True, False or None (only with a memory_limit), got {release_memory!r}"
             )
         self.release_memory = release_memory
+        if not isinstance(gather_after_fit, bool):
+            raise PlanningError(f"gather_after_fit must be True or False; got {gather_after_fit!r}")
+        self.gather_after_fit = gather_after_fit
+        self._full_after_fit: dict[str, Tensor] | None = None  # the gathered model, until teardown puts it in
         self._timeout = timeout
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -458,7 +472,7 @@ class PipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
             if not self.cluster_environment.creates_processes_externally:  # rank 0 re-runs the script
                 os.environ[LAUNCHER_PID] = str(os.getpid())
         else:
@@ -507,6 +521,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        lift_guard(self.lightning_module)
         if self.data_parallel == 1:  # every rank logs the same values: there is nothing to synchronise
             warnings.filterwarnings("ignore", message=_SYNC_DIST_ADVICE, category=PossibleUserWarning)
         self.accelerator.setup(trainer)
@@ -1011,6 +1026,12 @@ class PipelineStrategy(ParallelStrategy):
         self.drain()
         self._keep_loss_scale()
         self._report()
+        if self._writers is None:  # nothing was released: every rank holds the whole model
+            return
+        if self.gather_after_fit:
+            self._full_after_fit = self.broadcast(self.full_state_dict())  # put in place at teardown
+        else:
+            rank_zero_info(f"After fit, {HOW_TO_GET_IT}")
 
     def _report(self) -> None:
         """The end-of-fit report (:mod:`.report`): a collective; written and logged by global rank 0."""
@@ -1114,19 +1135,18 @@ class PipelineStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         """Load the entries this rank holds (every entry before the stages are placed; those of a
         model on the meta device once its stages are materialised); with ``strict`` the checkpoint
-        must name every entry of the module and no other."""
+        must name every entry of the module and no other, with the module's shapes."""
         module = self.lightning_module
         held = module.state_dict(keep_vars=True)
         state: Mapping[str, Any] = checkpoint["state_dict"]
-        missing = [name for name in held if name not in state]
-        unexpected = [name for name in state if name not in held]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}, unexpected keys "
-                f"{unexpected}"
-            )
+        source = getattr(self, "_checkpoint_path", None) or "the checkpoint"
+        if strict:
+            check_same_model(source, type(module).__name__, held, state)
         present = [name for name in held if name in state]
-        module.load_state_dict(read_entries(state, [n for n in present if not held[n].is_meta]), strict=False)
+        try:
+            module.load_state_dict(read_entries(state, [n for n in present if not held[n].is_meta]), strict=False)
+        except RuntimeError as error:
+            raise CheckpointError(f"{source} does not fit {type(module).__name__}: {error}") from error
         later = [name for name in present if held[name].is_meta]
         self._deferred = (state, later) if later and self.executor is None else None
 
@@ -1259,10 +1279,18 @@ class PipelineStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        """``sharded``: every rank writes its trees into the directory ``filepath`` (a collective;
-        :mod:`.sharded`), global rank 0 the rest of the checkpoint."""
+        """Save on every rank (a collective, :mod:`.saving`): ``full``, global rank 0 writes the file;
+        ``sharded``, every rank writes its trees into the directory ``filepath`` (:mod:`.sharded`),
+        global rank 0 the rest of the checkpoint. The checkpoint appears under its name only once
+        complete (:mod:`.atomic`); a save that fails anywhere raises on every rank."""
+        path = self.broadcast(str(filepath))
+        if not _is_local_file_protocol(path):
+            if self.state_dict_type == "sharded":
+                raise PlanningError(f"state_dict_type='sharded' writes to a local or mounted filesystem, not {path}")
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
         if self.state_dict_type == "full":
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+            save_together(path, lambda _, __: self._write_file(checkpoint, path, storage_options), False, self._ranks)
             return
         if storage_options is not None:
             raise TypeError(f"state_dict_type='sharded' takes no storage_options (got {storage_options!r})")
@@ -1272,19 +1300,51 @@ class PipelineStrategy(ParallelStrategy):
             trees["optimizer"] = state.pop("state")
             if "pipeline" in state:
                 trees["carried"] = state["pipeline"].pop("carried")
-        save_sharded(Path(self.broadcast(str(filepath))), checkpoint, trees, self.is_global_zero, self._objects)
+
+        def write(directory: Path | None, save: str) -> None:
+            assert directory is not None
+            stamp = {"save": save, "step": checkpoint.get("global_step")}
+            save_sharded(directory, checkpoint, trees, stamp, self.is_global_zero, self._objects)
+
+        save_together(path, write, True, self._ranks)
+
+    def _write_file(self, checkpoint: dict[str, Any], path: str, storage_options: Any | None) -> None:
+        """Global rank 0 writes the full checkpoint: atomically with Lightning's default checkpoint
+        IO (a temporary beside it, renamed), or through the ``CheckpointIO`` the user gave."""
+        if not self.is_global_zero:
+            return
+        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None:
+            write_file(path, lambda handle: torch.save(checkpoint, handle))
+        else:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+
+    @property
+    def _ranks(self) -> SaveRanks:
+        """Every rank of the job, as a save sees them."""
+        if not hasattr(self, "_objects") or self.world_size == 1:
+            return SaveRanks(self.global_rank)
+        return SaveRanks(self.global_rank, self._objects, self._failures.aborted)
+
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """Global rank 0 deletes a checkpoint file or directory; a directory is renamed first, so no
+        half-deleted checkpoint is ever seen under its name."""
+        if not self.is_global_zero:
+            return
+        if _is_local_file_protocol(filepath) and type(self.checkpoint_io) is TorchCheckpointIO:
+            remove(filepath)
+        else:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded checkpoint directory is read on demand (each rank reads its own entries once
-        its stages are placed); a single file as Lightning reads it."""
-        if is_sharded(checkpoint_path):
-            return load_sharded(checkpoint_path, weights_only)
-        if Path(checkpoint_path).is_dir():
-            raise PlanningError(
-                f"{checkpoint_path} is a directory without the {METADATA} of a sharded checkpoint: give a checkpoint "
-                "file, or a directory PipelineStrategy(state_dict_type='sharded') wrote"
-            )
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        its stages are placed); a single file as Lightning reads it. Either is refused, named, when
+        it is incomplete, damaged or mixes parts of several saves (:mod:`.checkpoint_files`)."""
+        if not _is_local_file_protocol(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        sweep(Path(checkpoint_path).parent)
+        self._checkpoint_path = str(checkpoint_path)
+        read = super().load_checkpoint
+        return load_checkpoint(checkpoint_path, lambda: read(checkpoint_path, weights_only), weights_only)
 
     def _gather_to_zero(self, part: Any) -> list[Any] | None:
         """Every rank's ``part`` on global rank 0 (``None`` on the others)."""
@@ -1322,8 +1382,15 @@ class PipelineStrategy(ParallelStrategy):
                 dist.destroy_process_group(group)
 
     def barrier(self, name: str | None = None) -> None:
-        if dist.is_available() and dist.is_initialized():
+        """Lightning's barrier; a rank that failed meanwhile is named (its error raised here)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        try:
             dist.barrier()
+        except RuntimeError as error:
+            if not hasattr(self, "_failures"):
+                raise
+            raise self._failures.aborted() from error
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
@@ -1379,6 +1446,12 @@ class PipelineStrategy(ParallelStrategy):
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             _move_held(self.lightning_module, torch.device("cpu"))
+            if self._full_after_fit is not None:
+                layers = self._chain.layers if self._chain is not None else []
+                fill([self.lightning_module, *layers], self.lightning_module, self._full_after_fit)
+                self._full_after_fit = None
+            elif on_meta(self.lightning_module):
+                guard(self.lightning_module)
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
@@ -1395,16 +1468,31 @@ class PipelineStrategy(ParallelStrategy):
             )
 
 
-class _SpawnLauncher(_MultiProcessingLauncher):
+class _ResumesFromComplete:
+    """A launcher that resolves ``ckpt_path="last"`` to the newest complete checkpoint before
+    Lightning does (:mod:`.resume`)."""
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            args, kwargs = complete_last(function, args, kwargs, trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class _ScriptLauncher(_ResumesFromComplete, _SubprocessScriptLauncher):
+    """Lightning's launcher that re-runs the script."""
+
+
+class _SpawnLauncher(_ResumesFromComplete, _MultiProcessingLauncher):
     """Lightning's spawn launcher, handing the main process the full trained model: its rank 0 holds
-    only its own stages, so the weights it sends are gathered from every rank."""
+    only its own stages, so the weights it sends are gathered from every rank (and written
+    atomically)."""
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
         fitted = trainer.state.fn == TrainerFn.FITTING  # Lightning sends weights back only after fit
         full = self._strategy.full_state_dict() if fitted else None  # a collective: every rank
         output = super()._collect_rank_zero_results(trainer, results)
         if output is not None and output.weights_path is not None:
-            self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)
+            write_file(output.weights_path, lambda handle: torch.save(full, handle))
         return output
 
 

@@ -1,0 +1,67 @@
+"""The module after ``fit``: each rank holds only its stages, as under FSDP, unless the user asks for
+the whole model back.
+
+Once the split is made, a rank releases the tensors of the stages it does not run to the meta device
+(:mod:`.ownership`), and they stay there after ``fit``. Code that then calls the module, or reads its
+values, would meet PyTorch's errors about meta tensors, which say nothing of why. So:
+
+- at the end of ``fit`` global rank 0 says once how to get the full model (:data:`HOW_TO_GET_IT`);
+- a module left holding meta tensors refuses to run its ``forward`` outside a trainer with that
+  explanation (:func:`guard`; the strategy lifts the guard when it sets up again);
+- ``PipelineStrategy(gather_after_fit=True)`` gathers the full model into the module on every rank
+  (:func:`fill`), as DDP leaves it: every rank then runs the user's code after ``fit`` with the whole
+  model, at the cost of holding it, which a model that needed a pipeline to fit may not afford.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe.strategy.ownership import as_parameter_like, replace
+
+__all__ = ["HOW_TO_GET_IT", "fill", "guard", "lift_guard"]
+
+HOW_TO_GET_IT = (
+    "each rank's module holds only the stages the rank ran (the others' weights are on the meta device, as under "
+    "FSDP). For the full model: trainer.save_checkpoint(path), called on every rank, writes it (then "
+    "MyModule.load_from_checkpoint(path)); `lightning-pipe consolidate DIR FILE` turns a sharded checkpoint into one "
+    "file; PipelineStrategy(gather_after_fit=True) gathers it into the module on every rank, as DDP leaves it"
+)
+_GUARD = "_lightning_pipe_guard"  # the module's attribute holding the guard's hook handle
+
+
+def fill(roots: Iterable[nn.Module], module: nn.Module, full: Mapping[str, Tensor]) -> None:
+    """Give every meta tensor of ``module`` (and of the modules under ``roots`` sharing it, ties kept)
+    its value in the full state dict ``full``, on the device of the module's other tensors."""
+    held = module.state_dict(keep_vars=True)
+    device = next((t.device for t in held.values() if not t.is_meta), torch.device("cpu"))
+    real: dict[int, Tensor] = {}
+    for name, tensor in held.items():
+        if tensor.is_meta and id(tensor) not in real:
+            real[id(tensor)] = as_parameter_like(tensor, full[name].detach().to(device).clone())
+    replace(roots, real, ())
+
+
+def guard(module: nn.Module) -> None:
+    """Make ``module``'s ``forward`` refuse to run, saying why, while it holds meta tensors."""
+    lift_guard(module)
+
+    def refuse(target: nn.Module, args: object) -> None:
+        released = [name for name, t in target.state_dict(keep_vars=True).items() if t.is_meta]
+        if released:
+            raise RuntimeError(
+                f"{type(target).__name__} was trained by PipelineStrategy, and after fit {HOW_TO_GET_IT}. This rank "
+                f"holds {len(released)} entries on the meta device (e.g. {released[0]})"
+            )
+
+    setattr(module, _GUARD, module.register_forward_pre_hook(refuse))
+
+
+def lift_guard(module: nn.Module) -> None:
+    """Remove :func:`guard`'s hook, if any (the strategy runs the module itself again)."""
+    handle = module.__dict__.pop(_GUARD, None)
+    if handle is not None:
+        handle.remove()
