@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,9 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime import run_local
 from lightning_pipe.strategy import PipelineStrategy
-from lightning_pipe.train import build
+from lightning_pipe.train import app, build
 from lightning_pipe.train.config import register_configs
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -142,6 +144,71 @@ def test_main_job_trains_to_the_stated_accuracy_and_writes_its_run_directory(tmp
     assert (first, after, last) == (0, cut + 1, 5)
     assert "Partition (time)" in (run / "plan.txt").read_text()
     assert "Predicted schedule" in done.stderr and "results:" in done.stderr  # logged by rank 0
+
+
+ONE_STEP = (  # one step of every stage of the job on synthetic data, at the smallest sizes
+    "data=synthetic",
+    "data.samples=4",
+    "data.batch_size=4",  # 2 rows per micro-batch on 2 stages: batch norm needs more than 1
+    "data.num_classes=2",
+    "trainer.max_steps=1",
+    "trainer.enable_checkpointing=false",
+    "trainer.enable_progress_bar=false",
+)
+
+
+def _synthetic_shape(model: str) -> str:
+    """The smallest images ``model`` takes: VGG halves its feature maps five times."""
+    return "data.input_shape=[3,32,32]" if model.startswith("vgg") else "data.input_shape=[3,8,8]"
+
+
+def _one_step_worker(rank: int, root: str, models: list[str]) -> dict[str, str]:
+    """``lightning-pipe-train model=<model> data=synthetic`` on one device for each model: "trained
+    in ... s", or the error it raised."""
+    os.environ["LIGHTNING_PIPE_CACHE"] = str(Path(root) / "profiles")
+    outcomes = {}
+    for model in models:
+        cfg = _compose(f"model={model}", *ONE_STEP, _synthetic_shape(model), "trainer.devices=1")
+        start = time.perf_counter()
+        try:
+            app.run(cfg, Path(root) / model)
+            outcomes[model] = f"trained in {time.perf_counter() - start:.1f} s"
+        except Exception as error:
+            outcomes[model] = f"{type(error).__name__}: {error}"
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def one_step_per_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """Every model's step on synthetic data, in one process started once (a process per model would
+    add its start-up, seconds, to each)."""
+    root = tmp_path_factory.mktemp("synthetic")
+    (outcomes,) = run_local(_one_step_worker, 1, str(root), _options("model"), timeout=240)
+    return root, outcomes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", _options("model"))
+def test_every_model_trains_on_synthetic_data(model: str, one_step_per_model: tuple[Path, dict[str, str]]) -> None:
+    """``model=<model> data=synthetic``: the model and the data module both keep ``input_shape`` among
+    their hyper-parameters, which Lightning merges for the loggers, refusing a key whose values differ
+    (a tuple beside a list included); the run trains, tests and logs them once."""
+    root, outcomes = one_step_per_model
+    assert outcomes[model].startswith("trained in"), outcomes[model]
+    hparams = (root / model / "hparams.yaml").read_text()
+    assert f"model: {model}" in hparams and hparams.count("input_shape:") == 1, hparams
+    assert "test_acc" in json.loads((root / model / "results.json").read_text())["test"]
+
+
+@pytest.mark.timeout(200)
+def test_synthetic_data_trains_on_two_processes(tmp_path: Path) -> None:
+    """``lightning-pipe-train model=resnet18 data=synthetic`` as a user runs it: the command re-run for
+    the second process, 2 pipeline stages."""
+    done = _train(["lightning-pipe-train", "model=resnet18", *ONE_STEP, _synthetic_shape("resnet18")], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = _run_directories(tmp_path / "logs")
+    assert len(json.loads((run / "plan.json").read_text())["stages"]) == 2
+    assert "input_shape:" in (run / "hparams.yaml").read_text()
 
 
 @pytest.mark.timeout(400)
