@@ -5,7 +5,10 @@ processes per run, and the configs found from a non-editable install."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +18,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigKeyError, ValidationError
 
@@ -32,6 +37,12 @@ def _compose(*overrides: str) -> DictConfig:
     register_configs()
     with initialize_config_module("lightning_pipe.conf", version_base="1.3"):
         return compose("train", overrides=list(overrides))
+
+
+@functools.cache
+def _main_job() -> DictConfig:
+    """The main job's configuration, composed once (copy it before changing it)."""
+    return _compose()
 
 
 def _options(group: str) -> list[str]:
@@ -109,12 +120,54 @@ def test_bad_values_fail_at_compose_time(override: str, error: type[Exception], 
         (["pipeline.bandwidth=fast"], r"pipeline.bandwidth='fast' is not understood .* 10Gbit/s"),
         (["pipeline.shared_memory=lots"], r"pipeline.shared_memory='lots' is not understood .* 0 \(gloo only\)"),
         (["update_rule=cdp_v2", "schedule=gpipe"], r"schedule=gpipe update_rule=cdp_v2: gpipe runs the 'sync'"),
+        (["pipeline.timeout_minutes=-1"], r"^pipeline.timeout_minutes must be a number of minutes > 0; got -1.0$"),
+        (["min_test_accuracy=95"], r"^min_test_accuracy must be a fraction in \[0, 1\] \(or null: no floor\); got 95"),
+        (["ckpt_path=gone.ckpt"], r"^ckpt_path='gone.ckpt' does not exist \(relative paths are from .*\): give a"),
     ],
 )
 def test_values_the_schema_cannot_check_fail_before_anything_runs(overrides: list[str], pattern: str) -> None:
     cfg = _compose(*overrides)
     with pytest.raises(PlanningError, match=pattern):
         build.check(cfg)
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.one_of(st.floats(max_value=0), st.just(math.inf), st.just(math.nan)))
+def test_any_timeout_but_a_positive_number_of_minutes_fails_before_anything_runs(minutes: float) -> None:
+    """``pipeline.timeout_minutes=-1`` used to reach the processes as a store that "timed out after
+    -60000ms"; infinity and NaN failed converting it to a ``timedelta``."""
+    cfg = copy.deepcopy(_main_job())
+    cfg.pipeline.timeout_minutes = minutes
+    with pytest.raises(PlanningError, match=r"^pipeline.timeout_minutes must be a number of minutes > 0; got "):
+        build.check(cfg)
+
+
+def test_checkpoints_found_by_name_or_elsewhere_are_left_to_lightning(tmp_path: Path) -> None:
+    for path in ("last", "best", "hpc", "registry:model:latest", "s3://bucket/last.ckpt", str(tmp_path)):
+        build.check(_compose(f"ckpt_path='{path}'"))
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("schedule.period=-1", r"^period must be a number > 0, or None; got -1.0$"),
+        ("schedule.k=0", r"^k must be a whole number >= 1, or None; got 0$"),
+        ("schedule.slack=-1", r"^slack must be a whole number >= 0; got -1$"),
+        ("schedule.form=ring", r"^form must be one of 'pipeline', 'pyramid'"),
+        ("pipeline.balance=[3,0]", r"^every balance entry must be a whole number of layers >= 1; got 0$"),
+        ("pipeline.stages=0", r"^stages must be a whole number >= 1, or None; got 0$"),
+        ("pipeline.contention=0.5", r"^contention must be a finite factor >= 1"),
+        ("pipeline.plan=none.json", r"^cannot read the plan none.json: No such file or directory$"),
+        ("pipeline.profile=none.json", r"^cannot read the profile none.json: No such file or directory$"),
+    ],
+)
+def test_strategy_options_fail_when_the_strategy_is_built(override: str, pattern: str) -> None:
+    """The rest of the ``pipeline`` and ``schedule`` keys: the strategy's constructor refuses them,
+    which :func:`build.strategy` calls before the trainer starts any process."""
+    cfg = _compose(override)
+    build.check(cfg)
+    with pytest.raises(PlanningError, match=pattern):
+        build.strategy(cfg, multirun=False)
 
 
 def _train(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -206,7 +206,7 @@ class StageCosts:
 
 def check_contention(value: float, prefix: str = "") -> None:
     """Refuse a :attr:`StageCosts.contention` below 1 or not finite."""
-    if not 1 <= value < math.inf:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value < math.inf:
         raise PlanningError(f"{prefix}contention must be a finite factor >= 1 (1: no sharing), got {value!r}")
 
 

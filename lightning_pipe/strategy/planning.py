@@ -9,6 +9,7 @@ partitioner under the memory limit, and the schedule is simulated with the measu
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,10 +23,11 @@ from lightning_pipe.capture import CapturedForward
 from lightning_pipe.capture.describe import describe
 from lightning_pipe.cli import plan_table, simulation_table
 from lightning_pipe.costs import ChainCosts
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import EXTRA_COPIES, MemoryModel
 from lightning_pipe.network import Network
 from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
+from lightning_pipe.partition.request import check_tolerance
 from lightning_pipe.plan_file import load_plan
 from lightning_pipe.profile_file import load_profile
 from lightning_pipe.profiler import given_names, profile_layers
@@ -88,11 +90,27 @@ class PlanOptions:
     cache: Path | None = None
 
     def __post_init__(self) -> None:
+        """Refuse what no model could be planned with (a file is read here to check it; whether it
+        describes the model is checked when planning)."""
         if self.partitioner not in PARTITIONERS:
             raise PlanningError(f"unknown partitioner {self.partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
         if sum(x is not None for x in (self.plan, self.balance)) > 1:
             raise PlanningError("give at most one of plan= and balance=")
         check_contention(self.contention)
+        check_tolerance(self.tolerance, "plan_tolerance")
+        _check_counts("balance", self.balance, "layers")
+        _check_counts("stage_replicas", self.stage_replicas, "workers")
+        for name, load in (("profile", load_profile), ("plan", load_plan)):
+            path = getattr(self, name)
+            if path is not None and not isinstance(path, str | os.PathLike):
+                raise PlanningError(f"{name} must be the path of a {name} file, or None; got {path!r}")
+            if path is not None:
+                load(path)
+        if self.cache is not None and self.cache.exists() and not self.cache.is_dir():
+            raise PlanningError(
+                f"the profile cache {self.cache} is a file, not a directory: give profile_cache a directory, or "
+                "False to measure every run (the default directory is $LIGHTNING_PIPE_CACHE when set)"
+            )
 
 
 @dataclass(frozen=True)
@@ -121,6 +139,16 @@ class StagePlan:
         replicas = self.replicas or (1,) * len(self.bounds)
         spans = [{"layers": [a, b], "replicas": r} for (a, b), r in zip(self.bounds, replicas, strict=True)]
         return {**model, "stages": spans}
+
+
+def _check_counts(name: str, value: object, unit: str) -> None:
+    """Refuse a ``balance`` or ``stage_replicas`` that is not ``None`` or a list of whole numbers >= 1."""
+    if value is None:
+        return
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
+        raise PlanningError(f"{name} must list the {unit} of each stage, e.g. [3, 2], or be None; got {value!r}")
+    for count in value:
+        check_whole(f"every {name} entry", count, 1, unit)
 
 
 def memory_schedule(family: str) -> str:
