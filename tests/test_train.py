@@ -236,11 +236,11 @@ def one_step_per_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     """Every model's step on synthetic data, in one process started once (a process per model would
     add its start-up, seconds, to each)."""
     root = tmp_path_factory.mktemp("synthetic")
-    (outcomes,) = run_local(_one_step_worker, 1, str(root), _options("model"), timeout=240)
+    (outcomes,) = run_local(_one_step_worker, 1, str(root), _options("model"), timeout=400)
     return root, outcomes
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)  # the first one sets up every model's run: about 35 s of CPU time
 @pytest.mark.parametrize("model", _options("model"))
 def test_every_model_trains_on_synthetic_data(model: str, one_step_per_model: tuple[Path, dict[str, str]]) -> None:
     """``model=<model> data=synthetic``: the model and the data module both keep ``input_shape`` among
