@@ -104,6 +104,10 @@ def test_update_rule_picks_a_schedule_that_runs_it_unless_one_is_given() -> None
         ("partitioner.name=balanced", ValidationError, r"Invalid value 'balanced'"),
         ("trainer.precision=fp8", ValidationError, r"Invalid value 'fp8'"),
         ("data.batch_sise=3", ConfigKeyError, r"Key 'batch_sise' not in 'DigitsConfig'"),
+        ("pipeline.pin_cpus=maybe", ValidationError, r"Value 'maybe' is not a valid bool"),
+        ("pipeline.pin_cpus=[0,1]", ValidationError, r"Value '\[0, 1\]' is not a valid bool"),
+        ("pipeline.timeout_minutes=soon", ValidationError, r"'soon' of type 'str' could not be converted to Float"),
+        ("pipeline.start_method=fork", ValidationError, r"Invalid value 'fork', expected one of \[auto, popen"),
     ],
 )
 def test_bad_values_fail_at_compose_time(override: str, error: type[Exception], pattern: str) -> None:
