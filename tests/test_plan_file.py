@@ -127,6 +127,16 @@ def test_a_plan_the_strategy_wrote_runs_as_written(tmp_path_factory: pytest.Temp
     assert again.bounds == first.bounds == ((0, cut), (cut + 1, 4))
 
 
+def test_a_planned_split_written_and_read_back_is_the_same(tmp_path: Path) -> None:
+    """The plan a run prints and writes (profiled, partitioned) is a plan file of this model."""
+    profile = ChainCosts.from_lists([1.0, 3.0, 1.0, 1.0, 2.0])
+    with mock.patch.object(planning, "profile_layers", lambda *_, **__: profile):
+        planned = _planned(PlanOptions(cache=None))
+    document = planned.to_dict()
+    assert (document["layers"], document["layer_names"]) == (5, list(NAMES))
+    assert _planned(PlanOptions(plan=str(_plan(tmp_path, document)))).bounds == planned.bounds
+
+
 def test_a_profile_of_another_model_says_what_each_has(tmp_path: Path) -> None:
     """A profile of other layers (another count, or, for a profile measured from captured layers,
     other names) is refused; a profile of the same layers plans."""
