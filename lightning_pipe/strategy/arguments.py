@@ -12,9 +12,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PlanningError, check_flag
 
-__all__ = ["check_backend", "check_port", "check_timeout", "parse_option"]
+__all__ = ["check_backend", "check_flags", "check_port", "check_timeout", "parse_option"]
 
 _PORTS = range(1, 65536)
 
@@ -26,6 +26,12 @@ def check_timeout(timeout: object) -> None:
             f"timeout must be a positive datetime.timedelta, e.g. timedelta(minutes=30) (Hydra: "
             f"pipeline.timeout_minutes=30); got {timeout!r}"
         )
+
+
+def check_flags(**flags: object) -> None:
+    """Refuse a flag (``pin_cpus``, ``recompute``, ...) that is not ``True`` or ``False``."""
+    for name, value in flags.items():
+        check_flag(name, value)
 
 
 def check_backend(backend: object) -> None:

@@ -71,7 +71,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 
 from lightning_pipe.capture.verify import verify_chain
-from lightning_pipe.errors import PlanningError, check_flag, check_whole
+from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import MemoryModel
 from lightning_pipe.nested import flatten, map_tensors, unflatten
 from lightning_pipe.runtime import PipelineExecutor
@@ -84,7 +84,7 @@ from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
-from lightning_pipe.strategy.arguments import check_backend, check_port, check_timeout, parse_option
+from lightning_pipe.strategy.arguments import check_backend, check_flags, check_port, check_timeout, parse_option
 from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.contract import Call, Entry, PipelineModel, pipeline_model
 from lightning_pipe.strategy.differences import differences
@@ -300,8 +300,7 @@ class PipelineStrategy(ParallelStrategy):
         self._stages_option, self._data_parallel_option = stages, data_parallel
         if start_method not in ("popen", "spawn"):
             raise PlanningError(f"start_method must be 'popen' or 'spawn'; got {start_method!r}")
-        for name, flag in (("recompute", recompute), ("keep_plan", keep_plan), ("pin_cpus", pin_cpus)):
-            check_flag(name, flag)
+        check_flags(recompute=recompute, keep_plan=keep_plan, pin_cpus=pin_cpus)
         check_timeout(timeout)
         check_backend(process_group_backend)
         check_port()
