@@ -78,15 +78,11 @@ class ImageClassifier(L.LightningModule):
         _check_schedule(milestones, gamma)
         if not (isinstance(label_smoothing, int | float) and 0 <= label_smoothing < 1):
             raise PlanningError(f"label_smoothing must be in [0, 1) (0 turns it off); got {label_smoothing!r}")
-        self.save_hyperparameters()
         self.net = build_chain(
-            model,
-            num_classes=num_classes,
-            input_shape=tuple(input_shape),
-            cifar=cifar,
-            width=width,
-            depth=depth,
+            model, num_classes=num_classes, input_shape=input_shape, cifar=cifar, width=width, depth=depth
         )
+        input_shape = tuple(input_shape)  # saved as the data modules save it: Lightning refuses a list beside a tuple
+        self.save_hyperparameters()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)

@@ -18,10 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.costs import ChainCosts
 from lightning_pipe.errors import CheckpointError, PlanningError
+from lightning_pipe.files import read_json
 from lightning_pipe.memory import EXTRA_COPIES, SCHEDULES, MemoryModel
 from lightning_pipe.network import Network
 from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
+from lightning_pipe.plan_file import load_plan
 from lightning_pipe.profile_file import load_profile, save_profile
+from lightning_pipe.profiler import given_names
 from lightning_pipe.schedule.cyclic import FORMS
 from lightning_pipe.units import format_bytes, format_seconds, parse_bandwidth, parse_bytes
 
@@ -248,7 +251,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     )
     plan = partition(request, args.partitioner)
     if args.json:
-        print(json.dumps({"profile": costs.name, "layers": len(costs), **plan.to_dict()}, indent=1))
+        names = given_names(costs)
+        model = {"layers": len(costs)} if names is None else {"layers": len(costs), "layer_names": names}
+        print(json.dumps({"profile": costs.name, **model, **plan.to_dict()}, indent=1))
     else:
         print(plan_table(costs, plan))
     return 0
@@ -324,17 +329,12 @@ def _stage_costs(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
     replicas = None
     if args.costs or args.plan:
         path = args.costs or args.plan
-        try:
-            document = json.loads(Path(path).read_text())
-        except OSError as error:
-            raise PlanningError(f"cannot read {path}: {error.strerror or error}") from None
-        except json.JSONDecodeError as error:
-            raise PlanningError(f"{path}: invalid JSON at line {error.lineno}: {error.msg}") from None
         if args.costs:
-            costs = StageCosts.from_dict(document, path)
+            costs = StageCosts.from_dict(read_json(path, "stage costs"), path)
         else:
-            costs = StageCosts.from_plan(document, path, replicated=args.schedule == "1f1b_rr")
-            replicas = [stage.get("replicas", 1) for stage in document["stages"]]
+            plan = load_plan(path)
+            costs = StageCosts.from_plan(plan.document, path, replicated=args.schedule == "1f1b_rr")
+            replicas = list(plan.replicas)
         if args.stages is not None and args.stages != costs.stages:
             raise PlanningError(f"--stages {args.stages} but {path} describes {costs.stages} stages")
     else:

@@ -57,7 +57,7 @@ class LayerCost:
         if self.flops is not None:
             numbers["flops"] = self.flops
         for key, value in numbers.items():
-            if not isinstance(value, int | float) or math.isnan(value) or value < 0 or math.isinf(value):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise PlanningError(f"layer {self.name!r}: {key} must be a finite number >= 0, got {value!r}")
 
     @property

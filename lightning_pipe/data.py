@@ -447,9 +447,10 @@ class SyntheticDataModule(_SplitDataModule):
             check_whole("every input_shape size", size, 1)
         check_whole("num_classes", num_classes, 1, "classes")
         check_whole("samples", samples, 1)
+        input_shape = tuple(input_shape)  # saved as the model saves it: Lightning refuses a list beside a tuple
         self.save_hyperparameters()
         self.num_classes = num_classes
-        self.input_shape = tuple(input_shape)
+        self.input_shape = input_shape
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:

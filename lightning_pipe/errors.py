@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "IncompleteCheckpoint", "PlanningError", "check_whole"]
+import math
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointSaveError",
+    "IncompleteCheckpoint",
+    "PlanningError",
+    "check_flag",
+    "check_positive",
+    "check_whole",
+]
 
 
 class PlanningError(ValueError):
@@ -35,3 +45,21 @@ def check_whole(name: str, value: object, minimum: int, unit: str | None = None,
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = f"a whole number of {unit}" if unit else "a whole number"
         raise PlanningError(f"{name} must be {what} >= {minimum}{', or None' if optional else ''}; got {value!r}")
+
+
+def check_flag(name: str, value: object, *, optional: bool = False) -> None:
+    """Refuse ``value`` unless it is ``True`` or ``False``, or ``None`` when ``optional`` (``"yes"`` and
+    ``1`` are not flags here: a string is always true)."""
+    if isinstance(value, bool) or (optional and value is None):
+        return
+    raise PlanningError(f"{name} must be True or False{', or None' if optional else ''}; got {value!r}")
+
+
+def check_positive(name: str, value: object, unit: str | None = None, *, optional: bool = False) -> None:
+    """Refuse ``value`` unless it is a finite number (of ``unit``) > 0, or ``None`` when ``optional``
+    (``True`` and ``"30"`` are not numbers here)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        what = f"a number of {unit}" if unit else "a number"
+        raise PlanningError(f"{name} must be {what} > 0{', or None' if optional else ''}; got {value!r}")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from lightning_pipe.costs import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.files import json_kind, parse_json, read_text
 from lightning_pipe.pipedream_graph import parse_pipedream_graph
 
 __all__ = ["FORMAT", "load_profile", "profile_from_dict", "profile_to_dict", "save_profile"]
@@ -62,13 +63,16 @@ def profile_to_dict(costs: ChainCosts) -> dict[str, object]:
 
 def _layer(entry: object, index: int, source: str) -> LayerCost:
     if not isinstance(entry, dict):
-        raise PlanningError(f"{source}: layers[{index}] must be an object, got {type(entry).__name__}")
+        raise PlanningError(f"{source}: layers[{index}] must be an object, got {json_kind(entry)} {entry!r}")
     missing = [key for key in _LAYER_FIELDS if key not in entry]
     if missing:
         raise PlanningError(f"{source}: layers[{index}] lacks {', '.join(missing)}")
+    name = entry.get("name", f"layer{index}")
+    if not isinstance(name, str):
+        raise PlanningError(f"{source}: layers[{index}] name must be a string, got {json_kind(name)} {name!r}")
     try:
         return LayerCost(
-            name=str(entry.get("name", f"layer{index}")),
+            name=name,
             flops=entry.get("flops"),
             kept_gradient_bytes=entry.get("kept_gradient_bytes", 0.0),
             **{key: entry[key] for key in _LAYER_FIELDS},
@@ -79,20 +83,30 @@ def _layer(entry: object, index: int, source: str) -> LayerCost:
 
 def profile_from_dict(document: object, source: str = "profile") -> ChainCosts:
     """Read a JSON document written by :func:`profile_to_dict`."""
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
+    if not isinstance(document, dict):
+        raise PlanningError(
+            f"{source}: not a lightning_pipe profile: a profile is a JSON object (lightning-pipe plan --save-profile "
+            f"writes one), got a JSON {json_kind(document)}"
+        )
+    if document.get("format") != FORMAT:
         raise PlanningError(f'{source}: not a lightning_pipe profile (missing "format": "{FORMAT}")')
     if document.get("version") != VERSION:
         raise PlanningError(f"{source}: profile version {document.get('version')!r}; this release reads {VERSION}")
     layers = document.get("layers")
     if not isinstance(layers, list):
-        raise PlanningError(f'{source}: "layers" must be a list of layer objects')
+        raise PlanningError(f'{source}: "layers" must be a list of layer objects, got {json_kind(layers)}')
+    for key, kind, empty in (("boundary_bytes", list, []), ("notes", list, []), ("meta", dict, {}), ("name", str, "")):
+        if not isinstance(document.get(key, empty), kind):
+            raise PlanningError(
+                f'{source}: "{key}" must be a JSON {json_kind(empty)}, got {json_kind(document[key])} {document[key]!r}'
+            )
     try:
         return ChainCosts(
             layers=tuple(_layer(entry, i, source) for i, entry in enumerate(layers)),
-            boundary_bytes=tuple(document.get("boundary_bytes") or ()),
-            name=str(document.get("name", "")),
-            notes=tuple(document.get("notes") or ()),
-            meta=dict(document.get("meta") or {}),
+            boundary_bytes=tuple(document.get("boundary_bytes", ())),
+            name=document.get("name", ""),
+            notes=tuple(map(str, document.get("notes", ()))),
+            meta=document.get("meta", {}),
         )
     except PlanningError as error:
         message = str(error)
@@ -105,16 +119,13 @@ def save_profile(costs: ChainCosts, path: str | Path) -> None:
 
 
 def load_profile(path: str | Path) -> ChainCosts:
-    """Load a JSON profile or a PipeDream ``graph.txt`` (recognised by content)."""
-    path = Path(path)
+    """Load a JSON profile or a PipeDream ``graph.txt`` (recognised by content: JSON, or text that
+    starts as a JSON object or list does, is a JSON profile)."""
+    text = read_text(path, "profile")
     try:
-        text = path.read_text()
-    except OSError as error:
-        raise PlanningError(f"cannot read profile {path}: {error.strerror or error}") from None
-    if text.lstrip().startswith("{"):
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise PlanningError(f"{path}: invalid JSON at line {error.lineno}: {error.msg}") from None
-        return profile_from_dict(document, source=str(path))
-    return parse_pipedream_graph(text, source=str(path))
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        if text.lstrip().startswith(("{", "[")):
+            parse_json(text, path, "profile")  # raises, naming the line
+        return parse_pipedream_graph(text, source=str(path))
+    return profile_from_dict(document, source=str(path))

@@ -58,7 +58,7 @@ from lightning_pipe.nested import map_tensors, nbytes, tensors
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.saved_bytes import saved_bytes
 
-__all__ = ["ESTIMATED_FLOPS_PER_SECOND", "profile_layers"]
+__all__ = ["ESTIMATED_FLOPS_PER_SECOND", "given_names", "profile_layers"]
 
 ESTIMATED_FLOPS_PER_SECOND = 1e12  # a layer on the meta device: its time is its FLOPs at this rate
 
@@ -86,7 +86,8 @@ def profile_layers(
         repeats: timed runs per layer, one per pass through the chain; the median is kept.
         count_flops: count FLOPs with ``torch.utils.flop_counter`` (``flops`` is None otherwise).
         name: name of the profile; default: the model's class name.
-        layer_names: a name per layer for the profile (default: the layers' class names).
+        layer_names: a name per layer for the profile (default: the layers' class names); layer
+            ``i`` of the profile is then named ``i:name`` (:func:`given_names` reads them back).
 
     Raises:
         PlanningError: the model is not a non-empty chain, the sample holds no tensor, the counts
@@ -131,6 +132,15 @@ def profile_layers(
         "torch": torch.__version__,
     }
     return ChainCosts(layers=tuple(costs), name=name or _default_name(model), meta=meta)
+
+
+def given_names(costs: ChainCosts) -> list[str] | None:
+    """The ``layer_names`` a profile of :func:`profile_layers` was given (its layers named ``i:name``),
+    or ``None`` for a profile whose layers are named otherwise (a module's children, PipeDream's nodes)."""
+    parts = [layer.name.partition(":") for layer in costs.layers]
+    if all(index == str(i) and colon for i, (index, colon, _) in enumerate(parts)):
+        return [name for _, _, name in parts]
+    return None
 
 
 def _named_layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:

@@ -26,6 +26,8 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$
 
 def parse_bytes(text: str | float) -> float:
     """``"16GB"`` → 16e9, ``"2GiB"`` → 2·2**30, a bare number is bytes. Decimal units are SI."""
+    if isinstance(text, bool):
+        raise PlanningError(f"a size is a number of bytes or a string such as 16GB, not {text!r}")
     if isinstance(text, int | float):
         value, unit = float(text), ""
     else:

@@ -124,7 +124,7 @@ def test_bad_arguments_exit_with_a_message(argv: list[str], message: str, capsys
 
 def test_planning_errors_exit_2_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--profile", str(tmp_path / "missing.json"), "--devices", "2"]) == 2
-    assert "cannot read profile" in capsys.readouterr().err
+    assert "cannot read the profile" in capsys.readouterr().err
     profile = tmp_path / "tiny.json"
     profile.write_text(
         json.dumps(
@@ -202,6 +202,23 @@ def test_simulate_a_plan_and_a_costs_file(pipedream_profiles: Path, tmp_path: Pa
 def test_simulate_errors(argv: list[str], message: str, capsys) -> None:
     assert main(["simulate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "text", "message"),
+    [
+        ("--plan", "[1, 2]", 'plan.json is not a plan: a plan is a JSON object with a "stages" list'),
+        ("--plan", '{"stages": [{"replicas": 1}]}', 'plan.json: stages[0] lacks "layers"'),
+        ("--plan", '{"stages": [{"layers": [0, 1]}]}', "plan.json: stages[0] lacks forward_seconds, backward_seconds"),
+        ("--costs", "{", "plan.json: invalid JSON at line 1: Expecting property name enclosed in double quotes"),
+        ("--costs", "[1]", 'plan.json: a costs file is a JSON object with "forward" and "backward" lists'),
+    ],
+)
+def test_simulate_names_a_broken_file(tmp_path: Path, option: str, text: str, message: str, capsys) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    assert main(["simulate", "--schedule", "1f1b", "--microbatches", "2", option, str(path)]) == 2
+    assert f"lightning-pipe simulate: error: {tmp_path}/{message}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

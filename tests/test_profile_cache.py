@@ -77,10 +77,12 @@ def test_an_unreadable_or_mismatched_file_is_measured_anew(tmp_path: Path) -> No
         return ChainCosts.from_lists([1.0, 2.0])
 
     (tmp_path / "k.json").write_text("{not json")
-    _, path, reused = cached_profile(tmp_path, "k", measure, layers=2)
+    with pytest.warns(UserWarning, match=r"kept profile not used: .*k.json: invalid JSON at line 1: .*measured anew"):
+        _, path, reused = cached_profile(tmp_path, "k", measure, layers=2)
     assert not reused and len(calls) == 1 and path == tmp_path / "k.json"
     assert cached_profile(tmp_path, "k", measure, layers=2)[2] and len(calls) == 1
-    assert not cached_profile(tmp_path, "k", measure, layers=3)[2] and len(calls) == 2  # other layer count
+    with pytest.warns(UserWarning, match=r"kept profile not used: .*k.json describes 2 layers, not these 3; measured"):
+        assert not cached_profile(tmp_path, "k", measure, layers=3)[2] and len(calls) == 2  # other layer count
     assert not list(tmp_path.glob("*.tmp"))
 
 

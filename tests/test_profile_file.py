@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -164,9 +165,43 @@ def test_malformed_json_profiles_are_explained(mutate, message: str) -> None:
 
 
 def test_unreadable_and_invalid_json_files(tmp_path: Path) -> None:
-    with pytest.raises(PlanningError, match="cannot read profile"):
+    with pytest.raises(PlanningError, match=r"^cannot read the profile .*missing.json: No such file or directory$"):
         load_profile(tmp_path / "missing.json")
+    with pytest.raises(PlanningError, match=r"^cannot read the profile .*: Is a directory$"):
+        load_profile(tmp_path)
     broken = tmp_path / "broken.json"
     broken.write_text("{ not json")
-    with pytest.raises(PlanningError, match="invalid JSON at line 1"):
+    with pytest.raises(PlanningError, match=r"broken.json: invalid JSON at line 1: .* \(a profile file is JSON\)$"):
         load_profile(broken)
+
+
+_GOOD = profile_to_dict(ChainCosts.from_lists([1.0, 2.0], [1.0, 1.0], params=[3, 4]))
+
+
+def _with_layer(**change: object) -> dict[str, object]:
+    return {**_GOOD, "layers": [{**_GOOD["layers"][0], **change}, _GOOD["layers"][1]]}
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ([1, 2], r"not a lightning_pipe profile: a profile is a JSON object .*, got a JSON list$"),
+        (3, r"not a lightning_pipe profile: .* got a JSON number$"),
+        ({**_GOOD, "layers": {"a": 1}}, r'"layers" must be a list of layer objects, got object$'),
+        ({**_GOOD, "layers": [1]}, r"layers\[0\] must be an object, got number 1$"),
+        (_with_layer(forward_seconds="x"), r"layers\[0\]: layer 'layer0': forward_seconds must be a finite number"),
+        (_with_layer(backward_seconds=True), r"layers\[0\]: .* backward_seconds must be a finite number .*got True$"),
+        (_with_layer(name=5), r"layers\[0\] name must be a string, got number 5$"),
+        ({**_GOOD, "boundary_bytes": 5}, r'"boundary_bytes" must be a JSON list, got number 5$'),
+        ({**_GOOD, "notes": "checked"}, r'"notes" must be a JSON list, got string \'checked\'$'),
+        ({**_GOOD, "meta": [1]}, r'"meta" must be a JSON object, got list \[1\]$'),
+        ({**_GOOD, "name": {"a": 1}}, r'"name" must be a JSON string, got object'),
+    ],
+)
+def test_a_json_profile_of_the_wrong_shape_is_named(tmp_path: Path, document: object, message: str) -> None:
+    """Any JSON (a list, a number, ...) is read as a JSON profile, not as a PipeDream graph, and each
+    wrong type is refused with the file's name and where it is."""
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(PlanningError, match=rf"^{re.escape(str(path))}: {message}"):
+        load_profile(path)

@@ -417,10 +417,33 @@ def test_a_plan_must_be_a_plan(document: object) -> None:
         StageCosts.from_plan(document)
 
 
-@pytest.mark.parametrize("stages", [[{"backward_seconds": 1.0}], [3], [{"forward_seconds": 1.0}, ["forward_seconds"]]])
-def test_a_plan_needs_forward_seconds(stages: list[object]) -> None:
-    """Guards the check that every stage is an object with ``forward_seconds`` (older plans lack it)."""
-    with pytest.raises(
-        PlanningError, match=r"^p\.json: stages lack forward_seconds: re-create the plan with this version$"
-    ):
+_STAGE = {"forward_seconds": 1, "backward_seconds": 2, "output_bytes": 3, "saved_bytes": 4, "param_bytes": 5}
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ([{"backward_seconds": 1.0}], r"stages\[0\] lacks forward_seconds, output_bytes, saved_bytes, param_bytes"),
+        ([3], r"stages\[0\] lacks forward_seconds, backward_seconds, output_bytes, saved_bytes, param_bytes"),
+        ([_STAGE, ["forward_seconds"]], r"stages\[1\] lacks forward_seconds, backward_seconds, output_bytes, .*"),
+    ],
+)
+def test_a_plan_needs_every_stage_cost(stages: list[object], message: str) -> None:
+    """Guards the check that every stage is an object with its costs (older plans lack some)."""
+    with pytest.raises(PlanningError, match=rf"^p\.json: {message}: re-create the plan with this version$"):
         StageCosts.from_plan({"stages": stages}, source="p.json")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"backward_seconds": "2"}, r"stages\[0\] backward_seconds must be a number, got '2'"),
+        ({"param_bytes": True}, r"stages\[0\] param_bytes must be a number, got True"),
+        ({"output_bytes": None}, r"stages\[0\] output_bytes must be a number, got None"),
+    ],
+)
+def test_a_plans_stage_costs_are_numbers(change: dict[str, object], message: str) -> None:
+    with pytest.raises(PlanningError, match=rf"^p\.json: {message}$"):
+        StageCosts.from_plan({"stages": [{**_STAGE, **change}]}, source="p.json")
+    with pytest.raises(PlanningError, match=r"^p\.json: bandwidth_bytes_per_second must be bytes per second or null"):
+        StageCosts.from_plan({"stages": [_STAGE], "bandwidth_bytes_per_second": "fast"}, source="p.json")

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from lightning_pipe import PipelineStrategy, PlanningError
 from lightning_pipe.runtime import LocalRunError, run_local
+from lightning_pipe.strategy.arguments import check_port
 from lightning_pipe.strategy.contract import Call, pipeline_model
 from tests.lightning_cases import ROWS, Chain, dataset, loader, trainer
 
@@ -63,21 +67,103 @@ def test_model_contract_refusals() -> None:
         pipeline_model(_Branching(), Call((x,)), stages=2)
 
 
-def test_constructor_refusals() -> None:
-    with pytest.raises(PlanningError, match="unknown schedule 'gpipes'; choose one of gpipe, 1f1b"):
-        PipelineStrategy("gpipes")
-    with pytest.raises(PlanningError, match="unknown partitioner 'fast'"):
-        PipelineStrategy(partitioner="fast")
-    with pytest.raises(PlanningError, match="microbatches must be a whole number"):
-        PipelineStrategy(microbatches=0)
-    with pytest.raises(PlanningError, match="banana"):
-        PipelineStrategy(memory_limit="banana")
-    with pytest.raises(PlanningError, match="groups must be a whole number >= 1"):
-        PipelineStrategy("lpp", groups=0)
-    with pytest.raises(PlanningError, match="start_method must be 'popen' or 'spawn'"):
-        PipelineStrategy(start_method="fork")
-    with pytest.raises(PlanningError, match=r"^contention must be a finite factor >= 1 \(1: no sharing\), got 0.5$"):
-        PipelineStrategy(contention=0.5)
+CONSTRUCTOR_REFUSALS = [
+    ({"schedule": "gpipes"}, r"unknown schedule 'gpipes'; choose one of gpipe, 1f1b"),
+    ({"partitioner": "fast"}, r"unknown partitioner 'fast'"),
+    ({"microbatches": 0}, r"microbatches must be a whole number"),
+    ({"memory_limit": "banana"}, r"^memory_limit='banana': cannot read 'banana' as a size: .* e.g. 16GB"),
+    ({"memory_limit": 0}, r"^memory_limit=0: a size must be a positive finite number of bytes, got 0$"),
+    ({"memory_limit": True}, r"^memory_limit=True: a size is a number of bytes or a string such as 16GB, not True$"),
+    ({"bandwidth": "-1GB/s"}, r"^bandwidth='-1GB/s': cannot read '-1GB' as a size"),
+    ({"schedule": "lpp", "groups": 0}, r"groups must be a whole number >= 1"),
+    ({"start_method": "fork"}, r"start_method must be 'popen' or 'spawn'"),
+    ({"contention": 0.5}, r"^contention must be a finite factor >= 1 \(1: no sharing\), got 0.5$"),
+    ({"contention": "2"}, r"^contention must be a finite factor >= 1 \(1: no sharing\), got '2'$"),
+    ({"schedule": "1f1b_star", "period": -1}, r"^period must be a number > 0, or None; got -1$"),
+    ({"schedule": "kperiodic", "k": 0}, r"^k must be a whole number >= 1, or None; got 0$"),
+    ({"slack": -1}, r"^slack must be a whole number >= 0; got -1$"),
+    ({"virtual_stages": 0}, r"^virtual_stages must be a whole number >= 1; got 0$"),
+    ({"form": "ring"}, r"^form must be one of 'pipeline', 'pyramid'"),
+    ({"pin_cpus": "yes"}, r"^pin_cpus must be True or False; got 'yes'$"),
+    ({"recompute": 1}, r"^recompute must be True or False; got 1$"),
+    ({"keep_plan": "no"}, r"^keep_plan must be True or False; got 'no'$"),
+    ({"release_memory": "no"}, r"^release_memory must be True, False or None"),
+    (
+        {"timeout": timedelta(minutes=-1)},
+        r"^timeout must be a positive datetime.timedelta, e.g. timedelta\(minutes=30\)",
+    ),
+    ({"timeout": 30}, r"^timeout must be a positive datetime.timedelta, .*pipeline.timeout_minutes=30\); got 30$"),
+    ({"process_group_backend": "glo"}, r"^process_group_backend='glo' is not a backend of this torch: use one of gloo"),
+    ({"state_dict_type": "sharded_"}, r"^state_dict_type must be 'full' or 'sharded'; got 'sharded_'$"),
+    ({"balance": [3, 0]}, r"^every balance entry must be a whole number of layers >= 1; got 0$"),
+    ({"balance": "3,2"}, r"^balance must list the layers of each stage, e.g. \[3, 2\], or be None; got '3,2'$"),
+    ({"stage_replicas": [2.5]}, r"^every stage_replicas entry must be a whole number of workers >= 1; got 2.5$"),
+    ({"plan_tolerance": 1.5}, r"^plan_tolerance must be a fraction in \[0, 1\), got 1.5$"),
+    ({"profile_repeats": 0}, r"^profile_repeats must be a whole number >= 1; got 0$"),
+    ({"profile_cache": 3}, r"^profile_cache must be True, False or a directory, got 3$"),
+    ({"plan": 3}, r"^plan must be the path of a plan file, or None; got 3$"),
+    ({"profile": "none.json"}, r"^cannot read the profile none.json: No such file or directory$"),
+    ({"plan": "none.json"}, r"^cannot read the plan none.json: No such file or directory$"),
+    ({"stages": 0}, r"^stages must be a whole number >= 1, or None; got 0$"),
+    ({"data_parallel": 2.0}, r"^data_parallel must be a whole number >= 1, or None; got 2.0$"),
+    ({"shared_memory_bytes": -1}, r"^shared_memory_bytes must be a whole number of bytes >= 0, or None; got -1$"),
+]
+
+
+@pytest.mark.parametrize(("options", "pattern"), CONSTRUCTOR_REFUSALS)
+def test_constructor_refusals(options: dict[str, Any], pattern: str) -> None:
+    """Every option a process, the process group or a file depends on is refused when the strategy is
+    made, saying what is wrong and what would work, not once the processes are up."""
+    with pytest.raises(PlanningError, match=pattern):
+        PipelineStrategy(**options)
+
+
+def test_a_profile_cache_that_is_a_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = tmp_path / "profiles"
+    blocked.write_text("")
+    message = rf"^the profile cache {re.escape(str(blocked))} is a file, not a directory: give profile_cache a "
+    with pytest.raises(PlanningError, match=message):
+        PipelineStrategy(profile_cache=str(blocked))
+    monkeypatch.setenv("LIGHTNING_PIPE_CACHE", str(blocked))
+    with pytest.raises(PlanningError, match=message + r".*\$LIGHTNING_PIPE_CACHE"):
+        PipelineStrategy()
+    assert PipelineStrategy(profile_cache=False).plan_options.cache is None
+
+
+@settings(deadline=None)
+@given(
+    st.one_of(
+        st.timedeltas(max_value=timedelta(0)),
+        st.integers(),
+        st.floats(allow_nan=True),
+        st.text(max_size=4),
+        st.none(),
+    )
+)
+def test_any_timeout_but_a_positive_timedelta_is_refused(timeout: object) -> None:
+    with pytest.raises(PlanningError, match=r"^timeout must be a positive datetime.timedelta"):
+        PipelineStrategy(timeout=timeout)
+
+
+@settings(deadline=None)
+@given(st.one_of(st.text(max_size=4), st.integers(), st.floats(), st.lists(st.integers(0, 3), max_size=2)))
+def test_any_flag_but_true_or_false_is_refused(value: object) -> None:
+    """``pin_cpus="yes"`` used to pin (a string is true) and ``pin_cpus=[0, 1]`` to pin to every core."""
+    for name in ("pin_cpus", "recompute", "keep_plan"):
+        with pytest.raises(PlanningError, match=rf"^{name} must be True or False; got "):
+            PipelineStrategy(**{name: value})
+
+
+@settings(deadline=None)
+@given(st.one_of(st.text(max_size=6), st.integers(-10, 10**6).map(str)))
+def test_a_master_port_is_a_port_number(port: str) -> None:
+    """``MASTER_PORT``, which Lightning's environments and torch read when the processes meet."""
+    if port.strip().isdigit() and 1 <= int(port) <= 65535:
+        check_port({"MASTER_PORT": port})
+    else:
+        with pytest.raises(PlanningError, match=rf"^MASTER_PORT={re.escape(repr(port))} \(environment\) is not a port"):
+            check_port({"MASTER_PORT": port})
+    check_port({})
 
 
 class _Manual(Chain):

@@ -5,21 +5,28 @@ processes per run, and the configs found from a non-editable install."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime import run_local
 from lightning_pipe.strategy import PipelineStrategy
-from lightning_pipe.train import build
+from lightning_pipe.train import app, build
 from lightning_pipe.train.config import register_configs
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -30,6 +37,12 @@ def _compose(*overrides: str) -> DictConfig:
     register_configs()
     with initialize_config_module("lightning_pipe.conf", version_base="1.3"):
         return compose("train", overrides=list(overrides))
+
+
+@functools.cache
+def _main_job() -> DictConfig:
+    """The main job's configuration, composed once (copy it before changing it)."""
+    return _compose()
 
 
 def _options(group: str) -> list[str]:
@@ -91,6 +104,10 @@ def test_update_rule_picks_a_schedule_that_runs_it_unless_one_is_given() -> None
         ("partitioner.name=balanced", ValidationError, r"Invalid value 'balanced'"),
         ("trainer.precision=fp8", ValidationError, r"Invalid value 'fp8'"),
         ("data.batch_sise=3", ConfigKeyError, r"Key 'batch_sise' not in 'DigitsConfig'"),
+        ("pipeline.pin_cpus=maybe", ValidationError, r"Value 'maybe' is not a valid bool"),
+        ("pipeline.pin_cpus=[0,1]", ValidationError, r"Value '\[0, 1\]' is not a valid bool"),
+        ("pipeline.timeout_minutes=soon", ValidationError, r"'soon' of type 'str' could not be converted to Float"),
+        ("pipeline.start_method=fork", ValidationError, r"Invalid value 'fork', expected one of \[auto, popen"),
     ],
 )
 def test_bad_values_fail_at_compose_time(override: str, error: type[Exception], pattern: str) -> None:
@@ -107,12 +124,54 @@ def test_bad_values_fail_at_compose_time(override: str, error: type[Exception], 
         (["pipeline.bandwidth=fast"], r"pipeline.bandwidth='fast' is not understood .* 10Gbit/s"),
         (["pipeline.shared_memory=lots"], r"pipeline.shared_memory='lots' is not understood .* 0 \(gloo only\)"),
         (["update_rule=cdp_v2", "schedule=gpipe"], r"schedule=gpipe update_rule=cdp_v2: gpipe runs the 'sync'"),
+        (["pipeline.timeout_minutes=-1"], r"^pipeline.timeout_minutes must be a number of minutes > 0; got -1.0$"),
+        (["min_test_accuracy=95"], r"^min_test_accuracy must be a fraction in \[0, 1\] \(or null: no floor\); got 95"),
+        (["ckpt_path=gone.ckpt"], r"^ckpt_path='gone.ckpt' does not exist \(relative paths are from .*\): give a"),
     ],
 )
 def test_values_the_schema_cannot_check_fail_before_anything_runs(overrides: list[str], pattern: str) -> None:
     cfg = _compose(*overrides)
     with pytest.raises(PlanningError, match=pattern):
         build.check(cfg)
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.one_of(st.floats(max_value=0), st.just(math.inf), st.just(math.nan)))
+def test_any_timeout_but_a_positive_number_of_minutes_fails_before_anything_runs(minutes: float) -> None:
+    """``pipeline.timeout_minutes=-1`` used to reach the processes as a store that "timed out after
+    -60000ms"; infinity and NaN failed converting it to a ``timedelta``."""
+    cfg = copy.deepcopy(_main_job())
+    cfg.pipeline.timeout_minutes = minutes
+    with pytest.raises(PlanningError, match=r"^pipeline.timeout_minutes must be a number of minutes > 0; got "):
+        build.check(cfg)
+
+
+def test_checkpoints_found_by_name_or_elsewhere_are_left_to_lightning(tmp_path: Path) -> None:
+    for path in ("last", "best", "hpc", "registry:model:latest", "s3://bucket/last.ckpt", str(tmp_path)):
+        build.check(_compose(f"ckpt_path='{path}'"))
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("schedule.period=-1", r"^period must be a number > 0, or None; got -1.0$"),
+        ("schedule.k=0", r"^k must be a whole number >= 1, or None; got 0$"),
+        ("schedule.slack=-1", r"^slack must be a whole number >= 0; got -1$"),
+        ("schedule.form=ring", r"^form must be one of 'pipeline', 'pyramid'"),
+        ("pipeline.balance=[3,0]", r"^every balance entry must be a whole number of layers >= 1; got 0$"),
+        ("pipeline.stages=0", r"^stages must be a whole number >= 1, or None; got 0$"),
+        ("pipeline.contention=0.5", r"^contention must be a finite factor >= 1"),
+        ("pipeline.plan=none.json", r"^cannot read the plan none.json: No such file or directory$"),
+        ("pipeline.profile=none.json", r"^cannot read the profile none.json: No such file or directory$"),
+    ],
+)
+def test_strategy_options_fail_when_the_strategy_is_built(override: str, pattern: str) -> None:
+    """The rest of the ``pipeline`` and ``schedule`` keys: the strategy's constructor refuses them,
+    which :func:`build.strategy` calls before the trainer starts any process."""
+    cfg = _compose(override)
+    build.check(cfg)
+    with pytest.raises(PlanningError, match=pattern):
+        build.strategy(cfg, multirun=False)
 
 
 def _train(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -142,6 +201,71 @@ def test_main_job_trains_to_the_stated_accuracy_and_writes_its_run_directory(tmp
     assert (first, after, last) == (0, cut + 1, 5)
     assert "Partition (time)" in (run / "plan.txt").read_text()
     assert "Predicted schedule" in done.stderr and "results:" in done.stderr  # logged by rank 0
+
+
+ONE_STEP = (  # one step of every stage of the job on synthetic data, at the smallest sizes
+    "data=synthetic",
+    "data.samples=4",
+    "data.batch_size=4",  # 2 rows per micro-batch on 2 stages: batch norm needs more than 1
+    "data.num_classes=2",
+    "trainer.max_steps=1",
+    "trainer.enable_checkpointing=false",
+    "trainer.enable_progress_bar=false",
+)
+
+
+def _synthetic_shape(model: str) -> str:
+    """The smallest images ``model`` takes: VGG halves its feature maps five times."""
+    return "data.input_shape=[3,32,32]" if model.startswith("vgg") else "data.input_shape=[3,8,8]"
+
+
+def _one_step_worker(rank: int, root: str, models: list[str]) -> dict[str, str]:
+    """``lightning-pipe-train model=<model> data=synthetic`` on one device for each model: "trained
+    in ... s", or the error it raised."""
+    os.environ["LIGHTNING_PIPE_CACHE"] = str(Path(root) / "profiles")
+    outcomes = {}
+    for model in models:
+        cfg = _compose(f"model={model}", *ONE_STEP, _synthetic_shape(model), "trainer.devices=1")
+        start = time.perf_counter()
+        try:
+            app.run(cfg, Path(root) / model)
+            outcomes[model] = f"trained in {time.perf_counter() - start:.1f} s"
+        except Exception as error:
+            outcomes[model] = f"{type(error).__name__}: {error}"
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def one_step_per_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """Every model's step on synthetic data, in one process started once (a process per model would
+    add its start-up, seconds, to each)."""
+    root = tmp_path_factory.mktemp("synthetic")
+    (outcomes,) = run_local(_one_step_worker, 1, str(root), _options("model"), timeout=400)
+    return root, outcomes
+
+
+@pytest.mark.timeout(450)  # the first one sets up every model's run: about 35 s of CPU time
+@pytest.mark.parametrize("model", _options("model"))
+def test_every_model_trains_on_synthetic_data(model: str, one_step_per_model: tuple[Path, dict[str, str]]) -> None:
+    """``model=<model> data=synthetic``: the model and the data module both keep ``input_shape`` among
+    their hyper-parameters, which Lightning merges for the loggers, refusing a key whose values differ
+    (a tuple beside a list included); the run trains, tests and logs them once."""
+    root, outcomes = one_step_per_model
+    assert outcomes[model].startswith("trained in"), outcomes[model]
+    hparams = (root / model / "hparams.yaml").read_text()
+    assert f"model: {model}" in hparams and hparams.count("input_shape:") == 1, hparams
+    assert "test_acc" in json.loads((root / model / "results.json").read_text())["test"]
+
+
+@pytest.mark.timeout(200)
+def test_synthetic_data_trains_on_two_processes(tmp_path: Path) -> None:
+    """``lightning-pipe-train model=resnet18 data=synthetic`` as a user runs it: the command re-run for
+    the second process, 2 pipeline stages."""
+    done = _train(["lightning-pipe-train", "model=resnet18", *ONE_STEP, _synthetic_shape("resnet18")], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = _run_directories(tmp_path / "logs")
+    assert len(json.loads((run / "plan.json").read_text())["stages"]) == 2
+    assert "input_shape:" in (run / "hparams.yaml").read_text()
 
 
 @pytest.mark.timeout(400)

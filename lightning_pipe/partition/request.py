@@ -15,7 +15,7 @@ from lightning_pipe.partition.contiguous import ChainProblem, StageSpan
 from lightning_pipe.partition.plan import Plan, evaluate
 from lightning_pipe.units import format_bytes
 
-__all__ = ["PlanRequest"]
+__all__ = ["PlanRequest", "check_tolerance"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,7 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         check_whole("devices", self.devices, 1)
-        if not 0 <= self.tolerance < 1:
-            raise PlanningError(f"tolerance must be a fraction in [0, 1), got {self.tolerance!r}")
+        check_tolerance(self.tolerance)
         if self.memory_limit is not None and (math.isnan(self.memory_limit) or self.memory_limit <= 0):
             raise PlanningError(f"memory_limit must be a positive number of bytes, got {self.memory_limit!r}")
 
@@ -114,3 +113,9 @@ class PlanRequest:
         """:meth:`plan` for contiguous ``(first, last, replicas)`` spans."""
         groups = [list(range(first, last + 1)) for first, last, _ in spans]
         return self.plan(partitioner, groups, [replicas for _, _, replicas in spans], notes)
+
+
+def check_tolerance(value: object, name: str = "tolerance") -> None:
+    """Refuse a near-tie tolerance (:attr:`PlanRequest.tolerance`) that is not a fraction in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise PlanningError(f"{name} must be a fraction in [0, 1), got {value!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
-from lightning_pipe.errors import PlanningError, check_whole
+from lightning_pipe.errors import PlanningError, check_positive, check_whole
 from lightning_pipe.schedule import FAMILIES, check_rule, make_schedule
 from lightning_pipe.schedule.cyclic import FORMS
 from lightning_pipe.schedule.ir import Schedule
@@ -66,6 +66,8 @@ class ScheduleOptions:
             raise PlanningError(
                 f"form must be one of {', '.join(map(repr, FORMS))} (cdp's settings); got {self.form!r}"
             )
+        check_positive("period", self.period, optional=True)
+        check_whole("k", self.k, 1, optional=True)
         check_whole("groups", self.groups, 1)
         check_whole("replicas", self.replicas, 1, optional=True)
         check_whole("workers", self.workers, 1, optional=True)

@@ -34,6 +34,7 @@ __all__ = ["Interval", "Message", "Simulation", "StageCosts", "adds_gradients", 
 
 
 _SCALARS = ("bandwidth", "latency", "overhead", "contention")
+_PLAN_FIELDS = ("forward_seconds", "backward_seconds", "output_bytes", "saved_bytes", "param_bytes")
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,21 @@ class StageCosts:
         if not isinstance(document, dict) or not isinstance(document.get("stages"), list):
             raise PlanningError(f"{source}: not a plan (run lightning-pipe plan --json to make one)")
         stages = document["stages"]
-        if not all(isinstance(stage, dict) and "forward_seconds" in stage for stage in stages):
-            raise PlanningError(f"{source}: stages lack forward_seconds: re-create the plan with this version")
+        for i, stage in enumerate(stages):
+            missing = [key for key in _PLAN_FIELDS if key not in stage] if isinstance(stage, dict) else _PLAN_FIELDS
+            if missing:
+                raise PlanningError(
+                    f"{source}: stages[{i}] lacks {', '.join(missing)}: re-create the plan with this version"
+                )
+            for key in _PLAN_FIELDS:
+                if isinstance(stage[key], bool) or not isinstance(stage[key], int | float):
+                    raise PlanningError(f"{source}: stages[{i}] {key} must be a number, got {stage[key]!r}")
         replicas = [1 if replicated else stage.get("replicas", 1) for stage in stages]
         bandwidth = document.get("bandwidth_bytes_per_second") or math.inf
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, int | float):
+            raise PlanningError(
+                f"{source}: bandwidth_bytes_per_second must be bytes per second or null (free), got {bandwidth!r}"
+            )
         return cls(
             forward=[stage["forward_seconds"] / r for stage, r in zip(stages, replicas, strict=True)],
             backward=[stage["backward_seconds"] / r for stage, r in zip(stages, replicas, strict=True)],
@@ -194,7 +206,7 @@ class StageCosts:
 
 def check_contention(value: float, prefix: str = "") -> None:
     """Refuse a :attr:`StageCosts.contention` below 1 or not finite."""
-    if not 1 <= value < math.inf:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value < math.inf:
         raise PlanningError(f"{prefix}contention must be a finite factor >= 1 (1: no sharing), got {value!r}")
 
 

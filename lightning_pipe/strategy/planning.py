@@ -9,7 +9,7 @@ partitioner under the memory limit, and the schedule is simulated with the measu
 from __future__ import annotations
 
 import itertools
-import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,12 +23,14 @@ from lightning_pipe.capture import CapturedForward
 from lightning_pipe.capture.describe import describe
 from lightning_pipe.cli import plan_table, simulation_table
 from lightning_pipe.costs import ChainCosts
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.memory import EXTRA_COPIES, MemoryModel
 from lightning_pipe.network import Network
 from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
+from lightning_pipe.partition.request import check_tolerance
+from lightning_pipe.plan_file import load_plan
 from lightning_pipe.profile_file import load_profile
-from lightning_pipe.profiler import profile_layers
+from lightning_pipe.profiler import given_names, profile_layers
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
@@ -88,21 +90,39 @@ class PlanOptions:
     cache: Path | None = None
 
     def __post_init__(self) -> None:
+        """Refuse what no model could be planned with (a file is read here to check it; whether it
+        describes the model is checked when planning)."""
         if self.partitioner not in PARTITIONERS:
             raise PlanningError(f"unknown partitioner {self.partitioner!r}; choose one of {', '.join(PARTITIONERS)}")
         if sum(x is not None for x in (self.plan, self.balance)) > 1:
             raise PlanningError("give at most one of plan= and balance=")
         check_contention(self.contention)
+        check_tolerance(self.tolerance, "plan_tolerance")
+        _check_counts("balance", self.balance, "layers")
+        _check_counts("stage_replicas", self.stage_replicas, "workers")
+        for name, load in (("profile", load_profile), ("plan", load_plan)):
+            path = getattr(self, name)
+            if path is not None and not isinstance(path, str | os.PathLike):
+                raise PlanningError(f"{name} must be the path of a {name} file, or None; got {path!r}")
+            if path is not None:
+                load(path)
+        if self.cache is not None and self.cache.exists() and not self.cache.is_dir():
+            raise PlanningError(
+                f"the profile cache {self.cache} is a file, not a directory: give profile_cache a directory, or "
+                "False to measure every run (the default directory is $LIGHTNING_PIPE_CACHE when set)"
+            )
 
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Layer ranges per stage, with the plan and profile they came from (when planned)."""
+    """Layer ranges per stage, with the plan and profile they came from (when planned) and the names
+    of the layers they split (when known)."""
 
     bounds: tuple[tuple[int, int], ...]
     plan: Plan | None = None
     costs: ChainCosts | None = None
     replicas: tuple[int, ...] | None = None
+    names: tuple[str, ...] | None = None
 
     def modules(self, layers: Sequence[nn.Module]) -> list[nn.Sequential]:
         """The stage modules: each an ``nn.Sequential`` of the model's own layers (shared, not copied)."""
@@ -110,11 +130,25 @@ class StagePlan:
 
     def to_dict(self) -> dict[str, object]:
         """The plan as ``lightning-pipe plan --json`` writes it (with the profile's name), or the
-        stages' layer ranges when they were given; ``PipelineStrategy(plan=path)`` reads either."""
+        stages' layer ranges when they were given, and the model's layers (their count and names,
+        which a run given the file compares with its own: :mod:`lightning_pipe.plan_file`);
+        ``PipelineStrategy(plan=path)`` reads either."""
+        model = {} if self.names is None else {"layers": len(self.names), "layer_names": list(self.names)}
         if self.plan is not None:
-            return {"profile": self.costs.name if self.costs is not None else None, **self.plan.to_dict()}
+            return {"profile": self.costs.name if self.costs is not None else None, **model, **self.plan.to_dict()}
         replicas = self.replicas or (1,) * len(self.bounds)
-        return {"stages": [{"layers": [a, b], "replicas": r} for (a, b), r in zip(self.bounds, replicas, strict=True)]}
+        spans = [{"layers": [a, b], "replicas": r} for (a, b), r in zip(self.bounds, replicas, strict=True)]
+        return {**model, "stages": spans}
+
+
+def _check_counts(name: str, value: object, unit: str) -> None:
+    """Refuse a ``balance`` or ``stage_replicas`` that is not ``None`` or a list of whole numbers >= 1."""
+    if value is None:
+        return
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
+        raise PlanningError(f"{name} must list the {unit} of each stage, e.g. [3, 2], or be None; got {value!r}")
+    for count in value:
+        check_whole(f"every {name} entry", count, 1, unit)
 
 
 def memory_schedule(family: str) -> str:
@@ -163,16 +197,16 @@ def plan_stages(
             "(devices=1 needs no pipeline: strategy='auto'), or pipeline a model with more layers (a forward that "
             "calls more modules)"
         )
+    known = None if names is None else tuple(names)
     if options.balance is not None:
         replicas = _replicas_given(options, workers) if replicate else None
         stages = len(options.balance) if replicate else workers
-        return StagePlan(_bounds_from_balance(options.balance, len(layers), stages), replicas=replicas)
+        return StagePlan(_bounds_from_balance(options.balance, len(layers), stages), replicas=replicas, names=known)
     if options.plan is not None:
-        return _plan_file(options.plan, len(layers), workers, replicate)
+        return _plan_file(options.plan, len(layers), known, workers, replicate)
     if options.profile is not None:
         costs = load_profile(options.profile)
-        if len(costs) != len(layers):
-            raise PlanningError(f"the profile {options.profile} has {len(costs)} layers, the model {len(layers)}")
+        _check_same_model(options.profile, "profile", len(costs), given_names(costs), len(layers), names)
     else:
         costs = _profile(layers, sample, device, options, names)
     request = PlanRequest(
@@ -198,7 +232,7 @@ def plan_stages(
     if not replicate and len(plan.stages) < workers:
         plan = _every_worker_a_stage(request, plan, costs.column("seconds"))
     bounds = tuple((s.layers[0], s.layers[-1]) for s in plan.stages)
-    return StagePlan(bounds, plan, costs, tuple(s.replicas for s in plan.stages) if replicate else None)
+    return StagePlan(bounds, plan, costs, tuple(s.replicas for s in plan.stages) if replicate else None, known)
 
 
 def _every_worker_a_stage(request: PlanRequest, plan: Plan, seconds: Sequence[float]) -> Plan:
@@ -256,23 +290,59 @@ def _replicas_given(options: PlanOptions, workers: int) -> tuple[int, ...]:
     return tuple(replicas)
 
 
-def _plan_file(path: str, layers: int, workers: int, replicate: bool) -> StagePlan:
-    try:
-        document = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise PlanningError(f"cannot read the plan {path}: {error}") from None
-    stages = document.get("stages", [])
-    spans = [tuple(stage["layers"]) for stage in stages]
-    replicas = tuple(int(stage.get("replicas", 1)) for stage in stages)
-    expected = sum(replicas) if replicate else len(spans)
-    if expected != workers or any(len(span) != 2 for span in spans) or (not replicate and set(replicas) != {1}):
+def _plan_file(path: str, layers: int, names: tuple[str, ...] | None, workers: int, replicate: bool) -> StagePlan:
+    plan = load_plan(path)
+    _check_same_model(path, "plan", plan.layers, plan.names, layers, names)
+    spans = plan.stages
+    expected = sum(plan.replicas) if replicate else len(spans)
+    if (
+        expected != workers
+        or not plan.contiguous
+        or any(len(span) != 2 for span in spans)
+        or (not replicate and set(plan.replicas) != {1})
+    ):
         raise PlanningError(
-            f"{path} holds {len(spans)} stages on {sum(replicas)} devices (contiguous ones needed); this run has "
-            f"{workers} workers" + ("" if replicate else ", one stage each")
+            f"{path} holds {len(spans)} stages on {sum(plan.replicas)} devices (contiguous ones needed); this run has "
+            f"{workers} workers" + ("" if replicate else ", one stage each") + f". {_ANEW['plan']}"
         )
     if spans[0][0] != 0 or spans[-1][1] != layers - 1 or any(a[1] + 1 != b[0] for a, b in itertools.pairwise(spans)):
-        raise PlanningError(f"{path} does not split the {layers} layers of this model into consecutive stages")
-    return StagePlan(tuple((int(a), int(b)) for a, b in spans), replicas=replicas if replicate else None)
+        raise PlanningError(
+            f"{path} does not split the {layers} layers of this model into consecutive stages. {_ANEW['plan']}"
+        )
+    return StagePlan(tuple((a, b) for a, b in spans), replicas=plan.replicas if replicate else None, names=names)
+
+
+_ANEW = {
+    "plan": "Plan this model anew (leave plan= out; Hydra: pipeline.plan=null), or give the plan.json of a run of "
+    "this model",
+    "profile": "Profile this model anew (leave profile= out; Hydra: pipeline.profile=null), or give a profile of this "
+    "model (lightning-pipe plan --model ... --save-profile FILE)",
+}
+
+
+def _check_same_model(
+    path: str, kind: str, count: int, described: Sequence[str] | None, layers: int, names: Sequence[str] | None
+) -> None:
+    """Refuse a ``kind`` file (``plan`` or ``profile``) made for another model: it describes ``count``
+    layers named ``described`` where this model has ``layers`` named ``names`` (names compared where
+    both are known)."""
+    if count == layers and (described is None or names is None or list(described) == list(names)):
+        return
+    where = ""
+    if count == layers:
+        assert described is not None and names is not None
+        i = next(i for i, (there, here) in enumerate(zip(described, names, strict=True)) if there != here)
+        where = f"; layer {i} is {described[i]} there, {names[i]} here"
+    raise PlanningError(
+        f"{path} is a {kind} of another model: it describes {_layers(count, described)}, this model has "
+        f"{_layers(layers, names)}{where}. {_ANEW[kind]}"
+    )
+
+
+def _layers(count: int, names: Sequence[str] | None) -> str:
+    """``6 layers (net.flatten .. net.head)``, or ``6 layers`` without names."""
+    shown = "" if not names else f" ({names[0]})" if count == 1 else f" ({names[0]} .. {names[-1]})"
+    return f"{count} layer{'s' if count != 1 else ''}{shown}"
 
 
 def schedule_of(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: int) -> Callable[[int], Schedule]:

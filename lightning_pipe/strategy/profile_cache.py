@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -86,15 +87,17 @@ def cached_profile(
 ) -> tuple[ChainCosts, Path, bool]:
     """The profile kept under ``key`` in ``directory``, or a fresh one (``measure()``) kept there;
     with the file and whether it was reused. An unreadable or mismatched file is measured anew and
-    replaced; a directory that cannot be written only loses the keeping."""
+    replaced, with a warning naming it; a directory that cannot be written only loses the keeping."""
     path = directory / f"{key}.json"
     if path.exists():
         try:
             costs = load_profile(path)
             if len(costs) == layers:
                 return costs, path, True
-        except PlanningError:
-            pass
+            problem = f"{path} describes {len(costs)} layers, not these {layers}"
+        except PlanningError as error:
+            problem = str(error)
+        warnings.warn(f"kept profile not used: {problem}; measured anew and replaced", stacklevel=2)
     costs = measure()
     try:
         directory.mkdir(parents=True, exist_ok=True)

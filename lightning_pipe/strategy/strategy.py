@@ -86,6 +86,7 @@ from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulate import Simulation
 from lightning_pipe.strategy.after_fit import HOW_TO_GET_IT, fill, guard, lift_guard
+from lightning_pipe.strategy.arguments import check_backend, check_flags, check_port, check_timeout, parse_option
 from lightning_pipe.strategy.atomic import remove, sweep, write_file
 from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.checkpoint_files import check_same_model, load_checkpoint
@@ -290,8 +291,8 @@ class PipelineStrategy(ParallelStrategy):
         )
         self.plan_options = PlanOptions(
             partitioner=partitioner,
-            memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
-            bandwidth=float("inf") if bandwidth is None else parse_bandwidth(bandwidth),
+            memory_limit=None if memory_limit is None else parse_option("memory_limit", memory_limit, parse_bytes),
+            bandwidth=float("inf") if bandwidth is None else parse_option("bandwidth", bandwidth, parse_bandwidth),
             contention=contention,
             profile=profile,
             plan=plan,
@@ -309,6 +310,10 @@ class PipelineStrategy(ParallelStrategy):
         self._stages_option, self._data_parallel_option = stages, data_parallel
         if start_method not in ("popen", "spawn"):
             raise PlanningError(f"start_method must be 'popen' or 'spawn'; got {start_method!r}")
+        check_flags(recompute=recompute, keep_plan=keep_plan, pin_cpus=pin_cpus, gather_after_fit=gather_after_fit)
+        check_timeout(timeout)
+        check_backend(process_group_backend)
+        check_port()
         self.recompute = recompute
         self.keep_plan = keep_plan
         if state_dict_type not in ("full", "sharded"):
@@ -323,8 +328,6 @@ class PipelineStrategy(ParallelStrategy):
                 f"release_memory must be True, False or None (only with a memory_limit), got {release_memory!r}"
             )
         self.release_memory = release_memory
-        if not isinstance(gather_after_fit, bool):
-            raise PlanningError(f"gather_after_fit must be True or False; got {gather_after_fit!r}")
         self.gather_after_fit = gather_after_fit
         self._full_after_fit: dict[str, Tensor] | None = None  # the gathered model, until teardown puts it in
         self._timeout = timeout

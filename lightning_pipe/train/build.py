@@ -16,7 +16,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PlanningError, check_positive
 from lightning_pipe.schedule import check_rule
 from lightning_pipe.strategy import PipelineStrategy
 from lightning_pipe.units import parse_bandwidth, parse_bytes
@@ -35,7 +35,10 @@ def _plain(node: Any) -> Any:
 
 def check(cfg: DictConfig) -> None:
     """What the schema's types cannot say: sizes and bandwidths parse, the update rule runs on the
-    schedule, the trainer's devices hold whole pipelines."""
+    schedule, the timeout is positive, the accuracy floor a fraction, the checkpoint to resume exists.
+    The strategy's constructor refuses the rest (values out of range, files that are not plans or
+    profiles, a profile cache that is a file) when :func:`strategy` builds it, before any process
+    starts."""
     for key, value, parse, example in (
         ("memory.limit", cfg.memory.limit, parse_bytes, "8GB, 512MiB or a number of bytes"),
         ("pipeline.bandwidth", cfg.pipeline.bandwidth, parse_bandwidth, "10Gbit/s, 1.25GB/s or bytes per second"),
@@ -53,6 +56,27 @@ def check(cfg: DictConfig) -> None:
         check_rule(family, rule)
     except PlanningError as error:
         raise PlanningError(f"schedule={family} update_rule={rule}: {error}") from None
+    check_positive("pipeline.timeout_minutes", cfg.pipeline.timeout_minutes, "minutes")
+    floor = cfg.min_test_accuracy
+    if floor is not None and not 0 <= floor <= 1:
+        raise PlanningError(f"min_test_accuracy must be a fraction in [0, 1] (or null: no floor); got {floor}")
+    _check_checkpoint(cfg.ckpt_path)
+
+
+def _check_checkpoint(path: str | None) -> None:
+    """``ckpt_path``: a checkpoint that exists (a file, or a sharded checkpoint's directory), one of
+    Lightning's names for one (``last``, ``best``, ``hpc``, ``registry``...) or a remote URL."""
+    if path is None or path.partition(":")[0] in _CHECKPOINT_NAMES or "://" in path:
+        return
+    if not Path(path).exists():
+        raise PlanningError(
+            f"ckpt_path={path!r} does not exist (relative paths are from {Path.cwd()}): give a checkpoint file or "
+            "sharded checkpoint directory, 'last', or null to start afresh"
+        )
+
+
+_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")
+"""The checkpoints ``Trainer.fit(ckpt_path=...)`` finds by name (``registry:<model>`` included)."""
 
 
 def _ring_bytes(text: str) -> int:

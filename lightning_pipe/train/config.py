@@ -196,6 +196,7 @@ class TrainerConfig:
     num_sanity_val_steps: int = 0
     enable_progress_bar: bool = True
     enable_model_summary: bool = False
+    enable_checkpointing: bool = True  # false: no checkpoints/ (throughput runs)
     deterministic: bool = False
 
 
