@@ -189,3 +189,46 @@ def test_a_full_disk_leaves_the_previous_checkpoints(tmp_path: Path, state_dict_
         (root / "run" / "ballast").unlink(missing_ok=True)
         steps = _checkpoints(root / "run" / "checkpoints")
     assert steps == {"epoch=0-step=2.ckpt": 2, "epoch=1-step=4.ckpt": 4, "last.ckpt": 4}, steps
+
+
+def _refusal(rank: int, root: str, cases: list[dict[str, Any]]) -> list[str]:
+    """Worker: each case's fit, which must fail at the resume: its error's type and message."""
+    refusals = []
+    for case in cases:
+        try:
+            fit_case(rank, str(Path(root) / case["name"]), case)
+        except Exception as error:
+            refusals.append(f"{type(error).__name__}: {error}")
+        else:
+            refusals.append("resumed")
+    return refusals
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_from_a_broken_checkpoint_says_which_and_why(tmp_path: Path) -> None:
+    """A resume given a checkpoint cut short, another model's checkpoint, or a sharded directory whose
+    save did not finish is refused before training, naming the file, what is wrong and, for a save
+    that did not finish, the complete checkpoints beside it."""
+    plain_fit(tmp_path / "plain", {**BASE, "trainer": {"max_epochs": 2}})
+    checkpoints = tmp_path / "plain" / "checkpoints"
+    whole = (checkpoints / "last.ckpt").read_bytes()
+    (checkpoints / "last.ckpt").write_bytes(whole[: len(whole) // 3])
+    other = tmp_path / "other.ckpt"
+    plain_fit(tmp_path / "wider", {"batches": 2, "model": {"width": 16, "blocks": 4}, "save_after": str(other)})
+    partial = tmp_path / "sharded" / "last.ckpt"
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
+    resume = {**BASE, "strategy": {"schedule": "1f1b"}}
+    cases = [
+        {**resume, "name": "cut", "resume": str(checkpoints / "last.ckpt")},
+        {**resume, "name": "foreign", "resume": str(other)},
+        {**resume, "name": "partial", "resume": str(partial)},
+    ]
+    cut, foreign, unfinished = run_local(_refusal, 1, str(tmp_path), cases, timeout=200)[0]
+    assert cut.startswith(f"IncompleteCheckpoint: {checkpoints / 'last.ckpt'} is incomplete: its "), cut
+    assert "newest first: epoch=1-step=4.ckpt (" in cut and "epoch=0-step=2.ckpt (" in cut, cut
+    assert foreign.startswith(f"CheckpointError: {other} is not a checkpoint of this Chain: "), foreign
+    assert "entries the module does not have: net.8.weight, net.8.bias" in foreign, foreign
+    assert "net.0.weight (16, 6) (the module's: (8, 6))" in foreign, foreign
+    assert unfinished.startswith(f"IncompleteCheckpoint: {partial} is incomplete: it has no meta.pt"), unfinished
+    assert "There is no complete checkpoint beside it." in unfinished
