@@ -54,6 +54,7 @@ def test_launched_by_lightning(tmp_path: Path, strategy: str) -> None:
     Lightning's, and the report (timeline picture, trace, pipeline metrics) is in the log directory."""
     output, logs = _script(tmp_path, strategy)
     assert "===== Partition (time) =====" in output and "Predicted schedule" in output
+    assert output.count("After fit, each rank's module holds only the stages the rank ran") == 1  # rank 0, once
     # each rank maps one ring to its neighbour and one from it, sized to the plan's small messages
     rings = re.search(r"shared-memory rings: rank 0: [^,]+ \+ ([^,]+), rank 1: [^,]+ \+ (.+)", output)
     assert rings is not None
