@@ -176,7 +176,8 @@ TWO_WORKERS = [
     _case("2bw-stash-slack", "2bw", 2, 3, optimizer="adam", options={"rule": "stash", "slack": 2}),
     _case("pipedream-stash-slack", "pipedream", 2, 1, steps=6, options={"rule": "stash", "slack": 2}),
     # drains (ends of epochs) between runs of 1 to 3 steps: the steps in flight finish, the next run fills
-    # anew from the live weights (the rule starts over), optimizer states carry over
+    # anew from the live weights (the rule starts over), optimizer states carry over; the ZeRO form's
+    # stages go back to their owners and leave them again
     *(
         _case(f"{name}-drains", family, 2, microbatches, steps=7, runs=(3, 1, 3), options=options)
         for name, family, microbatches, options in [
@@ -188,7 +189,19 @@ TWO_WORKERS = [
             ("cdp-v2", "cdp", 2, {"rule": "cdp_v2"}),
             ("cdp-dp-v1", "cdp", 2, {"rule": "cdp_v1", "form": "dp"}),
             ("cdp-dp-v2", "cdp", 2, {"rule": "cdp_v2", "form": "dp"}),
+            ("cdp-zero-v1", "cdp", 2, {"rule": "cdp_v1", "form": "zero"}),
+            ("cdp-zero-v2", "cdp", 2, {"rule": "cdp_v2", "form": "zero"}),
         ]
+    ),
+    _case(
+        "cdp-zero-v2-adam-drains",
+        "cdp",
+        2,
+        2,
+        optimizer="adam",
+        steps=6,
+        runs=(1, 3, 2),
+        options={"rule": "cdp_v2", "form": "zero"},
     ),
 ]
 
@@ -214,6 +227,18 @@ FOUR_WORKERS = [
     _case("gpipe-uneven-all-ahead", "gpipe", 4, 3, rows=11, post_ahead_bytes=0, shared_memory_bytes=0),
     _case("interleaved-small-ring", "interleaved", 8, 4, options={"virtual_stages": 2}, shared_memory_bytes=512),
     _case("2bw-slack", "2bw", 4, 6, options={"slack": 1}),
+    _case("cdp-zero-v2-drains", "cdp", 4, 4, steps=7, runs=(1, 3, 3), options={"rule": "cdp_v2", "form": "zero"}),
+    _case(
+        "cdp-zero-v1-3-stages-drains",
+        "cdp",
+        3,
+        4,
+        steps=7,
+        runs=(3, 1, 3),
+        rows=11,
+        optimizer="adam",
+        options={"rule": "cdp_v1", "form": "zero"},
+    ),
     _case("cdp-dp-v2-drains", "cdp", 4, 4, steps=7, runs=(3, 1, 3), options={"rule": "cdp_v2", "form": "dp"}),
     _case("2bw-drains", "2bw", 4, 4, steps=7, runs=(3, 1, 3)),
 ]

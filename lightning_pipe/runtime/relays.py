@@ -154,12 +154,28 @@ class Relays:
                 if stage not in self.held:
                     self._take_over(self._weights[stage], last_run.key)
                 if target != self.worker:
-                    self.transport.send(self.ranks[target], self._weights[stage].hand_over(), ("state", stage))
-                    self._weights[stage].release()
-                    self.held.discard(stage)
+                    self._pass(stage, target)
             elif target == self.worker:
-                rank = self.ranks[holder]
-                self.expected[("drain", stage)] = (rank, self.transport.expect(rank, ("state", stage)))
+                self._expect_state(holder, ("drain", stage))
+
+    def begin_run(self) -> None:
+        """Before the first call of a run (the first ever, or the first after a drain): each stage
+        goes from its owner, where it rests between runs, to the worker of its first action.
+
+        The relays are the generated schedule's, their steps counted from the run's start, while a
+        call's actions are shifted by :attr:`origin` (the steps of the runs before, moved on by every
+        drain). So the first action's worker is read off the schedule (:attr:`where`): looked for
+        among the call's actions it is found in the first run only, and after a drain the search
+        raises ``StopIteration``, which Lightning's training loop takes for the end of the epoch's
+        data: every epoch after the first would end at its first step, having trained nothing."""
+        for stage in sorted(self.stages):
+            worker, home = self.where[self.relays[stage][0].key], self.homes[stage]
+            if home == worker:
+                continue
+            if self.worker == home:
+                self._pass(stage, worker)
+            elif self.worker == worker:
+                self._expect_state(home, ("home", stage))
 
     def end_drain(self) -> None:
         """After a drain: every stage comes back to its owner here, from the worker of the drain's last
@@ -208,8 +224,12 @@ class Relays:
         relayed = (action.kind in COMPUTE or action.kind is Kind.UPDATE) and action.stage in self.stages
         relayed = relayed and peer != self.worker
         if relayed and self.destination(action) == self.worker:
-            rank = self.ranks[peer]
-            self.expected[action.key] = (rank, self.transport.expect(rank, ("state", action.stage)))
+            self._expect_state(peer, action.key)
+
+    def _expect_state(self, peer: int, key: _Key) -> None:
+        """Post the receive of the stage state ``peer`` passes this worker, taken under ``key``."""
+        rank = self.ranks[peer]
+        self.expected[key] = (rank, self.transport.expect(rank, ("state", key[1])))
 
     def take(self, weights: StageWeights, action: Action) -> None:
         """Before ``action``: take its stage's state from the worker that has it, unless held."""
@@ -241,6 +261,12 @@ class Relays:
         if destination != self.worker:
             self.transport.send(self.ranks[destination], weights.hand_over(), ("state", action.stage))
             self.held.discard(action.stage)
+
+    def _pass(self, stage: int, worker: int) -> None:
+        """Send ``stage``'s whole state to ``worker`` and free this worker's copy."""
+        self.transport.send(self.ranks[worker], self._weights[stage].hand_over(), ("state", stage))
+        self._weights[stage].release()
+        self.held.discard(stage)
 
     def _held_weights(self) -> list[StageWeights]:
         return [self._weights[s] for s in self.held]
