@@ -757,7 +757,7 @@ class PipelineExecutor:
                 if relayed:
                     if action.kind is not Kind.UPDATE:
                         self._last_relayed[action.stage] = action
-                    self.relays.give(self.weights[action.stage], action)
+                    self.relays.give(action)
                 if position in returning:
                     self._return_gradients(*returning[position])
                 if position in gathering:

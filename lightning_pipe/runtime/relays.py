@@ -63,7 +63,8 @@ class Relays:
     Attributes:
         held: the relayed stages this worker holds.
         peak_bytes: the most bytes of relayed stages' state this worker held at once, each time it
-            took one (its own and the one taken).
+            took one (its own and the one taken), measured on every relayed stage: a copy left behind
+            counts.
         taken_bytes: per stage, the most bytes of its state this worker took.
         received: states this worker took from the worker of the stage's previous action (the
             simulator's relay transfers; not counting a run's start from the owner).
@@ -253,14 +254,13 @@ class Relays:
         stage = key[1]
         self.held.add(stage)
         self.taken_bytes[stage] = max(self.taken_bytes.get(stage, 0), state_bytes(weights))
-        self.peak_bytes = max(self.peak_bytes, sum(state_bytes(w) for w in self._held_weights()))
+        self.peak_bytes = max(self.peak_bytes, self._bytes_here())
 
-    def give(self, weights: StageWeights, action: Action) -> None:
+    def give(self, action: Action) -> None:
         """After ``action``: pass its stage's state on, unless the next action is this worker's."""
         destination = self.destination(action)
         if destination != self.worker:
-            self.transport.send(self.ranks[destination], weights.hand_over(), ("state", action.stage))
-            self.held.discard(action.stage)
+            self._pass(action.stage, destination)
 
     def _pass(self, stage: int, worker: int) -> None:
         """Send ``stage``'s whole state to ``worker`` and free this worker's copy."""
@@ -268,12 +268,13 @@ class Relays:
         self._weights[stage].release()
         self.held.discard(stage)
 
-    def _held_weights(self) -> list[StageWeights]:
-        return [self._weights[s] for s in self.held]
+    def _bytes_here(self) -> int:
+        """Bytes of every relayed stage's state on this worker (those passed on have none)."""
+        return sum(state_bytes(self._weights[stage]) for stage in self.stages)
 
     def attach(self, weights: dict[int, StageWeights]) -> None:
         """The stages' weights on this worker; those it does not hold are freed."""
         self._weights = weights
         for stage in self.stages - self.held:
             weights[stage].release()
-        self.peak_bytes = sum(state_bytes(w) for w in self._held_weights())
+        self.peak_bytes = self._bytes_here()
