@@ -273,6 +273,15 @@ def test_replicated_stages_reduce_their_gradients() -> None:
     _check(
         [
             _case("cdp-pyramid", "cdp", 2, 2, options={"rule": "cdp_v2", "form": "pyramid"}),
+            _case(
+                "cdp-pyramid-v1-drains",
+                "cdp",
+                2,
+                2,
+                steps=7,
+                runs=(3, 1, 3),
+                options={"rule": "cdp_v1", "form": "pyramid"},
+            ),
             _case("1f1b-rr", "1f1b_rr", 2, 4, options={"stage_replicas": [2, 1]}),
             _case("1f1b-rr-adam", "1f1b_rr", 2, 5, optimizer="adam", rows=11, options={"stage_replicas": [2, 1]}),
             _case("1f1b-rr-frozen", "1f1b_rr", 2, 4, frozen=((0, "0.bias"),), options={"stage_replicas": [2, 1]}),
