@@ -10,13 +10,17 @@ optimizer step from ``θ^j_t`` with the mean of those gradients:
 - cdp_v2: ``v = t`` if ``i + j >= N − 1`` else ``t − 1`` (0-based, Fournier & Oyallon Eq. CDP-v2)
 - stash / vertical: PipeDream's, from the in-flight counts of its 1F1B order (:func:`pipedream_stash`,
   :func:`pipedream_vertical`), not read off a schedule.
+
+A rule counts steps from the start of a run: after a drain (end of epoch, validation, checkpoint)
+the pipeline fills anew from the live weights and the rule starts over (:func:`reference`'s ``runs``).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -119,15 +123,25 @@ def reference(
     rule: Rule,
     optimizer: str,
     record: dict[tuple[int, int], tuple[float, torch.Tensor]] | None = None,
+    runs: Sequence[int] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Train ``stages`` in one process following ``rule``; returns each stage's final parameters. A
     parameter without gradient in a step (frozen, or unused) is skipped by the optimizer, as in
     plain PyTorch training. ``record`` receives, per ``(step, micro-batch)``, the micro-batch's loss
-    weighted by its share of the mini-batch and the last stage's output."""
+    weighted by its share of the mini-batch and the last stage's output.
+
+    ``runs`` cuts the steps into runs separated by drains (epochs, validation, checkpoints; default:
+    one run of every step). A drain finishes every step in flight, so the next run fills anew from
+    the live weights: the rule starts over, its step counted from the run's first step, and step
+    ``t`` of a run begun at step ``o`` (after ``o`` updates) uses version ``o + rule(j, i, t - o)``.
+    The optimizers' states (momentum, Adam's moments) carry over."""
     stages = copy.deepcopy(stages)
     optimizers = [OPTIMIZERS[optimizer](list(s.parameters())) if list(s.parameters()) else None for s in stages]
     history = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in stages]
+    starts = list(itertools.accumulate([len(data)] if runs is None else runs, initial=0))  # then the end
+    assert starts[-1] == len(data), (runs, len(data))
     for step, (inputs, targets) in enumerate(data):
+        origin = max(start for start in starts if start <= step)  # the first step of this step's run
         grads: list[list[torch.Tensor | None]] = [[None] * len(list(s.parameters())) for s in stages]
         for i, (x, y) in enumerate(
             zip(torch.tensor_split(inputs, microbatches), torch.tensor_split(targets, microbatches), strict=True)
@@ -135,7 +149,7 @@ def reference(
             weights = [
                 {
                     n: t.clone().requires_grad_(stages[j].get_parameter(n).requires_grad)
-                    for n, t in history[j][rule(j, i, step)].items()
+                    for n, t in history[j][origin + rule(j, i, step - origin)].items()
                 }
                 for j in range(len(stages))
             ]
@@ -165,8 +179,9 @@ def leading_forwards(actions: list[Action]) -> int:
 
 
 def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch.Tensor]]]:
-    """Worker of :func:`lightning_pipe.runtime.launch.run_local`: train every case with the runtime;
-    returns ``{case name: {stage: parameters}}`` for the stages this rank holds, under
+    """Worker of :func:`lightning_pipe.runtime.launch.run_local`: train every case with the runtime,
+    drained after each of its ``"runs"`` (the steps between drains; by default one run of every
+    step); returns ``{case name: {stage: parameters}}`` for the stages this rank holds, under
     ``"leading forwards"`` how many forwards this rank ran before its first backward, and under
     ``"ring messages"`` the partial and whole sums it sent along rings, per case."""
     results: dict = {"leading forwards": {}, "ring messages": {}}
@@ -186,9 +201,11 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
             for weights in executor.borrowed.values():
                 for param in weights.params:
                     nn.init.normal_(param.data)
-        for inputs, targets in batches(case["steps"], rows=case.get("rows", 10)):
-            executor.step(inputs, targets)
-        executor.drain()
+        data = iter(batches(case["steps"], rows=case.get("rows", 10)))
+        for run in case.get("runs", [case["steps"]]):  # a drain after each run, as at an epoch's end
+            for inputs, targets in itertools.islice(data, run):
+                executor.step(inputs, targets)
+            executor.drain()
         executor.close()
         held = {s for s in executor.weights if s not in executor.relays.stages or s in executor.relays.held}
         results[case["name"]] = {s: [p.detach().clone() for p in executor.weights[s].params] for s in held}

@@ -2,7 +2,8 @@
 
 Each launch runs several cases in the same processes (2 and 4 workers, gloo, one thread each) to
 keep the suite fast; parameters must match the reference to 1e-6 after several steps, with SGD
-(momentum, weight decay) and with Adam, including an uneven last micro-batch.
+(momentum, weight decay) and with Adam, including an uneven last micro-batch, and over runs
+separated by drains (``runs``: the steps of each), as at the end of every epoch.
 """
 
 from __future__ import annotations
@@ -50,13 +51,13 @@ def _rule(case: dict):
 def _check(cases: list[dict], workers: int) -> None:
     results = run_local(run_pipeline, workers, cases, timeout=240)
     for case in cases:
-        expected = reference(
-            build_stages(case["stages"], frozen=case.get("frozen", ()), gated=case.get("gated", False)),
-            batches(case["steps"], rows=case.get("rows", 10)),
-            case["microbatches"],
-            _rule(case),
-            case["optimizer"],
-        )
+        stages = build_stages(case["stages"], frozen=case.get("frozen", ()), gated=case.get("gated", False))
+        data = batches(case["steps"], rows=case.get("rows", 10))
+        expected = reference(stages, data, case["microbatches"], _rule(case), case["optimizer"], runs=case.get("runs"))
+        if "runs" in case:  # the drains matter: the rule started over at each differs from one run of every step
+            one_run = reference(stages, data, case["microbatches"], _rule(case), case["optimizer"])
+            flat = [torch.cat([p.flatten() for stage in result for p in stage]) for result in (expected, one_run)]
+            assert (flat[0] - flat[1]).abs().max() > 1e-4, case["name"]
         seen = set()
         for rank_result in results:  # every replica of a stage, not just the first one found
             for stage, params in rank_result[case["name"]].items():
@@ -174,6 +175,34 @@ TWO_WORKERS = [
     _case("2bw-slack", "2bw", 2, 2, steps=5, options={"slack": 1}),
     _case("2bw-stash-slack", "2bw", 2, 3, optimizer="adam", options={"rule": "stash", "slack": 2}),
     _case("pipedream-stash-slack", "pipedream", 2, 1, steps=6, options={"rule": "stash", "slack": 2}),
+    # drains (ends of epochs) between runs of 1 to 3 steps: the steps in flight finish, the next run fills
+    # anew from the live weights (the rule starts over), optimizer states carry over; the ZeRO form's
+    # stages go back to their owners and leave them again
+    *(
+        _case(f"{name}-drains", family, 2, microbatches, steps=7, runs=(3, 1, 3), options=options)
+        for name, family, microbatches, options in [
+            ("2bw", "2bw", 2, {}),
+            ("2bw-stash", "2bw", 2, {"rule": "stash"}),
+            ("pipedream-stash", "pipedream", 1, {"rule": "stash"}),
+            ("pipedream-vertical", "pipedream", 2, {"rule": "vertical"}),
+            ("cdp-v1", "cdp", 2, {"rule": "cdp_v1"}),
+            ("cdp-v2", "cdp", 2, {"rule": "cdp_v2"}),
+            ("cdp-dp-v1", "cdp", 2, {"rule": "cdp_v1", "form": "dp"}),
+            ("cdp-dp-v2", "cdp", 2, {"rule": "cdp_v2", "form": "dp"}),
+            ("cdp-zero-v1", "cdp", 2, {"rule": "cdp_v1", "form": "zero"}),
+            ("cdp-zero-v2", "cdp", 2, {"rule": "cdp_v2", "form": "zero"}),
+        ]
+    ),
+    _case(
+        "cdp-zero-v2-adam-drains",
+        "cdp",
+        2,
+        2,
+        optimizer="adam",
+        steps=6,
+        runs=(1, 3, 2),
+        options={"rule": "cdp_v2", "form": "zero"},
+    ),
 ]
 
 FOUR_WORKERS = [
@@ -198,6 +227,20 @@ FOUR_WORKERS = [
     _case("gpipe-uneven-all-ahead", "gpipe", 4, 3, rows=11, post_ahead_bytes=0, shared_memory_bytes=0),
     _case("interleaved-small-ring", "interleaved", 8, 4, options={"virtual_stages": 2}, shared_memory_bytes=512),
     _case("2bw-slack", "2bw", 4, 6, options={"slack": 1}),
+    _case("cdp-zero-v2-drains", "cdp", 4, 4, steps=7, runs=(1, 3, 3), options={"rule": "cdp_v2", "form": "zero"}),
+    _case(
+        "cdp-zero-v1-3-stages-drains",
+        "cdp",
+        3,
+        4,
+        steps=7,
+        runs=(3, 1, 3),
+        rows=11,
+        optimizer="adam",
+        options={"rule": "cdp_v1", "form": "zero"},
+    ),
+    _case("cdp-dp-v2-drains", "cdp", 4, 4, steps=7, runs=(3, 1, 3), options={"rule": "cdp_v2", "form": "dp"}),
+    _case("2bw-drains", "2bw", 4, 4, steps=7, runs=(3, 1, 3)),
 ]
 
 
@@ -230,6 +273,15 @@ def test_replicated_stages_reduce_their_gradients() -> None:
     _check(
         [
             _case("cdp-pyramid", "cdp", 2, 2, options={"rule": "cdp_v2", "form": "pyramid"}),
+            _case(
+                "cdp-pyramid-v1-drains",
+                "cdp",
+                2,
+                2,
+                steps=7,
+                runs=(3, 1, 3),
+                options={"rule": "cdp_v1", "form": "pyramid"},
+            ),
             _case("1f1b-rr", "1f1b_rr", 2, 4, options={"stage_replicas": [2, 1]}),
             _case("1f1b-rr-adam", "1f1b_rr", 2, 5, optimizer="adam", rows=11, options={"stage_replicas": [2, 1]}),
             _case("1f1b-rr-frozen", "1f1b_rr", 2, 4, frozen=((0, "0.bias"),), options={"stage_replicas": [2, 1]}),

@@ -73,7 +73,8 @@ def _assert_same_metrics(got: list[dict[str, str]], expected: list[dict[str, str
 SYNC_CASES = [
     {
         "name": "gpipe_pinned",
-        "batches": 5,
+        "batches": 2,
+        "trainer": {"max_epochs": 3},
         "strategy": {"schedule": "gpipe", "microbatches": 2, "balance": [3, 4], "pin_cpus": True},
     },
     {
@@ -114,13 +115,13 @@ SYNC_CASES = [
 
 @pytest.mark.timeout(300)
 def test_sync_families_train_and_log_as_plain_lightning(tmp_path: Path) -> None:
-    """GPipe, 1F1B (with a per-step LR scheduler and global-norm clipping), ZB-H1 (Adam, two
-    epochs), 1F1B in bf16-mixed (one micro-batch: bf16 rounds micro-batches' gradients apart) and
-    interleaved 1F1B (value clipping) on 2 processes end with the parameters of the same module
-    trained by Lightning on one device, and write the same metrics.csv. Guards against a pipeline
-    step run twice or not at all per batch, LR steps applied to the wrong step, clipping by
-    per-stage instead of global norm, no autocast around the stages, and logs of one micro-batch
-    instead of the batch. One 1F1B case runs Lightning's loop options: limit_train_batches,
+    """GPipe (three epochs, validated after each), 1F1B (with a per-step LR scheduler and global-norm
+    clipping), ZB-H1 (Adam, two epochs), 1F1B in bf16-mixed (one micro-batch: bf16 rounds
+    micro-batches' gradients apart) and interleaved 1F1B (value clipping) on 2 processes end with
+    the parameters of the same module trained by Lightning on one device, and write the same
+    metrics.csv. Guards against a pipeline step run twice or not at all per batch, LR steps applied
+    to the wrong step, clipping by per-stage instead of global norm, no autocast around the stages,
+    and logs of one micro-batch instead of the batch. One 1F1B case runs Lightning's loop options: limit_train_batches,
     val_check_interval mid-epoch, max_steps and EarlyStopping on the relayed val_loss."""
     results = _transpose(_run_cases(tmp_path, 2, SYNC_CASES), SYNC_CASES)
     for case in SYNC_CASES:
@@ -152,12 +153,21 @@ NONFLUSH_CASES = [
         "strategy": {"schedule": "cdp", "form": "dp", "rule": "cdp_v1", "balance": [3, 4]},
     },
     {"name": "cdp_dp_v2", "rule": "cdp_v2", "strategy": {"schedule": "cdp", "form": "dp", "balance": [4, 3]}},
-    {"name": "cdp_zero_v2", "rule": "cdp_v2", "strategy": {"schedule": "cdp", "form": "zero", "balance": [3, 4]}},
+    {  # 5 layers, 2 micro-batches: each process computes one, the stages' states passed between them
+        "name": "cdp_zero_v2",
+        "rule": "cdp_v2",
+        "model": {"blocks": 2},
+        "strategy": {"schedule": "cdp", "form": "zero", "rule": "cdp_v2", "microbatches": 2, "balance": [3, 2]},
+    },
+    {
+        "name": "cdp_zero_v1",
+        "rule": "2bw",
+        "strategy": {"schedule": "cdp", "form": "zero", "rule": "cdp_v1", "balance": [4, 3]},
+    },
     {"name": "pipedream", "rule": "stash", "strategy": {"schedule": "pipedream", "microbatches": 2, "balance": [3, 4]}},
     {
         "name": "2bw_max_steps",
         "rule": "2bw",
-        "steps": 4,
         "trainer": {"max_steps": 4},
         "strategy": {"schedule": "2bw", "microbatches": 2, "balance": [3, 4]},
     },
@@ -174,7 +184,7 @@ NONFLUSH_CASES = [
 ]
 
 
-def _rule(case: dict[str, Any], stages: int, microbatches: int, steps: int) -> reference.Rule:
+def _rule(case: dict[str, Any], stages: int, microbatches: int) -> reference.Rule:
     if case["rule"] == "2bw":
         return reference.one_step_late
     if case["rule"] == "cdp_v2":
@@ -183,22 +193,58 @@ def _rule(case: dict[str, Any], stages: int, microbatches: int, steps: int) -> r
     return (reference.pipedream_vertical if vertical else reference.pipedream_stash)(stages, microbatches)
 
 
+EPOCHS = 3
+
+
+def _epochs_and_resume(tmp_path: Path, cases: list[dict[str, Any]], batches: int) -> list[dict[str, Any]]:
+    """Each case for :data:`EPOCHS` epochs of ``batches`` batches (a validation after each, which
+    drains the pipeline) with a checkpoint at every epoch's end, then ``<name>_resumed``: the same
+    run resumed from its first epoch's checkpoint (trained in the same processes, after it)."""
+    whole = [
+        {**case, "batches": batches, "checkpoint": True, "trainer": {"max_epochs": EPOCHS, **case.get("trainer", {})}}
+        for case in cases
+    ]
+    first = f"epoch=0-step={batches}.ckpt"
+    resumed = [
+        {
+            **case,
+            "name": f"{case['name']}_resumed",
+            "checkpoint": False,
+            "resume": _checkpoint(tmp_path, case["name"], first),
+        }
+        for case in whole
+    ]
+    return whole + resumed
+
+
+def _assert_resumed(cases: list[dict[str, Any]], results: dict[str, list[dict]]) -> None:
+    """Each resumed run (:func:`_epochs_and_resume`) ends with its uninterrupted run's parameters."""
+    for case in cases:
+        if "resume" in case:
+            for got, whole in zip(results[case["name"]], results[case["name"].removesuffix("_resumed")], strict=True):
+                _assert_close_states(got["final"], whole["final"], 1e-6)
+
+
 @pytest.mark.timeout(300)
 def test_delayed_weight_families_equal_their_references(tmp_path: Path) -> None:
     """2BW (both rules), CDP-v1, CDP-v2 (as a pipeline; in the dp form, a replica per process,
     gradients reduced along the ring; in the ZeRO form, each stage's state passed from process to
-    process) and PipeDream (stash, vertical sync) through Lightning, one
-    epoch of 6 batches on 2 processes (the pipeline drained only at the epoch's end), end with the
-    parameters of the single-process reference of their update rule; the ZeRO form's validation
-    after fit (its stages spread over their owners) gives what one device gives with those weights.
-    Guards against a drain on every batch (which would make them synchronous) and against weight
-    versions lost between Lightning's batches."""
-    cases = [{**case, "batches": 6} for case in NONFLUSH_CASES]
+    process, both rules) and PipeDream (stash, vertical sync) through Lightning, three epochs of 3
+    batches on 2 processes with a validation after each (the pipeline drained only there, or at
+    ``max_steps``), end with the parameters of the single-process reference of their update rule,
+    the rule started over after each drain; resumed from the checkpoint of their first epoch they
+    end as the uninterrupted run. The ZeRO form's validation after fit (its stages spread over their
+    owners) gives what one device gives with those weights. Guards against a drain on every batch
+    (which would make them synchronous), weight versions lost between Lightning's batches, and state
+    lost or reordered at a drain or a resume (optimizer momentum, the ZeRO form's stages handed back
+    to their owners, an epoch that silently trains nothing)."""
+    cases = _epochs_and_resume(tmp_path, NONFLUSH_CASES, 3)
     zero = next(case for case in cases if case["name"] == "cdp_zero_v2")
     zero["evaluate"] = True  # the stages rest on their owners, one each: validation runs as a pipeline over them
     results = _transpose(_run_cases(tmp_path, 2, cases), cases)
     _assert_references(cases, results)
-    model = Chain()
+    _assert_resumed(cases, results)
+    model = Chain(**zero["model"])
     model.load_state_dict(results["cdp_zero_v2"][0]["final"])
     plain = trainer(tmp_path / "plain_zero", "auto", 1).validate(model, loader(2, seed=7), verbose=False)
     for rank_result in results["cdp_zero_v2"]:
@@ -207,18 +253,27 @@ def test_delayed_weight_families_equal_their_references(tmp_path: Path) -> None:
             assert abs(rank_result["validate"][0][key] - value) < 1e-5, (key, rank_result["validate"], plain)
 
 
+def _runs(case: dict[str, Any]) -> list[int]:
+    """The steps of each run between drains: every epoch's batches, up to ``max_steps``."""
+    options = case.get("trainer", {})
+    steps = case["batches"] * options.get("max_epochs", 1)
+    if options.get("max_steps", -1) > 0:  # max_steps ends the epoch early: drained there
+        steps = min(steps, options["max_steps"])
+    return [min(case["batches"], steps - start) for start in range(0, steps, case["batches"])]
+
+
 def _assert_references(cases: list[dict[str, Any]], results: dict[str, list[dict]]) -> None:
-    """Every rank's parameters are those of the case's update rule's reference, and not those of
-    synchronous training."""
+    """Every rank's parameters are those of the case's update rule's reference over the case's runs
+    between drains, and not those of synchronous training."""
     for case in cases:
         balance = case["strategy"]["balance"]
         microbatches = case["strategy"].get("microbatches", len(balance))
-        model = Chain()
+        model = Chain(**case.get("model", {}))
         stages = stage_modules(model, balance)
-        steps = case.get("steps", case["batches"])  # max_steps ends the epoch early: drained there
-        rule = _rule(case, len(balance), microbatches, steps)
-        data = batch_list(case["batches"])[:steps]
-        expected = reference.reference(stages, data, microbatches, rule, "sgd")
+        rule = _rule(case, len(balance), microbatches)
+        runs = _runs(case)
+        data = [batch for run in runs for batch in batch_list(case["batches"])[:run]]
+        expected = reference.reference(stages, data, microbatches, rule, "sgd", runs=runs)
         sync = reference.reference(stages, data, microbatches, reference.sync, "sgd")
         names = [name for name, _ in model.named_parameters()]
         for rank_result in results[case["name"]]:
@@ -414,27 +469,25 @@ def test_four_processes_and_data_parallel_pipelines(tmp_path: Path) -> None:
 def test_one_device(tmp_path: Path) -> None:
     """``PipelineStrategy()`` on one device (one stage, one micro-batch) trains exactly as Lightning
     alone, in 32-true and bf16-mixed; CDP's single-device form (three stages, three micro-batches in
-    the cyclic order) ends with the parameters of its rules' references."""
+    the cyclic order) ends with the parameters of its rules' references over three epochs with a
+    validation after each, and as much when resumed from its first epoch's checkpoint."""
     cases = [
         {"name": "one_device", "batches": 5, "strategy": {}},
         {"name": "one_device_bf16", "batches": 5, "strategy": {}, "trainer": {"precision": "bf16-mixed"}},
     ]
     single = [
-        {"name": "cdp_single_v2", "rule": "cdp_v2", "batches": 6, "strategy": {"schedule": "cdp", "form": "single"}},
-        {
-            "name": "cdp_single_v1",
-            "rule": "2bw",
-            "batches": 6,
-            "strategy": {"schedule": "cdp", "form": "single", "rule": "cdp_v1"},
-        },
+        {"name": "cdp_single_v2", "rule": "cdp_v2", "strategy": {"schedule": "cdp", "form": "single"}},
+        {"name": "cdp_single_v1", "rule": "2bw", "strategy": {"schedule": "cdp", "form": "single", "rule": "cdp_v1"}},
     ]
     for case in single:
         case["strategy"].update(balance=[2, 2, 3])
+    single = _epochs_and_resume(tmp_path, single, 3)
     results = _transpose(_run_cases(tmp_path, 1, cases + single), cases + single)
     for case in cases:
         expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
         _assert_close_states(results[case["name"]][0]["final"], expected, 0)
     _assert_references(single, results)
+    _assert_resumed(single, results)
 
 
 OTHER_SYNC_CASES = [

@@ -443,27 +443,6 @@ class PipelineExecutor:
                 if action.kind is Kind.SIGNAL and action.peer == self.rank:
                     self.expected[action.key] = (sender, self.transport.expect(sender, "cue"))
 
-    def _send_home_states(self, peers: Callable[[int], list[Action]]) -> None:
-        """The first call of a run: each relayed stage goes from its owner, where it rests between
-        runs, to the worker of its first action (:mod:`~lightning_pipe.runtime.relays`)."""
-        for stage in sorted(self.relays.stages):
-            first = self.relays.relays[stage][0]
-            worker = next(
-                w
-                for w in range(self.world)
-                if any(a.key[1:] == first.key[1:] and a.kind is first.kind for a in peers(w))
-            )
-            home = self.relays.homes[stage]
-            if home == worker:
-                continue
-            if self.rank == home:
-                self.transport.send(self.ranks[worker], self.weights[stage].hand_over(), ("state", stage))
-                self.weights[stage].release()
-                self.relays.held.discard(stage)
-            elif self.rank == worker:
-                rank = self.ranks[home]
-                self.relays.expected[("home", stage)] = (rank, self.transport.expect(rank, ("state", stage)))
-
     def _lend(self, peers: Callable[[int], list[Action]]) -> None:
         """Send the live weights of each stage this worker lends to the workers computing it in this call."""
         for stage, borrowers in self.lending.borrowers.items():
@@ -757,7 +736,7 @@ class PipelineExecutor:
         try:
             self.transport.next_call()
             if self.relays.stages and self.calls == 0 and actions is self._calls_cache.get((self.rank, 0)):
-                self._send_home_states(peers)
+                self.relays.begin_run()
             self._lend(peers)
             self._borrow(actions)
             self._expect(peers)
@@ -778,7 +757,7 @@ class PipelineExecutor:
                 if relayed:
                     if action.kind is not Kind.UPDATE:
                         self._last_relayed[action.stage] = action
-                    self.relays.give(self.weights[action.stage], action)
+                    self.relays.give(action)
                 if position in returning:
                     self._return_gradients(*returning[position])
                 if position in gathering:

@@ -63,7 +63,8 @@ class Relays:
     Attributes:
         held: the relayed stages this worker holds.
         peak_bytes: the most bytes of relayed stages' state this worker held at once, each time it
-            took one (its own and the one taken).
+            took one (its own and the one taken), measured on every relayed stage: a copy left behind
+            counts.
         taken_bytes: per stage, the most bytes of its state this worker took.
         received: states this worker took from the worker of the stage's previous action (the
             simulator's relay transfers; not counting a run's start from the owner).
@@ -154,12 +155,28 @@ class Relays:
                 if stage not in self.held:
                     self._take_over(self._weights[stage], last_run.key)
                 if target != self.worker:
-                    self.transport.send(self.ranks[target], self._weights[stage].hand_over(), ("state", stage))
-                    self._weights[stage].release()
-                    self.held.discard(stage)
+                    self._pass(stage, target)
             elif target == self.worker:
-                rank = self.ranks[holder]
-                self.expected[("drain", stage)] = (rank, self.transport.expect(rank, ("state", stage)))
+                self._expect_state(holder, ("drain", stage))
+
+    def begin_run(self) -> None:
+        """Before the first call of a run (the first ever, or the first after a drain): each stage
+        goes from its owner, where it rests between runs, to the worker of its first action.
+
+        The relays are the generated schedule's, their steps counted from the run's start, while a
+        call's actions are shifted by :attr:`origin` (the steps of the runs before, moved on by every
+        drain). So the first action's worker is read off the schedule (:attr:`where`): looked for
+        among the call's actions it is found in the first run only, and after a drain the search
+        raises ``StopIteration``, which Lightning's training loop takes for the end of the epoch's
+        data: every epoch after the first would end at its first step, having trained nothing."""
+        for stage in sorted(self.stages):
+            worker, home = self.where[self.relays[stage][0].key], self.homes[stage]
+            if home == worker:
+                continue
+            if self.worker == home:
+                self._pass(stage, worker)
+            elif self.worker == worker:
+                self._expect_state(home, ("home", stage))
 
     def end_drain(self) -> None:
         """After a drain: every stage comes back to its owner here, from the worker of the drain's last
@@ -208,8 +225,12 @@ class Relays:
         relayed = (action.kind in COMPUTE or action.kind is Kind.UPDATE) and action.stage in self.stages
         relayed = relayed and peer != self.worker
         if relayed and self.destination(action) == self.worker:
-            rank = self.ranks[peer]
-            self.expected[action.key] = (rank, self.transport.expect(rank, ("state", action.stage)))
+            self._expect_state(peer, action.key)
+
+    def _expect_state(self, peer: int, key: _Key) -> None:
+        """Post the receive of the stage state ``peer`` passes this worker, taken under ``key``."""
+        rank = self.ranks[peer]
+        self.expected[key] = (rank, self.transport.expect(rank, ("state", key[1])))
 
     def take(self, weights: StageWeights, action: Action) -> None:
         """Before ``action``: take its stage's state from the worker that has it, unless held."""
@@ -233,21 +254,27 @@ class Relays:
         stage = key[1]
         self.held.add(stage)
         self.taken_bytes[stage] = max(self.taken_bytes.get(stage, 0), state_bytes(weights))
-        self.peak_bytes = max(self.peak_bytes, sum(state_bytes(w) for w in self._held_weights()))
+        self.peak_bytes = max(self.peak_bytes, self._bytes_here())
 
-    def give(self, weights: StageWeights, action: Action) -> None:
+    def give(self, action: Action) -> None:
         """After ``action``: pass its stage's state on, unless the next action is this worker's."""
         destination = self.destination(action)
         if destination != self.worker:
-            self.transport.send(self.ranks[destination], weights.hand_over(), ("state", action.stage))
-            self.held.discard(action.stage)
+            self._pass(action.stage, destination)
 
-    def _held_weights(self) -> list[StageWeights]:
-        return [self._weights[s] for s in self.held]
+    def _pass(self, stage: int, worker: int) -> None:
+        """Send ``stage``'s whole state to ``worker`` and free this worker's copy."""
+        self.transport.send(self.ranks[worker], self._weights[stage].hand_over(), ("state", stage))
+        self._weights[stage].release()
+        self.held.discard(stage)
+
+    def _bytes_here(self) -> int:
+        """Bytes of every relayed stage's state on this worker (those passed on have none)."""
+        return sum(state_bytes(self._weights[stage]) for stage in self.stages)
 
     def attach(self, weights: dict[int, StageWeights]) -> None:
         """The stages' weights on this worker; those it does not hold are freed."""
         self._weights = weights
         for stage in self.stages - self.held:
             weights[stage].release()
-        self.peak_bytes = sum(state_bytes(w) for w in self._held_weights())
+        self.peak_bytes = self._bytes_here()
