@@ -205,6 +205,15 @@ class _Tiny(Chain):
         self.net = nn.Sequential(nn.Linear(6, 3))
 
 
+class _StopsIterating(Chain):
+    """A step whose iterator runs out at its second batch: Lightning alone would end the epoch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            next(iter([]))
+        return super().training_step(batch, batch_idx)
+
+
 ONE_PROCESS = {
     "manual": (_Manual, {}, {}, r"manual optimization .* not supported"),
     "accumulate": (Chain, {}, {"accumulate_grad_batches": 4}, r"accumulate_grad_batches=4.*microbatches=4"),
@@ -229,6 +238,12 @@ ONE_PROCESS = {
         r"micro-batches a step cuts it into: pass drop_last=True to the DataLoader",
     ),
     "last_batch_dropped": (Chain, {"microbatches": 4}, {}, r"^trained$"),
+    "stop_iteration": (
+        _StopsIterating,
+        {},
+        {},
+        r"^RuntimeError: StopIteration raised inside training_step on rank 0 .*end the epoch there without a word",
+    ),
 }
 _DATA = {  # the cases' training data when not loader(3)'s 30 rows in batches of 10
     "last_batch": lambda: DataLoader(Subset(dataset(3), range(23)), batch_size=ROWS),

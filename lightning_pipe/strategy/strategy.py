@@ -116,6 +116,7 @@ from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.saving import SaveRanks, save_together
 from lightning_pipe.strategy.sharded import read_entries, save_sharded
 from lightning_pipe.strategy.signals import Signals
+from lightning_pipe.strategy.stop_iteration import no_stop_iteration
 from lightning_pipe.units import format_bytes, parse_bandwidth, parse_bytes
 
 __all__ = ["PipelineStrategy"]
@@ -902,6 +903,7 @@ class PipelineStrategy(ParallelStrategy):
         return loss
 
     # -- training ---------------------------------------------------------------------------------
+    @no_stop_iteration
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """One pipeline step for the batch (inside Lightning's closure), its logs replayed."""
         module = self.lightning_module
@@ -1094,16 +1096,19 @@ class PipelineStrategy(ParallelStrategy):
         self._log([record])
         return result
 
+    @no_stop_iteration
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             record, result = self._evaluate("validation_step", (*args, *kwargs.values()))
         return self._replay(record, result)
 
+    @no_stop_iteration
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
             record, result = self._evaluate("test_step", (*args, *kwargs.values()))
         return self._replay(record, result)
 
+    @no_stop_iteration
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The batch's predictions, on every rank (from the last stage)."""
         with self.precision_plugin.predict_step_context():
