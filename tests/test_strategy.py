@@ -514,15 +514,25 @@ def test_every_other_runnable_family_trains_as_plain_lightning(tmp_path: Path) -
     """Looped BFS, 1F1B*, k-periodic, 1F1B-RR (a stage replicated over both workers, given or
     planned by PipeDream's partitioner) and Rahimi et al.'s w(s, b, d) families (pp; ddp, also with
     two micro-batches per worker; fsdp, whose workers borrow each other's stages; lpp on one group
-    of two workers; fslpp on two groups of one) through Lightning on 2 processes end with plain
-    Lightning's parameters. Each rank of lpp holds only the stages it loops over."""
-    cases = [{**case, "batches": 4} for case in OTHER_SYNC_CASES]
-    results = _transpose(_run_cases(tmp_path, 2, cases), cases)
-    for case in cases:
-        expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
-        for rank_result in results[case["name"]]:
-            _assert_close_states(rank_result["final"], expected, 1e-5)
+    of two workers; fslpp on two groups of one) through Lightning on 2 processes, over three epochs
+    with validation after each, end with plain Lightning's parameters, and so does each resumed from
+    its checkpoint of the first epoch. Each rank of lpp holds only the stages it loops over."""
+    three = {"batches": 2, "trainer": {"max_epochs": 3}}
+    cases = [{**case, **three, "checkpoint": True} for case in OTHER_SYNC_CASES]
+    resumed = [
+        {**case, **three, "name": f"{case['name']}_resumed", "resume": _checkpoint(tmp_path, case["name"], FIRST)}
+        for case in OTHER_SYNC_CASES
+    ]
+    results = _transpose(_run_cases(tmp_path, 2, cases + resumed), cases + resumed)
+    for case in OTHER_SYNC_CASES:
+        expected = plain_fit(tmp_path / "plain" / case["name"], {**case, **three})["final"]
+        for name in (case["name"], f"{case['name']}_resumed"):
+            for rank_result in results[name]:
+                _assert_close_states(rank_result["final"], expected, 1e-5)
     assert [rank_result["held"] for rank_result in results["lpp"]] == HELD_BY_LPP
+
+
+FIRST = "epoch=0-step=2.ckpt"  # a case of 2 batches per epoch: its checkpoint after the first epoch
 
 
 FP16_CASES = [
