@@ -131,21 +131,14 @@ def load_checkpoint(path: str | Path, read_file: Callable[[], dict[str, Any]], w
 def newest_complete(candidates: Iterable[str | Path]) -> tuple[Path | None, list[Path]]:
     """Among ``candidates`` (paths, some perhaps missing), the newest complete checkpoint, and the
     existing candidates newer than it that are incomplete."""
-    existing = sorted(
-        (Path(p) for p in candidates if Path(p).is_file() or is_sharded(p)),
-        key=lambda p: _modified(p),
-        reverse=True,
-    )
+    existing = [Path(p) for p in candidates if Path(p).is_file() or is_sharded(p)]
+    existing.sort(key=lambda p: p.stat().st_mtime, reverse=True)  # as Lightning orders them
     skipped = []
     for candidate in existing:
         if _complete(candidate):
             return candidate, skipped
         skipped.append(candidate)
     return None, skipped
-
-
-def _modified(path: Path) -> float:
-    return path.stat().st_mtime
 
 
 def check_same_model(source: str, model: str, held: dict[str, Any], saved: Any) -> None:
