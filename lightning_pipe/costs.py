@@ -1,6 +1,6 @@
 """Per-layer cost records for a chain of layers: the planner's input.
 
-A model is planned as a chain of layers ``l = 0 .. L-1`` (DESIGN.md vocabulary; the papers count
+A model is planned as a chain of layers ``l = 0 .. L-1`` (docs/design.md vocabulary; the papers count
 from 1). Each layer carries what Beaumont et al. (§3.1) call ``u_F``, ``u_B``, ``a_l`` and ``W_l``,
 plus what PipeDream's profiler records (activation and parameter sizes) and the bytes that autograd
 really keeps for the backward pass.

@@ -11,7 +11,7 @@ replicated ``r`` times, with ``m`` micro-batches per step:
 
 - ``gpipe``: every micro-batch's forward runs before any backward: ``m``.
 - ``1f1b`` (PipeDream-Flush): ``min(⌈k/r⌉, m)``; for a straight pipeline stage ``s`` (0-based) of
-  ``P`` has ``k = P - s``, which is DESIGN.md's ``min(P - s, m)``; ``⌈k/r⌉`` is PipeDream's
+  ``P`` has ``k = P - s``, which is docs/design.md's ``min(P - s, m)``; ``⌈k/r⌉`` is PipeDream's
   NOAM for the stage's replicas under 1F1B-RR.
 - ``pipedream`` (asynchronous, weight stashing): ``⌈k/r⌉`` in flight, and as many weight versions.
 - ``2bw`` (PipeDream-2BW): ``⌈k/r⌉`` in flight, two weight versions.

@@ -1,4 +1,4 @@
-"""Single-process reference implementations of the update rules (DESIGN.md), and the workers that run
+"""Single-process reference implementations of the update rules (docs/design.md), and the workers that run
 the same training through the multi-process runtime, for the runtime tests to compare.
 
 A rule is a function ``version(stage, microbatch, step) -> v``: the gradient of micro-batch ``i`` of

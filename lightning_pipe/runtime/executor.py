@@ -1,6 +1,6 @@
 """Run any schedule of the IR for real: one process per worker, point-to-point transfers.
 
-One executor runs every family (DESIGN.md): it walks its worker's actions (a
+One executor runs every family (docs/design.md): it walks its worker's actions (a
 :class:`~lightning_pipe.runtime.program.Program`, one call per mini-batch) and does what each says —
 forward ``F``, backward ``B`` or its halves ``I`` and ``W``, optimizer ``UPDATE`` — with the weight
 version the action names (:class:`~lightning_pipe.runtime.weights.StageWeights`). Receives of a call's

@@ -1,6 +1,6 @@
 """What one worker runs on each call of the training loop, from a schedule.
 
-The training loop hands the runtime one mini-batch (one step) per call (DESIGN.md). A flushing
+The training loop hands the runtime one mini-batch (one step) per call (docs/design.md). A flushing
 schedule runs a whole step per call. A non-flushing one (PipeDream, 2BW, CDP) must not wait for the
 step to end: call ``t`` runs every action that can run once the data of steps ``<= t`` is there, and
 the rest carries over. Formally an action belongs to *segment*

@@ -1,7 +1,7 @@
 """Weight versions, gradient accumulation and updates of one stage on one worker.
 
 A stage computes with a *version* of its weights: version ``v`` is the weights after ``v`` updates
-(DESIGN.md, update rules). A backward always differentiates the weights its forward saw, however many
+(docs/design.md, update rules). A backward always differentiates the weights its forward saw, however many
 updates happened in between (weight stashing, Narayanan et al. 2019 §3.3).
 
 - When every use of a version ends before the next update (flushing schedules), the live parameters

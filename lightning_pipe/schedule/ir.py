@@ -1,7 +1,7 @@
 """The schedule intermediate representation: per worker, an ordered list of actions.
 
 One IR expresses every family of the papers, so one validator, one simulator and one runtime serve
-them all (DESIGN.md). An :class:`Action` is a forward ``F``, a full backward ``B``, or the two halves
+them all (docs/design.md). An :class:`Action` is a forward ``F``, a full backward ``B``, or the two halves
 of a split backward (zero bubble: ``I`` for the input gradient, ``W`` for the weight gradient) of a
 (stage, micro-batch, step), with the weight version it computes with; or an ``UPDATE`` (optimizer step)
 of a stage; or a transfer: ``SEND_F``/``RECV_F`` (activation), ``SEND_B``/``RECV_B`` (gradient),

@@ -1,4 +1,4 @@
-"""The options of a schedule, declared once (DESIGN.md: one options object per layer).
+"""The options of a schedule, declared once (docs/design.md: one options object per layer).
 
 :class:`ScheduleOptions` is what :func:`~lightning_pipe.schedule.build_schedule` takes besides the
 stage count and the steps; the strategy's constructor and the Hydra configuration build one.

@@ -1,4 +1,4 @@
-"""Which weight version each compute action uses, by update rule (DESIGN.md, "Update rules").
+"""Which weight version each compute action uses, by update rule (docs/design.md, "Update rules").
 
 Version ``v`` is a stage's weights after ``v`` updates; step ``t``'s update makes version ``t + 1``.
 
