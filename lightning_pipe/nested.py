@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["flatten", "map_tensors", "nbytes", "tensors", "unflatten"]
+__all__ = ["concatenate", "flatten", "map_tensors", "nbytes", "tensors", "to_cpu", "unflatten"]
 
 
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -67,3 +67,22 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
 def nbytes(obj: Any) -> int:
     """Bytes of every tensor in ``obj``."""
     return sum(t.numel() * t.element_size() for t in tensors(obj))
+
+
+def concatenate(parts: list[Any]) -> Any:
+    """Micro-batches' predictions joined back into the batch's (tensors along dim 0, lists chained)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts) if first.dim() else torch.stack(parts)
+    if isinstance(first, dict):
+        return {key: concatenate([part[key] for part in parts]) for key in first}
+    if isinstance(first, tuple):
+        return tuple(concatenate(list(items)) for items in zip(*parts, strict=True))
+    if isinstance(first, list):
+        return [item for part in parts for item in part]
+    return parts
+
+
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor detached and on the CPU (for gathering between processes)."""
+    return map_tensors(lambda t: t.detach().cpu(), obj)

@@ -1,0 +1,381 @@
+"""The pipeline, built on the first batch: ``forward`` captured as layers, verified and profiled,
+the split planned (or a resumed checkpoint's reused), the executor made with one optimizer per stage,
+and the tensors of the stages a rank does not run released.
+
+:class:`PipelineBuilding` holds these as methods of :class:`~lightning_pipe.strategy.PipelineStrategy`
+(one of the parts the strategy's class is assembled from, each a module of its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from lightning_pipe.capture.verify import verify_chain
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.memory import MemoryModel
+from lightning_pipe.nested import flatten, map_tensors, to_cpu, unflatten
+from lightning_pipe.runtime import PipelineExecutor
+from lightning_pipe.runtime.executor import rows_of, shared_memory_capacity, split_batch
+from lightning_pipe.runtime.loss_scaling import LossScale
+from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
+from lightning_pipe.schedule.ir import COMPUTE
+from lightning_pipe.schedule.simulate import Simulation
+from lightning_pipe.strategy.contract import Call, PipelineModel, pipeline_model
+from lightning_pipe.strategy.differences import differences
+from lightning_pipe.strategy.logs import Record, recording
+from lightning_pipe.strategy.materialise import MATERIALISED, materialise, on_meta
+from lightning_pipe.strategy.optimizers import stage_optimizers
+from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
+from lightning_pipe.strategy.planning import (
+    PlanOptions,
+    StagePlan,
+    memory_schedule,
+    optimizer_copies,
+    plan_stages,
+    predict,
+    report,
+    schedule_of,
+)
+from lightning_pipe.strategy.sharded import read_entries
+from lightning_pipe.units import format_bytes
+
+if TYPE_CHECKING:  # annotations only: the class differs under the standalone pytorch_lightning
+    from lightning.pytorch import LightningModule
+
+__all__ = ["PipelineBuilding"]
+
+
+class PipelineBuilding:
+    """Building the pipeline on the first batch (methods of :class:`~lightning_pipe.strategy.PipelineStrategy`)."""
+
+    def _pipeline(self, step: Callable[..., Any], args: tuple[Any, ...]) -> PipelineExecutor:
+        if self.executor is not None:
+            return self.executor
+        assert self._entry is not None
+        module = self.lightning_module
+        optimizer = self.optimizers[0] if self.optimizers else None
+        fresh = self._chain is None or self._chain_of is not module  # a released module is captured once
+        meta = fresh and on_meta(module)  # built with init_module(empty_init=True) or configure_model: shapes only
+        if fresh:
+            first = _first_microbatch(self._entry.capture(step, *args), self.microbatches)
+            if meta:
+                first = Call(*map_tensors(lambda t: t.to("meta"), (first.args, first.kwargs)))
+            self._chain, self._chain_of = self._capture(module, first), module
+            if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(self._chain.layers) - 1:
+                self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(args[0]), meta)
+        layers = self._chain.layers
+        stage_plan = self.stage_plan
+        make = schedule_of(stage_plan, self.options, self.microbatches)
+        mine = {a.stage for a in make(1).orders[self.global_rank % self.workers] if a.kind in COMPUTE}
+        if meta:  # this rank's stages only, initialised as the whole model would be (.materialise)
+            everything = {id(t) for root in (module, *layers) for t in [*root.parameters(), *root.buffers()]}
+            materialise(
+                module, [module, *layers], everything - self._foreign(layers, mine), self.root_device, self.optimizers
+            )
+            self._load_deferred()  # a resumed checkpoint's values for them
+        trainer = module.trainer
+        clip = trainer.gradient_clip_val
+        algorithm = trainer.gradient_clip_algorithm or "norm"  # a str enum: compares equal to its value
+        self.executor = PipelineExecutor(
+            make,
+            stage_plan.modules(layers),
+            self._loss,
+            stage_optimizers(optimizer) if optimizer is not None else (lambda params: None),
+            device=self.root_device,
+            recompute=self.recompute,
+            timeout_seconds=self._timeout.total_seconds(),
+            shared_memory_bytes=self.shared_memory_bytes,
+            message_bytes=_message_bytes(stage_plan),
+            clip_grad_norm=float(clip) if clip and algorithm == "norm" else None,
+            clip_grad_value=float(clip) if clip and algorithm == "value" else None,
+            before_update=self._before_update,
+            loss_scale=self._loss_scale(),
+            pipelines=self.pipelines,
+        )
+        if optimizer is not None:
+            optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
+        self._restore_optimizer_states()
+        self._restore_carried()
+        self._predict_memory(mine, announce=fresh)
+        self._release(module, layers, mine)
+        if self._parent_watch is not None:  # the pipeline is up: failures travel through the job's store now
+            self._parent_watch.stop()
+        return self.executor
+
+    def _predict_memory(self, mine: set[int], announce: bool) -> None:
+        """This rank's predicted memory (:attr:`predicted_memory`; ``None`` when the stages were given,
+        not planned): the plan's for its stages (weights, gradients, optimizer state, activations in
+        flight) and the shared-memory rings it maps (:attr:`ring_bytes`), resident in it from the
+        start (:func:`~lightning_pipe.runtime.shared_memory.open_links`). With ``announce`` (a new
+        plan), printed per rank on rank 0 (a collective over the pipeline); the framework's own memory
+        (interpreter, torch) is apart."""
+        assert self.executor is not None and self.stage_plan is not None
+        plan = self.stage_plan.plan
+        rings = self.ring_bytes = self.executor.transport.links.ring_bytes
+        if plan is None:  # every rank has the same plan: none of them gathers
+            self.predicted_memory = None
+            return
+        stages = sum(plan.stages[s].memory_bytes for s in mine)
+        self.predicted_memory = stages + rings
+        if announce:
+            shares = self._gather((stages, rings))
+            parts = [f"rank {w}: {format_bytes(a)} + {format_bytes(b)}" for w, (a, b) in enumerate(shares)]
+            rank_zero_info("Memory per rank, its stages + its shared-memory rings: " + ", ".join(parts))
+
+    def _within_limit(self, options: PlanOptions) -> PlanOptions:
+        """The options with the memory limit less what the shared-memory rings take (:meth:`_ring_reserve`)."""
+        reserve = self._ring_reserve()
+        if options.memory_limit is None or not reserve:
+            return options
+        if options.memory_limit <= reserve:
+            raise PlanningError(
+                f"memory_limit={format_bytes(options.memory_limit)} leaves nothing for the stages once the "
+                f"shared-memory rings between processes ({format_bytes(reserve)}) are counted: raise the limit, or "
+                "make the rings smaller (shared_memory_bytes=..., 0: messages through gloo only)"
+            )
+        rank_zero_info(
+            f"Planning within memory_limit={format_bytes(options.memory_limit)} less {format_bytes(reserve)} of "
+            "shared-memory rings per process"
+        )
+        return dataclasses.replace(options, memory_limit=options.memory_limit - reserve)
+
+    def _ring_reserve(self) -> float:
+        """What the shared-memory rings of a rank with two neighbouring stages take (CPU training):
+        the memory limit is planned without it."""
+        capacity = shared_memory_capacity(self.shared_memory_bytes, self.root_device)
+        return 2.0 * capacity * min(2, self.workers - 1)
+
+    def _release(self, module: LightningModule, layers: list[Any], mine: set[int]) -> None:
+        """Keep only this rank's stages (``mine``): every other stage's weights and buffers go to the
+        meta device (:mod:`.ownership`)."""
+        assert self.executor is not None and self.stage_plan is not None
+        ownership = Ownership.of(module, layers, self.stage_plan.bounds)
+        owners, ranks = self.executor.schedule.owners, self.pipelines[0]
+        self._writers = {name: ownership.writer(name, owners, ranks) for name in module.state_dict(keep_vars=True)}
+        release([module, *layers], self._foreign(layers, mine), self.optimizers)
+
+    def _foreign(self, layers: list[Any], mine: set[int]) -> set[int]:
+        """The identities of the tensors only the layers of stages other than ``mine`` use."""
+        assert self.stage_plan is not None
+        spans = [layers[a : b + 1] for a, b in self.stage_plan.bounds]
+        held = tensor_ids(layer for s in mine for layer in spans[s])
+        return tensor_ids(layer for s, span in enumerate(spans) if s not in mine for layer in span) - held
+
+    def _written(self, name: str) -> bool:
+        """Whether this rank writes state-dict entry ``name`` into a checkpoint (:meth:`Ownership.writer`)."""
+        if self._writers is None:  # nothing released: global rank 0 holds everything
+            return self.global_rank == 0
+        return self._writers[name] == self.global_rank
+
+    def _plan_options(self, layers: int) -> PlanOptions:
+        """The plan options; when resuming a pipeline checkpoint of as many stages and layers (and no
+        split was given), its split, so that a resume never depends on profiling again."""
+        saved = (self._saved or {}).get("plan")
+        options = self.plan_options
+        given = options.balance is not None or options.plan is not None or options.profile is not None
+        if saved is None or given or not self.keep_plan:
+            return options
+        replicas = saved["replicas"]
+        if len(saved["bounds"]) != self.stages or saved["layers"] != layers or (replicas and not self._replicated):
+            return options
+        rank_zero_info(f"Reusing the checkpoint's split of the {layers} layers: {saved['bounds']}")
+        balance = [last - first + 1 for first, last in saved["bounds"]]
+        return dataclasses.replace(options, balance=balance, stage_replicas=replicas)
+
+    def _restore_carried(self) -> None:
+        """A resumed checkpoint's carried state (step count, weight versions, gradients not yet
+        applied) given to this rank's stages. On the checkpoint's own split and schedule each stage
+        gets its own; on another one, only a state with nothing in flight carries over (every stage at
+        the same version: as after the drain that precedes every checkpoint)."""
+        saved, self._saved = self._saved, None
+        if saved is None or self.executor is None:
+            return
+        assert self.stage_plan is not None
+        same = saved["plan"]["bounds"] == [list(b) for b in self.stage_plan.bounds] and (
+            saved["schedule"] == self.schedule_options.family
+        )
+        if same:
+            found = read_entries(saved["carried"], [str(s) for s in self.executor.weights])
+            stages = {
+                s: {"version": e["version"], "versions": e.get("versions", {}), "gradients": e.get("gradients", {})}
+                for s, e in ((int(key), entry) for key, entry in found.items())
+            }
+        else:
+            summary: dict[int, dict[str, Any]] = saved["stages"]
+            versions = {entry["version"] for entry in summary.values()}
+            if len(versions) > 1 or any(entry["in_flight"] for entry in summary.values()):
+                raise PlanningError(
+                    f"the checkpoint holds {saved['schedule']} weight versions or gradients still to apply for its "
+                    f"split {saved['plan']['bounds']}, which this run ({self.schedule_options.family}, "
+                    f"{[list(b) for b in self.stage_plan.bounds]}) cannot take: resume with schedule="
+                    f"{saved['schedule']!r} and the checkpoint's split (keep_plan=True, the default, reuses it)"
+                )
+            (version,) = versions
+            stages = {s: {"version": version, "versions": {}, "gradients": {}} for s in self.executor.weights}
+        self.executor.load_state_dict({"calls": saved["calls"], "origin": saved["origin"], "stages": stages})
+
+    def _capture(self, module: LightningModule, first: Call) -> PipelineModel:
+        """The layers of ``module``, captured on every rank from the same micro-batch (each rank's
+        graph on its own device); the ranks must agree on them."""
+        try:
+            model: PipelineModel | PlanningError = pipeline_model(module, first, self.stages)
+        except PlanningError as error:
+            model = error
+        names = self._gather(model.names if isinstance(model, PipelineModel) else None)
+        if isinstance(model, PlanningError):
+            raise model
+        if any(other != model.names for other in names if other is not None):
+            raise PlanningError(
+                f"the ranks captured different layers from forward ({[len(n) for n in names if n]} layers): forward "
+                "must record the same operations on every rank"
+            )
+        if None in names:
+            raise PlanningError(f"rank {names.index(None)} could not capture forward (its error is in its log)")
+        return model
+
+    def _plan(self, model: PipelineModel, first: Call, optimizer: Any, batch_rows: int, meta: bool) -> StagePlan:
+        """Verify the chain, profile and partition on rank 0 (with the first micro-batch), broadcast the
+        plan or the error, print the plan and the prediction. A later ``validate``/``test``/``predict``
+        (or ``fit``) of a module with as many layers keeps the plan."""
+        memory = MemoryModel(
+            memory_schedule(self.schedule_options.family),
+            self.microbatches,
+            optimizer_copies(optimizer),
+            split_backward=self.schedule_options.family not in NON_FLUSHING_FAMILIES,
+            accumulation=True,
+        )
+        stage_plan: StagePlan | PlanningError | None = None
+        if self.global_rank == 0:
+            try:
+                if not meta:  # a model on the meta device has no values to compare
+                    self._verify(model, first)
+                stage_plan = plan_stages(
+                    model.layers,
+                    model.inputs(first),
+                    self.stages,
+                    self._within_limit(self._plan_options(len(model.layers))),
+                    memory,
+                    torch.device("meta") if meta else self.root_device,
+                    self._replicated,
+                    names=model.names,
+                )
+            except PlanningError as error:
+                stage_plan = error
+        stage_plan = self.broadcast(stage_plan)
+        if isinstance(stage_plan, PlanningError):
+            raise stage_plan
+        if self.global_rank == 0:
+            self._prediction = predict(stage_plan, self.options, self.microbatches, self.plan_options.contention)
+            self.differences = differences(
+                self.lightning_module,
+                stage_plan.modules(model.layers),
+                rows_of(model.inputs(first)),
+                batch_rows,
+                self.schedule_options.family not in NON_FLUSHING_FAMILIES,
+            )
+            notes = [MATERIALISED] if meta else []
+            schedule = schedule_of(stage_plan, self.options, self.microbatches)(1)
+            text = report(stage_plan, self._prediction, model.captured, schedule)
+            rank_zero_info("\n".join([text, *self.differences, *notes]))
+        return stage_plan
+
+    def _verify(self, model: PipelineModel, first: Call) -> None:
+        """The layers chained on the first micro-batch must give forward's output (both modes)."""
+        module = self.lightning_module
+        verify_chain(
+            module,
+            model.layers,
+            lambda: type(module).forward(module, *first.args, **first.kwargs),
+            model.inputs(first),
+            model.names,
+            modes=(False,) if model.captured is not None and model.captured.graph.same_in_eval else (False, True),
+        )
+
+    def _loss_scale(self) -> LossScale | None:
+        """float16's loss scale, from the precision plugin's ``GradScaler`` (its settings, or its
+        state restored from a checkpoint); the executor updates it, :meth:`_keep_loss_scale` hands
+        it back to the scaler when a checkpoint is written and at the end of fit."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return LossScale.from_state_dict(scaler.state_dict())
+
+    def _keep_loss_scale(self) -> None:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and self.executor is not None and self.executor.loss_scale is not None:
+            scaler.load_state_dict(self.executor.loss_scale.state_dict())
+
+    @property
+    def prediction(self) -> Simulation | None:
+        """The schedule simulated with the profiled costs at planning (rank 0; ``None`` elsewhere or
+        when the stages were given rather than planned)."""
+        return self._prediction
+
+    @property
+    def measured_step_seconds(self) -> float | None:
+        """The median wall time of this rank's training steps, the first two (warm-up) left out."""
+        steps = sorted(self._step_seconds[2:])
+        return steps[len(steps) // 2] if steps else None
+
+    @property
+    def _first(self) -> bool:
+        return self.executor is not None and self.executor.needs_inputs
+
+    @property
+    def _last(self) -> bool:
+        return self.executor is not None and self.executor.needs_targets
+
+    def _evaluates(self, stage: int) -> bool:
+        """Whether this rank runs ``stage`` in a forward-only pipeline (a replicated stage runs on its
+        first worker there)."""
+        assert self.executor is not None
+        return self.executor.schedule.owners[stage][0] == self.executor.rank
+
+    def _before_update(self, stage: int, step: int, optimizer: torch.optim.Optimizer | None) -> None:
+        assert self._hyper is not None
+        self._hyper.apply(step, optimizer)
+
+    def _loss(self, output: Any, batch: Any) -> Tensor:
+        """The user's ``training_step`` on one micro-batch, with the pipeline's output as the layers'."""
+        assert self.executor is not None and self._entry is not None and self.executor.loss_key is not None
+        step, mb = self.executor.loss_key
+        record = Record(rows_of(batch))
+        module = self.lightning_module
+        with self._entry.inject(output), recording(module, record):
+            result = module.training_step(batch, *self._step_args[step])
+        loss = result.get("loss") if isinstance(result, dict) else result
+        if not isinstance(loss, Tensor):
+            raise PlanningError(
+                "training_step must return the loss (a tensor, or a dict with 'loss') for every micro-batch; "
+                f"got {type(result).__name__}"
+            )
+        if isinstance(result, dict):
+            record.extras = to_cpu({key: value for key, value in result.items() if key != "loss"})
+        self._records[(step, mb)] = record
+        return loss
+
+
+def _message_bytes(stage_plan: StagePlan) -> list[float] | None:
+    """The bytes each stage but the last sends on per micro-batch, by the plan (``None`` without one,
+    or when its stages are not the ones run)."""
+    if stage_plan.plan is None or len(stage_plan.plan.stages) != len(stage_plan.bounds):
+        return None
+    return [stage.output_bytes for stage in stage_plan.plan.stages[:-1]]
+
+
+def _first_microbatch(call: Call, microbatches: int) -> Call:
+    """The first micro-batch of ``call``'s arguments (as the executor will cut them)."""
+    skeleton, found = flatten((call.args, call.kwargs))
+    if not found:
+        raise PlanningError(
+            "forward was called without any tensor: a pipeline cuts forward's tensors into micro-batches"
+        )
+    parts = min(microbatches, rows_of(tuple(found)))  # an evaluation batch may be smaller
+    args, kwargs = unflatten(skeleton, list(split_batch(tuple(found), parts)[0]))
+    return Call(tuple(args), dict(kwargs))

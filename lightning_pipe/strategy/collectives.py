@@ -1,0 +1,95 @@
+"""The strategy's collectives, meaning what they mean under DDP: a pipeline copy is one
+data-parallel replica, and every rank of one pipeline holds the same step values (its last stage's).
+
+:class:`Collectives` holds them as methods of :class:`~lightning_pipe.strategy.PipelineStrategy`
+(one of the parts the strategy's class is assembled from, each a module of its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _sync_ddp_if_available,
+)
+from torch import Tensor
+
+from lightning_pipe.runtime.failure import raised_elsewhere
+
+__all__ = ["Collectives"]
+
+
+class Collectives:
+    """Lightning's collectives of :class:`~lightning_pipe.strategy.PipelineStrategy`, as DDP's for a pipeline."""
+
+    def _gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank of this pipeline, pickled over a CPU group; a rank that failed
+        meanwhile is named."""
+        gathered: list[Any] = [None] * self.workers
+        try:
+            dist.all_gather_object(gathered, obj, group=self._pipeline_objects)
+        except RuntimeError as error:
+            raise self._failures.aborted() from error
+        return gathered
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Stop the other ranks within seconds: record the failure and close this rank's pipeline and
+        process groups, so every rank waiting on it fails with this error instead of hanging."""
+        if not hasattr(self, "_failures") or self.world_size == 1:
+            return  # no other rank to stop
+        if not raised_elsewhere(exception):
+            self._failures.fail(exception)
+        if self.executor is not None:
+            self.executor.transport.abort()
+        for group in (self._objects, self._pipeline_objects, self._copies, None):  # None: the default group
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+
+    def barrier(self, name: str | None = None) -> None:
+        """Lightning's barrier; a rank that failed meanwhile is named (its error raised here)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        try:
+            dist.barrier()
+        except RuntimeError as error:
+            if not hasattr(self, "_failures"):
+                raise
+            raise self._failures.aborted() from error
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src)
+        except RuntimeError as error:  # the source failed (its groups closed): raise its error
+            if not hasattr(self, "_failures"):
+                raise
+            raise self._failures.aborted() from error
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """``sync_dist``: every rank of a pipeline logs the same values (its last stage's), so the
+        reduction runs over the pipeline copies only, between the ranks at the same position."""
+        if not isinstance(tensor, Tensor) or self.data_parallel == 1:
+            return tensor
+        return _sync_ddp_if_available(tensor, group or self._copies, reduce_op=reduce_op)
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        """One entry per pipeline copy, as DDP gives one per process (a copy is one data-parallel
+        replica: every rank of a pipeline holds the same step values, its last stage's), gathered
+        between the ranks at the same position of every copy."""
+        return _all_gather_ddp_if_available(tensor, group=group or self._copies, sync_grads=sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank's vote counts, as under DDP (``ModelCheckpoint``, ``EarlyStopping``): all of them
+        (``all``) or any."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes)
+        return bool(votes == self.world_size) if all else bool(votes)
