@@ -203,8 +203,9 @@ class CheckpointHooks:
         """Save on every rank (a collective, :mod:`.saving`): ``full``, global rank 0 writes the file;
         ``sharded``, every rank writes its trees into the directory ``filepath`` (:mod:`.sharded`),
         global rank 0 the rest of the checkpoint. The checkpoint appears under its name only once
-        complete (:mod:`.atomic`); a save that fails anywhere raises on every rank."""
-        path = self.broadcast(str(filepath))
+        complete (:mod:`.atomic`); a save that fails anywhere raises on every rank. Every rank writes to
+        global rank 0's ``filepath``."""
+        path = str(filepath)
         if not _is_local_file_protocol(path):
             if self.state_dict_type == "sharded":
                 raise PlanningError(f"state_dict_type='sharded' writes to a local or mounted filesystem, not {path}")

@@ -87,20 +87,21 @@ _INTACT = "The checkpoints saved before are intact; nothing of this one is left"
 def save_together(
     path: str | Path, write: Callable[[Path | None, str], None], directory: bool, ranks: SaveRanks
 ) -> None:
-    """Save the checkpoint ``path`` on every rank: ``write(temporary, save_id)`` writes this rank's
-    part (``temporary``: the directory to write into when ``directory``, else ``None``: rank 0 writes
-    the file itself, atomically). Returns on every rank once the checkpoint is in place.
+    """Save the checkpoint ``path`` (global rank 0's) on every rank: ``write(temporary, save_id)``
+    writes this rank's part (``temporary``: the directory to write into when ``directory``, else
+    ``None``: rank 0 writes the file itself, atomically). Returns on every rank once the checkpoint is
+    in place.
 
     Raises:
         CheckpointSaveError: on every rank, when a rank failed to write its part or died.
     """
     path = Path(path)
-    plan: tuple[Path | None, str, str | None] | None = None
+    plan: tuple[Path, Path | None, str, str | None] | None = None
     if ranks.rank == 0:
         temporary = temporary_name(path) if directory else None
         failure = _attempt(lambda: _prepare(path, temporary), path)
-        plan = (temporary, secrets.token_hex(8), failure)
-    temporary, save_id, failure = ranks.broadcast(plan, path)
+        plan = (path, temporary, secrets.token_hex(8), failure)
+    path, temporary, save_id, failure = ranks.broadcast(plan, path)
     try:
         if failure is None:
             failure = _attempt(lambda: write(temporary, save_id), path)
