@@ -28,9 +28,10 @@ from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.graph import Graph, Node
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.stage_costs import StageCosts, adds_gradients
+from lightning_pipe.schedule.traffic import Message, Traffic, category_of, edge_bytes, is_message, message_costs
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["Interval", "Message", "Simulation", "simulate"]
+__all__ = ["Interval", "Simulation", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -42,19 +43,6 @@ class Interval:
     start: float
     end: float
     waited: float = 0.0
-
-
-@dataclass(frozen=True)
-class Message:
-    """One transfer between workers: when it left ``source`` for ``destination``, what it carried
-    (``activation``, ``gradient``, ``reduce``, ``weight`` or ``cue``) and its bytes. A fetched
-    stage's weights come from its first owner."""
-
-    sent: float
-    source: int
-    destination: int
-    category: str
-    nbytes: float
 
 
 @dataclass
@@ -120,33 +108,6 @@ class Simulation:
         }
 
 
-_CATEGORIES = ("activation", "gradient", "reduce", "weight", "cue")
-
-
-def _category(action: Action, label: str) -> str:
-    """What a cross-worker edge carries: activation, gradient, reduce (gradients to an update), weight
-    or cue (nothing: a worker telling another it has come this far)."""
-    if label == "cue":
-        return "cue"
-    if label == "relay":  # a stage's state passed on to the next worker computing it
-        return "weight"
-    if label in ("grad", "ring"):  # to an update, or a partial or whole sum passed along a ring
-        return "reduce"
-    if action.kind in (Kind.F, Kind.RECV_F):
-        return "activation"
-    return "gradient"
-
-
-def _edge_bytes(costs: StageCosts, action: Action, dep: Action, category: str) -> float:
-    if category == "cue":
-        return 0.0
-    if category in ("reduce", "weight"):
-        return costs.stage_bytes("weight_bytes", action.stage)
-    if category == "activation":
-        return costs.stage_bytes("activation_bytes", dep.stage)
-    return costs.stage_bytes("activation_bytes", action.stage)
-
-
 def _sweep(events: list[tuple[float, int, float]]) -> tuple[int, float, list[tuple[float, float]]]:
     """Peak count and peak bytes of +1/-1 events (frees before allocations at equal times), and
     the bytes-over-time curve."""
@@ -174,10 +135,7 @@ class _Replay:
         self.start: dict[Node, float] = {}
         self.end: dict[Node, float] = {}
         self.free = [0.0] * workers
-        self.received = {c: [0.0] * workers for c in _CATEGORIES}
-        self.sent = {c: [0.0] * workers for c in _CATEGORIES}
-        self.count = {c: [0] * workers for c in _CATEGORIES}
-        self.log: list[Message] = []
+        self.traffic = Traffic(workers)
         self.owners = [set(o) for o in self.schedule.owners]
         self.produced: dict[tuple[int, int], float] = {}
         self.updated: dict[tuple[int, int, int], float] = {}
@@ -192,29 +150,16 @@ class _Replay:
         }
         self.previous_start = [0.0] * workers
         self.left: dict[Node, float] = {}  # when the early input gradient of a cool-down backward left
-        self.sending: dict[Node, float] = defaultdict(float)  # seconds a blocking sender spends per action
-        self.messages: dict[Node, int] = defaultdict(int)  # messages an action sends or receives
-        for node, deps in self.graph.deps.items():
-            action = self.schedule.orders[node[0]][node[1]]
-            for dep, label in zip(deps, self.graph.kinds[node], strict=True):
-                if dep[0] != node[0] and label not in ("weight", "sync"):
-                    self.messages[node] += 1
-                    self.messages[dep] += 1
-                    if not self.costs.overlap:
-                        source = self.schedule.orders[dep[0]][dep[1]]
-                        nbytes = _edge_bytes(self.costs, action, source, _category(action, label))
-                        self.sending[dep] += self.costs.transfer(nbytes)
+        # messages an action sends or receives; seconds a blocking sender spends sending per action
+        self.messages, self.sending = message_costs(self.schedule, self.graph, self.costs)
 
     def transfer(self, worker: int, dep: Node, action: Action, label: str) -> float:
         """Arrival time at ``worker`` of what ``dep`` produced."""
-        category = _category(action, label)
-        nbytes = _edge_bytes(self.costs, action, self.schedule.orders[dep[0]][dep[1]], category)
-        self.sent[category][dep[0]] += nbytes
-        self.received[category][worker] += nbytes
-        self.count[category][worker] += 1
+        category = category_of(action, label)
+        nbytes = edge_bytes(self.costs, action, self.schedule.orders[dep[0]][dep[1]], category)
         # an early input gradient leaves before the weight gradients are computed; a reduce carries those
         sent = self.left[dep] if dep in self.early and label not in ("grad", "ring") else self.end[dep]
-        self.log.append(Message(sent, dep[0], worker, category, nbytes))
+        self.traffic.send(Message(sent, dep[0], worker, category, nbytes))
         return sent + self.costs.transfer(nbytes)
 
     def input_grad_seconds(self, node: Node) -> float:
@@ -232,12 +177,9 @@ class _Replay:
         if self.run[worker] == (action.stage, version):
             return ready
         nbytes = self.costs.stage_bytes("weight_bytes", action.stage)
-        self.received["weight"][worker] += nbytes
-        self.count["weight"][worker] += 1
-        for owner in self.owners[action.stage]:
-            self.sent["weight"][owner] += nbytes / len(self.owners[action.stage])
         issued = max(self.produced.get((action.stage, version), 0.0), self.previous_start[worker])
-        self.log.append(Message(issued, self.schedule.owners[action.stage][0], worker, "weight", nbytes))
+        message = Message(issued, self.schedule.owners[action.stage][0], worker, "weight", nbytes)
+        self.traffic.send(message, self.owners[action.stage])
         arrival = issued + self.costs.transfer(nbytes)
         self.copies.append((worker, action.stage, issued, -1.0))
         return max(ready, arrival)
@@ -256,10 +198,7 @@ class _Replay:
         deps = self.graph.deps.get(node)
         if deps:
             for dep, label in zip(deps, self.graph.kinds[node], strict=True):
-                if dep[0] != worker and label not in ("weight", "sync"):
-                    arrival = self.transfer(worker, dep, action, label)
-                else:
-                    arrival = self.end[dep]
+                arrival = self.transfer(worker, dep, action, label) if is_message(node, dep, label) else self.end[dep]
                 if arrival > ready:
                     ready = arrival
         if action.kind in COMPUTE:
@@ -440,12 +379,12 @@ def _report(replay: _Replay) -> Simulation:
         peak_activation_bytes=[a[1] for a in activations],
         weight_versions=[v[0] for v in versions],
         peak_weight_bytes=[v[1] for v in versions],
-        received_bytes=replay.received,
-        sent_bytes=replay.sent,
-        transfers=replay.count,
+        received_bytes=replay.traffic.received,
+        sent_bytes=replay.traffic.sent,
+        transfers=replay.traffic.count,
         timeline=timeline,
         memory_timeline=[a[2] for a in activations],
-        messages=sorted(replay.log, key=lambda message: message.sent),
+        messages=sorted(replay.traffic.log, key=lambda message: message.sent),
     )
 
 
