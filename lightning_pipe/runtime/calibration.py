@@ -24,7 +24,8 @@ from dataclasses import replace
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import Action, Kind, Schedule
-from lightning_pipe.schedule.simulate import Interval, Simulation, simulate
+from lightning_pipe.schedule.simulate import simulate
+from lightning_pipe.schedule.simulation import Interval, Simulation
 from lightning_pipe.schedule.stage_costs import StageCosts, adds_gradients
 
 __all__ = ["alone_costs", "measured_seconds", "stage_costs"]

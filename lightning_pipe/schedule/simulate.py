@@ -27,85 +27,12 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.graph import Graph, Node
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
+from lightning_pipe.schedule.simulation import Interval, Simulation, steady_step
 from lightning_pipe.schedule.stage_costs import StageCosts, adds_gradients
 from lightning_pipe.schedule.traffic import Message, Traffic, category_of, edge_bytes, is_message, message_costs
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["Interval", "Simulation", "simulate"]
-
-
-@dataclass(frozen=True)
-class Interval:
-    """One executed action; ``waited``: seconds of it spent waiting for messages (measured timelines)."""
-
-    worker: int
-    action: Action
-    start: float
-    end: float
-    waited: float = 0.0
-
-
-@dataclass
-class Simulation:
-    """What :func:`simulate` predicts (times in the unit of the costs, sizes in bytes)."""
-
-    schedule: Schedule
-    makespan: float
-    step_end: list[float]
-    steady_step: float
-    throughput: float
-    busy: list[float]
-    idle: list[float]
-    bubble_fraction: float
-    nca: list[int]
-    peak_activations: list[int]
-    peak_activation_bytes: list[float]
-    weight_versions: list[int]
-    peak_weight_bytes: list[float]
-    received_bytes: dict[str, list[float]]
-    sent_bytes: dict[str, list[float]]
-    transfers: dict[str, list[int]]
-    timeline: list[Interval] = field(repr=False)
-    memory_timeline: list[list[tuple[float, float]]] = field(repr=False)
-    messages: list[Message] = field(repr=False)
-
-    def sent_per_time_step(self, time_step: float, category: str | None = None) -> list[list[int]]:
-        """Per worker, the messages (of ``category``, or all) it sent in each time step
-        ``[k time_step, (k + 1) time_step)`` of the run: with every action one time step, the
-        paper's time steps (Fournier & Oyallon 2024, Table 1: "max com. steps between 2 time
-        steps")."""
-        if time_step <= 0:
-            raise PlanningError(f"a time step must be positive, got {time_step}")
-        steps = max(1, math.ceil(self.makespan / time_step))
-        counts = [[0] * steps for _ in range(self.schedule.workers)]
-        for message in self.messages:
-            if category is None or message.category == category:
-                counts[message.source][min(int(message.sent // time_step), steps - 1)] += 1
-        return counts
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "family": self.schedule.family,
-            "rule": self.schedule.rule,
-            "stages": self.schedule.stages,
-            "microbatches": self.schedule.microbatches,
-            "steps": self.schedule.steps,
-            "workers": self.schedule.workers,
-            "makespan": self.makespan,
-            "step_end": self.step_end,
-            "steady_step": self.steady_step,
-            "throughput": self.throughput,
-            "bubble_fraction": self.bubble_fraction,
-            "busy": self.busy,
-            "idle": self.idle,
-            "nca": self.nca,
-            "peak_activations": {"count": self.peak_activations, "bytes": self.peak_activation_bytes},
-            "weight_versions": self.weight_versions,
-            "peak_weight_bytes": self.peak_weight_bytes,
-            "received_bytes": self.received_bytes,
-            "sent_bytes": self.sent_bytes,
-            "transfers": self.transfers,
-        }
+__all__ = ["simulate"]
 
 
 def _sweep(events: list[tuple[float, int, float]]) -> tuple[int, float, list[tuple[float, float]]]:
@@ -361,7 +288,7 @@ def _report(replay: _Replay) -> Simulation:
     step_end = [0.0] * schedule.steps
     for interval in timeline:
         step_end[interval.action.step] = max(step_end[interval.action.step], interval.end)
-    steady = _steady(step_end)
+    steady = steady_step(step_end)
     throughput = schedule.microbatches / steady if steady > 0 else math.inf
     nca, activations = _activations(schedule, costs, timeline)
     versions = _weight_copies(schedule, costs, replay, makespan)
@@ -410,17 +337,6 @@ def _activations(
             events += [(birth, 1, nbytes), (freed[key], -1, nbytes)]
     nca = [_sweep(per_stage[s])[0] for s in range(schedule.stages)]
     return nca, [_sweep(per_worker[w]) for w in range(schedule.workers)]
-
-
-def _steady(step_end: list[float]) -> float:
-    """Time per step once the pipeline is full: the mean spacing of the later half of the steps, the
-    last one left out from four steps on (it ends in the drain, where a non-flushing schedule has no
-    later step to overlap and finishes its deferred updates at once)."""
-    if len(step_end) == 1:
-        return step_end[0]
-    last = len(step_end) - 1 if len(step_end) >= 4 else len(step_end)
-    half = len(step_end) // 2
-    return (step_end[last - 1] - step_end[half - 1]) / (last - half)
 
 
 def _weight_copies(schedule: Schedule, costs: StageCosts, replay: _Replay, makespan: float) -> list[tuple[int, float]]:

@@ -7,7 +7,7 @@ weight (a stage's state relayed on, or fetched from its owner: FSDP-style, Rahim
 ``overhead`` seconds (the *o* of the LogP model, Culler et al. 1993) and, with blocking transfers,
 keeps its sender busy while it goes. :class:`Traffic` counts the bytes and messages per category and
 worker and logs every message, which
-:meth:`~lightning_pipe.schedule.simulate.Simulation.sent_per_time_step` counts per time step
+:meth:`~lightning_pipe.schedule.simulation.Simulation.sent_per_time_step` counts per time step
 (Fournier & Oyallon 2024, Table 1).
 """
 

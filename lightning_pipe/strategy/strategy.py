@@ -84,7 +84,7 @@ from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.schedule.simulate import Simulation
+from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.after_fit import HOW_TO_GET_IT, fill, guard, lift_guard
 from lightning_pipe.strategy.arguments import check_backend, check_flags, check_port, check_timeout, parse_option
 from lightning_pipe.strategy.atomic import remove, sweep, write_file
