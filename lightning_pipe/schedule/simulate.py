@@ -1,4 +1,4 @@
-"""Predict a schedule's timeline, bubble, memory and traffic from per-stage costs.
+"""Replay a schedule with per-stage costs: when each of its actions runs.
 
 Every worker runs its actions in order, each as soon as its worker is free and its inputs have
 arrived (the dependency graph of :mod:`lightning_pipe.schedule.graph`): an input from another worker
@@ -9,43 +9,31 @@ threads, unpacking: the *o* of the LogP model, Culler et al. 1993), added to the
 and to the one that receives it. A worker that computes
 a stage it does not own fetches the version it needs from an owner once and keeps it until its last
 use (FSDP-style, Rahimi 2025). An ``UPDATE`` waits for the gradients of other workers (reduce).
+Workers sharing one machine (``contention`` above 1) are replayed from event to event, as processor
+sharing.
 
-Reported: makespan, per-step completion and steady-state time per step, throughput, per-worker busy
-and idle time and bubble fraction, NCA per stage (Beaumont et al. §3.2), peak activations (count and
-bytes) and weight versions held per worker, bytes moved per worker, and the timeline itself.
+The costs are :class:`~lightning_pipe.schedule.stage_costs.StageCosts`; the messages are counted
+and logged by :mod:`~lightning_pipe.schedule.traffic`, the memory held by
+:mod:`~lightning_pipe.schedule.peak_memory`; the result is a
+:class:`~lightning_pipe.schedule.simulation.Simulation`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
-
-import numpy as np
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.graph import Graph, Node
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
+from lightning_pipe.schedule.peak_memory import WeightCopies, activation_peaks, relayed_weight_peaks, weight_peaks
 from lightning_pipe.schedule.simulation import Interval, Simulation, steady_step
 from lightning_pipe.schedule.stage_costs import StageCosts, adds_gradients
 from lightning_pipe.schedule.traffic import Message, Traffic, category_of, edge_bytes, is_message, message_costs
 from lightning_pipe.schedule.validate import validate
 
 __all__ = ["simulate"]
-
-
-def _sweep(events: list[tuple[float, int, float]]) -> tuple[int, float, list[tuple[float, float]]]:
-    """Peak count and peak bytes of +1/-1 events (frees before allocations at equal times), and
-    the bytes-over-time curve."""
-    if not events:
-        return 0, 0.0, [(0.0, 0.0)]
-    times, deltas, sizes = (np.asarray(column, dtype=np.float64) for column in zip(*events, strict=True))
-    order = np.lexsort((deltas, times))
-    counts = np.cumsum(deltas[order])
-    held = np.cumsum((deltas * sizes)[order])
-    curve = [(0.0, 0.0), *zip(times[order].tolist(), held.tolist(), strict=True)]
-    return int(max(counts.max(), 0)), float(max(held.max(), 0.0)), curve
 
 
 @dataclass
@@ -65,9 +53,7 @@ class _Replay:
         self.traffic = Traffic(workers)
         self.owners = [set(o) for o in self.schedule.owners]
         self.produced: dict[tuple[int, int], float] = {}
-        self.updated: dict[tuple[int, int, int], float] = {}
-        self.last_use: dict[tuple[int, int, int], float] = {}
-        self.copies: list[tuple[int, int, float, float]] = []  # (worker, stage, arrival, release) of fetched weights
+        self.weights = WeightCopies()
         self.run: list[tuple[int, int] | None] = [None] * workers
         self.accumulating = {
             (worker, position)
@@ -108,7 +94,7 @@ class _Replay:
         message = Message(issued, self.schedule.owners[action.stage][0], worker, "weight", nbytes)
         self.traffic.send(message, self.owners[action.stage])
         arrival = issued + self.costs.transfer(nbytes)
-        self.copies.append((worker, action.stage, issued, -1.0))
+        self.weights.hold(worker, action.stage, issued)
         return max(ready, arrival)
 
     def execute(self, node: Node) -> None:
@@ -156,11 +142,11 @@ class _Replay:
         if action.kind is Kind.UPDATE:
             version = (action.stage, action.step + 1)
             self.produced[version] = min(self.produced.get(version, end), end)
-            self.updated[(worker, action.stage, action.step + 1)] = end
+            self.weights.updated[(worker, action.stage, action.step + 1)] = end
         elif compute:
             key = (worker, action.stage, action.version or 0)
-            if end > self.last_use.get(key, 0.0):
-                self.last_use[key] = end
+            if end > self.weights.last_use.get(key, 0.0):
+                self.weights.last_use[key] = end
 
     def _weights(self, worker: int, action: Action, ready: float) -> float:
         """When the weights ``action`` needs are on ``worker``: owners have them; others fetch."""
@@ -178,11 +164,7 @@ class _Replay:
 
     def _release(self, worker: int) -> None:
         """The fetched copy of the current run on ``worker`` is freed at the end of its last use."""
-        for index in range(len(self.copies) - 1, -1, -1):
-            w, stage, arrival, release = self.copies[index]
-            if w == worker and release < 0:
-                self.copies[index] = (w, stage, arrival, self.free[worker])
-                break
+        self.weights.release(worker, self.free[worker])
         self.run[worker] = None
 
     def finish(self) -> None:
@@ -290,8 +272,11 @@ def _report(replay: _Replay) -> Simulation:
         step_end[interval.action.step] = max(step_end[interval.action.step], interval.end)
     steady = steady_step(step_end)
     throughput = schedule.microbatches / steady if steady > 0 else math.inf
-    nca, activations = _activations(schedule, costs, timeline)
-    versions = _weight_copies(schedule, costs, replay, makespan)
+    nca, activations = activation_peaks(schedule, costs, timeline)
+    if schedule.relays:
+        versions = relayed_weight_peaks(schedule, costs, replay.graph, replay.end)
+    else:
+        versions = weight_peaks(schedule, costs, replay.weights, makespan)
     return Simulation(
         schedule=schedule,
         makespan=makespan,
@@ -313,68 +298,3 @@ def _report(replay: _Replay) -> Simulation:
         memory_timeline=[a[2] for a in activations],
         messages=sorted(replay.traffic.log, key=lambda message: message.sent),
     )
-
-
-def _activations(
-    schedule: Schedule, costs: StageCosts, timeline: list[Interval]
-) -> tuple[list[int], list[tuple[int, float, list[tuple[float, float]]]]]:
-    """NCA per stage, and per worker the peak count, peak bytes and curve of live activations (from a
-    forward's start to the end of its micro-batch's last backward half on that stage)."""
-    born: dict[tuple[int, int, int], tuple[int, float]] = {}
-    freed: dict[tuple[int, int, int], float] = {}
-    for interval in timeline:
-        a = interval.action
-        key = (a.stage, a.microbatch, a.step)
-        if a.kind is Kind.F:
-            born[key] = (interval.worker, interval.start)
-        elif a.kind in (Kind.B, Kind.W):
-            freed[key] = interval.end
-    per_stage: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
-    per_worker: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
-    for key, (worker, birth) in born.items():
-        nbytes = costs.stage_bytes("saved_bytes", key[0])
-        for events in (per_stage[key[0]], per_worker[worker]):
-            events += [(birth, 1, nbytes), (freed[key], -1, nbytes)]
-    nca = [_sweep(per_stage[s])[0] for s in range(schedule.stages)]
-    return nca, [_sweep(per_worker[w]) for w in range(schedule.workers)]
-
-
-def _weight_copies(schedule: Schedule, costs: StageCosts, replay: _Replay, makespan: float) -> list[tuple[int, float]]:
-    """Peak number and bytes of weight copies (stage, version) held by each worker.
-
-    An owner holds version ``v`` from its update (version 0: from the start) until version ``v + 1``
-    exists and the last action using ``v`` is over; a fetched copy lives for its run. A relayed stage
-    is held as :func:`_relayed_copies` says.
-    """
-    events: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
-    if schedule.relays:
-        return _relayed_copies(schedule, costs, replay)
-    for s, owners in enumerate(schedule.owners):
-        nbytes = costs.stage_bytes("weight_bytes", s)
-        for w in owners:
-            for v in range(schedule.steps + 1):
-                born = 0.0 if v == 0 else replay.updated.get((w, s, v))
-                if born is None:
-                    continue
-                dies = max(replay.updated.get((w, s, v + 1), makespan), replay.last_use.get((w, s, v), born))
-                events[w] += [(born, 1, nbytes), (dies, -1, nbytes)]
-    for w, s, arrival, release in replay.copies:
-        nbytes = costs.stage_bytes("weight_bytes", s)
-        events[w] += [(arrival, 1, nbytes), (release, -1, nbytes)]
-    return [_sweep(events[w])[:2] for w in range(schedule.workers)]
-
-
-def _relayed_copies(schedule: Schedule, costs: StageCosts, replay: _Replay) -> list[tuple[int, float]]:
-    """Relayed stages (CDP's ZeRO form): the worker of each action of a stage's relay holds the
-    stage's weights from the end of the relay's previous action (it is being passed on) to the end of
-    its own, so a worker holds the stage it computes and the one coming to it."""
-    events: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
-    updates = {(a.stage, a.step): (w, p) for w, p, a in schedule.actions() if a.kind is Kind.UPDATE}
-    for stage, relay in enumerate(schedule.relays):
-        nbytes = costs.stage_bytes("weight_bytes", stage)
-        arrives = 0.0
-        for action in relay:
-            node = updates[(stage, action.step)] if action.kind is Kind.UPDATE else replay.graph.where[action.key]
-            events[node[0]] += [(arrives, 1, nbytes), (replay.end[node], -1, nbytes)]
-            arrives = replay.end[node]
-    return [_sweep(events[w])[:2] for w in range(schedule.workers)]
