@@ -29,7 +29,7 @@ from lightning_pipe.schedule.cyclic import FORMS
 from lightning_pipe.units import format_bytes, format_seconds, parse_bandwidth, parse_bytes
 
 if TYPE_CHECKING:
-    from lightning_pipe.schedule.simulate import Simulation
+    from lightning_pipe.schedule.simulation import Simulation
 
 __all__ = ["main", "plan_table", "simulation_table"]
 

@@ -12,7 +12,9 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.draw import chrome_trace, draw_comparison, draw_memory, draw_timeline
 from lightning_pipe.schedule.ir import Action, Kind
 from lightning_pipe.schedule.pipeline import interleaved, one_f_one_b
-from lightning_pipe.schedule.simulate import Interval, StageCosts, simulate
+from lightning_pipe.schedule.simulate import simulate
+from lightning_pipe.schedule.simulation import Interval
+from lightning_pipe.schedule.stage_costs import StageCosts
 from lightning_pipe.schedule.versions import assign_versions
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

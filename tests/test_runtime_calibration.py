@@ -21,7 +21,7 @@ from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.launch import run_local
 from lightning_pipe.schedule import Kind, StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.ir import Action
-from lightning_pipe.schedule.simulate import Interval
+from lightning_pipe.schedule.simulation import Interval
 from tests.reference import batches, build_stages
 
 _KINDS = {

@@ -15,7 +15,7 @@ import pytest
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule import Action, Kind, StageCosts, make_schedule, simulate
-from lightning_pipe.schedule.simulate import Simulation
+from lightning_pipe.schedule.simulation import Simulation
 
 KNOWN_KEYS = [
     "accumulate",

@@ -24,13 +24,15 @@ from dataclasses import replace
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import Action, Kind, Schedule
-from lightning_pipe.schedule.simulate import Interval, Simulation, StageCosts, adds_gradients, simulate
+from lightning_pipe.schedule.simulate import simulate
+from lightning_pipe.schedule.simulation import Interval, Simulation
+from lightning_pipe.schedule.stage_costs import StageCosts, adds_gradients
 
 __all__ = ["alone_costs", "measured_seconds", "stage_costs"]
 
 Totals = dict[tuple[int, Kind, bool], tuple[float, int]]
 """``(stage, kind, adds) -> (seconds of compute, actions)`` of one rank; ``adds``: a ``B`` or ``W``
-that added its weight gradients into its step's (:func:`~lightning_pipe.schedule.simulate.adds_gradients`)."""
+that added its weight gradients into its step's (:func:`~lightning_pipe.schedule.stage_costs.adds_gradients`)."""
 
 _MEASURED = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.UPDATE)
 

@@ -56,7 +56,8 @@ from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
-from lightning_pipe.schedule.simulate import Interval, StageCosts
+from lightning_pipe.schedule.simulation import Interval
+from lightning_pipe.schedule.stage_costs import StageCosts
 from lightning_pipe.schedule.validate import validate
 
 __all__ = ["PipelineExecutor", "StepOutput", "rows_of", "shared_memory_capacity", "split_batch"]

@@ -13,7 +13,9 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule import asynchronous, beaumont, cyclic, master, pipeline, zero_bubble
 from lightning_pipe.schedule.graph import Graph
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
-from lightning_pipe.schedule.simulate import Simulation, StageCosts, simulate
+from lightning_pipe.schedule.simulate import simulate
+from lightning_pipe.schedule.simulation import Simulation
+from lightning_pipe.schedule.stage_costs import StageCosts
 from lightning_pipe.schedule.validate import validate
 from lightning_pipe.schedule.versions import RULES, assign_versions
 

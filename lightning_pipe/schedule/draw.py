@@ -8,7 +8,7 @@ optimizer ``UPDATE`` as a thin dark bar, idle time blank. Unlike the unit-width 
 (and of torch.distributed.pipelining's visualizer), every box is as wide as the action really took,
 simulated or measured, so bubbles and stragglers show at their true size.
 
-Every function takes plain data (a sequence of :class:`~lightning_pipe.schedule.simulate.Interval`,
+Every function takes plain data (a sequence of :class:`~lightning_pipe.schedule.simulation.Interval`,
 memory curves as ``(time, bytes)`` points) rather than a simulation, so the same code draws the
 timelines the runtime measures and lays predicted and measured runs side by side
 (:func:`draw_comparison`). :func:`chrome_trace` writes the same intervals as a Chrome/Perfetto trace.
@@ -37,7 +37,7 @@ from matplotlib.patches import Patch
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind
-from lightning_pipe.schedule.simulate import Interval
+from lightning_pipe.schedule.simulation import Interval
 
 __all__ = ["chrome_trace", "draw_comparison", "draw_memory", "draw_timeline"]
 

@@ -1,4 +1,4 @@
-"""Predict a schedule's timeline, bubble, memory and traffic from per-stage costs.
+"""Replay a schedule with per-stage costs: when each of its actions runs.
 
 Every worker runs its actions in order, each as soon as its worker is free and its inputs have
 arrived (the dependency graph of :mod:`lightning_pipe.schedule.graph`): an input from another worker
@@ -9,347 +9,31 @@ threads, unpacking: the *o* of the LogP model, Culler et al. 1993), added to the
 and to the one that receives it. A worker that computes
 a stage it does not own fetches the version it needs from an owner once and keeps it until its last
 use (FSDP-style, Rahimi 2025). An ``UPDATE`` waits for the gradients of other workers (reduce).
+Workers sharing one machine (``contention`` above 1) are replayed from event to event, as processor
+sharing.
 
-Reported: makespan, per-step completion and steady-state time per step, throughput, per-worker busy
-and idle time and bubble fraction, NCA per stage (Beaumont et al. §3.2), peak activations (count and
-bytes) and weight versions held per worker, bytes moved per worker, and the timeline itself.
+The costs are :class:`~lightning_pipe.schedule.stage_costs.StageCosts`; the messages are counted
+and logged by :mod:`~lightning_pipe.schedule.traffic`, the memory held by
+:mod:`~lightning_pipe.schedule.peak_memory`; the result is a
+:class:`~lightning_pipe.schedule.simulation.Simulation`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-
-import numpy as np
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.graph import Graph, Node
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
+from lightning_pipe.schedule.peak_memory import WeightCopies, activation_peaks, relayed_weight_peaks, weight_peaks
+from lightning_pipe.schedule.simulation import Interval, Simulation, steady_step
+from lightning_pipe.schedule.stage_costs import StageCosts, adds_gradients
+from lightning_pipe.schedule.traffic import Message, Traffic, category_of, edge_bytes, is_message, message_costs
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["Interval", "Message", "Simulation", "StageCosts", "adds_gradients", "check_contention", "simulate"]
-
-
-_SCALARS = ("bandwidth", "latency", "overhead", "contention")
-_PLAN_FIELDS = ("forward_seconds", "backward_seconds", "output_bytes", "saved_bytes", "param_bytes")
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Per-stage costs for one micro-batch (lists of length ``P``; scalars broadcast).
-
-    Attributes:
-        forward, backward: ``F`` and full ``B`` seconds.
-        input_grad, weight_grad: the halves of a split backward (default: half of ``backward`` each).
-        update: optimizer step seconds.
-        accumulate: seconds a backward (or its weight half) takes on top of ``backward`` (or
-            ``weight_grad``) when it adds its weight gradients into those its step already has on the
-            worker, over the step's first one there, which keeps what autograd made: gradient
-            accumulation's extra pass over the stage's gradients (default 0; ``backward`` is then the
-            first one's seconds). Negative where measured so (beside fewer busy workers than the
-            first), never below ``-backward`` or the weight half's seconds.
-        activation_bytes: bytes of the stage's output (and of the gradient sent back to it).
-        saved_bytes: activation bytes kept from a forward until its last backward half.
-        weight_bytes: bytes of the stage's parameters (a fetched or reduced copy).
-        bandwidth: bytes per second between workers (``inf``: transfers are free).
-        latency: seconds every message takes on top of ``bytes / bandwidth`` (wake-ups, handshakes).
-        overhead: seconds of processor time a message costs its sender and, again, its receiver.
-        overlap: transfers overlap compute (else the sender is busy while sending).
-        contention: how many times longer an action takes while every worker computes at once than
-            alone: the workers share one machine's cores and memory bandwidth (1: they do not, e.g.
-            one GPU each). With ``n`` of ``W`` workers computing, each runs ``1 + (contention - 1)
-            (n - 1) / (W - 1)`` times slower than alone; an action's cost is its time alone.
-    """
-
-    forward: Sequence[float]
-    backward: Sequence[float]
-    input_grad: Sequence[float] | None = None
-    weight_grad: Sequence[float] | None = None
-    update: Sequence[float] | None = None
-    accumulate: Sequence[float] | None = None
-    activation_bytes: Sequence[float] | None = None
-    saved_bytes: Sequence[float] | None = None
-    weight_bytes: Sequence[float] | None = None
-    bandwidth: float = math.inf
-    latency: float = 0.0
-    overhead: float = 0.0
-    overlap: bool = True
-    contention: float = 1.0
-
-    @classmethod
-    def uniform(cls, stages: int, forward: float = 1.0, backward: float = 2.0, **kwargs: object) -> StageCosts:
-        """Identical stages (the papers' unit-cost examples)."""
-        return cls(forward=[forward] * stages, backward=[backward] * stages, **kwargs)
-
-    @classmethod
-    def from_dict(cls, document: object, source: str = "costs") -> StageCosts:
-        """Costs from JSON: ``{"forward": [...], "backward": [...]}`` plus any optional per-stage list
-        (``input_grad``, ``weight_grad``, ``update``, ``accumulate``, ``activation_bytes``,
-        ``saved_bytes``, ``weight_bytes``) and ``bandwidth``/``latency``/``overhead``/``contention``/``overlap``."""
-        if not isinstance(document, dict) or "forward" not in document or "backward" not in document:
-            raise PlanningError(f'{source}: a costs file is a JSON object with "forward" and "backward" lists')
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(document) - known)
-        if unknown:
-            raise PlanningError(f"{source}: unknown keys {unknown}; known: {sorted(known)}")
-        try:
-            return cls(**{key: float(v) if key in _SCALARS else v for key, v in document.items()})
-        except (TypeError, ValueError) as error:  # StageCosts' own checks say "costs: ..."
-            raise PlanningError(f"{source}: {str(error).removeprefix('costs: ')}") from None
-
-    @classmethod
-    def from_plan(cls, document: object, source: str = "plan", replicated: bool = False) -> StageCosts:
-        """Per-stage costs of a ``lightning-pipe plan --json`` document (contiguous stages). A stage
-        replicated ``r`` times is simulated as one worker ``r`` times faster, unless ``replicated``:
-        the schedule then places the replicas itself (``1f1b_rr``)."""
-        if not isinstance(document, dict) or not isinstance(document.get("stages"), list):
-            raise PlanningError(f"{source}: not a plan (run lightning-pipe plan --json to make one)")
-        stages = document["stages"]
-        for i, stage in enumerate(stages):
-            missing = [key for key in _PLAN_FIELDS if key not in stage] if isinstance(stage, dict) else _PLAN_FIELDS
-            if missing:
-                raise PlanningError(
-                    f"{source}: stages[{i}] lacks {', '.join(missing)}: re-create the plan with this version"
-                )
-            for key in _PLAN_FIELDS:
-                if isinstance(stage[key], bool) or not isinstance(stage[key], int | float):
-                    raise PlanningError(f"{source}: stages[{i}] {key} must be a number, got {stage[key]!r}")
-        replicas = [1 if replicated else stage.get("replicas", 1) for stage in stages]
-        bandwidth = document.get("bandwidth_bytes_per_second") or math.inf
-        if isinstance(bandwidth, bool) or not isinstance(bandwidth, int | float):
-            raise PlanningError(
-                f"{source}: bandwidth_bytes_per_second must be bytes per second or null (free), got {bandwidth!r}"
-            )
-        return cls(
-            forward=[stage["forward_seconds"] / r for stage, r in zip(stages, replicas, strict=True)],
-            backward=[stage["backward_seconds"] / r for stage, r in zip(stages, replicas, strict=True)],
-            activation_bytes=[stage["output_bytes"] for stage in stages],
-            saved_bytes=[stage["saved_bytes"] for stage in stages],
-            weight_bytes=[stage["param_bytes"] for stage in stages],
-            bandwidth=float(bandwidth),
-        )
-
-    def __post_init__(self) -> None:
-        stages = len(self.forward)
-        for name in (
-            "forward",
-            "backward",
-            "input_grad",
-            "weight_grad",
-            "update",
-            "accumulate",
-            "activation_bytes",
-            "saved_bytes",
-            "weight_bytes",
-        ):
-            values = getattr(self, name)
-            if values is not None and len(values) != stages:
-                raise PlanningError(f"costs: {name} has {len(values)} entries, forward has {stages}")
-            for value in (values or ()) if name != "accumulate" else ():  # may be negative: _check_accumulate
-                if not math.isfinite(value) or value < 0:
-                    raise PlanningError(f"costs: {name} must hold finite numbers >= 0, got {value!r}")
-        self._check_accumulate()
-        if math.isnan(self.bandwidth) or self.bandwidth <= 0:
-            raise PlanningError(f"costs: bandwidth must be > 0 (or inf), got {self.bandwidth!r}")
-        for name in ("latency", "overhead"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise PlanningError(f"costs: {name} must be a finite number of seconds >= 0, got {value!r}")
-        check_contention(self.contention, "costs: ")
-
-    def _check_accumulate(self) -> None:
-        """:attr:`accumulate` may be negative (measured beside fewer busy workers), never below the
-        whole backward or weight half it adds to."""
-        for s, extra in enumerate(self.accumulate or ()):
-            floor = min(self.duration(Action(Kind.B, s)), self.duration(Action(Kind.W, s)))
-            if not math.isfinite(extra) or floor + extra < 0:
-                raise PlanningError(
-                    f"costs: accumulate[{s}] must be a finite number of seconds >= -{floor!r} (a backward adding "
-                    f"its gradients cannot take less than no time), got {extra!r}"
-                )
-
-    @property
-    def stages(self) -> int:
-        return len(self.forward)
-
-    def duration(self, action: Action, accumulating: bool = False) -> float:
-        """Seconds of ``action``; ``accumulating``: a ``B`` or ``W`` that adds into its step's weight
-        gradients on the worker (:attr:`accumulate`)."""
-        s = action.stage
-        extra = self.accumulate[s] if accumulating and self.accumulate is not None else 0.0
-        if action.kind is Kind.F:
-            return self.forward[s]
-        if action.kind is Kind.B:
-            return self.backward[s] + extra
-        if action.kind is Kind.I:
-            return self.input_grad[s] if self.input_grad is not None else self.backward[s] / 2
-        if action.kind is Kind.W:
-            if self.weight_grad is not None:
-                return self.weight_grad[s] + extra
-            half = self.input_grad[s] if self.input_grad is not None else self.backward[s] / 2
-            return self.backward[s] - half + extra
-        if action.kind is Kind.UPDATE:
-            return self.update[s] if self.update is not None else 0.0
-        return 0.0
-
-    def transfer(self, nbytes: float) -> float:
-        """Seconds one message of ``nbytes`` takes."""
-        return self.latency + (0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth)
-
-    def _bytes(self, name: str, stage: int) -> float:
-        values = getattr(self, name)
-        return 0.0 if values is None else float(values[stage])
-
-
-def check_contention(value: float, prefix: str = "") -> None:
-    """Refuse a :attr:`StageCosts.contention` below 1 or not finite."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value < math.inf:
-        raise PlanningError(f"{prefix}contention must be a finite factor >= 1 (1: no sharing), got {value!r}")
-
-
-@dataclass(frozen=True)
-class Interval:
-    """One executed action; ``waited``: seconds of it spent waiting for messages (measured timelines)."""
-
-    worker: int
-    action: Action
-    start: float
-    end: float
-    waited: float = 0.0
-
-
-@dataclass(frozen=True)
-class Message:
-    """One transfer between workers: when it left ``source`` for ``destination``, what it carried
-    (``activation``, ``gradient``, ``reduce``, ``weight`` or ``cue``) and its bytes. A fetched
-    stage's weights come from its first owner."""
-
-    sent: float
-    source: int
-    destination: int
-    category: str
-    nbytes: float
-
-
-@dataclass
-class Simulation:
-    """What :func:`simulate` predicts (times in the unit of the costs, sizes in bytes)."""
-
-    schedule: Schedule
-    makespan: float
-    step_end: list[float]
-    steady_step: float
-    throughput: float
-    busy: list[float]
-    idle: list[float]
-    bubble_fraction: float
-    nca: list[int]
-    peak_activations: list[int]
-    peak_activation_bytes: list[float]
-    weight_versions: list[int]
-    peak_weight_bytes: list[float]
-    received_bytes: dict[str, list[float]]
-    sent_bytes: dict[str, list[float]]
-    transfers: dict[str, list[int]]
-    timeline: list[Interval] = field(repr=False)
-    memory_timeline: list[list[tuple[float, float]]] = field(repr=False)
-    messages: list[Message] = field(repr=False)
-
-    def sent_per_time_step(self, time_step: float, category: str | None = None) -> list[list[int]]:
-        """Per worker, the messages (of ``category``, or all) it sent in each time step
-        ``[k time_step, (k + 1) time_step)`` of the run: with every action one time step, the
-        paper's time steps (Fournier & Oyallon 2024, Table 1: "max com. steps between 2 time
-        steps")."""
-        if time_step <= 0:
-            raise PlanningError(f"a time step must be positive, got {time_step}")
-        steps = max(1, math.ceil(self.makespan / time_step))
-        counts = [[0] * steps for _ in range(self.schedule.workers)]
-        for message in self.messages:
-            if category is None or message.category == category:
-                counts[message.source][min(int(message.sent // time_step), steps - 1)] += 1
-        return counts
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "family": self.schedule.family,
-            "rule": self.schedule.rule,
-            "stages": self.schedule.stages,
-            "microbatches": self.schedule.microbatches,
-            "steps": self.schedule.steps,
-            "workers": self.schedule.workers,
-            "makespan": self.makespan,
-            "step_end": self.step_end,
-            "steady_step": self.steady_step,
-            "throughput": self.throughput,
-            "bubble_fraction": self.bubble_fraction,
-            "busy": self.busy,
-            "idle": self.idle,
-            "nca": self.nca,
-            "peak_activations": {"count": self.peak_activations, "bytes": self.peak_activation_bytes},
-            "weight_versions": self.weight_versions,
-            "peak_weight_bytes": self.peak_weight_bytes,
-            "received_bytes": self.received_bytes,
-            "sent_bytes": self.sent_bytes,
-            "transfers": self.transfers,
-        }
-
-
-_CATEGORIES = ("activation", "gradient", "reduce", "weight", "cue")
-
-
-def _category(action: Action, label: str) -> str:
-    """What a cross-worker edge carries: activation, gradient, reduce (gradients to an update), weight
-    or cue (nothing: a worker telling another it has come this far)."""
-    if label == "cue":
-        return "cue"
-    if label == "relay":  # a stage's state passed on to the next worker computing it
-        return "weight"
-    if label in ("grad", "ring"):  # to an update, or a partial or whole sum passed along a ring
-        return "reduce"
-    if action.kind in (Kind.F, Kind.RECV_F):
-        return "activation"
-    return "gradient"
-
-
-def _edge_bytes(costs: StageCosts, action: Action, dep: Action, category: str) -> float:
-    if category == "cue":
-        return 0.0
-    if category in ("reduce", "weight"):
-        return costs._bytes("weight_bytes", action.stage)
-    if category == "activation":
-        return costs._bytes("activation_bytes", dep.stage)
-    return costs._bytes("activation_bytes", action.stage)
-
-
-def _sweep(events: list[tuple[float, int, float]]) -> tuple[int, float, list[tuple[float, float]]]:
-    """Peak count and peak bytes of +1/-1 events (frees before allocations at equal times), and
-    the bytes-over-time curve."""
-    if not events:
-        return 0, 0.0, [(0.0, 0.0)]
-    times, deltas, sizes = (np.asarray(column, dtype=np.float64) for column in zip(*events, strict=True))
-    order = np.lexsort((deltas, times))
-    counts = np.cumsum(deltas[order])
-    held = np.cumsum((deltas * sizes)[order])
-    curve = [(0.0, 0.0), *zip(times[order].tolist(), held.tolist(), strict=True)]
-    return int(max(counts.max(), 0)), float(max(held.max(), 0.0)), curve
-
-
-def adds_gradients(actions: Iterable[Action]) -> list[bool]:
-    """For each of one worker's ``actions``, in the order it runs them: whether it is a ``B`` or ``W``
-    that adds its weight gradients into those its step already has on the worker (each but the first
-    of a stage and step: the first keeps what autograd made)."""
-    started: set[tuple[int, int]] = set()
-    adds = []
-    for action in actions:
-        gradient = action.kind in (Kind.B, Kind.W)
-        key = (action.stage, action.step)
-        adds.append(gradient and key in started)
-        if gradient:
-            started.add(key)
-    return adds
+__all__ = ["simulate"]
 
 
 @dataclass
@@ -366,15 +50,10 @@ class _Replay:
         self.start: dict[Node, float] = {}
         self.end: dict[Node, float] = {}
         self.free = [0.0] * workers
-        self.received = {c: [0.0] * workers for c in _CATEGORIES}
-        self.sent = {c: [0.0] * workers for c in _CATEGORIES}
-        self.count = {c: [0] * workers for c in _CATEGORIES}
-        self.log: list[Message] = []
+        self.traffic = Traffic(workers)
         self.owners = [set(o) for o in self.schedule.owners]
         self.produced: dict[tuple[int, int], float] = {}
-        self.updated: dict[tuple[int, int, int], float] = {}
-        self.last_use: dict[tuple[int, int, int], float] = {}
-        self.copies: list[tuple[int, int, float, float]] = []  # (worker, stage, arrival, release) of fetched weights
+        self.weights = WeightCopies()
         self.run: list[tuple[int, int] | None] = [None] * workers
         self.accumulating = {
             (worker, position)
@@ -384,29 +63,16 @@ class _Replay:
         }
         self.previous_start = [0.0] * workers
         self.left: dict[Node, float] = {}  # when the early input gradient of a cool-down backward left
-        self.sending: dict[Node, float] = defaultdict(float)  # seconds a blocking sender spends per action
-        self.messages: dict[Node, int] = defaultdict(int)  # messages an action sends or receives
-        for node, deps in self.graph.deps.items():
-            action = self.schedule.orders[node[0]][node[1]]
-            for dep, label in zip(deps, self.graph.kinds[node], strict=True):
-                if dep[0] != node[0] and label not in ("weight", "sync"):
-                    self.messages[node] += 1
-                    self.messages[dep] += 1
-                    if not self.costs.overlap:
-                        source = self.schedule.orders[dep[0]][dep[1]]
-                        nbytes = _edge_bytes(self.costs, action, source, _category(action, label))
-                        self.sending[dep] += self.costs.transfer(nbytes)
+        # messages an action sends or receives; seconds a blocking sender spends sending per action
+        self.messages, self.sending = message_costs(self.schedule, self.graph, self.costs)
 
     def transfer(self, worker: int, dep: Node, action: Action, label: str) -> float:
         """Arrival time at ``worker`` of what ``dep`` produced."""
-        category = _category(action, label)
-        nbytes = _edge_bytes(self.costs, action, self.schedule.orders[dep[0]][dep[1]], category)
-        self.sent[category][dep[0]] += nbytes
-        self.received[category][worker] += nbytes
-        self.count[category][worker] += 1
+        category = category_of(action, label)
+        nbytes = edge_bytes(self.costs, action, self.schedule.orders[dep[0]][dep[1]], category)
         # an early input gradient leaves before the weight gradients are computed; a reduce carries those
         sent = self.left[dep] if dep in self.early and label not in ("grad", "ring") else self.end[dep]
-        self.log.append(Message(sent, dep[0], worker, category, nbytes))
+        self.traffic.send(Message(sent, dep[0], worker, category, nbytes))
         return sent + self.costs.transfer(nbytes)
 
     def input_grad_seconds(self, node: Node) -> float:
@@ -423,15 +89,12 @@ class _Replay:
         version = action.version or 0
         if self.run[worker] == (action.stage, version):
             return ready
-        nbytes = self.costs._bytes("weight_bytes", action.stage)
-        self.received["weight"][worker] += nbytes
-        self.count["weight"][worker] += 1
-        for owner in self.owners[action.stage]:
-            self.sent["weight"][owner] += nbytes / len(self.owners[action.stage])
+        nbytes = self.costs.stage_bytes("weight_bytes", action.stage)
         issued = max(self.produced.get((action.stage, version), 0.0), self.previous_start[worker])
-        self.log.append(Message(issued, self.schedule.owners[action.stage][0], worker, "weight", nbytes))
+        message = Message(issued, self.schedule.owners[action.stage][0], worker, "weight", nbytes)
+        self.traffic.send(message, self.owners[action.stage])
         arrival = issued + self.costs.transfer(nbytes)
-        self.copies.append((worker, action.stage, issued, -1.0))
+        self.weights.hold(worker, action.stage, issued)
         return max(ready, arrival)
 
     def execute(self, node: Node) -> None:
@@ -448,10 +111,7 @@ class _Replay:
         deps = self.graph.deps.get(node)
         if deps:
             for dep, label in zip(deps, self.graph.kinds[node], strict=True):
-                if dep[0] != worker and label not in ("weight", "sync"):
-                    arrival = self.transfer(worker, dep, action, label)
-                else:
-                    arrival = self.end[dep]
+                arrival = self.transfer(worker, dep, action, label) if is_message(node, dep, label) else self.end[dep]
                 if arrival > ready:
                     ready = arrival
         if action.kind in COMPUTE:
@@ -482,11 +142,11 @@ class _Replay:
         if action.kind is Kind.UPDATE:
             version = (action.stage, action.step + 1)
             self.produced[version] = min(self.produced.get(version, end), end)
-            self.updated[(worker, action.stage, action.step + 1)] = end
+            self.weights.updated[(worker, action.stage, action.step + 1)] = end
         elif compute:
             key = (worker, action.stage, action.version or 0)
-            if end > self.last_use.get(key, 0.0):
-                self.last_use[key] = end
+            if end > self.weights.last_use.get(key, 0.0):
+                self.weights.last_use[key] = end
 
     def _weights(self, worker: int, action: Action, ready: float) -> float:
         """When the weights ``action`` needs are on ``worker``: owners have them; others fetch."""
@@ -504,11 +164,7 @@ class _Replay:
 
     def _release(self, worker: int) -> None:
         """The fetched copy of the current run on ``worker`` is freed at the end of its last use."""
-        for index in range(len(self.copies) - 1, -1, -1):
-            w, stage, arrival, release = self.copies[index]
-            if w == worker and release < 0:
-                self.copies[index] = (w, stage, arrival, self.free[worker])
-                break
+        self.weights.release(worker, self.free[worker])
         self.run[worker] = None
 
     def finish(self) -> None:
@@ -614,10 +270,13 @@ def _report(replay: _Replay) -> Simulation:
     step_end = [0.0] * schedule.steps
     for interval in timeline:
         step_end[interval.action.step] = max(step_end[interval.action.step], interval.end)
-    steady = _steady(step_end)
+    steady = steady_step(step_end)
     throughput = schedule.microbatches / steady if steady > 0 else math.inf
-    nca, activations = _activations(schedule, costs, timeline)
-    versions = _weight_copies(schedule, costs, replay, makespan)
+    nca, activations = activation_peaks(schedule, costs, timeline)
+    if schedule.relays:
+        versions = relayed_weight_peaks(schedule, costs, replay.graph, replay.end)
+    else:
+        versions = weight_peaks(schedule, costs, replay.weights, makespan)
     return Simulation(
         schedule=schedule,
         makespan=makespan,
@@ -632,86 +291,10 @@ def _report(replay: _Replay) -> Simulation:
         peak_activation_bytes=[a[1] for a in activations],
         weight_versions=[v[0] for v in versions],
         peak_weight_bytes=[v[1] for v in versions],
-        received_bytes=replay.received,
-        sent_bytes=replay.sent,
-        transfers=replay.count,
+        received_bytes=replay.traffic.received,
+        sent_bytes=replay.traffic.sent,
+        transfers=replay.traffic.count,
         timeline=timeline,
         memory_timeline=[a[2] for a in activations],
-        messages=sorted(replay.log, key=lambda message: message.sent),
+        messages=sorted(replay.traffic.log, key=lambda message: message.sent),
     )
-
-
-def _activations(
-    schedule: Schedule, costs: StageCosts, timeline: list[Interval]
-) -> tuple[list[int], list[tuple[int, float, list[tuple[float, float]]]]]:
-    """NCA per stage, and per worker the peak count, peak bytes and curve of live activations (from a
-    forward's start to the end of its micro-batch's last backward half on that stage)."""
-    born: dict[tuple[int, int, int], tuple[int, float]] = {}
-    freed: dict[tuple[int, int, int], float] = {}
-    for interval in timeline:
-        a = interval.action
-        key = (a.stage, a.microbatch, a.step)
-        if a.kind is Kind.F:
-            born[key] = (interval.worker, interval.start)
-        elif a.kind in (Kind.B, Kind.W):
-            freed[key] = interval.end
-    per_stage: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
-    per_worker: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
-    for key, (worker, birth) in born.items():
-        nbytes = costs._bytes("saved_bytes", key[0])
-        for events in (per_stage[key[0]], per_worker[worker]):
-            events += [(birth, 1, nbytes), (freed[key], -1, nbytes)]
-    nca = [_sweep(per_stage[s])[0] for s in range(schedule.stages)]
-    return nca, [_sweep(per_worker[w]) for w in range(schedule.workers)]
-
-
-def _steady(step_end: list[float]) -> float:
-    """Time per step once the pipeline is full: the mean spacing of the later half of the steps, the
-    last one left out from four steps on (it ends in the drain, where a non-flushing schedule has no
-    later step to overlap and finishes its deferred updates at once)."""
-    if len(step_end) == 1:
-        return step_end[0]
-    last = len(step_end) - 1 if len(step_end) >= 4 else len(step_end)
-    half = len(step_end) // 2
-    return (step_end[last - 1] - step_end[half - 1]) / (last - half)
-
-
-def _weight_copies(schedule: Schedule, costs: StageCosts, replay: _Replay, makespan: float) -> list[tuple[int, float]]:
-    """Peak number and bytes of weight copies (stage, version) held by each worker.
-
-    An owner holds version ``v`` from its update (version 0: from the start) until version ``v + 1``
-    exists and the last action using ``v`` is over; a fetched copy lives for its run. A relayed stage
-    is held as :func:`_relayed_copies` says.
-    """
-    events: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
-    if schedule.relays:
-        return _relayed_copies(schedule, costs, replay)
-    for s, owners in enumerate(schedule.owners):
-        nbytes = costs._bytes("weight_bytes", s)
-        for w in owners:
-            for v in range(schedule.steps + 1):
-                born = 0.0 if v == 0 else replay.updated.get((w, s, v))
-                if born is None:
-                    continue
-                dies = max(replay.updated.get((w, s, v + 1), makespan), replay.last_use.get((w, s, v), born))
-                events[w] += [(born, 1, nbytes), (dies, -1, nbytes)]
-    for w, s, arrival, release in replay.copies:
-        nbytes = costs._bytes("weight_bytes", s)
-        events[w] += [(arrival, 1, nbytes), (release, -1, nbytes)]
-    return [_sweep(events[w])[:2] for w in range(schedule.workers)]
-
-
-def _relayed_copies(schedule: Schedule, costs: StageCosts, replay: _Replay) -> list[tuple[int, float]]:
-    """Relayed stages (CDP's ZeRO form): the worker of each action of a stage's relay holds the
-    stage's weights from the end of the relay's previous action (it is being passed on) to the end of
-    its own, so a worker holds the stage it computes and the one coming to it."""
-    events: dict[int, list[tuple[float, int, float]]] = defaultdict(list)
-    updates = {(a.stage, a.step): (w, p) for w, p, a in schedule.actions() if a.kind is Kind.UPDATE}
-    for stage, relay in enumerate(schedule.relays):
-        nbytes = costs._bytes("weight_bytes", stage)
-        arrives = 0.0
-        for action in relay:
-            node = updates[(stage, action.step)] if action.kind is Kind.UPDATE else replay.graph.where[action.key]
-            events[node[0]] += [(arrives, 1, nbytes), (replay.end[node], -1, nbytes)]
-            arrives = replay.end[node]
-    return [_sweep(events[w])[:2] for w in range(schedule.workers)]

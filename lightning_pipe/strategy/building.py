@@ -25,7 +25,7 @@ from lightning_pipe.runtime.executor import rows_of, shared_memory_capacity, spl
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE
-from lightning_pipe.schedule.simulate import Simulation
+from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.contract import Call, PipelineModel, pipeline_model
 from lightning_pipe.strategy.differences import differences
 from lightning_pipe.strategy.logs import Record, recording

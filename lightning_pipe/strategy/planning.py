@@ -34,7 +34,8 @@ from lightning_pipe.profiler import given_names, profile_layers
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.schedule.simulate import Simulation, check_contention
+from lightning_pipe.schedule.simulation import Simulation
+from lightning_pipe.schedule.stage_costs import check_contention
 from lightning_pipe.strategy.profile_cache import cached_profile, profile_key
 
 __all__ = [

@@ -22,7 +22,7 @@ from pathlib import Path
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.draw import chrome_trace, draw_comparison
 from lightning_pipe.schedule.ir import Schedule
-from lightning_pipe.schedule.simulate import Interval, Simulation
+from lightning_pipe.schedule.simulation import Interval, Simulation
 
 __all__ = ["STEPS_SHOWN", "FitReport", "last_steps"]
 

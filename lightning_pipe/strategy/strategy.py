@@ -78,7 +78,7 @@ from lightning_pipe.runtime.allocator import release_freed_memory
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.schedule.simulate import Simulation
+from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.after_fit import fill, guard, lift_guard
 from lightning_pipe.strategy.arguments import check_backend, check_flags, check_port, check_timeout, parse_option
 from lightning_pipe.strategy.atomic import write_file
