@@ -57,14 +57,18 @@ def _checkpoint_callbacks(trainer: Any) -> list[Any]:
 def _checkpoint_directories(trainer: Any) -> list[str]:
     """Where the trainer's checkpoint callbacks write (those with a directory set)."""
     found = [callback.dirpath for callback in _checkpoint_callbacks(trainer) if callback.dirpath]
-    found += [str(Path(c.ckpt_path).parent) for c in trainer.callbacks if type(c).__name__ == "OnExceptionCheckpoint"]
-    return found
+    return found + [str(Path(path).parent) for path in _on_exception_paths(trainer)]
 
 
 def _last_candidates(trainer: Any) -> set[str]:
     """What Lightning looks at for ``"last"``: the ``OnExceptionCheckpoint`` file and every
     ``ModelCheckpoint``'s ``last*.ckpt``."""
-    candidates = {c.ckpt_path for c in trainer.callbacks if type(c).__name__ == "OnExceptionCheckpoint"}
+    candidates = set(_on_exception_paths(trainer))
     for callback in _checkpoint_callbacks(trainer):
         candidates |= callback._find_last_checkpoints(trainer)
     return candidates
+
+
+def _on_exception_paths(trainer: Any) -> list[str]:
+    """The files of the trainer's ``OnExceptionCheckpoint`` callbacks (of either Lightning package)."""
+    return [c.ckpt_path for c in trainer.callbacks if type(c).__name__ == "OnExceptionCheckpoint"]
