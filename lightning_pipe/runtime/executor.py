@@ -19,7 +19,7 @@ import itertools
 import math
 import time
 import traceback
-from collections import Counter, defaultdict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -31,6 +31,7 @@ from torch import nn
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
 from lightning_pipe.runtime.batch_norm import DeferredNorms, running_forward
+from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.borrowing import (
     Lending,
     check_borrowing,
@@ -43,13 +44,15 @@ from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
 from lightning_pipe.runtime.clipping import clip_by_value, norm_coefficient, scale, squared_norm
 from lightning_pipe.runtime.failure import FailureBoard, add_note, raised_elsewhere
 from lightning_pipe.runtime.garbage import AlignedCollection
+from lightning_pipe.runtime.groups import pipeline_ranks, replica_groups
 from lightning_pipe.runtime.loss_scaling import LossScale
-from lightning_pipe.runtime.program import Program, shift
+from lightning_pipe.runtime.program import Program, repeated, shift
 from lightning_pipe.runtime.relays import Relays
-from lightning_pipe.runtime.ring_sizes import ring_sizes
+from lightning_pipe.runtime.ring_sizes import ring_sizes, shared_memory_capacity
 from lightning_pipe.runtime.rings import RingReducer
 from lightning_pipe.runtime.shared_memory import open_links
 from lightning_pipe.runtime.split_backward import SplitBackward
+from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
 from lightning_pipe.runtime.ties import Tie, find_ties
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.runtime.weights import StageWeights
@@ -59,30 +62,12 @@ from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulate import Interval, StageCosts
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["PipelineExecutor", "StepOutput", "rows_of", "shared_memory_capacity", "split_batch"]
+__all__ = ["PipelineExecutor"]
 _T = TypeVar("_T")
-DEFAULT_SHARED_MEMORY_BYTES = 64 * 1024 * 1024
-"""Each shared-memory ring between CPU workers of one host (``shared_memory_bytes``)."""
 _IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
 
 _Key = tuple[str, int, int, int]
 """A message: ``("F", receiving stage, micro-batch, step)`` or ``("B", ...)``."""
-
-
-@dataclass
-class StepOutput:
-    """What one call produced on this rank.
-
-    Attributes:
-        losses: loss of each step completed on this rank during the call (sum of its weighted
-            micro-batch losses), on the rank that runs the last stage.
-        microbatch_losses: ``(step, micro-batch) -> weighted loss`` computed during the call.
-        outputs: ``(step, micro-batch) -> last stage output`` when asked for.
-    """
-
-    losses: dict[int, float] = field(default_factory=dict)
-    microbatch_losses: dict[tuple[int, int], float] = field(default_factory=dict)
-    outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,32 +84,6 @@ class _InFlight:
     roots: list[torch.Tensor] = field(default_factory=list)
     root_grads: list[torch.Tensor] | None = None
     split: SplitBackward | None = None
-
-
-def split_batch(batch: Any, parts: int) -> list[Any]:
-    """Split a nested batch into ``parts`` nearly equal micro-batches along dim 0 of every tensor that
-    has the batch's rows (those of its first tensor with a dimension); other tensors (a 0-d scale, an
-    attention mask shared by the rows) and non-tensor values go to every micro-batch as they are."""
-    skeleton, found = (None, [batch]) if isinstance(batch, torch.Tensor) else flatten(batch)  # a tensor: no skeleton
-    size = _rows(found)
-    if size < parts:
-        raise PlanningError(f"a mini-batch of {size} samples cannot be split into {parts} micro-batches")
-    chunks = [torch.tensor_split(t, parts) if t.dim() and t.shape[0] == size else (t,) * parts for t in found]
-    if skeleton is None:
-        return list(chunks[0])
-    return [unflatten(skeleton, [c[i] for c in chunks]) for i in range(parts)]
-
-
-def rows_of(batch: Any) -> int:
-    """The samples in ``batch``: the first dimension of its first tensor that has one."""
-    return _rows(tensors(batch))
-
-
-def _rows(found: list[torch.Tensor]) -> int:
-    first = next((t for t in found if t.dim()), None)
-    if first is None:
-        raise PlanningError("a mini-batch must hold a tensor with a batch dimension to split into micro-batches")
-    return first.shape[0]
 
 
 def _sent_forward(outputs: Any, differentiated: bool) -> tuple[Any, tuple[bool, ...] | None]:
@@ -234,14 +193,14 @@ class PipelineExecutor:
         check_whole("gc_every", gc_every, 1, "calls", optional=True)
         check_whole("post_ahead_bytes", post_ahead_bytes, 0, "bytes", optional=True)
         check_whole("shared_memory_bytes", shared_memory_bytes, 0, "bytes", optional=True)
-        make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)
+        make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else repeated(schedule)
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
         self.schedule = make(1)
         validate(self.schedule)
         check_borrowing(self.schedule)
         self.global_rank = dist.get_rank()
-        self.pipelines = _pipelines(pipelines, self.schedule.workers)
+        self.pipelines = pipeline_ranks(pipelines, self.schedule.workers)
         self.ranks = next(ranks for ranks in self.pipelines if self.global_rank in ranks)
         self.rank, self.world = self.ranks.index(self.global_rank), len(self.ranks)
         self.programs = Program.build(make)
@@ -258,7 +217,7 @@ class PipelineExecutor:
             raise PlanningError(f"rank {self.rank} runs stages {mine} but got no module for {missing}")
         pipeline_groups = [tuple(dist.new_group(list(ranks)) for _ in range(3)) for ranks in self.pipelines]
         data_group, overflow_group, self.group = pipeline_groups[self.pipelines.index(self.ranks)]
-        groups = self._replica_groups()
+        groups = replica_groups(self.schedule, self.pipelines, self.global_rank)
         snapshots = not self.schedule.flush
         self.lending = Lending.of(self.schedule, self.rank)
         self.weights = {
@@ -310,7 +269,7 @@ class PipelineExecutor:
         self.in_flight: dict[tuple[int, int, int], _InFlight] = {}
         self.local: dict[_Key, Any] = {}
         self.expected: dict[_Key, tuple[int, int]] = {}
-        self.loss_parts: dict[int, dict[int, float]] = defaultdict(dict)  # step -> micro-batch -> loss so far
+        self.loss_sums = LossSums(self.schedule.microbatches)
         self.track_memory = track_memory
         self.early_gradients = early_gradients and self.schedule.flush
         self.saved_bytes = 0
@@ -489,18 +448,6 @@ class PipelineExecutor:
         peer, sequence = self.expected.pop(key)
         return self.transport.receive(peer, sequence)
 
-    def _replica_groups(self) -> dict[int, dist.ProcessGroup]:
-        """A process group per stage held by several ranks (its replicas in every pipeline); every
-        rank creates every group, in stage order."""
-        groups = {}
-        for stage, owners in enumerate(self.schedule.owners):
-            holders = sorted(ranks[w] for ranks in self.pipelines for w in owners)
-            if len(holders) > 1 and not self.schedule.rings:  # a ring reduces point to point (.rings)
-                group = dist.new_group(holders)
-                if self.global_rank in holders:
-                    groups[stage] = group
-        return groups
-
     def _tie_groups(self, ties: list[Tie]) -> list[Tie]:
         """Each tie (:mod:`~lightning_pipe.runtime.ties`) with the process group of the workers of
         this pipeline holding its stages (every rank creates every group, in the same order), and the
@@ -564,7 +511,7 @@ class PipelineExecutor:
         output = self._run(self._actions(self.rank, call), lambda peer: self._actions(peer, call), return_outputs)
         self.calls += 1
         self._calls_cache = {key: actions for key, actions in self._calls_cache.items() if key[1] >= self.calls}
-        return self._share(output) if share_losses else output
+        return share(output, self.world, self.group) if share_losses else output
 
     def _actions(self, worker: int, call: int) -> list[Action]:
         """Worker ``worker``'s actions of call ``call`` since the last drain, in absolute steps (kept
@@ -576,17 +523,6 @@ class PipelineExecutor:
 
     def _drain_actions(self, worker: int) -> list[Action]:
         return [shift(a, self.origin) for a in self.programs[worker].finish(self.calls - 1)]
-
-    def _share(self, output: StepOutput) -> StepOutput:
-        """Every rank gets every rank's losses (and outputs, when they were asked for)."""
-        outputs = {key: map_tensors(torch.Tensor.cpu, value) for key, value in output.outputs.items()}
-        gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (output.losses, output.microbatch_losses, outputs), group=self.group)
-        for losses, microbatch_losses, shared_outputs in gathered:
-            output.losses.update(losses)
-            output.microbatch_losses.update(microbatch_losses)
-            output.outputs.update(shared_outputs)
-        return output
 
     def drain(self, *, return_outputs: bool = False, share_losses: bool = False) -> StepOutput:
         """Finish every step in flight (end of epoch, validation, checkpoint); a no-op when flushed.
@@ -605,7 +541,7 @@ class PipelineExecutor:
             for weights in self.weights.values():  # the next fill starts from the live weights
                 weights.forget_versions()
             self.garbage.full()
-        return self._share(output) if share_losses else output
+        return share(output, self.world, self.group) if share_losses else output
 
     def evaluate(self, inputs: Any, microbatches: int, on_output: Callable[[int, Any], None]) -> None:
         """A forward-only pipeline over the live weights (validation, test, predict): ``inputs`` (needed
@@ -772,7 +708,7 @@ class PipelineExecutor:
         except Exception as error:
             self._stop(error)
             raise
-        return self._as_floats(output)
+        return self.loss_sums.as_floats(output)
 
     def _record(self, action: Action, start: float, waited: float) -> None:
         """Put ``action`` (started at ``start``, with ``waited`` seconds of waits before it) on the
@@ -936,24 +872,6 @@ class PipelineExecutor:
             producer = self._placement(Kind.F, s - 1, action.microbatch, action.step - self.origin)
             source = f"the output of stage {s - 1} (rank {producer})"
         return f"raised in the forward of stage {s} (rank {self.rank}) on {source}, tensors {shapes}"
-
-    def _as_floats(self, output: StepOutput) -> StepOutput:
-        """``output`` with the micro-batch losses, kept as tensors while the call ran, read as floats
-        (on a GPU in one transfer: one synchronisation per call instead of one per micro-batch), and
-        the loss of each step whose last micro-batch ran: the sum of its micro-batches' losses, in
-        float64, in the order they ran (some may have run in earlier calls)."""
-        if not output.microbatch_losses:
-            return output
-        values = list(output.microbatch_losses.values())
-        on_cpu = values[0].device.type == "cpu"  # no transfer to save: each read on its own is cheaper
-        numbers = [value.item() for value in values] if on_cpu else torch.stack([v.double() for v in values]).tolist()
-        output.microbatch_losses = dict(zip(output.microbatch_losses, numbers, strict=True))
-        for (step, mb), number in output.microbatch_losses.items():
-            parts = self.loss_parts[step]
-            parts[mb] = number
-            if len(parts) == self.schedule.microbatches:
-                output.losses[step] = sum(self.loss_parts.pop(step).values())
-        return output
 
     def _forward_saving(
         self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any, step: int, first: bool
@@ -1138,49 +1056,11 @@ class PipelineExecutor:
         return {a.version for a in actions if a.stage == stage and a.kind in COMPUTE}
 
 
-def _pipelines(pipelines: Sequence[Sequence[int]] | None, workers: int) -> list[list[int]]:
-    """The ranks of each pipeline, checked: ``workers`` each, together every rank once."""
-    world = dist.get_world_size()
-    if pipelines is None:
-        pipelines = [range(world)]
-    result = [list(ranks) for ranks in pipelines]
-    every = sorted(rank for ranks in result for rank in ranks)
-    if every != list(range(world)):
-        raise PlanningError(f"pipelines {result} must hold every rank 0..{world - 1} exactly once")
-    if any(len(ranks) != workers for ranks in result):
-        raise PlanningError(
-            f"the schedule has {workers} workers but the pipelines have {[len(r) for r in result]} ranks: start "
-            f"{workers} processes per pipeline (e.g. torchrun --nproc-per-node {workers * len(result)})"
-        )
-    return result
-
-
-def _repeat(schedule: Schedule) -> Callable[[int], Schedule]:
-    if not schedule.flush:
-        # a non-flushing family's params are its make_schedule options (tests/test_schedule_slack.py)
-        options = {"rule": schedule.rule, **schedule.params}
-        example = f"{schedule.family!r}, {schedule.stages}, {schedule.microbatches}, k" + "".join(
-            f", {name}={value!r}" for name, value in options.items()
-        )
-        raise PlanningError(
-            f"{schedule.family} does not flush: give the executor a function steps -> schedule built with the "
-            f"same options (lambda k: make_schedule({example})) so it can follow the steady state"
-        )
-    return lambda steps: schedule
-
-
 def _post_ahead(requested: int | None, device: torch.device) -> int:
     """The message size from which receives are posted ahead (see ``post_ahead_bytes``)."""
     if requested is not None:
         return requested
     return 256 * 1024 if device.type == "cpu" else 0
-
-
-def shared_memory_capacity(requested: int | None, device: torch.device) -> int:
-    """Bytes of each shared-memory ring (see ``shared_memory_bytes``); 0: no rings."""
-    if device.type != "cpu":
-        return 0
-    return DEFAULT_SHARED_MEMORY_BYTES if requested is None else requested
 
 
 def _default_device() -> torch.device:

@@ -78,9 +78,10 @@ from lightning_pipe.nested import flatten, map_tensors, unflatten
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.affinity import pin_threads
 from lightning_pipe.runtime.allocator import release_freed_memory
-from lightning_pipe.runtime.executor import rows_of, shared_memory_capacity, split_batch
+from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
 from lightning_pipe.runtime.loss_scaling import LossScale
+from lightning_pipe.runtime.ring_sizes import shared_memory_capacity
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.options import ScheduleOptions
