@@ -15,8 +15,6 @@ micro-batch is smaller.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
 import time
 import traceback
 from collections import Counter, deque
@@ -32,29 +30,23 @@ from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
 from lightning_pipe.runtime.batch_norm import DeferredNorms, running_forward
 from lightning_pipe.runtime.batches import rows_of, split_batch
-from lightning_pipe.runtime.borrowing import (
-    Lending,
-    check_borrowing,
-    last_gradients,
-    load_weights,
-    returned_gradients,
-    weights_message,
-)
+from lightning_pipe.runtime.borrowing import Borrowing, Lending, check_borrowing, last_gradients
 from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
-from lightning_pipe.runtime.clipping import clip_by_value, norm_coefficient, scale, squared_norm
 from lightning_pipe.runtime.failure import FailureBoard, add_note, raised_elsewhere
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.groups import pipeline_ranks, replica_groups
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, repeated, shift
 from lightning_pipe.runtime.relays import Relays
-from lightning_pipe.runtime.ring_sizes import ring_sizes, shared_memory_capacity
+from lightning_pipe.runtime.ring_sizes import link_sizes, shared_memory_capacity
 from lightning_pipe.runtime.rings import RingReducer
+from lightning_pipe.runtime.routing import Placement, Router
 from lightning_pipe.runtime.shared_memory import open_links
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
-from lightning_pipe.runtime.ties import Tie, find_ties
+from lightning_pipe.runtime.ties import find_ties, tie_groups
 from lightning_pipe.runtime.transport import Transport
+from lightning_pipe.runtime.updates import Updates
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule.early import cooldown_backwards
@@ -65,9 +57,6 @@ from lightning_pipe.schedule.validate import validate
 __all__ = ["PipelineExecutor"]
 _T = TypeVar("_T")
 _IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
-
-_Key = tuple[str, int, int, int]
-"""A message: ``("F", receiving stage, micro-batch, step)`` or ``("B", ...)``."""
 
 
 @dataclass
@@ -209,7 +198,8 @@ class PipelineExecutor:
         self.loss_fn = loss_fn
         span = max(p.base for p in self.programs) + 2 * max(p.period for p in self.programs) + 1
         generated = make(span)
-        self._placement = self._placements(generated)
+        self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
+        placement = Placement(generated, self.program.base, self.program.period, self.split_stages)
         modules = dict(stages) if isinstance(stages, Mapping) else dict(enumerate(stages))
         mine = sorted({a.stage for a in self.schedule.orders[self.rank] if a.kind in COMPUTE})
         missing = [s for s in mine if s not in modules]
@@ -228,15 +218,14 @@ class PipelineExecutor:
         self._replicated_stages = {s for s, w in self.weights.items() if w.group is not None}
         # stages computed here with another worker's weights (FSDP, FSLPP): no optimizer, lent every call
         self.borrowed = {s: StageWeights(modules[s].to(self.device), None, False) for s in self.lending.lenders}
-        self.ties = self._tie_groups(find_ties(modules))
+        ties = find_ties(modules)
+        self.ties = tie_groups(ties, self.schedule, self.pipelines, self.global_rank, self.lending, self.weights)
         self.norms = {s: DeferredNorms(weights.module) for s, weights in self.weights.items()}
-        self._lent: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stage, step, borrower) -> message
         flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)
         self.recompute = {s: bool(flags[s]) for s in mine}
         self.failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
-        self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
         capacity = shared_memory_capacity(shared_memory_bytes, self.device)
-        rings = self._ring_sizes(generated, capacity, message_bytes) if capacity else {}
+        rings = link_sizes(self.schedule, placement, self.rank, self.ranks, capacity, message_bytes) if capacity else {}
         self.transport = Transport(
             self.global_rank,
             self.device,
@@ -256,6 +245,8 @@ class PipelineExecutor:
         base, period = max(p.base for p in self.programs), max(p.period for p in self.programs)
         self.relays = Relays(generated, self.rank, self.ranks, base, period, self.transport)
         self.relays.attach(self.weights)
+        self.borrowing = Borrowing(self.lending, self.rank, self.ranks, self.weights, self.borrowed, self.transport)
+        self.router = Router(placement, self.rank, self.ranks, self.transport, self.borrowing, self.rings, self.relays)
         self._last_relayed: dict[int, Action] = {}  # relayed stage -> this worker's last action on it
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
         self.needs_inputs = any(a.stage == 0 for a in ours)
@@ -267,8 +258,6 @@ class PipelineExecutor:
         self.targets: dict[int, list[Any]] = {}
         self.batch_rows: dict[int, int] = {}
         self.in_flight: dict[tuple[int, int, int], _InFlight] = {}
-        self.local: dict[_Key, Any] = {}
-        self.expected: dict[_Key, tuple[int, int]] = {}
         self.loss_sums = LossSums(self.schedule.microbatches)
         self.track_memory = track_memory
         self.early_gradients = early_gradients and self.schedule.flush
@@ -283,23 +272,19 @@ class PipelineExecutor:
         self._upcoming: dict[tuple[int, int, int], frozenset[int]] = {}
         self.timeline: deque[Interval] = deque(maxlen=timeline_length)
         self.garbage = AlignedCollection(gc_every)
-        for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
-            if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise PlanningError(f"{name} must be a positive number or None; got {value!r}")
-        self.clip_grad_norm = clip_grad_norm
-        self.clip_grad_value = clip_grad_value
-        self.before_update = before_update
-        if loss_scale is not None and not self.schedule.flush:
-            raise PlanningError(
-                f"float16 loss scaling needs a flushing schedule (every stage's gradient of a step before any "
-                f"update, to skip an overflowed step on all stages); {self.schedule.family!r} updates stages at "
-                "different times: use bfloat16 (no loss scale) or a flushing schedule (gpipe, 1f1b, interleaved, zb)"
-            )
-        self.loss_scale = loss_scale
-        self.deferring = self.schedule.flush and (
-            clip_grad_norm is not None or loss_scale is not None or any(t.group is not None for t in self.ties)
+        self.updates = Updates(
+            self.schedule,
+            self.weights,
+            self.ties,
+            self.norms,
+            self.device,
+            self.group,
+            clip_grad_norm=clip_grad_norm,
+            clip_grad_value=clip_grad_value,
+            before_update=before_update,
+            loss_scale=loss_scale,
         )
-        self.deferred: list[Action] = []
+        self.loss_scale = loss_scale
         self.copies_inputs: set[int] = set()  # stages whose first layer works in place on the received input
         self.loss_key: tuple[int, int] | None = None
         self._running: list[Action] = []  # the actions of the call (or drain) being run
@@ -308,188 +293,9 @@ class PipelineExecutor:
         dist.barrier()
         self.epoch = time.perf_counter()
 
-    # -- placement and messages -----------------------------------------------------------------
-    def _placements(self, generated: Schedule) -> Callable[[Kind, int, int, int], int]:
-        """Which worker runs an action, from ``generated``: enough steps to hold the fill, two periods
-        of the steady state and the drain of every worker's program."""
-        where = {a.key: w for w, _, a in generated.actions() if a.kind in COMPUTE}
-        for stage, mb, step in {
-            (a.stage, a.microbatch, a.step) for _, _, a in generated.actions() if a.kind in COMPUTE
-        }:
-            forward = where[(Kind.F, stage, mb, step)]
-            backward = where.get((Kind.B, stage, mb, step), where.get((Kind.I, stage, mb, step)))
-            if forward != backward:
-                raise PlanningError(
-                    f"{generated.family}: the forward and backward of stage {stage}, micro-batch {mb} run on "
-                    f"workers {forward} and {backward}; the runtime keeps activations where they were made"
-                )
-        base, period, known = self.program.base, self.program.period, generated.steps
-
-        def worker(kind: Kind, stage: int, mb: int, step: int) -> int:
-            """The worker of an action of program step ``step`` (steps since the last drain)."""
-            if step >= known:
-                step = base + (step - base) % period
-            return where[(kind, stage, mb, step)]
-
-        return worker
-
-    def _message_pairs(self, generated: Schedule) -> set[tuple[int, int]]:
-        """The ``(sender, receiver)`` workers that exchange messages: activations and gradients of
-        ``generated``, lent weights and their gradients, and :meth:`evaluate`'s activations."""
-        pairs = set()
-        for sender, _, action in generated.actions():
-            if action.kind in COMPUTE:
-                for key, kind in self._consumers(action):
-                    pairs.add((sender, self._placement(kind, key[1], key[2], key[3])))
-        for lender in self.lending.lenders.values():  # weights one way, their gradients back
-            pairs |= {(lender, self.rank), (self.rank, lender)}
-        for borrower in {b for borrowers in self.lending.borrowers.values() for b in borrowers}:
-            pairs |= {(self.rank, borrower), (borrower, self.rank)}
-        first = [owners[0] for owners in self.schedule.owners]
-        pairs |= set(itertools.pairwise(first))
-        for ring in self.schedule.rings:  # partial sums, then the whole sum
-            pairs |= set(itertools.pairwise(ring.gather)) | set(itertools.pairwise((ring.reducer, *ring.spread)))
-        return {(a, b) for a, b in pairs if a != b}
-
-    def _ring_sizes(
-        self, generated: Schedule, capacity: int, message_bytes: Sequence[float] | None
-    ) -> dict[tuple[int, int], int]:
-        """The bytes of the ring of every pair of global ranks that exchange messages
-        (:func:`ring_sizes`; as asked when stages lend their weights or reduce their gradients point to
-        point: the messages are weights or gradients then)."""
-        if message_bytes is not None and len(message_bytes) != self.schedule.stages - 1:
-            raise PlanningError(
-                f"message_bytes gives {len(message_bytes)} sizes; the schedule has {self.schedule.stages} stages, "
-                f"so {self.schedule.stages - 1} boundaries"
-            )
-        lends = any(Lending.of(self.schedule, worker).lenders for worker in range(self.schedule.workers))
-        sized = message_bytes if not lends and not self.schedule.rings else None  # weights or gradients: as asked
-        sizes = ring_sizes(generated, self._message_pairs(generated), capacity, sized)
-        return {(self.ranks[a], self.ranks[b]): size for (a, b), size in sizes.items()}
-
-    def _consumers(self, action: Action) -> list[tuple[_Key, Kind]]:
-        """Messages ``action`` produces, with the kind of action that consumes each."""
-        s, mb, t = action.stage, action.microbatch, action.step
-        if action.kind is Kind.F and s < self.schedule.stages - 1:
-            return [(("F", s + 1, mb, t), Kind.F)]
-        if action.kind in (Kind.B, Kind.I) and s > 0:
-            return [(("B", s - 1, mb, t), Kind.I if s - 1 in self.split_stages else Kind.B)]
-        return []
-
-    def _destination(self, key: _Key, kind: Kind) -> int:
-        return self._placement(kind, key[1], key[2], key[3] - self.origin)
-
-    def _expect(self, actions_of: Callable[[int], list[Action]]) -> None:
-        """Post the receives of every message other workers send this one during a call."""
-        for peer in range(self.world):
-            if peer == self.rank:
-                continue
-            actions = actions_of(peer)
-            lent = {s for s, borrowers in self.lending.borrowers.items() if peer in borrowers}
-            returns = last_gradients(actions, lent)
-            gathers = last_gradients(actions, self.rings.stages)
-            sender = self.ranks[peer]
-            for position, action in enumerate(actions):
-                if action.kind in COMPUTE:
-                    for key, kind in self._consumers(action):
-                        if self._destination(key, kind) == self.rank:
-                            self.expected[key] = (sender, self.transport.expect(sender, key[:3]))
-                if position in returns:  # after its last backward of a stage lent to it: the gradients
-                    stage, step = returns[position]
-                    self._lent[(stage, step, peer)] = (sender, self.transport.expect(sender, ("G", stage, 0)))
-                self.rings.expect(peer, action, gathers.get(position))
-                self.relays.expect(peer, action)
-                if action.kind is Kind.SIGNAL and action.peer == self.rank:
-                    self.expected[action.key] = (sender, self.transport.expect(sender, "cue"))
-
-    def _lend(self, peers: Callable[[int], list[Action]]) -> None:
-        """Send the live weights of each stage this worker lends to the workers computing it in this call."""
-        for stage, borrowers in self.lending.borrowers.items():
-            for borrower in borrowers:
-                if any(a.stage == stage and a.kind in COMPUTE for a in peers(borrower)):
-                    self.transport.send(self.ranks[borrower], weights_message(self.weights[stage]), ("P", stage, 0))
-
-    def _borrow(self, actions: list[Action]) -> None:
-        """Take the lenders' weights of the stages this worker borrows and computes in this call."""
-        for stage, lender in self.lending.lenders.items():
-            using = next((a for a in actions if a.stage == stage and a.kind in COMPUTE), None)
-            if using is not None:
-                peer = self.ranks[lender]
-                message = self.transport.receive(peer, self.transport.expect(peer, ("P", stage, 0)))
-                load_weights(self.borrowed[stage], message, using.version)
-
-    def _return_gradients(self, stage: int, step: int) -> None:
-        """A borrower's last backward of ``stage`` in ``step`` ran: its gradients go to the lender."""
-        peer = self.ranks[self.lending.lenders[stage]]
-        self.transport.send(peer, returned_gradients(self.borrowed[stage], step), ("G", stage, 0))
-
-    def _collect_lent(self, action: Action) -> None:
-        """Before a lent stage's update: add the gradients its borrowers computed in the step."""
-        for borrower in self.lending.borrowers.get(action.stage, ()):
-            expected = self._lent.pop((action.stage, action.step, borrower), None)
-            if expected is not None:
-                self.weights[action.stage].add(action.step, self.transport.receive(*expected))
-
     def _computing(self, stage: int) -> StageWeights:
         """The weights this worker computes ``stage`` with: its own, or borrowed."""
         return self.weights[stage] if stage in self.weights else self.borrowed[stage]
-
-    def _deliver(self, action: Action, obj: Any) -> None:
-        for key, kind in self._consumers(action):
-            destination = self._destination(key, kind)
-            if destination == self.rank:
-                self.local[key] = obj
-            else:
-                self.transport.send(self.ranks[destination], obj, key[:3])
-
-    def _incoming(self, key: _Key) -> Any:
-        if key in self.local:
-            return self.local.pop(key)
-        peer, sequence = self.expected.pop(key)
-        return self.transport.receive(peer, sequence)
-
-    def _tie_groups(self, ties: list[Tie]) -> list[Tie]:
-        """Each tie (:mod:`~lightning_pipe.runtime.ties`) with the process group of the workers of
-        this pipeline holding its stages (every rank creates every group, in the same order), and the
-        positions of its parameters in this worker's stages."""
-        for tie in ties:
-            if any(s in self.lending.lenders or s in self.lending.borrowers for s in tie.stages):
-                raise PlanningError(
-                    f"parameters {tie.names} are shared by stages {list(tie.stages)}, one of which lends its weights "
-                    "(FSDP, FSLPP): shared parameters need every sharing stage to own them"
-                )
-            for ranks in self.pipelines:
-                holders = sorted({ranks[w] for s in tie.stages for w in self.schedule.owners[s]})
-                group = dist.new_group(holders)
-                if self.global_rank in holders:
-                    tie.group = group
-            for s in tie.stages:
-                if s in self.weights:
-                    positions = self.weights[s]._position
-                    tie.positions[s] = [positions[id(p)] for p in tie.parameters]
-        if not self.schedule.flush:
-            for worker, orders in enumerate(self.schedule.orders):
-                held = {a.stage for a in orders} & {s for tie in ties for s in tie.stages}
-                if len(held) > 1:
-                    raise PlanningError(
-                        f"worker {worker} holds stages {sorted(held)} whose parameters are shared with other stages; "
-                        f"a non-flushing schedule ({self.schedule.family}) sums shared gradients at each stage's own "
-                        "update, which needs one sharing stage per worker: use one stage per worker, or a flushing "
-                        "schedule"
-                    )
-        return ties
-
-    def _sum_ties(self, actions: list[Action]) -> None:
-        """Sum the tied parameters' gradients of the updates ``actions`` over the stages sharing them,
-        tie after tie in one order on every worker (:mod:`~lightning_pipe.runtime.ties`)."""
-        for tie in self.ties:
-            parts = {
-                a.stage: (self.weights[a.stage].summed_gradients(a.step), 1.0 / len(self.schedule.owners[a.stage]))
-                for a in actions
-                if a.stage in tie.positions
-            }
-            if parts:
-                tie.sum(parts)
 
     # -- the training loop's entry points --------------------------------------------------------
     def step(
@@ -534,14 +340,17 @@ class PipelineExecutor:
             output = self._run(self._drain_actions(self.rank), self._drain_actions, return_outputs)
             self.relays.end_drain()
             self.transport.flush()
-            self.origin += self.calls
-            self.relays.origin = self.origin
+            self._move_origin(self.origin + self.calls)
             self.calls = 0
             self._calls_cache.clear()
             for weights in self.weights.values():  # the next fill starts from the live weights
                 weights.forget_versions()
             self.garbage.full()
         return share(output, self.world, self.group) if share_losses else output
+
+    def _move_origin(self, origin: int) -> None:
+        """The step the programs count from, for the executor, its router and the relays."""
+        self.origin = self.router.origin = self.relays.origin = origin
 
     def evaluate(self, inputs: Any, microbatches: int, on_output: Callable[[int, Any], None]) -> None:
         """A forward-only pipeline over the live weights (validation, test, predict): ``inputs`` (needed
@@ -640,7 +449,7 @@ class PipelineExecutor:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.calls = int(state["calls"])
-        self.origin = self.relays.origin = int(state["origin"])
+        self._move_origin(int(state["origin"]))
         self._calls_cache.clear()  # keyed by call, relative to the origin just replaced
         for stage, entry in state["stages"].items():
             if "module" in entry:
@@ -673,9 +482,9 @@ class PipelineExecutor:
             self.transport.next_call()
             if self.relays.stages and self.calls == 0 and actions is self._calls_cache.get((self.rank, 0)):
                 self.relays.begin_run()
-            self._lend(peers)
-            self._borrow(actions)
-            self._expect(peers)
+            self.borrowing.lend(peers)
+            self.borrowing.borrow(actions)
+            self.router.expect(peers)
             early = cooldown_backwards(actions, self.early_gradients, self.schedule.stages)
             self._running = actions
             returning = last_gradients(actions, self.borrowed)  # position -> (borrowed stage, step)
@@ -695,7 +504,7 @@ class PipelineExecutor:
                         self._last_relayed[action.stage] = action
                     self.relays.give(action)
                 if position in returning:
-                    self._return_gradients(*returning[position])
+                    self.borrowing.give_back(*returning[position])
                 if position in gathering:
                     stage, step = gathering[position]
                     self.rings.gather(self.weights[stage], stage, step)
@@ -703,8 +512,8 @@ class PipelineExecutor:
                     stage, step = summing[position]
                     self.weights[stage].start_sum(step)
                 self._record(action, start, waited)
-            if self.deferring:
-                self._deferred_updates()
+            if self.updates.deferring:
+                self.updates.apply_deferred(self._versions_kept)
         except Exception as error:
             self._stop(error)
             raise
@@ -751,89 +560,21 @@ class PipelineExecutor:
         elif action.kind is Kind.W:
             self._weight_gradient(action)
         elif action.kind is Kind.SIGNAL:  # a cue: this worker has come this far
-            self.transport.send(self.ranks[action.peer], [], "cue")
+            self.router.signal(action)
         elif action.kind is Kind.WAIT:
-            self.transport.receive(*self.expected.pop(replace(action, kind=Kind.SIGNAL).key))
-        elif action.kind is Kind.UPDATE and self.deferring:
-            self._collect_lent(action)
-            self.deferred.append(action)  # after every stage's gradient of the step: the global norm
+            self.router.wait(action)
+        elif action.kind is Kind.UPDATE and self.updates.deferring:
+            self.borrowing.collect(action)
+            self.updates.deferred.append(action)  # after every stage's gradient of the step: the global norm
         elif action.kind is Kind.UPDATE:
-            self._collect_lent(action)
+            self.borrowing.collect(action)
             if action.stage in self.rings.stages:
                 self.rings.spread(self.weights[action.stage], action.stage, action.step)
-            self._update(action, self.clip_grad_norm)
-
-    def _update(self, action: Action, stage_norm: float | None, skip: bool = False) -> None:
-        """Apply a stage's step: clip (by ``stage_norm`` over its own gradient, and by value), set the
-        step's hyper-parameters, step the optimizer (``skip``: drop the gradient, the version still
-        advances)."""
-        weights = self.weights[action.stage]
-        if not self.deferring:
-            self._sum_ties([action])
-
-        def prepare(grads: list[torch.Tensor | None]) -> None:
-            if stage_norm is not None:
-                for part in self._clipping_parts(action.stage, grads):
-                    scale(part, norm_coefficient(float(squared_norm(part)) ** 0.5, stage_norm))
-            if self.clip_grad_value is not None:
-                clip_by_value(grads, self.clip_grad_value)
-            if self.before_update is not None:
-                self.before_update(action.stage, action.step, weights.optimizer)
-
-        kept = self._versions_kept(action.stage) if weights.snapshots else set()
-        weights.update(action.step, kept, prepare, skip=skip)
-        self.norms[action.stage].commit(action.step)
-
-    def _clipping_parts(self, stage: int, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor | None]]:
-        """The groups of a stage's gradients clipped by their own norm when each stage clips alone
-        (non-flushing schedules): each tie's, then the rest; so the copies of a tied parameter on
-        different stages are clipped alike."""
-        tied = [tie.positions[stage] for tie in self.ties if stage in tie.positions]
-        taken = {i for indices in tied for i in indices}
-        rest = [g for i, g in enumerate(grads) if i not in taken]
-        return [[grads[i] for i in indices] for indices in tied] + [rest]
-
-    def _deferred_updates(self) -> None:
-        """The updates of a flushing call under global-norm clipping or loss scaling: every worker
-        unscales its stages' gradients, sums their squared norms (a stage's replicas each count
-        ``1/r`` of it) in one all-reduce over all workers, scales its gradients by the unsplit
-        model's clipping factor, then updates, or skips every update if the sum is not finite (an
-        overflow, under loss scaling). Every worker takes part at the end of every call, with or
-        without updates."""
-        grads = [self.weights[a.stage].summed_gradients(a.step) for a in self.deferred]
-        self._sum_ties(self.deferred)
-        if self.loss_scale is not None:
-            for stage_grads in grads:
-                scale(stage_grads, self.loss_scale.inverse)
-        total = torch.zeros((), dtype=torch.float64)
-        for action, stage_grads in zip(self.deferred, grads, strict=True):
-            total += self._own_squared_norm(action.stage, stage_grads).cpu() / len(self.schedule.owners[action.stage])
-        total = total.to(self.device)
-        dist.all_reduce(total, group=self.group)
-        overflowed = self.loss_scale is not None and not math.isfinite(float(total))
-        if self.clip_grad_norm is not None and not overflowed:
-            coefficient = norm_coefficient(float(total) ** 0.5, self.clip_grad_norm)
-            for stage_grads in grads:
-                scale(stage_grads, coefficient)
-        for action in self.deferred:
-            self._update(action, None, skip=overflowed)
-        if self.loss_scale is not None and self.deferred:
-            self.loss_scale.update(overflowed)
-        self.deferred.clear()
-
-    def _own_squared_norm(self, stage: int, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """``Σ ‖g‖²`` of a stage's gradients, a tied parameter counting ``1/h`` on each of its ``h``
-        sharing stages (once in the sum over all stages)."""
-        total = squared_norm(grads)
-        for tie in self.ties:
-            if stage in tie.positions:
-                tied = squared_norm([grads[i] for i in tie.positions[stage]])
-                total = total - tied * (1 - 1 / len(tie.stages))
-        return total
+            self.updates.apply(action, self._versions_kept)
 
     def _forward(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
         s, mb, t = action.stage, action.microbatch, action.step
-        inputs = self.inputs[t][mb] if s == 0 else _received_forward(self._incoming(("F", s, mb, t)))
+        inputs = self.inputs[t][mb] if s == 0 else _received_forward(self.router.incoming(("F", s, mb, t)))
         weights = self._computing(s)
         state = _InFlight(inputs=inputs, version=action.version, leaves=weights.leaves(action.version))
         try:
@@ -856,7 +597,7 @@ class PipelineExecutor:
             if return_outputs:
                 output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
         else:
-            self._deliver(action, _sent_forward(state.outputs, not self.recompute[s]))
+            self.router.deliver(action, _sent_forward(state.outputs, not self.recompute[s]))
         self.in_flight[(s, mb, t)] = state
         if s == 0 and mb == self.schedule.microbatches - 1:
             self.inputs.pop(t, None)
@@ -869,7 +610,7 @@ class PipelineExecutor:
         if s == 0:
             source = "the micro-batch of the data"
         else:
-            producer = self._placement(Kind.F, s - 1, action.microbatch, action.step - self.origin)
+            producer = self.router.worker_of(Kind.F, s - 1, action.microbatch, action.step)
             source = f"the output of stage {s - 1} (rank {producer})"
         return f"raised in the forward of stage {s} (rank {self.rank}) on {source}, tensors {shapes}"
 
@@ -958,10 +699,10 @@ class PipelineExecutor:
             loss = state.loss if self.loss_scale is None else state.loss * self.loss_scale.scale
             state.roots, state.root_grads = [loss], None
             return
-        grads = tensors(self._incoming(("B", s, mb, t)))
+        grads = tensors(self.router.incoming(("B", s, mb, t)))
         outputs = tensors(state.outputs)
         if [(o.shape, o.dtype) for o in outputs] != [(g.shape, g.dtype) for g in grads]:
-            producer = self._placement(Kind.I if s + 1 in self.split_stages else Kind.B, s + 1, mb, t - self.origin)
+            producer = self.router.backward_worker(s + 1, mb, t)
             raise PlanningError(
                 f"stage {s + 1} (rank {producer}) sent gradients {[(tuple(g.shape), g.dtype) for g in grads]} for "
                 f"stage {s}'s outputs {[(tuple(o.shape), o.dtype) for o in outputs]} (rank {self.rank})"
@@ -1006,7 +747,7 @@ class PipelineExecutor:
         for tensor in sent:
             grad = next(computed) if tensor.requires_grad else None
             full.append(torch.zeros_like(tensor) if grad is None else grad)
-        self._deliver(action, unflatten(skeleton, full))
+        self.router.deliver(action, unflatten(skeleton, full))
 
     def _release(self, action: Action) -> None:
         """Forget a micro-batch once its last backward half ran."""

@@ -18,10 +18,13 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.borrowing import Lending
+from lightning_pipe.runtime.routing import Placement
 from lightning_pipe.schedule.backlog import LinkLoad, link_loads
 from lightning_pipe.schedule.ir import Action, Schedule
 
-__all__ = ["DEFAULT_SHARED_MEMORY_BYTES", "MESSAGE_OVERHEAD", "ring_sizes", "shared_memory_capacity"]
+__all__ = ["DEFAULT_SHARED_MEMORY_BYTES", "MESSAGE_OVERHEAD", "link_sizes", "ring_sizes", "shared_memory_capacity"]
 
 DEFAULT_SHARED_MEMORY_BYTES = 64 * 1024 * 1024
 """Each shared-memory ring between CPU workers of one host (``shared_memory_bytes``)."""
@@ -78,3 +81,27 @@ def shared_memory_capacity(requested: int | None, device: torch.device) -> int:
     if device.type != "cpu":
         return 0
     return DEFAULT_SHARED_MEMORY_BYTES if requested is None else requested
+
+
+def link_sizes(
+    schedule: Schedule,
+    placement: Placement,
+    worker: int,
+    ranks: Sequence[int],
+    capacity: int,
+    message_bytes: Sequence[float] | None,
+) -> dict[tuple[int, int], int]:
+    """The bytes of the ring of every pair of global ranks (``ranks``: the workers') that exchange
+    messages with ``worker`` (:meth:`Placement.message_pairs`; :func:`ring_sizes` of ``capacity`` at
+    most, or as asked when stages lend their weights or reduce their gradients point to point: the
+    messages are weights or gradients then)."""
+    if message_bytes is not None and len(message_bytes) != schedule.stages - 1:
+        raise PlanningError(
+            f"message_bytes gives {len(message_bytes)} sizes; the schedule has {schedule.stages} stages, "
+            f"so {schedule.stages - 1} boundaries"
+        )
+    lends = any(Lending.of(schedule, w).lenders for w in range(schedule.workers))
+    sized = message_bytes if not lends and not schedule.rings else None  # weights or gradients: as asked
+    pairs = placement.message_pairs(schedule, worker, Lending.of(schedule, worker))
+    sizes = ring_sizes(placement.generated, pairs, capacity, sized)
+    return {(ranks[a], ranks[b]): size for (a, b), size in sizes.items()}
