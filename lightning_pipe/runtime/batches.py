@@ -1,9 +1,10 @@
-"""Mini-batches split into micro-batches.
+"""Mini-batches split into micro-batches, and kept on a worker while their step is in flight.
 
 The training loop hands the runtime one mini-batch per call; the worker of the first stage splits
 its inputs, the worker of the last stage its targets, into the schedule's ``m`` micro-batches along
 the batch dimension (GPipe's micro-batches, Huang et al. 2019, §2.2). The loss of micro-batch ``i``
-is weighted by its share of the mini-batch, ``n_i / n`` (:func:`rows_of`).
+is weighted by its share of the mini-batch, ``n_i / n``, so :class:`MiniBatches` keeps each step's
+rows with its targets.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Any
 import torch
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten, tensors, unflatten
+from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
+from lightning_pipe.runtime.activation_memory import ActivationMemory
 
-__all__ = ["rows_of", "split_batch"]
+__all__ = ["MiniBatches", "rows_of", "split_batch"]
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
@@ -42,3 +44,62 @@ def _rows(found: list[torch.Tensor]) -> int:
     if first is None:
         raise PlanningError("a mini-batch must hold a tensor with a batch dimension to split into micro-batches")
     return first.shape[0]
+
+
+class MiniBatches:
+    """The micro-batches of the steps in flight on one worker.
+
+    Args:
+        worker: this worker (for messages).
+        microbatches: the schedule's micro-batches per step.
+        device: where the micro-batches go.
+        needs_inputs, needs_targets: this worker runs the first stage, the last stage.
+        memory: where the first stage's micro-batches are counted as data, not activations.
+
+    Attributes:
+        inputs: step -> its micro-batches' inputs, until the first stage's last forward of the step.
+        targets: step -> its micro-batches' targets, until the last stage's last backward of the step.
+        rows: step -> the samples of its mini-batch, as long as its targets.
+    """
+
+    def __init__(
+        self,
+        worker: int,
+        microbatches: int,
+        device: torch.device,
+        needs_inputs: bool,
+        needs_targets: bool,
+        memory: ActivationMemory,
+    ) -> None:
+        self.worker, self.microbatches, self.device = worker, microbatches, device
+        self.needs_inputs, self.needs_targets = needs_inputs, needs_targets
+        self.memory = memory
+        self.inputs: dict[int, list[Any]] = {}
+        self.targets: dict[int, list[Any]] = {}
+        self.rows: dict[int, int] = {}
+        self._targets_left: dict[int, int] = {}  # step -> its last stage's backwards still to run
+
+    def store(self, step: int, inputs: Any, targets: Any) -> None:
+        """Split and keep mini-batch ``inputs`` / ``targets`` of ``step``, those this worker needs."""
+        m = self.microbatches
+        if self.needs_inputs:
+            if inputs is None:
+                raise PlanningError(f"rank {self.worker} runs the first stage: step() needs the inputs")
+            self.inputs[step] = split_batch(map_tensors(self._to_device, inputs), m)
+            self.memory.keep_data(step, self.inputs[step])
+        if self.needs_targets:
+            if targets is None:
+                raise PlanningError(f"rank {self.worker} runs the last stage: step() needs the targets")
+            self.targets[step] = split_batch(map_tensors(self._to_device, targets), m)
+            self.rows[step] = rows_of(targets)
+            self._targets_left[step] = m
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device)
+
+    def target_used(self, step: int) -> None:
+        """A backward of the last stage in ``step`` ran: after the step's last, its targets go."""
+        self._targets_left[step] -= 1
+        if not self._targets_left[step]:
+            for store in (self.targets, self.rows, self._targets_left):
+                store.pop(step, None)

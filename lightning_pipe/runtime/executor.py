@@ -7,9 +7,13 @@ version the action names (:class:`~lightning_pipe.runtime.weights.StageWeights`)
 large messages are posted when it starts, so data moves while the worker computes (small ones when
 they are needed); sends are asynchronous.
 
-The loss of micro-batch ``i`` is weighted by its share of the mini-batch, ``n_i / n``, so that the
-accumulated gradient is the mini-batch mean ``1/N Σ ∇f_i`` of the update rules even when the last
-micro-batch is smaller.
+The executor runs the action loop and keeps its timeline; its parts do the rest: the micro-batches
+(:mod:`.batches`), where actions run and messages go (:mod:`.routing`), each micro-batch's forward
+and backward (:mod:`.forward_backward`, the loss of micro-batch ``i`` weighted by its share of the
+mini-batch, ``n_i / n``), the bytes autograd saves (:mod:`.activation_memory`), the updates with
+clipping and loss scaling (:mod:`.updates`), the weight versions they keep (:mod:`.versions_kept`),
+lent, ring-reduced and relayed stages and shared parameters (:mod:`.borrowing`, :mod:`.rings`,
+:mod:`.relays`, :mod:`.ties`), and what a call returns (:mod:`.step_output`).
 """
 
 from __future__ import annotations
@@ -17,22 +21,24 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.errors import PlanningError, check_whole
-from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
-from lightning_pipe.runtime.batch_norm import DeferredNorms, running_forward
-from lightning_pipe.runtime.batches import rows_of, split_batch
+from lightning_pipe.nested import map_tensors
+from lightning_pipe.runtime.activation_memory import ActivationMemory
+from lightning_pipe.runtime.batch_norm import DeferredNorms
+from lightning_pipe.runtime.batches import MiniBatches, split_batch
 from lightning_pipe.runtime.borrowing import Borrowing, Lending, check_borrowing, last_gradients
 from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
-from lightning_pipe.runtime.failure import FailureBoard, add_note, raised_elsewhere
+from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
+from lightning_pipe.runtime.forward_backward import ForwardBackward
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.groups import pipeline_ranks, replica_groups
 from lightning_pipe.runtime.loss_scaling import LossScale
@@ -42,55 +48,18 @@ from lightning_pipe.runtime.ring_sizes import link_sizes, shared_memory_capacity
 from lightning_pipe.runtime.rings import RingReducer
 from lightning_pipe.runtime.routing import Placement, Router
 from lightning_pipe.runtime.shared_memory import open_links
-from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
 from lightning_pipe.runtime.ties import find_ties, tie_groups
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.runtime.updates import Updates
+from lightning_pipe.runtime.versions_kept import VersionsKept
 from lightning_pipe.runtime.weights import StageWeights
-from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulate import Interval, StageCosts
 from lightning_pipe.schedule.validate import validate
 
 __all__ = ["PipelineExecutor"]
-_T = TypeVar("_T")
-_IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
-
-
-@dataclass
-class _InFlight:
-    """A forward waiting for its backward (and, after an ``I``, for its ``W``)."""
-
-    inputs: Any
-    version: int
-    leaves: dict[str, torch.Tensor]
-    outputs: Any = None
-    loss: torch.Tensor | None = None
-    saved: dict[int, int] = field(default_factory=dict)  # storages autograd saved (key -> bytes), when tracked
-    rng: tuple[torch.Tensor, ...] | None = None
-    roots: list[torch.Tensor] = field(default_factory=list)
-    root_grads: list[torch.Tensor] | None = None
-    split: SplitBackward | None = None
-
-
-def _sent_forward(outputs: Any, differentiated: bool) -> tuple[Any, tuple[bool, ...] | None]:
-    """A stage's outputs as sent to the next stage: detached, with which of them require grad
-    (``None`` after a forward without autograd, recomputed in the backward: every floating one will)."""
-    flags = tuple(t.requires_grad for t in tensors(outputs)) if differentiated else None
-    return map_tensors(torch.Tensor.detach, outputs), flags
-
-
-def _received_forward(message: tuple[Any, tuple[bool, ...] | None]) -> Any:
-    """The inputs of a stage: leaves that require grad where the sender's outputs did (a tensor
-    computed from constants, such as an attention mask, stays without grad: attention kernels choose
-    their algorithm by it, and no gradient is wasted on it)."""
-    outputs, flags = message
-    found = iter(flags) if flags is not None else None
-    return map_tensors(
-        lambda t: t.detach().requires_grad_((found is None or next(found)) and t.is_floating_point()), outputs
-    )
 
 
 class PipelineExecutor:
@@ -195,11 +164,10 @@ class PipelineExecutor:
         self.programs = Program.build(make)
         self.program = self.programs[self.rank]
         self.device = torch.device(device) if device is not None else _default_device()
-        self.loss_fn = loss_fn
         span = max(p.base for p in self.programs) + 2 * max(p.period for p in self.programs) + 1
         generated = make(span)
-        self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
-        placement = Placement(generated, self.program.base, self.program.period, self.split_stages)
+        split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
+        placement = Placement(generated, self.program.base, self.program.period, split_stages)
         modules = dict(stages) if isinstance(stages, Mapping) else dict(enumerate(stages))
         mine = sorted({a.stage for a in self.schedule.orders[self.rank] if a.kind in COMPUTE})
         missing = [s for s in mine if s not in modules]
@@ -222,7 +190,7 @@ class PipelineExecutor:
         self.ties = tie_groups(ties, self.schedule, self.pipelines, self.global_rank, self.lending, self.weights)
         self.norms = {s: DeferredNorms(weights.module) for s, weights in self.weights.items()}
         flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)
-        self.recompute = {s: bool(flags[s]) for s in mine}
+        recomputed = {s: bool(flags[s]) for s in mine}
         self.failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
         capacity = shared_memory_capacity(shared_memory_bytes, self.device)
         rings = link_sizes(self.schedule, placement, self.rank, self.ranks, capacity, message_bytes) if capacity else {}
@@ -247,29 +215,16 @@ class PipelineExecutor:
         self.relays.attach(self.weights)
         self.borrowing = Borrowing(self.lending, self.rank, self.ranks, self.weights, self.borrowed, self.transport)
         self.router = Router(placement, self.rank, self.ranks, self.transport, self.borrowing, self.rings, self.relays)
-        self._last_relayed: dict[int, Action] = {}  # relayed stage -> this worker's last action on it
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
         self.needs_inputs = any(a.stage == 0 for a in ours)
         self.needs_targets = any(a.stage == self.schedule.stages - 1 for a in ours)
-        self.targets_left: dict[int, int] = {}
         self.calls = 0
         self.origin = 0
-        self.inputs: dict[int, list[Any]] = {}
-        self.targets: dict[int, list[Any]] = {}
-        self.batch_rows: dict[int, int] = {}
-        self.in_flight: dict[tuple[int, int, int], _InFlight] = {}
-        self.loss_sums = LossSums(self.schedule.microbatches)
-        self.track_memory = track_memory
+        self.memory = ActivationMemory(track_memory, timeline_length)
+        m = self.schedule.microbatches
+        self.batches = MiniBatches(self.rank, m, self.device, self.needs_inputs, self.needs_targets, self.memory)
         self.early_gradients = early_gradients and self.schedule.flush
-        self.saved_bytes = 0
-        self.peak_saved_bytes = 0
-        self._holders: Counter[int] = Counter()  # saved storage -> forwards in flight saving it
-        self._held_bytes: dict[int, int] = {}
-        self._step_data: dict[int, list[torch.Tensor]] = {}  # step -> its data, while its micro-batches are in flight
-        self.memory_timeline: deque[tuple[float, int]] = deque(maxlen=timeline_length)  # (moment, saved bytes)
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
-        # (stage, entry of the program, position) -> versions used after it, less the call's shift
-        self._upcoming: dict[tuple[int, int, int], frozenset[int]] = {}
         self.timeline: deque[Interval] = deque(maxlen=timeline_length)
         self.garbage = AlignedCollection(gc_every)
         self.updates = Updates(
@@ -285,17 +240,54 @@ class PipelineExecutor:
             loss_scale=loss_scale,
         )
         self.loss_scale = loss_scale
-        self.copies_inputs: set[int] = set()  # stages whose first layer works in place on the received input
-        self.loss_key: tuple[int, int] | None = None
+        self.compute = ForwardBackward(
+            stages=self.schedule.stages,
+            microbatches=m,
+            worker=self.rank,
+            weights=self.weights,
+            borrowed=self.borrowed,
+            recompute=recomputed,
+            batches=self.batches,
+            router=self.router,
+            transport=self.transport,
+            memory=self.memory,
+            loss_fn=loss_fn,
+            pipelines=len(self.pipelines),
+            loss_scale=loss_scale,
+            device=self.device,
+        )
+        window = 4 * (self.schedule.stages + m)  # a relayed stage's next actions looked at
+        self.versions = VersionsKept(self.program, self.rank, self.compute.in_flight, self.relays, window)
+        self.loss_sums = LossSums(m)
         self._running: list[Action] = []  # the actions of the call (or drain) being run
-        self._sent_early: tuple[float, float] | None = None  # when the running backward's input gradient left
         self._position = 0  # the index of the one running
         dist.barrier()
         self.epoch = time.perf_counter()
 
-    def _computing(self, stage: int) -> StageWeights:
-        """The weights this worker computes ``stage`` with: its own, or borrowed."""
-        return self.weights[stage] if stage in self.weights else self.borrowed[stage]
+    @property
+    def saved_bytes(self) -> int:
+        """The bytes autograd saves now for the micro-batches in flight (``track_memory``)."""
+        return self.memory.saved_bytes
+
+    @property
+    def peak_saved_bytes(self) -> int:
+        """The most :attr:`saved_bytes` reached (``track_memory``)."""
+        return self.memory.peak_saved_bytes
+
+    @property
+    def memory_timeline(self) -> deque[tuple[float, int]]:
+        """``(moment, saved bytes)`` after every action (``track_memory``)."""
+        return self.memory.timeline
+
+    @property
+    def copies_inputs(self) -> set[int]:
+        """Stages whose first layer works in place on the received input (their forwards get copies)."""
+        return self.compute.copies_inputs
+
+    @property
+    def loss_key(self) -> tuple[int, int] | None:
+        """The (step, micro-batch) whose loss ``loss_fn`` is computing, for callers that log."""
+        return self.compute.loss_key
 
     # -- the training loop's entry points --------------------------------------------------------
     def step(
@@ -310,7 +302,7 @@ class PipelineExecutor:
         call = self.calls
         self.garbage.call()
         try:
-            self._store_batch(self.origin + call, inputs, targets)
+            self.batches.store(self.origin + call, inputs, targets)
         except Exception as error:
             self._stop(error)
             raise
@@ -458,24 +450,6 @@ class PipelineExecutor:
             self.norms[int(stage)].forget()
 
     # -- running actions -------------------------------------------------------------------------
-    def _store_batch(self, step: int, inputs: Any, targets: Any) -> None:
-        m = self.schedule.microbatches
-        if self.needs_inputs:
-            if inputs is None:
-                raise PlanningError(f"rank {self.rank} runs the first stage: step() needs the inputs")
-            self.inputs[step] = split_batch(map_tensors(self._to_device, inputs), m)
-            if self.track_memory:  # kept (alive, so no activation takes their addresses) while the step is in flight
-                self._step_data[step] = list(tensors(self.inputs[step]))
-        if self.needs_targets:
-            if targets is None:
-                raise PlanningError(f"rank {self.rank} runs the last stage: step() needs the targets")
-            self.targets[step] = split_batch(map_tensors(self._to_device, targets), m)
-            self.batch_rows[step] = rows_of(targets)
-            self.targets_left[step] = m
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device)
-
     def _run(self, actions: list[Action], peers: Callable[[int], list[Action]], return_outputs: bool) -> StepOutput:
         output = StepOutput()
         try:
@@ -493,7 +467,7 @@ class PipelineExecutor:
             summing = last_gradients(actions, self._replicated_stages) if self.schedule.flush else {}
             for position, action in enumerate(actions):
                 self._position = position
-                self._sent_early = None
+                self.compute.sent_early = None
                 start, waited = time.perf_counter(), self.transport.waited
                 relayed = action.stage in self.relays.stages and (action.kind in COMPUTE or action.kind is Kind.UPDATE)
                 if relayed:
@@ -501,7 +475,7 @@ class PipelineExecutor:
                 self._execute(action, output, return_outputs, position in early)
                 if relayed:
                     if action.kind is not Kind.UPDATE:
-                        self._last_relayed[action.stage] = action
+                        self.versions.last_relayed[action.stage] = action
                     self.relays.give(action)
                 if position in returning:
                     self.borrowing.give_back(*returning[position])
@@ -525,15 +499,15 @@ class PipelineExecutor:
         gradient left and ``W`` after: what a split backward costs is then measured
         (:mod:`~lightning_pipe.runtime.calibration`), and priced by the simulator."""
         end, waits = time.perf_counter(), self.transport.waited
-        if self.track_memory:  # on the host's clock, so processes line up
+        if self.memory.track:  # on the host's clock, so processes line up
             # a forward's saved bytes count from the start of its compute (after its input arrived), as the
             # simulator and the paper's time steps count them; a backward's are freed at its end
-            moment = start + (waits - waited) if action.kind is Kind.F else end
-            self.memory_timeline.append((moment, self.saved_bytes))
-        if self._sent_early is None:
+            self.memory.mark(start + (waits - waited) if action.kind is Kind.F else end)
+        sent_early = self.compute.sent_early
+        if sent_early is None:
             self.timeline.append(Interval(self.rank, action, start - self.epoch, end - self.epoch, waits - waited))
             return
-        middle, waited_before = self._sent_early
+        middle, waited_before = sent_early
         epoch = self.epoch
         halves = ((Kind.I, start, middle, waited_before - waited), (Kind.W, middle, end, waits - waited_before))
         for kind, begin, finish, waited_in in halves:
@@ -554,11 +528,11 @@ class PipelineExecutor:
 
     def _execute(self, action: Action, output: StepOutput, return_outputs: bool, early: bool) -> None:
         if action.kind is Kind.F:
-            self._forward(action, output, return_outputs)
+            self.compute.forward(action, output, return_outputs)
         elif action.kind in (Kind.B, Kind.I):
-            self._backward(action, weights_too=action.kind is Kind.B, early=early)
+            self.compute.backward(action, weights_too=action.kind is Kind.B, early=early)
         elif action.kind is Kind.W:
-            self._weight_gradient(action)
+            self.compute.weight_gradient(action)
         elif action.kind is Kind.SIGNAL:  # a cue: this worker has come this far
             self.router.signal(action)
         elif action.kind is Kind.WAIT:
@@ -572,229 +546,21 @@ class PipelineExecutor:
                 self.rings.spread(self.weights[action.stage], action.stage, action.step)
             self.updates.apply(action, self._versions_kept)
 
-    def _forward(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
-        s, mb, t = action.stage, action.microbatch, action.step
-        inputs = self.inputs[t][mb] if s == 0 else _received_forward(self.router.incoming(("F", s, mb, t)))
-        weights = self._computing(s)
-        state = _InFlight(inputs=inputs, version=action.version, leaves=weights.leaves(action.version))
-        try:
-            with running_forward(t, mb):  # batch norm's statistics count once per step (.batch_norm)
-                if self.recompute[s]:
-                    state.rng = self._rng_state()
-                    with torch.no_grad():  # on a copy: a first layer working in place would change the input kept
-                        state.outputs = weights.forward(state.leaves, map_tensors(torch.Tensor.clone, inputs))
-                else:
-                    state.outputs, state.saved = self._in_place_safe(
-                        s, inputs, lambda x: self._forward_saving(weights, state.leaves, x, t, s == 0)
-                    )
-        except Exception as error:
-            add_note(error, self._where(action, inputs))
-            raise
-        if s == self.schedule.stages - 1:
-            loss = self._loss(state.outputs, t, mb)
-            state.loss = None if self.recompute[s] else self._pipeline_share(loss)
-            output.microbatch_losses[(t, mb)] = loss.detach()  # a float at the call's end: no sync here
-            if return_outputs:
-                output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
-        else:
-            self.router.deliver(action, _sent_forward(state.outputs, not self.recompute[s]))
-        self.in_flight[(s, mb, t)] = state
-        if s == 0 and mb == self.schedule.microbatches - 1:
-            self.inputs.pop(t, None)
-
-    def _where(self, action: Action, inputs: Any) -> str:
-        """Where a forward failed: the stage, this rank, and the input's source and shapes (a stage
-        that fails on the output of the stage before it points at the split)."""
-        s = action.stage
-        shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors(inputs)]
-        if s == 0:
-            source = "the micro-batch of the data"
-        else:
-            producer = self.router.worker_of(Kind.F, s - 1, action.microbatch, action.step)
-            source = f"the output of stage {s - 1} (rank {producer})"
-        return f"raised in the forward of stage {s} (rank {self.rank}) on {source}, tensors {shapes}"
-
-    def _forward_saving(
-        self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any, step: int, first: bool
-    ) -> tuple[Any, dict[int, int]]:
-        """Forward with autograd; also the storages it saved for backward when memory is tracked
-        (model state excluded: the parameters, and buffers such as batch norm's running statistics;
-        and ``step``'s mini-batch, the data, which the step holds whatever the schedule: the ``first``
-        stage's inputs, and views of them however far they travel), counted in :attr:`saved_bytes`
-        until :meth:`_release`."""
-        if not self.track_memory:
-            return weights.forward(leaves, inputs), {}
-        data = [*self._step_data.get(step, ()), *(tensors(inputs) if first else ())]
-        with saved_bytes([*leaves.values(), *weights.module.buffers(), *data]) as counted:
-            result = weights.forward(leaves, inputs)
-        for key, nbytes in counted.storages.items():
-            if not self._holders[key]:
-                self._held_bytes[key] = nbytes
-                self.saved_bytes += nbytes
-            self._holders[key] += 1
-        self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
-        return result, counted.storages
-
-    def _in_place_safe(self, stage: int, inputs: Any, forward: Callable[[Any], _T]) -> _T:
-        """``forward(inputs)``, or ``forward`` of a copy of them for a stage whose first layer works in
-        place on its input (``ReLU(inplace=True)`` after a cut, common in torchvision models): a
-        received input is a leaf that requires grad, on which autograd forbids in-place operations.
-        A stage is found out by that error on its first forward and gets copies from then on."""
-        if stage in self.copies_inputs:
-            return forward(map_tensors(torch.Tensor.clone, inputs))
-        try:
-            return forward(inputs)
-        except RuntimeError as error:
-            if stage == 0 or _IN_PLACE_ON_LEAF not in str(error):
-                raise
-        self.copies_inputs.add(stage)
-        return forward(map_tensors(torch.Tensor.clone, inputs))
-
-    def _loss(self, result: Any, step: int, mb: int) -> torch.Tensor:
-        target = self.targets[step][mb]
-        self.loss_key = (step, mb)  # which micro-batch loss_fn is computing, for callers that log
-        return self.loss_fn(result, target) * (rows_of(target) / self.batch_rows[step])
-
-    def _pipeline_share(self, loss: torch.Tensor) -> torch.Tensor:
-        """What a micro-batch's loss contributes to the gradient summed over the data-parallel
-        pipelines (their mean); with one pipeline the loss itself, no division (one autograd node
-        less per micro-batch)."""
-        return loss if len(self.pipelines) == 1 else loss / len(self.pipelines)
-
-    def _rng_state(self) -> tuple[torch.Tensor, ...]:
-        """The random state a forward starts from (CPU, and the GPU's when computing there)."""
-        if self.device.type == "cuda":
-            return torch.get_rng_state(), torch.cuda.get_rng_state(self.device)
-        return (torch.get_rng_state(),)
-
-    def _recompute(self, action: Action, state: _InFlight) -> None:
-        """GPipe rematerialisation: the forward again, with autograd, under the forward's RNG state (same
-        dropout masks), leaving the module's buffers as they were (batch norm's running statistics are
-        updated once per micro-batch, by the first forward)."""
-        weights = self._computing(action.stage)
-        accelerated = [self.device] if self.device.type == "cuda" else []
-        buffers = [(buffer, buffer.clone()) for buffer in weights.module.buffers()]
-        with torch.random.fork_rng(devices=accelerated):
-            torch.set_rng_state(state.rng[0])
-            if accelerated:
-                torch.cuda.set_rng_state(state.rng[1], self.device)
-            state.outputs, state.saved = self._in_place_safe(
-                action.stage,
-                state.inputs,
-                lambda x: self._forward_saving(weights, state.leaves, x, action.step, action.stage == 0),
-            )
-        for buffer, before in buffers:
-            # through .data: batch norm's backward node holds the running statistics it was given and
-            # checks their version, though training mode's gradient does not read them
-            buffer.data.copy_(before)
-        if action.stage == self.schedule.stages - 1:
-            state.loss = self._pipeline_share(self._loss(state.outputs, action.step, action.microbatch))
-
-    def _roots(self, action: Action, state: _InFlight) -> None:
-        """The tensors to differentiate and their incoming gradients (none for the scalar loss)."""
-        s, mb, t = action.stage, action.microbatch, action.step
-        if self.recompute[s]:
-            self._recompute(action, state)
-        if s == self.schedule.stages - 1:
-            loss = state.loss if self.loss_scale is None else state.loss * self.loss_scale.scale
-            state.roots, state.root_grads = [loss], None
-            return
-        grads = tensors(self.router.incoming(("B", s, mb, t)))
-        outputs = tensors(state.outputs)
-        if [(o.shape, o.dtype) for o in outputs] != [(g.shape, g.dtype) for g in grads]:
-            producer = self.router.backward_worker(s + 1, mb, t)
-            raise PlanningError(
-                f"stage {s + 1} (rank {producer}) sent gradients {[(tuple(g.shape), g.dtype) for g in grads]} for "
-                f"stage {s}'s outputs {[(tuple(o.shape), o.dtype) for o in outputs]} (rank {self.rank})"
-            )
-        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
-        state.roots, state.root_grads = [o for o, _ in pairs], [g for _, g in pairs]
-
-    def _backward(self, action: Action, weights_too: bool, early: bool = False) -> None:
-        """``B`` (input and weight gradients), or ``I``: input gradients now, the weights' at ``W``
-        (:class:`~lightning_pipe.runtime.split_backward.SplitBackward`, nothing computed twice). An
-        ``early`` ``B`` runs as ``I``, sends, then ``W``."""
-        s, mb, t = action.stage, action.microbatch, action.step
-        state = self.in_flight[(s, mb, t)]
-        self._roots(action, state)
-        inputs = [x for x in tensors(state.inputs) if x.requires_grad] if s > 0 else []
-        split = not weights_too or (early and bool(inputs))
-        if split:
-            state.split = SplitBackward(
-                state.roots, state.root_grads, inputs, self._computing(s).differentiable(state.leaves)
-            )
-            grads = state.split.input_gradients()
-        else:
-            grads = self._computing(s).backward(t, state.leaves, state.roots, state.root_grads, inputs)
-        if s > 0:
-            self._send_input_grads(action, state, grads)
-        if weights_too and split:
-            self._sent_early = (time.perf_counter(), self.transport.waited)
-            self._weight_gradient(action)
-        elif weights_too:
-            self._release(action)
-
-    def _weight_gradient(self, action: Action) -> None:
-        """``W``: the weight gradients of a micro-batch whose ``I`` ran."""
-        state = self.in_flight[(action.stage, action.microbatch, action.step)]
-        state.split.weight_gradients(self._computing(action.stage).accumulator(action.step))
-        self._release(action)
-
-    def _send_input_grads(self, action: Action, state: _InFlight, grads: list[torch.Tensor | None]) -> None:
-        skeleton, sent = flatten(state.inputs)
-        computed = iter(grads)
-        full = []
-        for tensor in sent:
-            grad = next(computed) if tensor.requires_grad else None
-            full.append(torch.zeros_like(tensor) if grad is None else grad)
-        self.router.deliver(action, unflatten(skeleton, full))
-
-    def _release(self, action: Action) -> None:
-        """Forget a micro-batch once its last backward half ran."""
-        s, t = action.stage, action.step
-        state = self.in_flight.pop((s, action.microbatch, t))
-        for key in state.saved:
-            self._holders[key] -= 1
-            if not self._holders[key]:
-                del self._holders[key]
-                self.saved_bytes -= self._held_bytes.pop(key)
-        if t in self._step_data and t not in self.inputs and all(key[2] != t for key in self.in_flight):
-            del self._step_data[t]
-        if s == self.schedule.stages - 1:
-            self.targets_left[t] -= 1
-            if not self.targets_left[t]:
-                for store in (self.targets, self.batch_rows, self.targets_left):
-                    store.pop(t, None)
-
     def _versions_kept(self, stage: int) -> set[int]:
         """Versions of ``stage`` that micro-batches in flight, the rest of this call or the next calls of
-        this worker use; for a relayed stage, those its next actions anywhere use."""
+        this worker use; for a relayed stage, those its next actions anywhere use
+        (:mod:`~lightning_pipe.runtime.versions_kept`)."""
         if stage in self.relays.stages:
-            window = 4 * (self.schedule.stages + self.schedule.microbatches)
-            return self.relays.upcoming_versions(self._last_relayed[stage], window)
-        kept = {state.version for (s, _, _), state in self.in_flight.items() if s == stage}
-        return kept | self._upcoming_versions(stage)
+            return self.versions.relayed(stage)
+        return self.versions.flying(stage) | self._upcoming_versions(stage)
 
     def _upcoming_versions(self, stage: int) -> set[int]:
         """Versions of ``stage`` the actions after the running one, in this call and the next
-        ``period + 1`` calls, compute with. In a call of the step's program they depend only on the
-        program's entry the call runs (:meth:`Program.entry_of`) up to a shift of every version, so
-        they are worked out once per entry and position and shifted after that."""
+        ``period + 1`` calls, compute with: worked out once per entry of the program and position in
+        a call of the step's program, read off every action to come in a drain."""
         if self._running is not self._calls_cache.get((self.rank, self.calls)):  # a drain
-            return self._scanned_versions(stage)
-        entry, steps = self.program.entry_of(self.calls)
-        offset = self.origin + steps
-        key = (stage, entry, self._position)
-        relative = self._upcoming.get(key)
-        if relative is None:
-            relative = self._upcoming[key] = frozenset(v - offset for v in self._scanned_versions(stage))
-        return {version + offset for version in relative}
-
-    def _scanned_versions(self, stage: int) -> set[int]:
-        """:meth:`_upcoming_versions`, read off every action still to come."""
-        calls = range(self.calls + 1, self.calls + self.program.period + 2)
-        actions = self._running[self._position + 1 :] + [a for c in calls for a in self._actions(self.rank, c)]
-        return {a.version for a in actions if a.stage == stage and a.kind in COMPUTE}
+            return self.versions.scanned(stage, self._running, self._position, self.calls, self._actions)
+        return self.versions.upcoming(stage, self._running, self._position, self.calls, self.origin, self._actions)
 
 
 def _post_ahead(requested: int | None, device: torch.device) -> int:
