@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import flatten, map_tensors, nbytes, tensors, unflatten
-from lightning_pipe.runtime.executor import split_batch
+from lightning_pipe.runtime.batches import split_batch
 
 Pair = namedtuple("Pair", ["features", "skip"])
 

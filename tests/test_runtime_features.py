@@ -14,7 +14,8 @@ from torch import nn
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import flatten
-from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead, _sent_forward
+from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead
+from lightning_pipe.runtime.forward_backward import _sent_forward
 from lightning_pipe.runtime.launch import LocalRunError, run_local
 from lightning_pipe.runtime.transport import _HEADER
 from lightning_pipe.saved_bytes import saved_bytes

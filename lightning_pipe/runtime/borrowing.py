@@ -12,16 +12,25 @@ the last update, which is what the lender holds when the call starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 
-__all__ = ["Lending", "check_borrowing", "last_gradients", "load_weights", "returned_gradients", "weights_message"]
+__all__ = [
+    "Borrowing",
+    "Lending",
+    "check_borrowing",
+    "last_gradients",
+    "load_weights",
+    "returned_gradients",
+    "weights_message",
+]
 
 
 @dataclass(frozen=True)
@@ -108,3 +117,66 @@ def returned_gradients(weights: StageWeights, step: int) -> list[torch.Tensor | 
     weight (``None`` where none of its micro-batches reached it), taken out of its buffer."""
     buffer = weights.pop_gradients(step)
     return [buffer[index] for index in weights.trainable]
+
+
+class Borrowing:
+    """This worker's part in lending (its stages' weights out, their gradients back) and borrowing.
+
+    Args:
+        lending: who lends what, seen from this worker.
+        worker, ranks: this worker and the global rank of each worker of its pipeline.
+        weights: the stages this worker owns; borrowed: those it borrows (a copy without optimizer).
+        transport: the pipeline's transport.
+    """
+
+    def __init__(
+        self,
+        lending: Lending,
+        worker: int,
+        ranks: list[int],
+        weights: Mapping[int, StageWeights],
+        borrowed: Mapping[int, StageWeights],
+        transport: Transport,
+    ) -> None:
+        self.lending, self.worker, self.ranks = lending, worker, ranks
+        self.weights, self.borrowed, self.transport = weights, borrowed, transport
+        self._lent: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stage, step, borrower) -> message
+
+    def lend(self, peers: Callable[[int], list[Action]]) -> None:
+        """Send the live weights of each stage this worker lends to the workers computing it in this call."""
+        for stage, borrowers in self.lending.borrowers.items():
+            for borrower in borrowers:
+                if any(a.stage == stage and a.kind in COMPUTE for a in peers(borrower)):
+                    self.transport.send(self.ranks[borrower], weights_message(self.weights[stage]), ("P", stage, 0))
+
+    def borrow(self, actions: list[Action]) -> None:
+        """Take the lenders' weights of the stages this worker borrows and computes in this call."""
+        for stage, lender in self.lending.lenders.items():
+            using = next((a for a in actions if a.stage == stage and a.kind in COMPUTE), None)
+            if using is not None:
+                peer = self.ranks[lender]
+                message = self.transport.receive(peer, self.transport.expect(peer, ("P", stage, 0)))
+                load_weights(self.borrowed[stage], message, using.version)
+
+    def returns(self, peer: int, actions: Sequence[Action]) -> dict[int, tuple[int, int]]:
+        """Position in ``peer``'s ``actions`` after which it sends back the gradients of a stage this
+        worker lends it → that (stage, step)."""
+        lent = {s for s, borrowers in self.lending.borrowers.items() if peer in borrowers}
+        return last_gradients(actions, lent)
+
+    def expect_gradients(self, peer: int, stage: int, step: int) -> None:
+        """Post the receive of the gradients of ``stage`` in ``step`` that borrower ``peer`` sends back."""
+        sender = self.ranks[peer]
+        self._lent[(stage, step, peer)] = (sender, self.transport.expect(sender, ("G", stage, 0)))
+
+    def give_back(self, stage: int, step: int) -> None:
+        """A borrower's last backward of ``stage`` in ``step`` ran: its gradients go to the lender."""
+        peer = self.ranks[self.lending.lenders[stage]]
+        self.transport.send(peer, returned_gradients(self.borrowed[stage], step), ("G", stage, 0))
+
+    def collect(self, action: Action) -> None:
+        """Before a lent stage's update: add the gradients its borrowers computed in the step."""
+        for borrower in self.lending.borrowers.get(action.stage, ()):
+            expected = self._lent.pop((action.stage, action.step, borrower), None)
+            if expected is not None:
+                self.weights[action.stage].add(action.step, self.transport.receive(*expected))

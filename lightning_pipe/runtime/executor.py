@@ -7,143 +7,60 @@ version the action names (:class:`~lightning_pipe.runtime.weights.StageWeights`)
 large messages are posted when it starts, so data moves while the worker computes (small ones when
 they are needed); sends are asynchronous.
 
-The loss of micro-batch ``i`` is weighted by its share of the mini-batch, ``n_i / n``, so that the
-accumulated gradient is the mini-batch mean ``1/N Σ ∇f_i`` of the update rules even when the last
-micro-batch is smaller.
+The executor runs the action loop and keeps its timeline; its parts do the rest: the micro-batches
+(:mod:`.batches`), where actions run and messages go (:mod:`.routing`), each micro-batch's forward
+and backward (:mod:`.forward_backward`, the loss of micro-batch ``i`` weighted by its share of the
+mini-batch, ``n_i / n``), the bytes autograd saves (:mod:`.activation_memory`), the updates with
+clipping and loss scaling (:mod:`.updates`), the weight versions they keep (:mod:`.versions_kept`),
+lent, ring-reduced and relayed stages and shared parameters (:mod:`.borrowing`, :mod:`.rings`,
+:mod:`.relays`, :mod:`.ties`), and what a call returns (:mod:`.step_output`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
 import time
 import traceback
-from collections import Counter, defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.errors import PlanningError, check_whole
-from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
-from lightning_pipe.runtime.batch_norm import DeferredNorms, running_forward
-from lightning_pipe.runtime.borrowing import (
-    Lending,
-    check_borrowing,
-    last_gradients,
-    load_weights,
-    returned_gradients,
-    weights_message,
-)
+from lightning_pipe.nested import map_tensors
+from lightning_pipe.runtime.activation_memory import ActivationMemory
+from lightning_pipe.runtime.batch_norm import DeferredNorms
+from lightning_pipe.runtime.batches import MiniBatches, split_batch
+from lightning_pipe.runtime.borrowing import Borrowing, Lending, check_borrowing, last_gradients
 from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
-from lightning_pipe.runtime.clipping import clip_by_value, norm_coefficient, scale, squared_norm
-from lightning_pipe.runtime.failure import FailureBoard, add_note, raised_elsewhere
+from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
+from lightning_pipe.runtime.forward_backward import ForwardBackward
 from lightning_pipe.runtime.garbage import AlignedCollection
+from lightning_pipe.runtime.groups import pipeline_ranks, replica_groups
 from lightning_pipe.runtime.loss_scaling import LossScale
-from lightning_pipe.runtime.program import Program, shift
+from lightning_pipe.runtime.program import Program, repeated, shift
 from lightning_pipe.runtime.relays import Relays
-from lightning_pipe.runtime.ring_sizes import ring_sizes
+from lightning_pipe.runtime.ring_sizes import link_sizes, shared_memory_capacity
 from lightning_pipe.runtime.rings import RingReducer
+from lightning_pipe.runtime.routing import Placement, Router
 from lightning_pipe.runtime.shared_memory import open_links
-from lightning_pipe.runtime.split_backward import SplitBackward
-from lightning_pipe.runtime.ties import Tie, find_ties
+from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
+from lightning_pipe.runtime.ties import find_ties, tie_groups
 from lightning_pipe.runtime.transport import Transport
+from lightning_pipe.runtime.updates import Updates
+from lightning_pipe.runtime.versions_kept import VersionsKept
 from lightning_pipe.runtime.weights import StageWeights
-from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule.early import cooldown_backwards
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulation import Interval
 from lightning_pipe.schedule.stage_costs import StageCosts
 from lightning_pipe.schedule.validate import validate
 
-__all__ = ["PipelineExecutor", "StepOutput", "rows_of", "shared_memory_capacity", "split_batch"]
-_T = TypeVar("_T")
-DEFAULT_SHARED_MEMORY_BYTES = 64 * 1024 * 1024
-"""Each shared-memory ring between CPU workers of one host (``shared_memory_bytes``)."""
-_IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
-
-_Key = tuple[str, int, int, int]
-"""A message: ``("F", receiving stage, micro-batch, step)`` or ``("B", ...)``."""
-
-
-@dataclass
-class StepOutput:
-    """What one call produced on this rank.
-
-    Attributes:
-        losses: loss of each step completed on this rank during the call (sum of its weighted
-            micro-batch losses), on the rank that runs the last stage.
-        microbatch_losses: ``(step, micro-batch) -> weighted loss`` computed during the call.
-        outputs: ``(step, micro-batch) -> last stage output`` when asked for.
-    """
-
-    losses: dict[int, float] = field(default_factory=dict)
-    microbatch_losses: dict[tuple[int, int], float] = field(default_factory=dict)
-    outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
-
-
-@dataclass
-class _InFlight:
-    """A forward waiting for its backward (and, after an ``I``, for its ``W``)."""
-
-    inputs: Any
-    version: int
-    leaves: dict[str, torch.Tensor]
-    outputs: Any = None
-    loss: torch.Tensor | None = None
-    saved: dict[int, int] = field(default_factory=dict)  # storages autograd saved (key -> bytes), when tracked
-    rng: tuple[torch.Tensor, ...] | None = None
-    roots: list[torch.Tensor] = field(default_factory=list)
-    root_grads: list[torch.Tensor] | None = None
-    split: SplitBackward | None = None
-
-
-def split_batch(batch: Any, parts: int) -> list[Any]:
-    """Split a nested batch into ``parts`` nearly equal micro-batches along dim 0 of every tensor that
-    has the batch's rows (those of its first tensor with a dimension); other tensors (a 0-d scale, an
-    attention mask shared by the rows) and non-tensor values go to every micro-batch as they are."""
-    skeleton, found = (None, [batch]) if isinstance(batch, torch.Tensor) else flatten(batch)  # a tensor: no skeleton
-    size = _rows(found)
-    if size < parts:
-        raise PlanningError(f"a mini-batch of {size} samples cannot be split into {parts} micro-batches")
-    chunks = [torch.tensor_split(t, parts) if t.dim() and t.shape[0] == size else (t,) * parts for t in found]
-    if skeleton is None:
-        return list(chunks[0])
-    return [unflatten(skeleton, [c[i] for c in chunks]) for i in range(parts)]
-
-
-def rows_of(batch: Any) -> int:
-    """The samples in ``batch``: the first dimension of its first tensor that has one."""
-    return _rows(tensors(batch))
-
-
-def _rows(found: list[torch.Tensor]) -> int:
-    first = next((t for t in found if t.dim()), None)
-    if first is None:
-        raise PlanningError("a mini-batch must hold a tensor with a batch dimension to split into micro-batches")
-    return first.shape[0]
-
-
-def _sent_forward(outputs: Any, differentiated: bool) -> tuple[Any, tuple[bool, ...] | None]:
-    """A stage's outputs as sent to the next stage: detached, with which of them require grad
-    (``None`` after a forward without autograd, recomputed in the backward: every floating one will)."""
-    flags = tuple(t.requires_grad for t in tensors(outputs)) if differentiated else None
-    return map_tensors(torch.Tensor.detach, outputs), flags
-
-
-def _received_forward(message: tuple[Any, tuple[bool, ...] | None]) -> Any:
-    """The inputs of a stage: leaves that require grad where the sender's outputs did (a tensor
-    computed from constants, such as an attention mask, stays without grad: attention kernels choose
-    their algorithm by it, and no gradient is wasted on it)."""
-    outputs, flags = message
-    found = iter(flags) if flags is not None else None
-    return map_tensors(
-        lambda t: t.detach().requires_grad_((found is None or next(found)) and t.is_floating_point()), outputs
-    )
+__all__ = ["PipelineExecutor"]
 
 
 class PipelineExecutor:
@@ -235,23 +152,23 @@ class PipelineExecutor:
         check_whole("gc_every", gc_every, 1, "calls", optional=True)
         check_whole("post_ahead_bytes", post_ahead_bytes, 0, "bytes", optional=True)
         check_whole("shared_memory_bytes", shared_memory_bytes, 0, "bytes", optional=True)
-        make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else _repeat(schedule)
+        make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else repeated(schedule)
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
         self.schedule = make(1)
         validate(self.schedule)
         check_borrowing(self.schedule)
         self.global_rank = dist.get_rank()
-        self.pipelines = _pipelines(pipelines, self.schedule.workers)
+        self.pipelines = pipeline_ranks(pipelines, self.schedule.workers)
         self.ranks = next(ranks for ranks in self.pipelines if self.global_rank in ranks)
         self.rank, self.world = self.ranks.index(self.global_rank), len(self.ranks)
         self.programs = Program.build(make)
         self.program = self.programs[self.rank]
         self.device = torch.device(device) if device is not None else _default_device()
-        self.loss_fn = loss_fn
         span = max(p.base for p in self.programs) + 2 * max(p.period for p in self.programs) + 1
         generated = make(span)
-        self._placement = self._placements(generated)
+        split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
+        placement = Placement(generated, self.program.base, self.program.period, split_stages)
         modules = dict(stages) if isinstance(stages, Mapping) else dict(enumerate(stages))
         mine = sorted({a.stage for a in self.schedule.orders[self.rank] if a.kind in COMPUTE})
         missing = [s for s in mine if s not in modules]
@@ -259,7 +176,7 @@ class PipelineExecutor:
             raise PlanningError(f"rank {self.rank} runs stages {mine} but got no module for {missing}")
         pipeline_groups = [tuple(dist.new_group(list(ranks)) for _ in range(3)) for ranks in self.pipelines]
         data_group, overflow_group, self.group = pipeline_groups[self.pipelines.index(self.ranks)]
-        groups = self._replica_groups()
+        groups = replica_groups(self.schedule, self.pipelines, self.global_rank)
         snapshots = not self.schedule.flush
         self.lending = Lending.of(self.schedule, self.rank)
         self.weights = {
@@ -270,15 +187,14 @@ class PipelineExecutor:
         self._replicated_stages = {s for s, w in self.weights.items() if w.group is not None}
         # stages computed here with another worker's weights (FSDP, FSLPP): no optimizer, lent every call
         self.borrowed = {s: StageWeights(modules[s].to(self.device), None, False) for s in self.lending.lenders}
-        self.ties = self._tie_groups(find_ties(modules))
+        ties = find_ties(modules)
+        self.ties = tie_groups(ties, self.schedule, self.pipelines, self.global_rank, self.lending, self.weights)
         self.norms = {s: DeferredNorms(weights.module) for s, weights in self.weights.items()}
-        self._lent: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stage, step, borrower) -> message
         flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)
-        self.recompute = {s: bool(flags[s]) for s in mine}
+        recomputed = {s: bool(flags[s]) for s in mine}
         self.failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
-        self.split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
         capacity = shared_memory_capacity(shared_memory_bytes, self.device)
-        rings = self._ring_sizes(generated, capacity, message_bytes) if capacity else {}
+        rings = link_sizes(self.schedule, placement, self.rank, self.ranks, capacity, message_bytes) if capacity else {}
         self.transport = Transport(
             self.global_rank,
             self.device,
@@ -298,252 +214,81 @@ class PipelineExecutor:
         base, period = max(p.base for p in self.programs), max(p.period for p in self.programs)
         self.relays = Relays(generated, self.rank, self.ranks, base, period, self.transport)
         self.relays.attach(self.weights)
-        self._last_relayed: dict[int, Action] = {}  # relayed stage -> this worker's last action on it
+        self.borrowing = Borrowing(self.lending, self.rank, self.ranks, self.weights, self.borrowed, self.transport)
+        self.router = Router(placement, self.rank, self.ranks, self.transport, self.borrowing, self.rings, self.relays)
         ours = [a for a in self.schedule.orders[self.rank] if a.kind is Kind.F]
         self.needs_inputs = any(a.stage == 0 for a in ours)
         self.needs_targets = any(a.stage == self.schedule.stages - 1 for a in ours)
-        self.targets_left: dict[int, int] = {}
         self.calls = 0
         self.origin = 0
-        self.inputs: dict[int, list[Any]] = {}
-        self.targets: dict[int, list[Any]] = {}
-        self.batch_rows: dict[int, int] = {}
-        self.in_flight: dict[tuple[int, int, int], _InFlight] = {}
-        self.local: dict[_Key, Any] = {}
-        self.expected: dict[_Key, tuple[int, int]] = {}
-        self.loss_parts: dict[int, dict[int, float]] = defaultdict(dict)  # step -> micro-batch -> loss so far
-        self.track_memory = track_memory
+        self.memory = ActivationMemory(track_memory, timeline_length)
+        m = self.schedule.microbatches
+        self.batches = MiniBatches(self.rank, m, self.device, self.needs_inputs, self.needs_targets, self.memory)
         self.early_gradients = early_gradients and self.schedule.flush
-        self.saved_bytes = 0
-        self.peak_saved_bytes = 0
-        self._holders: Counter[int] = Counter()  # saved storage -> forwards in flight saving it
-        self._held_bytes: dict[int, int] = {}
-        self._step_data: dict[int, list[torch.Tensor]] = {}  # step -> its data, while its micro-batches are in flight
-        self.memory_timeline: deque[tuple[float, int]] = deque(maxlen=timeline_length)  # (moment, saved bytes)
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
-        # (stage, entry of the program, position) -> versions used after it, less the call's shift
-        self._upcoming: dict[tuple[int, int, int], frozenset[int]] = {}
         self.timeline: deque[Interval] = deque(maxlen=timeline_length)
         self.garbage = AlignedCollection(gc_every)
-        for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
-            if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise PlanningError(f"{name} must be a positive number or None; got {value!r}")
-        self.clip_grad_norm = clip_grad_norm
-        self.clip_grad_value = clip_grad_value
-        self.before_update = before_update
-        if loss_scale is not None and not self.schedule.flush:
-            raise PlanningError(
-                f"float16 loss scaling needs a flushing schedule (every stage's gradient of a step before any "
-                f"update, to skip an overflowed step on all stages); {self.schedule.family!r} updates stages at "
-                "different times: use bfloat16 (no loss scale) or a flushing schedule (gpipe, 1f1b, interleaved, zb)"
-            )
-        self.loss_scale = loss_scale
-        self.deferring = self.schedule.flush and (
-            clip_grad_norm is not None or loss_scale is not None or any(t.group is not None for t in self.ties)
+        self.updates = Updates(
+            self.schedule,
+            self.weights,
+            self.ties,
+            self.norms,
+            self.device,
+            self.group,
+            clip_grad_norm=clip_grad_norm,
+            clip_grad_value=clip_grad_value,
+            before_update=before_update,
+            loss_scale=loss_scale,
         )
-        self.deferred: list[Action] = []
-        self.copies_inputs: set[int] = set()  # stages whose first layer works in place on the received input
-        self.loss_key: tuple[int, int] | None = None
+        self.loss_scale = loss_scale
+        self.compute = ForwardBackward(
+            stages=self.schedule.stages,
+            microbatches=m,
+            worker=self.rank,
+            weights=self.weights,
+            borrowed=self.borrowed,
+            recompute=recomputed,
+            batches=self.batches,
+            router=self.router,
+            transport=self.transport,
+            memory=self.memory,
+            loss_fn=loss_fn,
+            pipelines=len(self.pipelines),
+            loss_scale=loss_scale,
+            device=self.device,
+        )
+        window = 4 * (self.schedule.stages + m)  # a relayed stage's next actions looked at
+        self.versions = VersionsKept(self.program, self.rank, self.compute.in_flight, self.relays, window)
+        self.loss_sums = LossSums(m)
         self._running: list[Action] = []  # the actions of the call (or drain) being run
-        self._sent_early: tuple[float, float] | None = None  # when the running backward's input gradient left
         self._position = 0  # the index of the one running
         dist.barrier()
         self.epoch = time.perf_counter()
 
-    # -- placement and messages -----------------------------------------------------------------
-    def _placements(self, generated: Schedule) -> Callable[[Kind, int, int, int], int]:
-        """Which worker runs an action, from ``generated``: enough steps to hold the fill, two periods
-        of the steady state and the drain of every worker's program."""
-        where = {a.key: w for w, _, a in generated.actions() if a.kind in COMPUTE}
-        for stage, mb, step in {
-            (a.stage, a.microbatch, a.step) for _, _, a in generated.actions() if a.kind in COMPUTE
-        }:
-            forward = where[(Kind.F, stage, mb, step)]
-            backward = where.get((Kind.B, stage, mb, step), where.get((Kind.I, stage, mb, step)))
-            if forward != backward:
-                raise PlanningError(
-                    f"{generated.family}: the forward and backward of stage {stage}, micro-batch {mb} run on "
-                    f"workers {forward} and {backward}; the runtime keeps activations where they were made"
-                )
-        base, period, known = self.program.base, self.program.period, generated.steps
+    @property
+    def saved_bytes(self) -> int:
+        """The bytes autograd saves now for the micro-batches in flight (``track_memory``)."""
+        return self.memory.saved_bytes
 
-        def worker(kind: Kind, stage: int, mb: int, step: int) -> int:
-            """The worker of an action of program step ``step`` (steps since the last drain)."""
-            if step >= known:
-                step = base + (step - base) % period
-            return where[(kind, stage, mb, step)]
+    @property
+    def peak_saved_bytes(self) -> int:
+        """The most :attr:`saved_bytes` reached (``track_memory``)."""
+        return self.memory.peak_saved_bytes
 
-        return worker
+    @property
+    def memory_timeline(self) -> deque[tuple[float, int]]:
+        """``(moment, saved bytes)`` after every action (``track_memory``)."""
+        return self.memory.timeline
 
-    def _message_pairs(self, generated: Schedule) -> set[tuple[int, int]]:
-        """The ``(sender, receiver)`` workers that exchange messages: activations and gradients of
-        ``generated``, lent weights and their gradients, and :meth:`evaluate`'s activations."""
-        pairs = set()
-        for sender, _, action in generated.actions():
-            if action.kind in COMPUTE:
-                for key, kind in self._consumers(action):
-                    pairs.add((sender, self._placement(kind, key[1], key[2], key[3])))
-        for lender in self.lending.lenders.values():  # weights one way, their gradients back
-            pairs |= {(lender, self.rank), (self.rank, lender)}
-        for borrower in {b for borrowers in self.lending.borrowers.values() for b in borrowers}:
-            pairs |= {(self.rank, borrower), (borrower, self.rank)}
-        first = [owners[0] for owners in self.schedule.owners]
-        pairs |= set(itertools.pairwise(first))
-        for ring in self.schedule.rings:  # partial sums, then the whole sum
-            pairs |= set(itertools.pairwise(ring.gather)) | set(itertools.pairwise((ring.reducer, *ring.spread)))
-        return {(a, b) for a, b in pairs if a != b}
+    @property
+    def copies_inputs(self) -> set[int]:
+        """Stages whose first layer works in place on the received input (their forwards get copies)."""
+        return self.compute.copies_inputs
 
-    def _ring_sizes(
-        self, generated: Schedule, capacity: int, message_bytes: Sequence[float] | None
-    ) -> dict[tuple[int, int], int]:
-        """The bytes of the ring of every pair of global ranks that exchange messages
-        (:func:`ring_sizes`; as asked when stages lend their weights or reduce their gradients point to
-        point: the messages are weights or gradients then)."""
-        if message_bytes is not None and len(message_bytes) != self.schedule.stages - 1:
-            raise PlanningError(
-                f"message_bytes gives {len(message_bytes)} sizes; the schedule has {self.schedule.stages} stages, "
-                f"so {self.schedule.stages - 1} boundaries"
-            )
-        lends = any(Lending.of(self.schedule, worker).lenders for worker in range(self.schedule.workers))
-        sized = message_bytes if not lends and not self.schedule.rings else None  # weights or gradients: as asked
-        sizes = ring_sizes(generated, self._message_pairs(generated), capacity, sized)
-        return {(self.ranks[a], self.ranks[b]): size for (a, b), size in sizes.items()}
-
-    def _consumers(self, action: Action) -> list[tuple[_Key, Kind]]:
-        """Messages ``action`` produces, with the kind of action that consumes each."""
-        s, mb, t = action.stage, action.microbatch, action.step
-        if action.kind is Kind.F and s < self.schedule.stages - 1:
-            return [(("F", s + 1, mb, t), Kind.F)]
-        if action.kind in (Kind.B, Kind.I) and s > 0:
-            return [(("B", s - 1, mb, t), Kind.I if s - 1 in self.split_stages else Kind.B)]
-        return []
-
-    def _destination(self, key: _Key, kind: Kind) -> int:
-        return self._placement(kind, key[1], key[2], key[3] - self.origin)
-
-    def _expect(self, actions_of: Callable[[int], list[Action]]) -> None:
-        """Post the receives of every message other workers send this one during a call."""
-        for peer in range(self.world):
-            if peer == self.rank:
-                continue
-            actions = actions_of(peer)
-            lent = {s for s, borrowers in self.lending.borrowers.items() if peer in borrowers}
-            returns = last_gradients(actions, lent)
-            gathers = last_gradients(actions, self.rings.stages)
-            sender = self.ranks[peer]
-            for position, action in enumerate(actions):
-                if action.kind in COMPUTE:
-                    for key, kind in self._consumers(action):
-                        if self._destination(key, kind) == self.rank:
-                            self.expected[key] = (sender, self.transport.expect(sender, key[:3]))
-                if position in returns:  # after its last backward of a stage lent to it: the gradients
-                    stage, step = returns[position]
-                    self._lent[(stage, step, peer)] = (sender, self.transport.expect(sender, ("G", stage, 0)))
-                self.rings.expect(peer, action, gathers.get(position))
-                self.relays.expect(peer, action)
-                if action.kind is Kind.SIGNAL and action.peer == self.rank:
-                    self.expected[action.key] = (sender, self.transport.expect(sender, "cue"))
-
-    def _lend(self, peers: Callable[[int], list[Action]]) -> None:
-        """Send the live weights of each stage this worker lends to the workers computing it in this call."""
-        for stage, borrowers in self.lending.borrowers.items():
-            for borrower in borrowers:
-                if any(a.stage == stage and a.kind in COMPUTE for a in peers(borrower)):
-                    self.transport.send(self.ranks[borrower], weights_message(self.weights[stage]), ("P", stage, 0))
-
-    def _borrow(self, actions: list[Action]) -> None:
-        """Take the lenders' weights of the stages this worker borrows and computes in this call."""
-        for stage, lender in self.lending.lenders.items():
-            using = next((a for a in actions if a.stage == stage and a.kind in COMPUTE), None)
-            if using is not None:
-                peer = self.ranks[lender]
-                message = self.transport.receive(peer, self.transport.expect(peer, ("P", stage, 0)))
-                load_weights(self.borrowed[stage], message, using.version)
-
-    def _return_gradients(self, stage: int, step: int) -> None:
-        """A borrower's last backward of ``stage`` in ``step`` ran: its gradients go to the lender."""
-        peer = self.ranks[self.lending.lenders[stage]]
-        self.transport.send(peer, returned_gradients(self.borrowed[stage], step), ("G", stage, 0))
-
-    def _collect_lent(self, action: Action) -> None:
-        """Before a lent stage's update: add the gradients its borrowers computed in the step."""
-        for borrower in self.lending.borrowers.get(action.stage, ()):
-            expected = self._lent.pop((action.stage, action.step, borrower), None)
-            if expected is not None:
-                self.weights[action.stage].add(action.step, self.transport.receive(*expected))
-
-    def _computing(self, stage: int) -> StageWeights:
-        """The weights this worker computes ``stage`` with: its own, or borrowed."""
-        return self.weights[stage] if stage in self.weights else self.borrowed[stage]
-
-    def _deliver(self, action: Action, obj: Any) -> None:
-        for key, kind in self._consumers(action):
-            destination = self._destination(key, kind)
-            if destination == self.rank:
-                self.local[key] = obj
-            else:
-                self.transport.send(self.ranks[destination], obj, key[:3])
-
-    def _incoming(self, key: _Key) -> Any:
-        if key in self.local:
-            return self.local.pop(key)
-        peer, sequence = self.expected.pop(key)
-        return self.transport.receive(peer, sequence)
-
-    def _replica_groups(self) -> dict[int, dist.ProcessGroup]:
-        """A process group per stage held by several ranks (its replicas in every pipeline); every
-        rank creates every group, in stage order."""
-        groups = {}
-        for stage, owners in enumerate(self.schedule.owners):
-            holders = sorted(ranks[w] for ranks in self.pipelines for w in owners)
-            if len(holders) > 1 and not self.schedule.rings:  # a ring reduces point to point (.rings)
-                group = dist.new_group(holders)
-                if self.global_rank in holders:
-                    groups[stage] = group
-        return groups
-
-    def _tie_groups(self, ties: list[Tie]) -> list[Tie]:
-        """Each tie (:mod:`~lightning_pipe.runtime.ties`) with the process group of the workers of
-        this pipeline holding its stages (every rank creates every group, in the same order), and the
-        positions of its parameters in this worker's stages."""
-        for tie in ties:
-            if any(s in self.lending.lenders or s in self.lending.borrowers for s in tie.stages):
-                raise PlanningError(
-                    f"parameters {tie.names} are shared by stages {list(tie.stages)}, one of which lends its weights "
-                    "(FSDP, FSLPP): shared parameters need every sharing stage to own them"
-                )
-            for ranks in self.pipelines:
-                holders = sorted({ranks[w] for s in tie.stages for w in self.schedule.owners[s]})
-                group = dist.new_group(holders)
-                if self.global_rank in holders:
-                    tie.group = group
-            for s in tie.stages:
-                if s in self.weights:
-                    positions = self.weights[s]._position
-                    tie.positions[s] = [positions[id(p)] for p in tie.parameters]
-        if not self.schedule.flush:
-            for worker, orders in enumerate(self.schedule.orders):
-                held = {a.stage for a in orders} & {s for tie in ties for s in tie.stages}
-                if len(held) > 1:
-                    raise PlanningError(
-                        f"worker {worker} holds stages {sorted(held)} whose parameters are shared with other stages; "
-                        f"a non-flushing schedule ({self.schedule.family}) sums shared gradients at each stage's own "
-                        "update, which needs one sharing stage per worker: use one stage per worker, or a flushing "
-                        "schedule"
-                    )
-        return ties
-
-    def _sum_ties(self, actions: list[Action]) -> None:
-        """Sum the tied parameters' gradients of the updates ``actions`` over the stages sharing them,
-        tie after tie in one order on every worker (:mod:`~lightning_pipe.runtime.ties`)."""
-        for tie in self.ties:
-            parts = {
-                a.stage: (self.weights[a.stage].summed_gradients(a.step), 1.0 / len(self.schedule.owners[a.stage]))
-                for a in actions
-                if a.stage in tie.positions
-            }
-            if parts:
-                tie.sum(parts)
+    @property
+    def loss_key(self) -> tuple[int, int] | None:
+        """The (step, micro-batch) whose loss ``loss_fn`` is computing, for callers that log."""
+        return self.compute.loss_key
 
     # -- the training loop's entry points --------------------------------------------------------
     def step(
@@ -558,14 +303,14 @@ class PipelineExecutor:
         call = self.calls
         self.garbage.call()
         try:
-            self._store_batch(self.origin + call, inputs, targets)
+            self.batches.store(self.origin + call, inputs, targets)
         except Exception as error:
             self._stop(error)
             raise
         output = self._run(self._actions(self.rank, call), lambda peer: self._actions(peer, call), return_outputs)
         self.calls += 1
         self._calls_cache = {key: actions for key, actions in self._calls_cache.items() if key[1] >= self.calls}
-        return self._share(output) if share_losses else output
+        return share(output, self.world, self.group) if share_losses else output
 
     def _actions(self, worker: int, call: int) -> list[Action]:
         """Worker ``worker``'s actions of call ``call`` since the last drain, in absolute steps (kept
@@ -578,17 +323,6 @@ class PipelineExecutor:
     def _drain_actions(self, worker: int) -> list[Action]:
         return [shift(a, self.origin) for a in self.programs[worker].finish(self.calls - 1)]
 
-    def _share(self, output: StepOutput) -> StepOutput:
-        """Every rank gets every rank's losses (and outputs, when they were asked for)."""
-        outputs = {key: map_tensors(torch.Tensor.cpu, value) for key, value in output.outputs.items()}
-        gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (output.losses, output.microbatch_losses, outputs), group=self.group)
-        for losses, microbatch_losses, shared_outputs in gathered:
-            output.losses.update(losses)
-            output.microbatch_losses.update(microbatch_losses)
-            output.outputs.update(shared_outputs)
-        return output
-
     def drain(self, *, return_outputs: bool = False, share_losses: bool = False) -> StepOutput:
         """Finish every step in flight (end of epoch, validation, checkpoint); a no-op when flushed.
         The next :meth:`step` starts a new fill."""
@@ -599,14 +333,17 @@ class PipelineExecutor:
             output = self._run(self._drain_actions(self.rank), self._drain_actions, return_outputs)
             self.relays.end_drain()
             self.transport.flush()
-            self.origin += self.calls
-            self.relays.origin = self.origin
+            self._move_origin(self.origin + self.calls)
             self.calls = 0
             self._calls_cache.clear()
             for weights in self.weights.values():  # the next fill starts from the live weights
                 weights.forget_versions()
             self.garbage.full()
-        return self._share(output) if share_losses else output
+        return share(output, self.world, self.group) if share_losses else output
+
+    def _move_origin(self, origin: int) -> None:
+        """The step the programs count from, for the executor, its router and the relays."""
+        self.origin = self.router.origin = self.relays.origin = origin
 
     def evaluate(self, inputs: Any, microbatches: int, on_output: Callable[[int, Any], None]) -> None:
         """A forward-only pipeline over the live weights (validation, test, predict): ``inputs`` (needed
@@ -705,7 +442,7 @@ class PipelineExecutor:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.calls = int(state["calls"])
-        self.origin = self.relays.origin = int(state["origin"])
+        self._move_origin(int(state["origin"]))
         self._calls_cache.clear()  # keyed by call, relative to the origin just replaced
         for stage, entry in state["stages"].items():
             if "module" in entry:
@@ -714,33 +451,15 @@ class PipelineExecutor:
             self.norms[int(stage)].forget()
 
     # -- running actions -------------------------------------------------------------------------
-    def _store_batch(self, step: int, inputs: Any, targets: Any) -> None:
-        m = self.schedule.microbatches
-        if self.needs_inputs:
-            if inputs is None:
-                raise PlanningError(f"rank {self.rank} runs the first stage: step() needs the inputs")
-            self.inputs[step] = split_batch(map_tensors(self._to_device, inputs), m)
-            if self.track_memory:  # kept (alive, so no activation takes their addresses) while the step is in flight
-                self._step_data[step] = list(tensors(self.inputs[step]))
-        if self.needs_targets:
-            if targets is None:
-                raise PlanningError(f"rank {self.rank} runs the last stage: step() needs the targets")
-            self.targets[step] = split_batch(map_tensors(self._to_device, targets), m)
-            self.batch_rows[step] = rows_of(targets)
-            self.targets_left[step] = m
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device)
-
     def _run(self, actions: list[Action], peers: Callable[[int], list[Action]], return_outputs: bool) -> StepOutput:
         output = StepOutput()
         try:
             self.transport.next_call()
             if self.relays.stages and self.calls == 0 and actions is self._calls_cache.get((self.rank, 0)):
                 self.relays.begin_run()
-            self._lend(peers)
-            self._borrow(actions)
-            self._expect(peers)
+            self.borrowing.lend(peers)
+            self.borrowing.borrow(actions)
+            self.router.expect(peers)
             early = cooldown_backwards(actions, self.early_gradients, self.schedule.stages)
             self._running = actions
             returning = last_gradients(actions, self.borrowed)  # position -> (borrowed stage, step)
@@ -749,7 +468,7 @@ class PipelineExecutor:
             summing = last_gradients(actions, self._replicated_stages) if self.schedule.flush else {}
             for position, action in enumerate(actions):
                 self._position = position
-                self._sent_early = None
+                self.compute.sent_early = None
                 start, waited = time.perf_counter(), self.transport.waited
                 relayed = action.stage in self.relays.stages and (action.kind in COMPUTE or action.kind is Kind.UPDATE)
                 if relayed:
@@ -757,10 +476,10 @@ class PipelineExecutor:
                 self._execute(action, output, return_outputs, position in early)
                 if relayed:
                     if action.kind is not Kind.UPDATE:
-                        self._last_relayed[action.stage] = action
+                        self.versions.last_relayed[action.stage] = action
                     self.relays.give(action)
                 if position in returning:
-                    self._return_gradients(*returning[position])
+                    self.borrowing.give_back(*returning[position])
                 if position in gathering:
                     stage, step = gathering[position]
                     self.rings.gather(self.weights[stage], stage, step)
@@ -768,12 +487,12 @@ class PipelineExecutor:
                     stage, step = summing[position]
                     self.weights[stage].start_sum(step)
                 self._record(action, start, waited)
-            if self.deferring:
-                self._deferred_updates()
+            if self.updates.deferring:
+                self.updates.apply_deferred(self._versions_kept)
         except Exception as error:
             self._stop(error)
             raise
-        return self._as_floats(output)
+        return self.loss_sums.as_floats(output)
 
     def _record(self, action: Action, start: float, waited: float) -> None:
         """Put ``action`` (started at ``start``, with ``waited`` seconds of waits before it) on the
@@ -781,15 +500,15 @@ class PipelineExecutor:
         gradient left and ``W`` after: what a split backward costs is then measured
         (:mod:`~lightning_pipe.runtime.calibration`), and priced by the simulator."""
         end, waits = time.perf_counter(), self.transport.waited
-        if self.track_memory:  # on the host's clock, so processes line up
+        if self.memory.track:  # on the host's clock, so processes line up
             # a forward's saved bytes count from the start of its compute (after its input arrived), as the
             # simulator and the paper's time steps count them; a backward's are freed at its end
-            moment = start + (waits - waited) if action.kind is Kind.F else end
-            self.memory_timeline.append((moment, self.saved_bytes))
-        if self._sent_early is None:
+            self.memory.mark(start + (waits - waited) if action.kind is Kind.F else end)
+        sent_early = self.compute.sent_early
+        if sent_early is None:
             self.timeline.append(Interval(self.rank, action, start - self.epoch, end - self.epoch, waits - waited))
             return
-        middle, waited_before = self._sent_early
+        middle, waited_before = sent_early
         epoch = self.epoch
         halves = ((Kind.I, start, middle, waited_before - waited), (Kind.W, middle, end, waits - waited_before))
         for kind, begin, finish, waited_in in halves:
@@ -810,364 +529,39 @@ class PipelineExecutor:
 
     def _execute(self, action: Action, output: StepOutput, return_outputs: bool, early: bool) -> None:
         if action.kind is Kind.F:
-            self._forward(action, output, return_outputs)
+            self.compute.forward(action, output, return_outputs)
         elif action.kind in (Kind.B, Kind.I):
-            self._backward(action, weights_too=action.kind is Kind.B, early=early)
+            self.compute.backward(action, weights_too=action.kind is Kind.B, early=early)
         elif action.kind is Kind.W:
-            self._weight_gradient(action)
+            self.compute.weight_gradient(action)
         elif action.kind is Kind.SIGNAL:  # a cue: this worker has come this far
-            self.transport.send(self.ranks[action.peer], [], "cue")
+            self.router.signal(action)
         elif action.kind is Kind.WAIT:
-            self.transport.receive(*self.expected.pop(replace(action, kind=Kind.SIGNAL).key))
-        elif action.kind is Kind.UPDATE and self.deferring:
-            self._collect_lent(action)
-            self.deferred.append(action)  # after every stage's gradient of the step: the global norm
+            self.router.wait(action)
+        elif action.kind is Kind.UPDATE and self.updates.deferring:
+            self.borrowing.collect(action)
+            self.updates.deferred.append(action)  # after every stage's gradient of the step: the global norm
         elif action.kind is Kind.UPDATE:
-            self._collect_lent(action)
+            self.borrowing.collect(action)
             if action.stage in self.rings.stages:
                 self.rings.spread(self.weights[action.stage], action.stage, action.step)
-            self._update(action, self.clip_grad_norm)
-
-    def _update(self, action: Action, stage_norm: float | None, skip: bool = False) -> None:
-        """Apply a stage's step: clip (by ``stage_norm`` over its own gradient, and by value), set the
-        step's hyper-parameters, step the optimizer (``skip``: drop the gradient, the version still
-        advances)."""
-        weights = self.weights[action.stage]
-        if not self.deferring:
-            self._sum_ties([action])
-
-        def prepare(grads: list[torch.Tensor | None]) -> None:
-            if stage_norm is not None:
-                for part in self._clipping_parts(action.stage, grads):
-                    scale(part, norm_coefficient(float(squared_norm(part)) ** 0.5, stage_norm))
-            if self.clip_grad_value is not None:
-                clip_by_value(grads, self.clip_grad_value)
-            if self.before_update is not None:
-                self.before_update(action.stage, action.step, weights.optimizer)
-
-        kept = self._versions_kept(action.stage) if weights.snapshots else set()
-        weights.update(action.step, kept, prepare, skip=skip)
-        self.norms[action.stage].commit(action.step)
-
-    def _clipping_parts(self, stage: int, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor | None]]:
-        """The groups of a stage's gradients clipped by their own norm when each stage clips alone
-        (non-flushing schedules): each tie's, then the rest; so the copies of a tied parameter on
-        different stages are clipped alike."""
-        tied = [tie.positions[stage] for tie in self.ties if stage in tie.positions]
-        taken = {i for indices in tied for i in indices}
-        rest = [g for i, g in enumerate(grads) if i not in taken]
-        return [[grads[i] for i in indices] for indices in tied] + [rest]
-
-    def _deferred_updates(self) -> None:
-        """The updates of a flushing call under global-norm clipping or loss scaling: every worker
-        unscales its stages' gradients, sums their squared norms (a stage's replicas each count
-        ``1/r`` of it) in one all-reduce over all workers, scales its gradients by the unsplit
-        model's clipping factor, then updates, or skips every update if the sum is not finite (an
-        overflow, under loss scaling). Every worker takes part at the end of every call, with or
-        without updates."""
-        grads = [self.weights[a.stage].summed_gradients(a.step) for a in self.deferred]
-        self._sum_ties(self.deferred)
-        if self.loss_scale is not None:
-            for stage_grads in grads:
-                scale(stage_grads, self.loss_scale.inverse)
-        total = torch.zeros((), dtype=torch.float64)
-        for action, stage_grads in zip(self.deferred, grads, strict=True):
-            total += self._own_squared_norm(action.stage, stage_grads).cpu() / len(self.schedule.owners[action.stage])
-        total = total.to(self.device)
-        dist.all_reduce(total, group=self.group)
-        overflowed = self.loss_scale is not None and not math.isfinite(float(total))
-        if self.clip_grad_norm is not None and not overflowed:
-            coefficient = norm_coefficient(float(total) ** 0.5, self.clip_grad_norm)
-            for stage_grads in grads:
-                scale(stage_grads, coefficient)
-        for action in self.deferred:
-            self._update(action, None, skip=overflowed)
-        if self.loss_scale is not None and self.deferred:
-            self.loss_scale.update(overflowed)
-        self.deferred.clear()
-
-    def _own_squared_norm(self, stage: int, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """``Σ ‖g‖²`` of a stage's gradients, a tied parameter counting ``1/h`` on each of its ``h``
-        sharing stages (once in the sum over all stages)."""
-        total = squared_norm(grads)
-        for tie in self.ties:
-            if stage in tie.positions:
-                tied = squared_norm([grads[i] for i in tie.positions[stage]])
-                total = total - tied * (1 - 1 / len(tie.stages))
-        return total
-
-    def _forward(self, action: Action, output: StepOutput, return_outputs: bool) -> None:
-        s, mb, t = action.stage, action.microbatch, action.step
-        inputs = self.inputs[t][mb] if s == 0 else _received_forward(self._incoming(("F", s, mb, t)))
-        weights = self._computing(s)
-        state = _InFlight(inputs=inputs, version=action.version, leaves=weights.leaves(action.version))
-        try:
-            with running_forward(t, mb):  # batch norm's statistics count once per step (.batch_norm)
-                if self.recompute[s]:
-                    state.rng = self._rng_state()
-                    with torch.no_grad():  # on a copy: a first layer working in place would change the input kept
-                        state.outputs = weights.forward(state.leaves, map_tensors(torch.Tensor.clone, inputs))
-                else:
-                    state.outputs, state.saved = self._in_place_safe(
-                        s, inputs, lambda x: self._forward_saving(weights, state.leaves, x, t, s == 0)
-                    )
-        except Exception as error:
-            add_note(error, self._where(action, inputs))
-            raise
-        if s == self.schedule.stages - 1:
-            loss = self._loss(state.outputs, t, mb)
-            state.loss = None if self.recompute[s] else self._pipeline_share(loss)
-            output.microbatch_losses[(t, mb)] = loss.detach()  # a float at the call's end: no sync here
-            if return_outputs:
-                output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
-        else:
-            self._deliver(action, _sent_forward(state.outputs, not self.recompute[s]))
-        self.in_flight[(s, mb, t)] = state
-        if s == 0 and mb == self.schedule.microbatches - 1:
-            self.inputs.pop(t, None)
-
-    def _where(self, action: Action, inputs: Any) -> str:
-        """Where a forward failed: the stage, this rank, and the input's source and shapes (a stage
-        that fails on the output of the stage before it points at the split)."""
-        s = action.stage
-        shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors(inputs)]
-        if s == 0:
-            source = "the micro-batch of the data"
-        else:
-            producer = self._placement(Kind.F, s - 1, action.microbatch, action.step - self.origin)
-            source = f"the output of stage {s - 1} (rank {producer})"
-        return f"raised in the forward of stage {s} (rank {self.rank}) on {source}, tensors {shapes}"
-
-    def _as_floats(self, output: StepOutput) -> StepOutput:
-        """``output`` with the micro-batch losses, kept as tensors while the call ran, read as floats
-        (on a GPU in one transfer: one synchronisation per call instead of one per micro-batch), and
-        the loss of each step whose last micro-batch ran: the sum of its micro-batches' losses, in
-        float64, in the order they ran (some may have run in earlier calls)."""
-        if not output.microbatch_losses:
-            return output
-        values = list(output.microbatch_losses.values())
-        on_cpu = values[0].device.type == "cpu"  # no transfer to save: each read on its own is cheaper
-        numbers = [value.item() for value in values] if on_cpu else torch.stack([v.double() for v in values]).tolist()
-        output.microbatch_losses = dict(zip(output.microbatch_losses, numbers, strict=True))
-        for (step, mb), number in output.microbatch_losses.items():
-            parts = self.loss_parts[step]
-            parts[mb] = number
-            if len(parts) == self.schedule.microbatches:
-                output.losses[step] = sum(self.loss_parts.pop(step).values())
-        return output
-
-    def _forward_saving(
-        self, weights: StageWeights, leaves: dict[str, torch.Tensor], inputs: Any, step: int, first: bool
-    ) -> tuple[Any, dict[int, int]]:
-        """Forward with autograd; also the storages it saved for backward when memory is tracked
-        (model state excluded: the parameters, and buffers such as batch norm's running statistics;
-        and ``step``'s mini-batch, the data, which the step holds whatever the schedule: the ``first``
-        stage's inputs, and views of them however far they travel), counted in :attr:`saved_bytes`
-        until :meth:`_release`."""
-        if not self.track_memory:
-            return weights.forward(leaves, inputs), {}
-        data = [*self._step_data.get(step, ()), *(tensors(inputs) if first else ())]
-        with saved_bytes([*leaves.values(), *weights.module.buffers(), *data]) as counted:
-            result = weights.forward(leaves, inputs)
-        for key, nbytes in counted.storages.items():
-            if not self._holders[key]:
-                self._held_bytes[key] = nbytes
-                self.saved_bytes += nbytes
-            self._holders[key] += 1
-        self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
-        return result, counted.storages
-
-    def _in_place_safe(self, stage: int, inputs: Any, forward: Callable[[Any], _T]) -> _T:
-        """``forward(inputs)``, or ``forward`` of a copy of them for a stage whose first layer works in
-        place on its input (``ReLU(inplace=True)`` after a cut, common in torchvision models): a
-        received input is a leaf that requires grad, on which autograd forbids in-place operations.
-        A stage is found out by that error on its first forward and gets copies from then on."""
-        if stage in self.copies_inputs:
-            return forward(map_tensors(torch.Tensor.clone, inputs))
-        try:
-            return forward(inputs)
-        except RuntimeError as error:
-            if stage == 0 or _IN_PLACE_ON_LEAF not in str(error):
-                raise
-        self.copies_inputs.add(stage)
-        return forward(map_tensors(torch.Tensor.clone, inputs))
-
-    def _loss(self, result: Any, step: int, mb: int) -> torch.Tensor:
-        target = self.targets[step][mb]
-        self.loss_key = (step, mb)  # which micro-batch loss_fn is computing, for callers that log
-        return self.loss_fn(result, target) * (rows_of(target) / self.batch_rows[step])
-
-    def _pipeline_share(self, loss: torch.Tensor) -> torch.Tensor:
-        """What a micro-batch's loss contributes to the gradient summed over the data-parallel
-        pipelines (their mean); with one pipeline the loss itself, no division (one autograd node
-        less per micro-batch)."""
-        return loss if len(self.pipelines) == 1 else loss / len(self.pipelines)
-
-    def _rng_state(self) -> tuple[torch.Tensor, ...]:
-        """The random state a forward starts from (CPU, and the GPU's when computing there)."""
-        if self.device.type == "cuda":
-            return torch.get_rng_state(), torch.cuda.get_rng_state(self.device)
-        return (torch.get_rng_state(),)
-
-    def _recompute(self, action: Action, state: _InFlight) -> None:
-        """GPipe rematerialisation: the forward again, with autograd, under the forward's RNG state (same
-        dropout masks), leaving the module's buffers as they were (batch norm's running statistics are
-        updated once per micro-batch, by the first forward)."""
-        weights = self._computing(action.stage)
-        accelerated = [self.device] if self.device.type == "cuda" else []
-        buffers = [(buffer, buffer.clone()) for buffer in weights.module.buffers()]
-        with torch.random.fork_rng(devices=accelerated):
-            torch.set_rng_state(state.rng[0])
-            if accelerated:
-                torch.cuda.set_rng_state(state.rng[1], self.device)
-            state.outputs, state.saved = self._in_place_safe(
-                action.stage,
-                state.inputs,
-                lambda x: self._forward_saving(weights, state.leaves, x, action.step, action.stage == 0),
-            )
-        for buffer, before in buffers:
-            # through .data: batch norm's backward node holds the running statistics it was given and
-            # checks their version, though training mode's gradient does not read them
-            buffer.data.copy_(before)
-        if action.stage == self.schedule.stages - 1:
-            state.loss = self._pipeline_share(self._loss(state.outputs, action.step, action.microbatch))
-
-    def _roots(self, action: Action, state: _InFlight) -> None:
-        """The tensors to differentiate and their incoming gradients (none for the scalar loss)."""
-        s, mb, t = action.stage, action.microbatch, action.step
-        if self.recompute[s]:
-            self._recompute(action, state)
-        if s == self.schedule.stages - 1:
-            loss = state.loss if self.loss_scale is None else state.loss * self.loss_scale.scale
-            state.roots, state.root_grads = [loss], None
-            return
-        grads = tensors(self._incoming(("B", s, mb, t)))
-        outputs = tensors(state.outputs)
-        if [(o.shape, o.dtype) for o in outputs] != [(g.shape, g.dtype) for g in grads]:
-            producer = self._placement(Kind.I if s + 1 in self.split_stages else Kind.B, s + 1, mb, t - self.origin)
-            raise PlanningError(
-                f"stage {s + 1} (rank {producer}) sent gradients {[(tuple(g.shape), g.dtype) for g in grads]} for "
-                f"stage {s}'s outputs {[(tuple(o.shape), o.dtype) for o in outputs]} (rank {self.rank})"
-            )
-        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
-        state.roots, state.root_grads = [o for o, _ in pairs], [g for _, g in pairs]
-
-    def _backward(self, action: Action, weights_too: bool, early: bool = False) -> None:
-        """``B`` (input and weight gradients), or ``I``: input gradients now, the weights' at ``W``
-        (:class:`~lightning_pipe.runtime.split_backward.SplitBackward`, nothing computed twice). An
-        ``early`` ``B`` runs as ``I``, sends, then ``W``."""
-        s, mb, t = action.stage, action.microbatch, action.step
-        state = self.in_flight[(s, mb, t)]
-        self._roots(action, state)
-        inputs = [x for x in tensors(state.inputs) if x.requires_grad] if s > 0 else []
-        split = not weights_too or (early and bool(inputs))
-        if split:
-            state.split = SplitBackward(
-                state.roots, state.root_grads, inputs, self._computing(s).differentiable(state.leaves)
-            )
-            grads = state.split.input_gradients()
-        else:
-            grads = self._computing(s).backward(t, state.leaves, state.roots, state.root_grads, inputs)
-        if s > 0:
-            self._send_input_grads(action, state, grads)
-        if weights_too and split:
-            self._sent_early = (time.perf_counter(), self.transport.waited)
-            self._weight_gradient(action)
-        elif weights_too:
-            self._release(action)
-
-    def _weight_gradient(self, action: Action) -> None:
-        """``W``: the weight gradients of a micro-batch whose ``I`` ran."""
-        state = self.in_flight[(action.stage, action.microbatch, action.step)]
-        state.split.weight_gradients(self._computing(action.stage).accumulator(action.step))
-        self._release(action)
-
-    def _send_input_grads(self, action: Action, state: _InFlight, grads: list[torch.Tensor | None]) -> None:
-        skeleton, sent = flatten(state.inputs)
-        computed = iter(grads)
-        full = []
-        for tensor in sent:
-            grad = next(computed) if tensor.requires_grad else None
-            full.append(torch.zeros_like(tensor) if grad is None else grad)
-        self._deliver(action, unflatten(skeleton, full))
-
-    def _release(self, action: Action) -> None:
-        """Forget a micro-batch once its last backward half ran."""
-        s, t = action.stage, action.step
-        state = self.in_flight.pop((s, action.microbatch, t))
-        for key in state.saved:
-            self._holders[key] -= 1
-            if not self._holders[key]:
-                del self._holders[key]
-                self.saved_bytes -= self._held_bytes.pop(key)
-        if t in self._step_data and t not in self.inputs and all(key[2] != t for key in self.in_flight):
-            del self._step_data[t]
-        if s == self.schedule.stages - 1:
-            self.targets_left[t] -= 1
-            if not self.targets_left[t]:
-                for store in (self.targets, self.batch_rows, self.targets_left):
-                    store.pop(t, None)
+            self.updates.apply(action, self._versions_kept)
 
     def _versions_kept(self, stage: int) -> set[int]:
         """Versions of ``stage`` that micro-batches in flight, the rest of this call or the next calls of
-        this worker use; for a relayed stage, those its next actions anywhere use."""
+        this worker use; for a relayed stage, those its next actions anywhere use
+        (:mod:`~lightning_pipe.runtime.versions_kept`)."""
         if stage in self.relays.stages:
-            window = 4 * (self.schedule.stages + self.schedule.microbatches)
-            return self.relays.upcoming_versions(self._last_relayed[stage], window)
-        kept = {state.version for (s, _, _), state in self.in_flight.items() if s == stage}
-        return kept | self._upcoming_versions(stage)
+            return self.versions.relayed(stage)
+        return self.versions.flying(stage) | self._upcoming_versions(stage)
 
     def _upcoming_versions(self, stage: int) -> set[int]:
         """Versions of ``stage`` the actions after the running one, in this call and the next
-        ``period + 1`` calls, compute with. In a call of the step's program they depend only on the
-        program's entry the call runs (:meth:`Program.entry_of`) up to a shift of every version, so
-        they are worked out once per entry and position and shifted after that."""
+        ``period + 1`` calls, compute with: worked out once per entry of the program and position in
+        a call of the step's program, read off every action to come in a drain."""
         if self._running is not self._calls_cache.get((self.rank, self.calls)):  # a drain
-            return self._scanned_versions(stage)
-        entry, steps = self.program.entry_of(self.calls)
-        offset = self.origin + steps
-        key = (stage, entry, self._position)
-        relative = self._upcoming.get(key)
-        if relative is None:
-            relative = self._upcoming[key] = frozenset(v - offset for v in self._scanned_versions(stage))
-        return {version + offset for version in relative}
-
-    def _scanned_versions(self, stage: int) -> set[int]:
-        """:meth:`_upcoming_versions`, read off every action still to come."""
-        calls = range(self.calls + 1, self.calls + self.program.period + 2)
-        actions = self._running[self._position + 1 :] + [a for c in calls for a in self._actions(self.rank, c)]
-        return {a.version for a in actions if a.stage == stage and a.kind in COMPUTE}
-
-
-def _pipelines(pipelines: Sequence[Sequence[int]] | None, workers: int) -> list[list[int]]:
-    """The ranks of each pipeline, checked: ``workers`` each, together every rank once."""
-    world = dist.get_world_size()
-    if pipelines is None:
-        pipelines = [range(world)]
-    result = [list(ranks) for ranks in pipelines]
-    every = sorted(rank for ranks in result for rank in ranks)
-    if every != list(range(world)):
-        raise PlanningError(f"pipelines {result} must hold every rank 0..{world - 1} exactly once")
-    if any(len(ranks) != workers for ranks in result):
-        raise PlanningError(
-            f"the schedule has {workers} workers but the pipelines have {[len(r) for r in result]} ranks: start "
-            f"{workers} processes per pipeline (e.g. torchrun --nproc-per-node {workers * len(result)})"
-        )
-    return result
-
-
-def _repeat(schedule: Schedule) -> Callable[[int], Schedule]:
-    if not schedule.flush:
-        # a non-flushing family's params are its make_schedule options (tests/test_schedule_slack.py)
-        options = {"rule": schedule.rule, **schedule.params}
-        example = f"{schedule.family!r}, {schedule.stages}, {schedule.microbatches}, k" + "".join(
-            f", {name}={value!r}" for name, value in options.items()
-        )
-        raise PlanningError(
-            f"{schedule.family} does not flush: give the executor a function steps -> schedule built with the "
-            f"same options (lambda k: make_schedule({example})) so it can follow the steady state"
-        )
-    return lambda steps: schedule
+            return self.versions.scanned(stage, self._running, self._position, self.calls, self._actions)
+        return self.versions.upcoming(stage, self._running, self._position, self.calls, self.origin, self._actions)
 
 
 def _post_ahead(requested: int | None, device: torch.device) -> int:
@@ -1175,13 +569,6 @@ def _post_ahead(requested: int | None, device: torch.device) -> int:
     if requested is not None:
         return requested
     return 256 * 1024 if device.type == "cpu" else 0
-
-
-def shared_memory_capacity(requested: int | None, device: torch.device) -> int:
-    """Bytes of each shared-memory ring (see ``shared_memory_bytes``); 0: no rings."""
-    if device.type != "cpu":
-        return 0
-    return DEFAULT_SHARED_MEMORY_BYTES if requested is None else requested
 
 
 def _default_device() -> torch.device:

@@ -23,7 +23,7 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.graph import build_graph
 from lightning_pipe.schedule.ir import Action, Schedule
 
-__all__ = ["Program", "segments", "shift"]
+__all__ = ["Program", "repeated", "segments", "shift"]
 
 
 def shift(action: Action, steps: int) -> Action:
@@ -164,3 +164,19 @@ def _periodic(parts: list[list[Action]], base: int, period: int, last: int) -> b
     phase = (last - base) % period
     head = [shift(a, last - base - phase) for a in parts[base + phase]]
     return parts[last][: len(head)] == head
+
+
+def repeated(schedule: Schedule) -> Callable[[int], Schedule]:
+    """``make(k)`` of a flushing ``schedule``: its one step, repeated. A non-flushing one is refused:
+    the runtime needs its steady state, from a function building it for any number of steps."""
+    if not schedule.flush:
+        # a non-flushing family's params are its make_schedule options (tests/test_schedule_slack.py)
+        options = {"rule": schedule.rule, **schedule.params}
+        example = f"{schedule.family!r}, {schedule.stages}, {schedule.microbatches}, k" + "".join(
+            f", {name}={value!r}" for name, value in options.items()
+        )
+        raise PlanningError(
+            f"{schedule.family} does not flush: give the executor a function steps -> schedule built with the "
+            f"same options (lambda k: make_schedule({example})) so it can follow the steady state"
+        )
+    return lambda steps: schedule

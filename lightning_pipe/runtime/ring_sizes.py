@@ -6,7 +6,8 @@ sent but not yet taken (:func:`~lightning_pipe.schedule.backlog.link_loads`: GPi
 messages, 1F1B's ``P - s`` on the links of stage ``s``), or an evaluation's forwards (the first
 stage may send every micro-batch before the next takes one), whichever is more, plus one message
 more for the room lost where a message does not fit before the ring's end and starts again at its
-front. Never more than the size asked for (a message that finds the ring full goes by gloo).
+front. Never more than the size asked for (a message that finds the ring full goes by gloo), 64 MiB
+unless asked otherwise; no rings at all on GPUs, whose messages NCCL carries.
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ import itertools
 import mmap
 from collections.abc import Iterable, Sequence
 
+import torch
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.borrowing import Lending
+from lightning_pipe.runtime.routing import Placement
 from lightning_pipe.schedule.backlog import LinkLoad, link_loads
 from lightning_pipe.schedule.ir import Action, Schedule
 
-__all__ = ["MESSAGE_OVERHEAD", "ring_sizes"]
+__all__ = ["DEFAULT_SHARED_MEMORY_BYTES", "MESSAGE_OVERHEAD", "link_sizes", "ring_sizes", "shared_memory_capacity"]
+
+DEFAULT_SHARED_MEMORY_BYTES = 64 * 1024 * 1024
+"""Each shared-memory ring between CPU workers of one host (``shared_memory_bytes``)."""
 
 MESSAGE_OVERHEAD = 4096
 """Bytes a message takes besides its tensors' own: the description of its layout (with the first
@@ -65,3 +74,34 @@ def ring_sizes(
 
 def _whole_pages(nbytes: float) -> int:
     return -(-int(nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def shared_memory_capacity(requested: int | None, device: torch.device) -> int:
+    """Bytes of each shared-memory ring (see ``shared_memory_bytes``); 0: no rings."""
+    if device.type != "cpu":
+        return 0
+    return DEFAULT_SHARED_MEMORY_BYTES if requested is None else requested
+
+
+def link_sizes(
+    schedule: Schedule,
+    placement: Placement,
+    worker: int,
+    ranks: Sequence[int],
+    capacity: int,
+    message_bytes: Sequence[float] | None,
+) -> dict[tuple[int, int], int]:
+    """The bytes of the ring of every pair of global ranks (``ranks``: the workers') that exchange
+    messages with ``worker`` (:meth:`Placement.message_pairs`; :func:`ring_sizes` of ``capacity`` at
+    most, or as asked when stages lend their weights or reduce their gradients point to point: the
+    messages are weights or gradients then)."""
+    if message_bytes is not None and len(message_bytes) != schedule.stages - 1:
+        raise PlanningError(
+            f"message_bytes gives {len(message_bytes)} sizes; the schedule has {schedule.stages} stages, "
+            f"so {schedule.stages - 1} boundaries"
+        )
+    lends = any(Lending.of(schedule, w).lenders for w in range(schedule.workers))
+    sized = message_bytes if not lends and not schedule.rings else None  # weights or gradients: as asked
+    pairs = placement.message_pairs(schedule, worker, Lending.of(schedule, worker))
+    sizes = ring_sizes(placement.generated, pairs, capacity, sized)
+    return {(ranks[a], ranks[b]): size for (a, b), size in sizes.items()}

@@ -20,14 +20,19 @@ parameter follows the update rule of the unsplit model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Tie", "find_ties"]
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.borrowing import Lending
+from lightning_pipe.runtime.weights import StageWeights
+from lightning_pipe.schedule.ir import Action, Schedule
+
+__all__ = ["Tie", "find_ties", "sum_ties", "tie_groups"]
 
 
 @dataclass
@@ -90,3 +95,57 @@ def find_ties(modules: Mapping[int, nn.Module]) -> list[Tie]:
             tie.names.append(name)
             tie.parameters.append(param)
     return [ties[key] for key in sorted(ties)]
+
+
+def tie_groups(
+    ties: list[Tie],
+    schedule: Schedule,
+    pipelines: Sequence[Sequence[int]],
+    rank: int,
+    lending: Lending,
+    weights: Mapping[int, StageWeights],
+) -> list[Tie]:
+    """Each tie with the process group of the workers of this pipeline holding its stages (every
+    rank, ``rank`` among them, creates every group, in the same order), and the positions of its
+    parameters in this worker's stages (``weights``; ``lending``: this worker's)."""
+    for tie in ties:
+        if any(s in lending.lenders or s in lending.borrowers for s in tie.stages):
+            raise PlanningError(
+                f"parameters {tie.names} are shared by stages {list(tie.stages)}, one of which lends its weights "
+                "(FSDP, FSLPP): shared parameters need every sharing stage to own them"
+            )
+        for ranks in pipelines:
+            holders = sorted({ranks[w] for s in tie.stages for w in schedule.owners[s]})
+            group = dist.new_group(holders)
+            if rank in holders:
+                tie.group = group
+        for s in tie.stages:
+            if s in weights:
+                positions = weights[s]._position
+                tie.positions[s] = [positions[id(p)] for p in tie.parameters]
+    if not schedule.flush:
+        for worker, orders in enumerate(schedule.orders):
+            held = {a.stage for a in orders} & {s for tie in ties for s in tie.stages}
+            if len(held) > 1:
+                raise PlanningError(
+                    f"worker {worker} holds stages {sorted(held)} whose parameters are shared with other stages; "
+                    f"a non-flushing schedule ({schedule.family}) sums shared gradients at each stage's own "
+                    "update, which needs one sharing stage per worker: use one stage per worker, or a flushing "
+                    "schedule"
+                )
+    return ties
+
+
+def sum_ties(
+    ties: list[Tie], actions: Sequence[Action], weights: Mapping[int, StageWeights], owners: Sequence[Sequence[int]]
+) -> None:
+    """Sum the tied parameters' gradients of the updates ``actions`` over the stages sharing them,
+    tie after tie in one order on every worker (a stage with ``owners`` counting ``1/r`` from each of its ``r``)."""
+    for tie in ties:
+        parts = {
+            a.stage: (weights[a.stage].summed_gradients(a.step), 1.0 / len(owners[a.stage]))
+            for a in actions
+            if a.stage in tie.positions
+        }
+        if parts:
+            tie.sum(parts)

@@ -21,8 +21,9 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.memory import MemoryModel
 from lightning_pipe.nested import flatten, map_tensors, to_cpu, unflatten
 from lightning_pipe.runtime import PipelineExecutor
-from lightning_pipe.runtime.executor import rows_of, shared_memory_capacity, split_batch
+from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
+from lightning_pipe.runtime.ring_sizes import shared_memory_capacity
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.simulation import Simulation

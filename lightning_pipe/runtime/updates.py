@@ -1,0 +1,160 @@
+"""A stage's update: tied gradients summed, loss scale undone, gradients clipped, then the optimizer's step.
+
+- At its ``UPDATE`` action a stage sums its tied parameters' gradients with the other sharing stages'
+  (:mod:`~lightning_pipe.runtime.ties`), clips its gradient by its own norm (each tie's part and the
+  rest apart, so the copies of a tied parameter are clipped alike) and by value
+  (:mod:`~lightning_pipe.runtime.clipping`), sets the step's hyper-parameters (``before_update``) and
+  steps its optimizer, keeping the weight versions still in use
+  (:class:`~lightning_pipe.runtime.weights.StageWeights`).
+- A flushing schedule with global-norm clipping, float16 loss scaling or ties holds its updates back
+  to the end of the call (*deferring*), when every stage's gradient of the step exists: every worker
+  unscales its stages' gradients, their squared norms are summed over all workers in one all-reduce,
+  every gradient is scaled by the unsplit model's clipping factor, and a step whose sum is not finite
+  (an overflow) is skipped on every stage (Micikevicius et al. 2018, §3.2:
+  :mod:`~lightning_pipe.runtime.loss_scaling`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.batch_norm import DeferredNorms
+from lightning_pipe.runtime.clipping import clip_by_value, norm_coefficient, scale, squared_norm
+from lightning_pipe.runtime.loss_scaling import LossScale
+from lightning_pipe.runtime.ties import Tie, sum_ties
+from lightning_pipe.runtime.weights import StageWeights
+from lightning_pipe.schedule.ir import Action, Schedule
+
+__all__ = ["Updates"]
+
+
+class Updates:
+    """The updates of this worker's stages.
+
+    Args:
+        schedule: the schedule (one step of it).
+        weights: the stages this worker owns.
+        ties: the parameters its stages share (with their groups and positions).
+        norms: each stage's batch norm statistics, committed at its update.
+        device, group: where this worker computes, and the process group of its pipeline.
+        clip_grad_norm, clip_grad_value, before_update, loss_scale: as the executor's.
+
+    Attributes:
+        deferring: the updates wait for the end of the call (:meth:`apply_deferred`).
+        deferred: the updates held back in the running call.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        weights: Mapping[int, StageWeights],
+        ties: list[Tie],
+        norms: Mapping[int, DeferredNorms],
+        device: torch.device,
+        group: dist.ProcessGroup,
+        *,
+        clip_grad_norm: float | None,
+        clip_grad_value: float | None,
+        before_update: Callable[[int, int, torch.optim.Optimizer | None], None] | None,
+        loss_scale: LossScale | None,
+    ) -> None:
+        for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise PlanningError(f"{name} must be a positive number or None; got {value!r}")
+        if loss_scale is not None and not schedule.flush:
+            raise PlanningError(
+                f"float16 loss scaling needs a flushing schedule (every stage's gradient of a step before any "
+                f"update, to skip an overflowed step on all stages); {schedule.family!r} updates stages at "
+                "different times: use bfloat16 (no loss scale) or a flushing schedule (gpipe, 1f1b, interleaved, zb)"
+            )
+        self.owners = schedule.owners
+        self.weights, self.ties, self.norms = weights, ties, norms
+        self.device, self.group = device, group
+        self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
+        self.before_update, self.loss_scale = before_update, loss_scale
+        self.deferring = schedule.flush and (
+            clip_grad_norm is not None or loss_scale is not None or any(t.group is not None for t in ties)
+        )
+        self.deferred: list[Action] = []
+
+    def apply(self, action: Action, versions_kept: Callable[[int], set[int]]) -> None:
+        """A stage's update at its ``UPDATE`` action, clipped by its own norm. ``versions_kept(stage)``:
+        the versions of ``stage`` still in use, asked at the update; given with each call, not kept,
+        so that no part of the executor refers back to it (an executor dropped is freed at once, and
+        its connections with it)."""
+        self._update(action, self.clip_grad_norm, versions_kept)
+
+    def _update(
+        self, action: Action, stage_norm: float | None, versions_kept: Callable[[int], set[int]], skip: bool = False
+    ) -> None:
+        """Apply a stage's step: clip (by ``stage_norm`` over its own gradient, and by value), set the
+        step's hyper-parameters, step the optimizer (``skip``: drop the gradient, the version still
+        advances), keeping the versions still in use."""
+        weights = self.weights[action.stage]
+        if not self.deferring:
+            sum_ties(self.ties, [action], self.weights, self.owners)
+
+        def prepare(grads: list[torch.Tensor | None]) -> None:
+            if stage_norm is not None:
+                for part in self._clipping_parts(action.stage, grads):
+                    scale(part, norm_coefficient(float(squared_norm(part)) ** 0.5, stage_norm))
+            if self.clip_grad_value is not None:
+                clip_by_value(grads, self.clip_grad_value)
+            if self.before_update is not None:
+                self.before_update(action.stage, action.step, weights.optimizer)
+
+        kept = versions_kept(action.stage) if weights.snapshots else set()
+        weights.update(action.step, kept, prepare, skip=skip)
+        self.norms[action.stage].commit(action.step)
+
+    def _clipping_parts(self, stage: int, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor | None]]:
+        """The groups of a stage's gradients clipped by their own norm when each stage clips alone
+        (non-flushing schedules): each tie's, then the rest; so the copies of a tied parameter on
+        different stages are clipped alike."""
+        tied = [tie.positions[stage] for tie in self.ties if stage in tie.positions]
+        taken = {i for indices in tied for i in indices}
+        rest = [g for i, g in enumerate(grads) if i not in taken]
+        return [[grads[i] for i in indices] for indices in tied] + [rest]
+
+    def apply_deferred(self, versions_kept: Callable[[int], set[int]]) -> None:
+        """The updates of a flushing call under global-norm clipping or loss scaling: every worker
+        unscales its stages' gradients, sums their squared norms (a stage's replicas each count
+        ``1/r`` of it) in one all-reduce over all workers, scales its gradients by the unsplit
+        model's clipping factor, then updates, or skips every update if the sum is not finite (an
+        overflow, under loss scaling). Every worker takes part at the end of every call, with or
+        without updates. ``versions_kept``: as :meth:`apply`'s."""
+        grads = [self.weights[a.stage].summed_gradients(a.step) for a in self.deferred]
+        sum_ties(self.ties, self.deferred, self.weights, self.owners)
+        if self.loss_scale is not None:
+            for stage_grads in grads:
+                scale(stage_grads, self.loss_scale.inverse)
+        total = torch.zeros((), dtype=torch.float64)
+        for action, stage_grads in zip(self.deferred, grads, strict=True):
+            total += self._own_squared_norm(action.stage, stage_grads).cpu() / len(self.owners[action.stage])
+        total = total.to(self.device)
+        dist.all_reduce(total, group=self.group)
+        overflowed = self.loss_scale is not None and not math.isfinite(float(total))
+        if self.clip_grad_norm is not None and not overflowed:
+            coefficient = norm_coefficient(float(total) ** 0.5, self.clip_grad_norm)
+            for stage_grads in grads:
+                scale(stage_grads, coefficient)
+        for action in self.deferred:
+            self._update(action, None, versions_kept, skip=overflowed)
+        if self.loss_scale is not None and self.deferred:
+            self.loss_scale.update(overflowed)
+        self.deferred.clear()
+
+    def _own_squared_norm(self, stage: int, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """``Σ ‖g‖²`` of a stage's gradients, a tied parameter counting ``1/h`` on each of its ``h``
+        sharing stages (once in the sum over all stages)."""
+        total = squared_norm(grads)
+        for tie in self.ties:
+            if stage in tie.positions:
+                tied = squared_norm([grads[i] for i in tie.positions[stage]])
+                total = total - tied * (1 - 1 / len(tie.stages))
+        return total
