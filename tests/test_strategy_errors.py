@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -156,9 +156,16 @@ def test_any_flag_but_true_or_false_is_refused(value: object) -> None:
 
 @settings(deadline=None)
 @given(st.one_of(st.text(max_size=6), st.integers(-10, 10**6).map(str)))
+@example("²").via("a digit to str.isdigit, not to int()")
+@example(" 29500 ")
 def test_a_master_port_is_a_port_number(port: str) -> None:
-    """``MASTER_PORT``, which Lightning's environments and torch read when the processes meet."""
-    if port.strip().isdigit() and 1 <= int(port) <= 65535:
+    """``MASTER_PORT``, which Lightning's environments and torch read with ``int()`` when the processes
+    meet (superscript digits are digits to ``str.isdigit`` but not to ``int``)."""
+    try:
+        number: int | None = int(port)
+    except ValueError:
+        number = None
+    if number is not None and 1 <= number <= 65535:
         check_port({"MASTER_PORT": port})
     else:
         with pytest.raises(PlanningError, match=rf"^MASTER_PORT={re.escape(repr(port))} \(environment\) is not a port"):

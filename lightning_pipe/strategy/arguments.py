@@ -53,11 +53,20 @@ def check_backend(backend: object) -> None:
 def check_port(environment: Mapping[str, str] = os.environ) -> None:
     """Refuse a ``MASTER_PORT`` (the port the process group meets on) that is not a port number."""
     port = environment.get("MASTER_PORT")
-    if port is not None and not (port.strip().isdigit() and int(port) in _PORTS):
+    if port is not None and _as_port(port) is None:
         raise PlanningError(
             f"MASTER_PORT={port!r} (environment) is not a port: the processes meet on it; set a whole number in "
             f"1..65535, or unset it for a free port"
         )
+
+
+def _as_port(text: str) -> int | None:
+    """``text`` as a port number the way torch reads ``MASTER_PORT`` (``int()``), or ``None``."""
+    try:
+        number = int(text)
+    except ValueError:
+        return None
+    return number if number in _PORTS else None
 
 
 def parse_option(name: str, value: float | str, parse: Callable[[float | str], float]) -> float:
