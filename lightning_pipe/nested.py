@@ -1,4 +1,5 @@
-"""Nested structures of tensors: tuples (named ones included), lists and dicts with tensors inside.
+"""Nested structures of tensors: tuples (named ones included), lists, dicts and dataclasses (a
+``transformers`` ``ModelOutput`` is both) with tensors inside.
 
 What a layer or a pipeline stage takes and returns. :func:`flatten` separates a picklable skeleton from
 the tensors (how the runtime sends a message), :func:`unflatten` puts them back, and
@@ -7,6 +8,7 @@ the tensors (how the runtime sends a message), :func:`unflatten` puts them back,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -15,22 +17,26 @@ import torch
 __all__ = ["concatenate", "flatten", "map_tensors", "nbytes", "tensors", "to_cpu", "unflatten"]
 
 
-def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """A picklable skeleton of ``obj`` with its tensors replaced by slots, and the tensors in order."""
-    found: list[torch.Tensor] = []
-    return _walk(obj, found), found
+def flatten(obj: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> tuple[Any, list[Any]]:
+    """A picklable skeleton of ``obj`` with its tensors (its instances of ``leaf``) replaced by slots,
+    and the tensors in order."""
+    found: list[Any] = []
+    return _walk(obj, found, leaf), found
 
 
-def _walk(item: Any, found: list[torch.Tensor]) -> Any:
+def _walk(item: Any, found: list[Any], leaf: type | tuple[type, ...]) -> Any:
     """:func:`flatten`'s recursion: a module-level function, not a closure over ``found`` (a recursive
     closure is a reference cycle: the tensors would wait for the garbage collector to be freed)."""
-    if isinstance(item, torch.Tensor):
+    if isinstance(item, leaf):
         found.append(item)
         return ("tensor", len(found) - 1)
     if isinstance(item, tuple | list):
-        return ("sequence", type(item), [_walk(x, found) for x in item])
+        return ("sequence", type(item), [_walk(x, found, leaf) for x in item])
     if isinstance(item, dict):
-        return ("dict", type(item), [(key, _walk(value, found)) for key, value in item.items()])
+        return ("dict", type(item), [(key, _walk(value, found, leaf)) for key, value in item.items()])
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        fields = [f.name for f in dataclasses.fields(item) if f.init]
+        return ("dict", type(item), [(name, _walk(getattr(item, name), found, leaf)) for name in fields])
     return ("value", item)
 
 
@@ -45,7 +51,8 @@ def unflatten(skeleton: Any, values: list[torch.Tensor]) -> Any:
         return cls(*items) if hasattr(cls, "_fields") else cls(items)
     if kind == "dict":
         _, cls, children = skeleton
-        return cls((key, unflatten(child, values)) for key, child in children)
+        items = ((key, unflatten(child, values)) for key, child in children)
+        return cls(**dict(items)) if dataclasses.is_dataclass(cls) else cls(items)
     return skeleton[1]
 
 

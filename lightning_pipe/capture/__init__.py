@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_pipe.capture.generation_cache import generation_cache_off
 from lightning_pipe.capture.graph import CapturedGraph, UntraceableForward, capture_graph
 from lightning_pipe.capture.layers import GraphLayer, LayerSpec, build_layers, group_nodes, layer_specs
 from lightning_pipe.capture.tracer import pipe_split
@@ -26,6 +27,7 @@ class CapturedForward:
     graph: CapturedGraph
     specs: list[LayerSpec]
     layers: list[GraphLayer]
+    cache_off: list[str]  # modules whose transformers generation cache was off (.generation_cache)
 
 
 def capture(
@@ -39,8 +41,10 @@ def capture(
     """``module.forward(*args, **kwargs)`` (one micro-batch) as a chain of :class:`GraphLayer`.
 
     There are at least ``layers_per_stage × stages`` layers where the module tree allows, and no
-    splittable layer holds more than ``1 / (2 × stages)`` of the forward FLOPs."""
-    graph = capture_graph(module, args, kwargs or {})
+    splittable layer holds more than ``1 / (2 × stages)`` of the forward FLOPs. ``transformers``'
+    generation cache is off while tracing (:mod:`.generation_cache`)."""
+    with generation_cache_off(module) as cache_off:
+        graph = capture_graph(module, args, kwargs or {})
     grouped = group_nodes(graph, min_layers=layers_per_stage * stages, max_share=1.0 / (2 * stages))
     specs = layer_specs(graph, grouped)
-    return CapturedForward(graph, specs, build_layers(graph, specs))
+    return CapturedForward(graph, specs, build_layers(graph, specs), cache_off)

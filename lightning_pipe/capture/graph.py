@@ -31,7 +31,7 @@ import torch
 from torch import fx, nn
 from torch.fx.node import Node, map_aggregate
 
-from lightning_pipe.capture.tracer import Shadow, ShadowTracer, TraceFailure
+from lightning_pipe.capture.tracer import DataDependent, Decided, LiveRead, Shadow, ShadowTracer, TraceFailure
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import flatten, unflatten
 
@@ -42,6 +42,11 @@ _MAX_RETRACES = 64
 
 class UntraceableForward(PlanningError):
     """The root's own ``forward`` code cannot be a graph."""
+
+
+class _DiffersByCase(TraceFailure):
+    """``forward`` records other operations (or returns another structure) with another number of rows
+    or in the other mode: a Python decision on them."""
 
 
 @dataclass
@@ -57,6 +62,10 @@ class CapturedGraph:
             arguments the graph was traced with.
         attributes: the objects the graphs' ``get_attr`` and ``call_module`` nodes name.
         leaves: module path -> why it runs whole (a module of torch.nn is not listed).
+        decided: module attributes whose values the graph holds (read as constants, or decided on): a
+            change to one is caught (:meth:`changed_attributes`); floats computed with are read live.
+        output: ``forward``'s output with its tensors taken out (:func:`lightning_pipe.nested.flatten`):
+            the graphs return the tensors, the last layer rebuilds the output's own types from this.
     """
 
     root: nn.Module
@@ -65,7 +74,13 @@ class CapturedGraph:
     shadows: dict[Node, Shadow]
     skeleton: Any
     attributes: dict[str, Any]
+    output: Any = ("value", None)
+    decided: dict[tuple[str, str], Decided] = field(default_factory=dict)
     leaves: dict[str, str] = field(default_factory=dict)
+
+    def changed_attributes(self) -> list[Decided]:
+        """The attributes whose values the graph holds that user code has changed since the capture."""
+        return [entry for entry in self.decided.values() if entry.changed()]
 
     @property
     def same_in_eval(self) -> bool:
@@ -100,10 +115,12 @@ def capture_graph(
                 raise _untraceable(failure) from None
             leaves[failure.scope] = str(failure)
             continue
-        graph, shadows, attributes = train
-        eval_graph, _, eval_attributes = evaluated
+        graph, shadows, attributes, output, decided = train
+        eval_graph, _, eval_attributes, _, eval_decided = evaluated
         skeleton, _ = flatten((args, kwargs))
-        return CapturedGraph(root, graph, eval_graph, shadows, skeleton, {**eval_attributes, **attributes}, leaves)
+        attributes = {**eval_attributes, **attributes}
+        decided = {**eval_decided, **decided}
+        return CapturedGraph(root, graph, eval_graph, shadows, skeleton, attributes, output, decided, leaves)
     raise PlanningError(f"tracing {type(root).__name__}.forward did not settle after {_MAX_RETRACES} attempts")
 
 
@@ -115,19 +132,21 @@ def _trace(
     paths: dict[nn.Module, str],
     training: bool,
     count_flops: bool = False,
-) -> tuple[fx.Graph, dict[Node, Shadow], dict[str, Any]]:
+) -> tuple[fx.Graph, dict[Node, Shadow], dict[str, Any], Any, dict[tuple[str, str], Decided]]:
     ids = {id(module) for module, path in paths.items() if path in leaves}
     tracer = ShadowTracer(ids, count_flops)
     with _untouched(root):
         root.train(training)
         graph = tracer.trace_call(root, args, kwargs)
         _eliminate_dead_code(graph)
+        _fold_live_reads(graph, tracer)
         attributes = {
             str(node.target): _resolve(root, str(node.target))
             for node in graph.nodes
             if node.op in ("get_attr", "call_module")
         }
-    return graph, tracer.shadows, attributes
+        attributes.update(tracer.live)
+    return graph, tracer.shadows, attributes, tracer.output_skeleton, tracer.decided
 
 
 def _eliminate_dead_code(graph: fx.Graph) -> None:
@@ -136,6 +155,25 @@ def _eliminate_dead_code(graph: fx.Graph) -> None:
     for node in reversed(graph.nodes):
         if node.op in ("call_function", "call_method", "get_attr") and not node.users and not node.is_impure():
             graph.erase_node(node)
+
+
+def _fold_live_reads(graph: fx.Graph, tracer: ShadowTracer) -> None:
+    """Each read of a module's float (``getattr`` on a :class:`LiveAttributes` node) becomes a
+    :class:`LiveRead` operand of the nodes using it: the layers' code reads it afresh
+    (:mod:`.layers`), the graph keeps one node per operation."""
+    for node in list(graph.nodes):
+        holder = node.args[0] if node.op == "call_function" and node.target is getattr else None
+        if not (isinstance(holder, Node) and holder.op == "get_attr" and holder.target in tracer.live):
+            continue
+        live = LiveRead(str(holder.target), node.args[1], tracer.shadows[node].value)
+        for user in list(node.users):
+            user.args = map_aggregate(user.args, lambda a, n=node, r=live: r if a is n else a)
+            user.kwargs = map_aggregate(user.kwargs, lambda a, n=node, r=live: r if a is n else a)
+        graph.erase_node(node)
+        tracer.shadows.pop(node, None)
+        if not holder.users:
+            graph.erase_node(holder)
+            tracer.shadows.pop(holder, None)
 
 
 def _resolve(root: nn.Module, target: str) -> Any:
@@ -212,14 +250,16 @@ def signature(graph: fx.Graph, operands: bool = True) -> list[tuple[Any, ...]]:
 
 
 def _compare(
-    reference: tuple[fx.Graph, dict[Node, Shadow], dict[str, Any]],
-    other: tuple[fx.Graph, dict[Node, Shadow], dict[str, Any]],
+    reference: tuple[fx.Graph, dict[Node, Shadow], dict[str, Any], Any, Any],
+    other: tuple[fx.Graph, dict[Node, Shadow], dict[str, Any], Any, Any],
     how: str,
     operands: bool,
 ) -> None:
     """Raise a :class:`TraceFailure` at the first node where ``other`` differs from ``reference``."""
     first, second = signature(reference[0], operands), signature(other[0], operands)
     if first == second:
+        if not _same(reference[3], other[3]):
+            raise _DiffersByCase(f"forward returns another structure {how}", "", "its return statement")
         return
     position = next(
         (i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), min(len(first), len(second))
@@ -229,15 +269,35 @@ def _compare(
     shadow = reference[1].get(node) or other[1].get(list(other[0].nodes)[min(position, len(second) - 1)])
     scope = shadow.scope[-1] if shadow is not None and shadow.scope else ""
     line = shadow.line if shadow is not None else ""
-    raise TraceFailure(f"forward records other operations {how} from {line or 'its start'}", scope, line)
+    raise _DiffersByCase(f"forward records other operations {how} from {line or 'its start'}", scope, line)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` for two output skeletons, ``False`` where a constant in them cannot say."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def _untraceable(failure: TraceFailure) -> UntraceableForward:
     where = f"in {failure.scope}.forward" if failure.scope else "in forward"
+    if isinstance(failure, DataDependent | _DiffersByCase):
+        why = (
+            "A graph holds every operation of forward, so forward may only decide on shapes, not on tensor values, "
+            "the number of rows or the mode."
+        )
+    elif "argument of type" in str(failure):
+        why = (
+            "forward hands an object of that type to an operation or returns it, and a graph (and a message between "
+            "stages) carries tensors, shapes and Python constants only; a cache or state object made in forward can "
+            "be turned off while training (transformers: use_cache=False)."
+        )
+    else:
+        why = "torch.fx cannot record that operation."
     return UntraceableForward(
-        f"the pipeline cannot capture forward as a graph: {failure} ({where}, at {failure.line}). A graph holds "
-        "every operation of forward, so forward may only decide on shapes, not on tensor values or the number "
-        "of rows. Two ways out: move that code into a submodule of its own (a submodule whose forward cannot be "
-        "traced runs whole, as one layer; mark where stages may split with lightning_pipe.pipe_split()), or "
-        "define configure_pipeline(self) returning the ordered layers whose chain computes forward"
+        f"the pipeline cannot capture forward as a graph: {failure} ({where}, at {failure.line}). {why} Two ways "
+        "out: move that code into a submodule of its own (a submodule whose forward cannot be traced runs whole, as "
+        "one layer; mark where stages may split with lightning_pipe.pipe_split()), or define "
+        "configure_pipeline(self) returning the ordered layers whose chain computes forward"
     )

@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.node import Node, map_arg
+from torch.fx.node import Node, map_aggregate, map_arg
 
 from lightning_pipe.capture.graph import CapturedGraph
-from lightning_pipe.capture.tracer import split_marker
+from lightning_pipe.capture.tracer import LiveRead, split_marker
+from lightning_pipe.nested import unflatten
 
 __all__ = ["GraphLayer", "LayerSpec", "build_layers", "group_nodes", "layer_specs"]
 
@@ -180,20 +181,30 @@ class GraphLayer(nn.Module):
     operands such as a dropout probability). The strategy sets it from the LightningModule's mode
     without touching the submodules' own modes."""
 
-    def __init__(self, name: str, code: fx.GraphModule, eval_code: fx.GraphModule | None, devices: tuple[int, ...]):
+    def __init__(
+        self,
+        name: str,
+        code: fx.GraphModule,
+        eval_code: fx.GraphModule | None,
+        devices: tuple[int, ...],
+        output: Any = None,
+    ):
         super().__init__()
         self.pipeline_name = name
         self.code = code
         self.eval_code = eval_code
         self._device_slots = devices
+        self._output = output  # the last layer's: forward's output skeleton, its tensors' slots in order
 
     def forward(self, carried: tuple[Any, ...]) -> Any:
         if self._device_slots:
             carried = self._localised(carried)
         # the generated code's forward itself: the graph module's own __call__ has no hooks to run
         if self.training or self.eval_code is None:
-            return self.code.forward(carried)
-        return self.eval_code.forward(carried)
+            result = self.code.forward(carried)
+        else:
+            result = self.eval_code.forward(carried)
+        return result if self._output is None else unflatten(self._output, list(result))
 
     def _localised(self, carried: tuple[Any, ...]) -> tuple[Any, ...]:
         """Devices carried from another rank's stage, as this one's (``idx.device`` read upstream)."""
@@ -225,9 +236,26 @@ def build_layers(captured: CapturedGraph, specs: list[LayerSpec]) -> list[GraphL
             for slot, position in enumerate(incoming)
             if isinstance(getattr(captured.shadows.get(train_nodes[position]), "value", None), torch.device)
         )
-        layers.append(GraphLayer(spec.name, code, eval_code, devices))
+        structure = captured.output if not spec.carried else None
+        layers.append(GraphLayer(spec.name, code, eval_code, devices, structure))
         incoming = spec.carried
     return layers
+
+
+def _read_live(graph: fx.Graph, node: Node) -> None:
+    """``node``'s :class:`~lightning_pipe.capture.tracer.LiveRead` operands read from their module
+    (``getattr``) just before it runs."""
+    reads: dict[LiveRead, Node] = {}
+
+    def read(value: Any) -> Any:
+        if not isinstance(value, LiveRead):
+            return value
+        if value not in reads:
+            with graph.inserting_before(node):
+                reads[value] = graph.call_function(getattr, (graph.get_attr(value.target), value.name))
+        return reads[value]
+
+    node.args, node.kwargs = map_aggregate(node.args, read), map_aggregate(node.kwargs, read)
 
 
 def _code(
@@ -248,7 +276,8 @@ def _code(
         return env[node]
 
     for position in spec.nodes:
-        env[nodes[position]] = graph.node_copy(nodes[position], remap)
+        node = env[nodes[position]] = graph.node_copy(nodes[position], remap)
+        _read_live(graph, node)
     if spec.carried:
         graph.output(tuple(remap(nodes[position]) for position in spec.carried))
     else:

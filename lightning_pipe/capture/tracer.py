@@ -45,7 +45,10 @@ from lightning_pipe.nested import flatten, map_tensors, unflatten
 
 __all__ = [
     "DataDependent",
+    "Decided",
     "ForwardFailed",
+    "LiveAttributes",
+    "LiveRead",
     "ShadowTracer",
     "TraceFailure",
     "pipe_split",
@@ -146,6 +149,8 @@ class Shadow:
     value: Any
     flops: int = 0
     tainted: bool = False  # derived from tensor values by Python (``.item()``, ``torch.equal``)
+    origin: str = ""  # where those values were read (the line of the first node that read them)
+    attributes: frozenset[tuple[str, str]] = frozenset()  # the module attributes (path, name) it derives from
     scope: tuple[str, ...] = ()  # the traced modules the node was recorded in, outermost first
     line: str = ""
 
@@ -196,6 +201,10 @@ class ShadowTracer(fx.Tracer):
         self._placeholder_values: list[torch.Tensor] = []
         self._counter: FlopCounterMode | None = None
         self._count_flops = count_flops
+        self.output_skeleton: Any = None  # ``forward``'s output with its tensors taken out (nested.flatten)
+        self.live: dict[str, LiveAttributes] = {}  # get_attr target -> the module whose floats a node reads
+        self.decided: dict[tuple[str, str], Decided] = {}  # attributes whose values the graph holds
+        self._paths: dict[int, str] = {}
 
     # -- what is a leaf -------------------------------------------------------------------------
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -206,18 +215,56 @@ class ShadowTracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict) -> Any:
-        path = self.path_of_module(m)
+        path = self._installed_path(m)
+        if path is None:  # made by forward itself (``CrossEntropyLoss()(logits, labels)``): its code is forward's
+            return forward(*args, **kwargs)
         if self.is_leaf_module(m, path):
             return super().call_module(m, forward, args, kwargs)
         self.scope_stack.append(path)
         try:
-            result = super().call_module(m, forward, args, kwargs)
+            with _watched(m):
+                result = super().call_module(m, forward, args, kwargs)
         except (TraceFailure, ForwardFailed):
             raise
         except Exception as error:
             raise self._failure(error) from error
         self.scope_stack.pop()
         return result
+
+    def attribute_read(self, module: nn.Module, name: str, value: Any) -> Any:
+        """``module.name`` read by traced code (a Python scalar of the module's own). A float becomes a
+        node that reads it when the layer runs (a gate's scale, a temperature); any other value, or a
+        float a Python decision is taken on, is held by the graph as it was: it goes into
+        :attr:`decided`, so that a later change is caught (:func:`changed_attributes`)."""
+        path = self._paths.get(id(module))
+        if path is None:
+            return value
+        if type(value) is not float:
+            self.decided.setdefault((path, name), Decided(module, path, name, value, source_line()))
+            return value
+        target = "live_attributes_" + (path.replace(".", "_") if path else "root")
+        self.live.setdefault(target, LiveAttributes(module))
+        holder = self.create_proxy("get_attr", target, (), {})
+        proxy = self.create_proxy("call_function", getattr, (holder, name), {})
+        self.shadows[proxy.node].attributes = frozenset({(path, name)})
+        return proxy
+
+    def _installed_path(self, m: nn.Module) -> str | None:
+        """``m``'s path in the traced module, ``None`` for a module that ``forward`` creates on every call
+        (traced through as its code; refused when it holds parameters or buffers, which every call
+        would create anew, so no update could train them)."""
+        try:
+            return self.path_of_module(m)
+        except NameError:
+            if any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
+                line = source_line()
+                raise TraceFailure(
+                    f"forward creates a {type(m).__name__} holding parameters or buffers at {line}: create it in "
+                    "__init__, so that it is trained and saved",
+                    self._scope(),
+                    line,
+                ) from None
+            return None
 
     def _failure(self, error: Exception) -> TraceFailure:
         frames = [(frame.filename, frame.lineno) for frame in inspect.trace()[::-1]]
@@ -231,10 +278,11 @@ class ShadowTracer(fx.Tracer):
         the order of :func:`lightning_pipe.nested.flatten`), everything else is taken as given."""
         skeleton, found = flatten((args, kwargs))
         self._call = _Call(skeleton, found, _placeholder_names(root, args, kwargs, len(found)))
+        self._paths = {id(module): path for path, module in root.named_modules()}
         _ACTIVE.append(self)
         try:
             counting = FlopCounterMode(display=False) if self._count_flops else nullcontext()
-            with torch.no_grad(), _factories_traced(), counting as self._counter:
+            with torch.no_grad(), _factories_traced(), counting as self._counter, _watched(root):
                 try:
                     return self.trace(root)
                 except (TraceFailure, ForwardFailed):
@@ -253,7 +301,10 @@ class ShadowTracer(fx.Tracer):
 
         def forward(module: nn.Module, *tensors: Any) -> Any:
             args, kwargs = unflatten(call.skeleton, list(tensors))
-            return root_fn(module, *args, **kwargs)
+            # the graph returns the output's tensors; its structure (a ModelOutput, a dataclass, a dict
+            # subclass: types torch.fx would rebuild as plain dicts) is kept apart, to rebuild it
+            self.output_skeleton, values = flatten(root_fn(module, *args, **kwargs), leaf=(torch.Tensor, fx.Proxy))
+            return tuple(values)
 
         forward.__annotations__ = {}
         return forward, [self.root, *placeholders]
@@ -293,7 +344,14 @@ class ShadowTracer(fx.Tracer):
                         f"forward fails on the first micro-batch at {shadow.line}: {type(error).__name__}: {error}"
                     ) from error
             shadow.flops = (self._counter.get_total_flops() if self._counter is not None else 0) - before
-            shadow.tainted = any(s.tainted for s in inputs) or _reads_values(kind, target, inputs, shadow.value)
+            derived = [s.attributes for s in inputs if s.attributes]
+            if derived:
+                shadow.attributes = frozenset().union(*derived)
+            tainted = next((s for s in inputs if s.tainted), None)
+            if tainted is not None:
+                shadow.tainted, shadow.origin = True, tainted.origin
+            elif _reads_values(kind, target, inputs, shadow.value):
+                shadow.tainted, shadow.origin = True, shadow.line
         self.shadows[proxy.node] = shadow
         if kind != "placeholder":
             weakref.finalize(proxy, _keep_shape_only, shadow).atexit = False
@@ -301,7 +359,7 @@ class ShadowTracer(fx.Tracer):
 
     def _run(self, kind: str, target: Any, args: Any, kwargs: Any) -> Any:
         if kind == "get_attr":
-            return _attribute(self.root, target)
+            return self.live[target] if target in self.live else _attribute(self.root, target)
         if kind == "call_module":
             return self.root.get_submodule(target)(*args, **kwargs)
         if kind == "call_method":
@@ -313,9 +371,14 @@ class ShadowTracer(fx.Tracer):
         shadow = self.shadows[proxy.node]
         if shadow.tainted or (isinstance(shadow.value, torch.Tensor) and use in ("a condition", "int()", "float()")):
             line = source_line()
+            read = f" (read from tensor values at {shadow.origin})" if shadow.tainted and shadow.origin != line else ""
             raise DataDependent(
-                f"forward takes a Python decision on tensor values ({use}) at {line}", self._scope(), line
+                f"forward takes a Python decision on tensor values ({use}) at {line}{read}", self._scope(), line
             )
+        for path, name in shadow.attributes:  # a decision on a module's float: the graph holds its outcome
+            module = _attribute(self.root, path) if path else self.root
+            value = vars(module).get(name)
+            self.decided.setdefault((path, name), Decided(module, path, name, value, source_line()))
         return shadow.value
 
     def _scope(self) -> str:
@@ -337,9 +400,101 @@ class ShadowTracer(fx.Tracer):
         self.shadows[node] = Shadow(None, scope=tuple(self.scope_stack))
 
 
+class LiveAttributes:
+    """What a graph node reads a module's float attributes through when the layer runs: the module
+    itself, held by reference (a plain object, not a submodule of the layer; copies of the layer, as
+    weight versions make, read the same module)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __getattr__(self, name: str) -> Any:
+        own = vars(self.module)  # the instance's own value, as ``module.name`` reads it
+        return own[name] if name in own else getattr(self.module, name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LiveAttributes:
+        return self
+
+
+@dataclass(frozen=True)
+class LiveRead:
+    """An operand read from a module's float attribute when the layer runs (``getattr(holder, name)``,
+    ``holder`` the :class:`LiveAttributes` at ``target``); ``value`` is what it was at the capture.
+    The graphs hold it as a constant operand (so that the train and eval graphs, and the traces on
+    other numbers of rows, keep the same nodes); each layer's code reads it afresh."""
+
+    target: str
+    name: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A module attribute whose value the captured graph holds: read by ``forward`` as a constant (an
+    int, a bool, a string) or decided on (``if self.scale > 0``), at ``line``."""
+
+    module: nn.Module
+    path: str
+    name: str
+    value: Any
+    line: str
+
+    def changed(self) -> bool:
+        now = vars(self.module).get(self.name, _MISSING)
+        try:
+            return bool(now != self.value)
+        except Exception:  # a value that cannot say whether it changed: taken as unchanged
+            return False
+
+
+_MISSING = object()
+_SCALARS = (bool, int, float, str)
+_WATCHING: dict[type, type] = {}
+
+
+def _watching_class(cls: type) -> type:
+    """A subclass of ``cls`` whose instances report reads of their own Python scalars to the active
+    tracer (:meth:`ShadowTracer.attribute_read`); its name is ``cls``'s."""
+    watching = _WATCHING.get(cls)
+    if watching is None:
+        base_get = cls.__getattribute__
+
+        def __getattribute__(self: nn.Module, name: str) -> Any:
+            value = base_get(self, name)
+            if type(value) in _SCALARS and name != "training" and _ACTIVE and name in base_get(self, "__dict__"):
+                return _ACTIVE[-1].attribute_read(self, name, value)
+            return value
+
+        namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__}
+        namespace["__qualname__"] = cls.__qualname__
+        watching = _WATCHING[cls] = type(cls.__name__, (cls,), namespace)
+    return watching
+
+
+@contextmanager
+def _watched(module: nn.Module) -> Iterator[None]:
+    """While tracing ``module``'s own code, its reads of its Python scalars are seen (its class swapped
+    for a watching subclass, then restored)."""
+    cls = type(module)
+    if cls in _WATCHING.values():
+        yield
+        return
+    module.__class__ = _watching_class(cls)
+    try:
+        yield
+    finally:
+        module.__class__ = cls
+
+
 # torch's factories parse their sizes before any ``__torch_function__``: ``torch.ones(t, t)`` with
-# traced sizes is recorded through these wrappers instead
-_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "eye", "tensor", "as_tensor")
+# traced sizes is recorded through these wrappers instead (and ``torch.finfo(x.dtype).min``, whose
+# dtype is traced: the masks transformers builds in ``forward``)
+_FACTORIES = (
+    *("ones", "zeros", "empty", "full", "rand", "randn", "randint", "eye", "tensor", "as_tensor"),
+    *("finfo", "iinfo"),
+)
 
 
 @contextmanager
@@ -399,7 +554,7 @@ def _attribute(root: nn.Module, target: str) -> Any:
 def _reads_values(kind: str, target: Any, inputs: list[Shadow], value: Any) -> bool:
     """Whether a node turns tensor values into a Python value (``.item()``, ``torch.equal``), as
     opposed to reading a tensor's metadata (``size()``, ``.shape``, ``.device``)."""
-    if isinstance(value, torch.Tensor | torch.Size | torch.dtype | torch.device) or value is None:
+    if _metadata_or_tensors(value):
         return False
     if not any(isinstance(s.value, torch.Tensor) for s in inputs):
         return False
@@ -407,6 +562,18 @@ def _reads_values(kind: str, target: Any, inputs: list[Shadow], value: Any) -> b
     if target is builtins.getattr:
         return False  # an attribute read (x.shape, x.dtype): the attribute's name is an argument
     return name not in _METADATA
+
+
+def _metadata_or_tensors(value: Any) -> bool:
+    """Whether ``value`` holds tensors and tensor metadata only (``x.split(n)``'s tuple, ``x.size()``):
+    what an operation on tensors returns without reading their values into Python."""
+    if isinstance(value, torch.Tensor | torch.Size | torch.dtype | torch.device) or value is None:
+        return True
+    if isinstance(value, tuple | list):
+        return all(_metadata_or_tensors(item) for item in value)
+    if isinstance(value, dict):
+        return all(_metadata_or_tensors(item) for item in value.values())
+    return False
 
 
 def _placeholder_names(root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> list[str]:

@@ -2,8 +2,9 @@
 
 :func:`verify_chain` runs the module's own ``forward`` and the chain of layers on the same micro-batch,
 in eval mode and, when asked, in train mode (the same random state for both runs, so dropout draws the
-same masks), and compares every output tensor. On a mismatch it runs both again, recording every
-module call, and names the first call whose output differs between the two runs (both call the
+same masks), and compares the outputs: their structure (the same types, keys and constants: a
+``ModelOutput`` must not come back as a plain ``dict``), then every tensor. On a mismatch it runs both
+again, recording every module call, and names the first call whose output differs between the two runs (both call the
 model's own modules, so forward hooks see the same calls in the same order) and the layer that makes
 it; when every module call agrees, the difference is in code after the last one
 (``configure_pipeline`` returning ``chain_from_model(self.model)`` without the ``F.log_softmax`` that
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import tensors
+from lightning_pipe.nested import flatten
 
 __all__ = ["ChainMismatch", "verify_chain"]
 
@@ -82,8 +83,12 @@ def _both(
 
 
 def _difference(expected: Any, got: Any, tolerance: float) -> str | None:
-    """Why ``got`` is not ``expected`` (``None``: equal within ``tolerance``, relative to the values)."""
-    want, have = tensors(expected), tensors(got)
+    """Why ``got`` is not ``expected`` (``None``: equal within ``tolerance``, relative to the values):
+    their structures (types, keys, constants), then their tensors."""
+    (want_structure, want), (have_structure, have) = flatten(expected), flatten(got)
+    structure = _structure_difference(want_structure, have_structure, "the output")
+    if structure is not None:
+        return structure
     if len(want) != len(have):
         return f"forward returns {len(want)} tensors, the chain {len(have)}"
     for index, (a, b) in enumerate(zip(want, have, strict=True)):
@@ -102,6 +107,39 @@ def _difference(expected: Any, got: Any, tolerance: float) -> str | None:
         if gap > tolerance * scale:
             return f"output tensor {index} differs by up to {gap:.3g} (values up to {scale - 1:.3g})"
     return None
+
+
+def _structure_difference(want: Any, have: Any, where: str) -> str | None:
+    """The first place where two :func:`~lightning_pipe.nested.flatten` skeletons differ: a type (a
+    ``ModelOutput`` returned as a plain ``dict``), a key, a length or a constant."""
+    if want[0] != have[0] or (want[0] != "tensor" and want[0] != "value" and want[1] is not have[1]):
+        return f"{where} is {_kind(want)} in forward, {_kind(have)} in the chain"
+    if want[0] == "value":
+        try:
+            same = bool(want[1] == have[1])
+        except Exception:  # a constant that cannot say (an array): not compared
+            same = True
+        return None if same else f"{where} is {want[1]!r} in forward, {have[1]!r} in the chain"
+    if want[0] == "sequence":
+        if len(want[2]) != len(have[2]):
+            return f"{where} holds {len(want[2])} items in forward, {len(have[2])} in the chain"
+        children = [(f"{where}[{i}]", a, b) for i, (a, b) in enumerate(zip(want[2], have[2], strict=True))]
+    elif want[0] == "dict":
+        keys, other_keys = [k for k, _ in want[2]], [k for k, _ in have[2]]
+        if keys != other_keys:
+            return f"{where} has keys {keys} in forward, {other_keys} in the chain"
+        children = [(f"{where}[{k!r}]", a, b) for (k, a), (_, b) in zip(want[2], have[2], strict=True)]
+    else:
+        return None
+    return next((d for d in (_structure_difference(a, b, w) for w, a, b in children) if d is not None), None)
+
+
+def _kind(skeleton: Any) -> str:
+    if skeleton[0] == "tensor":
+        return "a tensor"
+    if skeleton[0] == "value":
+        return f"{skeleton[1]!r}"
+    return f"a {skeleton[1].__name__}"
 
 
 def _explain(

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_pipe.capture.generation_cache import CACHE_OFF, generation_cache_off
 from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.memory import MemoryModel
@@ -281,6 +282,8 @@ class PipelineBuilding:
                 self.schedule_options.family not in NON_FLUSHING_FAMILIES,
             )
             notes = [MATERIALISED] if meta else []
+            if model.captured is not None and model.captured.cache_off:
+                notes.append(CACHE_OFF.format(modules=", ".join(model.captured.cache_off)))
             schedule = schedule_of(stage_plan, self.options, self.microbatches)(1)
             text = report(stage_plan, self._prediction, model.captured, schedule)
             rank_zero_info("\n".join([text, *self.differences, *notes]))
@@ -289,14 +292,15 @@ class PipelineBuilding:
     def _verify(self, model: PipelineModel, first: Call) -> None:
         """The layers chained on the first micro-batch must give forward's output (both modes)."""
         module = self.lightning_module
-        verify_chain(
-            module,
-            model.layers,
-            lambda: type(module).forward(module, *first.args, **first.kwargs),
-            model.inputs(first),
-            model.names,
-            modes=(False,) if model.captured is not None and model.captured.graph.same_in_eval else (False, True),
-        )
+        with generation_cache_off(module):
+            verify_chain(
+                module,
+                model.layers,
+                lambda: type(module).forward(module, *first.args, **first.kwargs),
+                model.inputs(first),
+                model.names,
+                modes=(False,) if model.captured is not None and model.captured.graph.same_in_eval else (False, True),
+            )
 
     def _loss_scale(self) -> LossScale | None:
         """float16's loss scale, from the precision plugin's ``GradScaler`` (its settings, or its
