@@ -64,6 +64,8 @@ class CapturedGraph:
         leaves: module path -> why it runs whole (a module of torch.nn is not listed).
         decided: module attributes whose values the graph holds (read as constants, or decided on): a
             change to one is caught (:meth:`changed_attributes`); floats computed with are read live.
+        read: every module attribute the graphs read, ``(module path, name) -> module`` (decided or live):
+            what the step code may change for the layers (:mod:`lightning_pipe.strategy.effects`).
         output: ``forward``'s output with its tensors taken out (:func:`lightning_pipe.nested.flatten`):
             the graphs return the tensors, the last layer rebuilds the output's own types from this.
     """
@@ -77,6 +79,8 @@ class CapturedGraph:
     output: Any = ("value", None)
     decided: dict[tuple[str, str], Decided] = field(default_factory=dict)
     leaves: dict[str, str] = field(default_factory=dict)
+
+    read: dict[tuple[str, str], nn.Module] = field(default_factory=dict)
 
     def changed_attributes(self) -> list[Decided]:
         """The attributes whose values the graph holds that user code has changed since the capture."""
@@ -119,8 +123,11 @@ def capture_graph(
         eval_graph, _, eval_attributes, _, eval_decided = evaluated
         skeleton, _ = flatten((args, kwargs))
         attributes = {**eval_attributes, **attributes}
-        decided = {**eval_decided, **decided}
-        return CapturedGraph(root, graph, eval_graph, shadows, skeleton, attributes, output, decided, leaves)
+        decided = {**eval_decided[0], **decided[0]}
+        read = {**eval_decided[1], **train[4][1]}
+        captured = CapturedGraph(root, graph, eval_graph, shadows, skeleton, attributes, output, decided, leaves)
+        captured.read = {key: read.get(key, entry.module) for key, entry in decided.items()} | read
+        return captured
     raise PlanningError(f"tracing {type(root).__name__}.forward did not settle after {_MAX_RETRACES} attempts")
 
 
@@ -146,7 +153,7 @@ def _trace(
             if node.op in ("get_attr", "call_module")
         }
         attributes.update(tracer.live)
-    return graph, tracer.shadows, attributes, tracer.output_skeleton, tracer.decided
+    return graph, tracer.shadows, attributes, tracer.output_skeleton, (tracer.decided, tracer.read_live)
 
 
 def _eliminate_dead_code(graph: fx.Graph) -> None:

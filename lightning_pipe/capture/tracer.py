@@ -204,6 +204,7 @@ class ShadowTracer(fx.Tracer):
         self.output_skeleton: Any = None  # ``forward``'s output with its tensors taken out (nested.flatten)
         self.live: dict[str, LiveAttributes] = {}  # get_attr target -> the module whose floats a node reads
         self.decided: dict[tuple[str, str], Decided] = {}  # attributes whose values the graph holds
+        self.read_live: dict[tuple[str, str], nn.Module] = {}  # floats the layers read when they run
         self._paths: dict[int, str] = {}
 
     # -- what is a leaf -------------------------------------------------------------------------
@@ -242,6 +243,7 @@ class ShadowTracer(fx.Tracer):
         if type(value) is not float:
             self.decided.setdefault((path, name), Decided(module, path, name, value, source_line()))
             return value
+        self.read_live[(path, name)] = module
         target = "live_attributes_" + (path.replace(".", "_") if path else "root")
         self.live.setdefault(target, LiveAttributes(module))
         holder = self.create_proxy("get_attr", target, (), {})

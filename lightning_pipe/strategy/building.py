@@ -9,7 +9,6 @@ and the tensors of the stages a rank does not run released.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +29,7 @@ from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.contract import Call, PipelineModel, pipeline_model
 from lightning_pipe.strategy.differences import differences
+from lightning_pipe.strategy.effects import watch_attributes
 from lightning_pipe.strategy.logs import Record, recording
 from lightning_pipe.strategy.materialise import MATERIALISED, materialise, on_meta
 from lightning_pipe.strategy.optimizers import stage_optimizers
@@ -56,7 +56,9 @@ __all__ = ["PipelineBuilding"]
 class PipelineBuilding:
     """Building the pipeline on the first batch (methods of :class:`~lightning_pipe.strategy.PipelineStrategy`)."""
 
-    def _pipeline(self, step: Callable[..., Any], args: tuple[Any, ...]) -> PipelineExecutor:
+    def _pipeline(self, call: Call, batch: Any) -> PipelineExecutor:
+        """The executor, built on the first call from ``call`` (the arguments the step gave ``forward``
+        for ``batch``)."""
         if self.executor is not None:
             return self.executor
         assert self._entry is not None
@@ -65,12 +67,14 @@ class PipelineBuilding:
         fresh = self._chain is None or self._chain_of is not module  # a released module is captured once
         meta = fresh and on_meta(module)  # built with init_module(empty_init=True) or configure_model: shapes only
         if fresh:
-            first = _first_microbatch(self._entry.capture(step, *args), self.microbatches)
+            first = _first_microbatch(call, self.microbatches)
             if meta:
                 first = Call(*map_tensors(lambda t: t.to("meta"), (first.args, first.kwargs)))
             self._chain, self._chain_of = self._capture(module, first), module
+            if self._chain.captured is not None:
+                watch_attributes(module, self._chain.captured.graph.read)
             if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(self._chain.layers) - 1:
-                self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(args[0]), meta)
+                self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(batch), meta)
         layers = self._chain.layers
         stage_plan = self.stage_plan
         make = schedule_of(stage_plan, self.options, self.microbatches)

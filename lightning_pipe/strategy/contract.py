@@ -144,6 +144,24 @@ class PipelineModel:
             )
         return tuple(found)
 
+    def refuse_changed_attributes(self) -> None:
+        """Raise if user code changed a module attribute whose value the captured graph holds (an int,
+        bool or string ``forward`` reads, or a float it takes a Python decision on): the layers would
+        go on with the old value. Floats ``forward`` computes with are read when the layers run."""
+        changed = self.captured.graph.changed_attributes() if self.captured is not None else []
+        if changed:
+            entry = changed[0]
+            now = vars(entry.module).get(entry.name)
+            where = f"{entry.path}.{entry.name}" if entry.path else entry.name
+            raise PlanningError(
+                f"{where} changed from {entry.value!r} to {now!r} since the pipeline captured forward, which "
+                f"holds its value as a constant (read at {entry.line}): the layers would go on with "
+                f"{entry.value!r}. A float that forward computes with is read when the layers run; one it takes a "
+                "Python decision on (if, range, a shape), or an int, bool or string, is fixed at capture. Keep it "
+                "fixed during training, or make it a tensor (a buffer) and compute with it (torch.where instead "
+                "of if)"
+            )
+
     def follow_mode(self, training: bool) -> None:
         """Captured layers run their train or eval code as the LightningModule is in train or eval mode
         (set on the layers only: the user's modules keep the modes the user gave them)."""

@@ -4,9 +4,12 @@ Only the last stage runs the step code to its end, so what it builds — torchme
 states (``self.train_acc(preds, y)``, ``self.val_loss.update(loss)``) and lists kept on the module for
 the epoch-end hooks (``self.validation_step_outputs.append(loss)``, the pattern Lightning 2
 documents) — would exist on that rank only, and an epoch-end hook on another rank would find an empty
-metric or list. :func:`recording_effects` records these changes while the step runs on the last stage
-(the outermost calls of each metric's ``forward``/``update`` with their arguments; the items appended
-to each list attribute of the module), and :func:`replay` makes them on every other rank, in order:
+metric or list; so would a new value the step code gives an attribute that ``forward`` reads (a gate's
+``scale``, a temperature: :func:`watch_attributes`), which the layers on other ranks read when they run.
+:func:`recording_effects` records these changes while the step runs on the last stage (the outermost
+calls of each metric's ``forward``/``update`` with their arguments; the items appended to each list
+attribute of the module; the watched attributes' new values), and :func:`replay` makes them on every
+other rank, in order:
 every rank then holds the states an unsplit run would hold (as under DDP, where each rank holds its
 own). Metric arguments and list items travel detached, on the CPU; they come back on the rank's
 device.
@@ -25,7 +28,7 @@ from torch import nn
 
 from lightning_pipe.nested import map_tensors
 
-__all__ = ["Effects", "metric_modules", "recording_effects", "replay"]
+__all__ = ["Effects", "metric_modules", "recording_effects", "replay", "watch_attributes"]
 
 try:  # a dependency of Lightning's
     from torchmetrics import Metric
@@ -39,6 +42,16 @@ class Effects:
 
     calls: list[tuple[str, str, Any, Any]] = field(default_factory=list)  # (metric path, method, args, kwargs)
     appended: dict[str, list[Any]] = field(default_factory=dict)
+    attributes: dict[tuple[str, str], Any] = field(default_factory=dict)  # (module path, name) -> new value
+
+
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def watch_attributes(module: nn.Module, read: dict[tuple[str, str], nn.Module]) -> None:
+    """Record the step code's changes of these attributes of ``module``'s submodules (``(path, name) ->
+    submodule``: the ones ``forward``'s captured graph reads)."""
+    _WATCHED[module] = dict(read)
 
 
 _FOUND: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
@@ -85,9 +98,15 @@ def recording_effects(module: nn.Module, effects: Effects) -> Iterator[None]:
             patched.append((metric, method, had, vars(metric).get(method)))
             setattr(metric, method, recorder(path, method, getattr(metric, method)))
     lengths = {name: len(value) for name, value in vars(module).items() if isinstance(value, list)}
+    watched = _WATCHED.get(module, {})
+    before = {key: vars(owner).get(key[1]) for key, owner in watched.items()}
     try:
         yield
     finally:
+        for key, owner in watched.items():
+            value = vars(owner).get(key[1])
+            if value is not before[key] and value != before[key]:
+                effects.attributes[key] = value
         for metric, method, had, previous in reversed(patched):
             if had:
                 setattr(metric, method, previous)
@@ -106,6 +125,8 @@ def replay(module: nn.Module, effects: Effects, device: torch.device) -> None:
     with torch.no_grad():
         for path, method, args, kwargs in effects.calls:
             getattr(metrics[path], method)(*local(args), **local(kwargs))
+    for (path, name), value in effects.attributes.items():
+        setattr(module.get_submodule(path), name, value)
     for name, items in effects.appended.items():
         value = vars(module).get(name)
         if isinstance(value, list):

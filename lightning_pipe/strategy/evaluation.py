@@ -29,12 +29,15 @@ class EvaluationHooks:
         combination of micro-batches). Returns the step's record and result (``None`` elsewhere)."""
         module = self.lightning_module
         step = getattr(module, hook)
-        executor = self._pipeline(step, args)
+        # the step's code before forward runs once per batch, on the ranks that need its arguments
+        call = self._entry.capture(step, *args) if self.executor is None or self._evaluates(0) else None
+        executor = self._pipeline(call, args[0]) if call is not None else self.executor
+        assert executor is not None
         self.drain()
         self._chain.follow_mode(module.training)
         parts = 1 if self._chain.batch_reduced else min(self.microbatches, rows_of(args[0]))
         outputs: list[Any] = []
-        inputs = self._chain.inputs(self._entry.capture(step, *args)) if self._evaluates(0) else None
+        inputs = self._chain.inputs(call) if self._evaluates(0) else None
         executor.evaluate(inputs, parts, lambda mb, output: outputs.append(output))
         if not self._evaluates(-1):
             return None, None

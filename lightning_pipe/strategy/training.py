@@ -44,13 +44,17 @@ class TrainingHooks:
         module = self.lightning_module
         args = (*args, *kwargs.values())
         with self.precision_plugin.train_step_context():
-            executor = self._pipeline(module.training_step, args)
+            # every rank runs the step's code before forward, once: what it changes in the modules
+            # (a gate's scale, a temperature) is then in place on every stage before any computes
+            call = self._entry.capture(module.training_step, *args)
+            executor = self._pipeline(call, args[0])
+            self._chain.refuse_changed_attributes()
             step = executor.origin + executor.calls
             assert self._hyper is not None
             self._hyper.record(step)
             self._step_args[step] = args[1:]
             self._chain.follow_mode(module.training)
-            inputs = self._chain.inputs(self._entry.capture(module.training_step, *args)) if self._first else None
+            inputs = self._chain.inputs(call) if self._first else None
             # a rank with no last stage has nothing to add after the step: its part leaves now, so
             # the gather is complete as soon as the last stage's part arrives
             posted = None if self._last else self._post_logs({})

@@ -1,0 +1,225 @@
+"""The models people pipeline, built from their config classes and called as their documentation
+shows, run unchanged on 2 processes: Hugging Face ``transformers`` decoders (GPT-2 with its default
+generation cache, a Llama-style decoder: rotary embeddings, grouped-query attention, RMSNorm, the
+causal mask built in ``forward``), an encoder (BERT with ``attention_mask``, ``token_type_ids`` and
+``labels=``, its loss object made in ``forward``), an encoder-decoder (T5: two stacks,
+cross-attention, embeddings shared with the head), a ``timm`` ViT, torchvision's EfficientNet-B0 and
+a ``segmentation-models-pytorch`` U-Net.
+
+1F1B and GPipe end equal to plain Lightning fed the same micro-batches (``accumulate_grad_batches``,
+batch norm's running statistics moved once per step by the whole batch's rows, as the pipeline
+does: the reference of :mod:`tests.test_user_modules`); 2BW trains (finite losses that fall). The
+step reads the model's own output class (``out.loss``, ``out["logits"]``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.runtime import run_local
+from tests.lightning_cases import final_state
+from tests.test_user_modules import _deferred_callback
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+smp = pytest.importorskip("segmentation_models_pytorch")
+
+ROWS, MICROBATCHES, BATCHES, VOCAB, LENGTH = 8, 2, 2, 64, 8
+LANGUAGE = ("gpt2", "llama", "bert", "t5")
+VISION = ("vit", "efficientnet", "unet")
+BATCH_NORM = ("efficientnet", "unet")
+
+
+def _network(name: str) -> nn.Module:
+    t = transformers
+    if name == "gpt2":
+        config = t.GPT2Config(
+            n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0, eos_token_id=0
+        )
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+        return t.GPT2LMHeadModel(config)  # use_cache=True, the default
+    if name == "llama":
+        config = t.LlamaConfig(
+            num_hidden_layers=4,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+        )
+        return t.LlamaForCausalLM(config)
+    if name == "bert":
+        config = t.BertConfig(
+            num_hidden_layers=4,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return t.BertForSequenceClassification(config)
+    if name == "t5":
+        config = t.T5Config(
+            num_layers=2,
+            num_decoder_layers=2,
+            d_model=32,
+            d_ff=64,
+            num_heads=4,
+            d_kv=8,
+            vocab_size=VOCAB,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+        return t.T5ForConditionalGeneration(config)
+    if name == "vit":
+        return timm.create_model(
+            "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, depth=4, num_classes=3
+        )
+    if name == "efficientnet":
+        import torchvision
+
+        return torchvision.models.efficientnet_b0(weights=None, num_classes=3)
+    return smp.Unet(
+        "resnet18", encoder_weights=None, in_channels=3, classes=2, encoder_depth=3, decoder_channels=(32, 16, 8)
+    )
+
+
+class ZooModule(L.LightningModule):
+    """What a user writes around the model: ``forward`` calls it, the step reads its output."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.name = name
+        self.model = _network(name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.name in ("gpt2", "llama"):
+            (ids,) = batch
+            out = self(ids, labels=ids)
+            loss = out.loss
+        elif self.name == "bert":
+            ids, mask, types, labels = batch
+            out = self(ids, attention_mask=mask, token_type_ids=types, labels=labels)
+            loss = out.loss
+            self.log("train_acc", (out["logits"].argmax(-1) == labels).float().mean())
+        elif self.name == "t5":
+            ids, labels = batch
+            loss = self(input_ids=ids, labels=labels).loss
+        elif self.name == "unet":
+            images, masks = batch
+            loss = nn.functional.cross_entropy(self(images), masks)
+        else:
+            images, labels = batch
+            loss = nn.functional.cross_entropy(self(images), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses = [*getattr(self, "losses", []), float(outputs["loss"])]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.5)
+
+
+def _data(name: str) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    rows = BATCHES * ROWS
+    ids = torch.randint(1, VOCAB, (rows, LENGTH), generator=g)
+    if name in ("gpt2", "llama"):
+        return TensorDataset(ids)
+    if name == "bert":
+        mask = torch.ones(rows, LENGTH, dtype=torch.long)
+        mask[::2, -3:] = 0  # padded rows: the mask matters
+        types = torch.zeros(rows, LENGTH, dtype=torch.long)
+        types[:, LENGTH // 2 :] = 1
+        return TensorDataset(ids, mask, types, torch.randint(0, 3, (rows,), generator=g))
+    if name == "t5":
+        return TensorDataset(ids, torch.randint(1, VOCAB, (rows, 5), generator=g))
+    images = torch.randn(rows, 3, 16, 16, generator=g)
+    if name == "unet":
+        return TensorDataset(images, (images[:, 0] > 0).long())
+    return TensorDataset(images, (images[:, 0].mean((1, 2)) > 0).long())  # learnable in a few steps
+
+
+def _fit(name: str, strategy: Any, devices: int, epochs: int, reference: int = 1) -> dict[str, Any]:
+    module = ZooModule(name)
+    callbacks = [_deferred_callback(L)(reference)] if reference > 1 and name in BATCH_NORM else []
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=reference,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, DataLoader(_data(name), batch_size=ROWS // reference))
+    losses = module.losses
+    if reference > 1:  # the micro-batches' losses, each divided by their number: the step's is their sum
+        losses = [sum(losses[i : i + reference]) for i in range(0, len(losses), reference)]
+    return {"final": final_state(trainer, module), "losses": losses}
+
+
+def _worker(rank: int, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    results = []
+    for name, schedule in cases:
+        strategy = PipelineStrategy(schedule, microbatches=MICROBATCHES)
+        results.append(_fit(name, strategy, 2, epochs=3 if schedule == "2bw" else 1))
+    return results
+
+
+def _check(name: str, schedule: str, got: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert got["losses"] == pytest.approx(expected["losses"], abs=1e-6), (name, schedule)
+    assert got["final"].keys() == expected["final"].keys()
+    for key, value in expected["final"].items():
+        if value.is_floating_point():
+            gap = float((got["final"][key] - value).abs().max()) if value.numel() else 0.0
+            assert gap <= 1e-6, (name, schedule, key, gap)
+        else:
+            assert torch.equal(got["final"][key], value), (name, schedule, key)
+
+
+def _run(names: tuple[str, ...], tmp_path: Path) -> None:
+    cases = [(name, schedule) for name in names for schedule in ("1f1b", "gpipe", "2bw")]
+    per_rank = run_local(_worker, 2, cases, timeout=560)
+    for name in names:
+        expected = _fit(name, "auto", 1, epochs=1, reference=MICROBATCHES)
+        for schedule in ("1f1b", "gpipe"):
+            for rank in per_rank:
+                _check(name, schedule, rank[cases.index((name, schedule))], expected)
+        for rank in per_rank:
+            losses = rank[cases.index((name, "2bw"))]["losses"]
+            assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
+            assert sum(losses[-BATCHES:]) < sum(losses[:BATCHES]), (name, losses)
+
+
+@pytest.mark.timeout(600)
+def test_transformers_models_run_unchanged(tmp_path: Path) -> None:
+    _run(LANGUAGE, tmp_path)
+
+
+@pytest.mark.timeout(600)
+def test_vision_models_run_unchanged(tmp_path: Path) -> None:
+    _run(VISION, tmp_path)
