@@ -401,6 +401,8 @@ def _reads_values(kind: str, target: Any, inputs: list[Shadow], value: Any) -> b
     opposed to reading a tensor's metadata (``size()``, ``.shape``, ``.device``)."""
     if isinstance(value, torch.Tensor | torch.Size | torch.dtype | torch.device) or value is None:
         return False
+    if isinstance(value, tuple | list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return False  # tensors still (x.split(n), x.chunk(n), x.max(dim)): no value has left them
     if not any(isinstance(s.value, torch.Tensor) for s in inputs):
         return False
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
