@@ -186,6 +186,7 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
         "collectives": next((c.seen for c in callbacks if isinstance(c, Collectives)), None),
         "callbacks": callback_outcome(run),
         "bounds": getattr(run.strategy, "stage_plan", None) and run.strategy.stage_plan.bounds,
+        "setup_seconds": getattr(run.strategy, "setup_seconds", None),
         "final": final_state(run, model),
         "held": held(model),
         "initial": initial,

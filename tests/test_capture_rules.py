@@ -174,3 +174,41 @@ def test_tracing_holds_the_values_forward_holds_not_every_one() -> None:
     model[-1].register_forward_pre_hook(count)
     capture(model, (torch.randn(7, width),), {}, stages=2)
     assert alive and max(alive) <= 3
+
+
+class _Heads(nn.Module):
+    """Attention-style code: a projection split in three, a shape built by unpacking one part's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(4, 12), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(4, dim=-1)
+        shape = (*k.shape[:-1], 2, 2)
+        return self.out((q.view(shape) * k.view(shape) + v.view(shape)).flatten(-2))
+
+
+class _WithHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.heads, self.last = nn.Linear(4, 4), _Heads(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.heads(self.first(x)))
+
+
+def test_tensors_split_apart_are_still_tensors_not_values() -> None:
+    """``q, k, v = proj(x).split(n)`` then ``(*k.shape[:-1], ...)`` (GPT-2's attention in
+    ``transformers``): the parts of a split are tensors, not values read from one, so the module is
+    traced through (no leaf, no retrace) and its layers chain to ``forward``."""
+    torch.manual_seed(0)
+    module, x = _WithHeads(), torch.randn(3, 5, 4)
+    captured = capture(module, (x,), stages=2)
+    assert captured.graph.leaves == {}
+    assert {"heads.qkv", "heads.out"} <= {str(n.target) for n in captured.graph.graph.nodes if n.op == "call_module"}
+    carried: object = (x,)
+    for layer in captured.layers:
+        carried = layer(carried)
+    with torch.no_grad():
+        assert torch.equal(carried, module(x))

@@ -21,6 +21,7 @@ import torch
 from lightning_pipe import consolidate
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.affinity import cores_of
+from lightning_pipe.strategy.planning import SETUP_PHASES
 from lightning_pipe.strategy.sharded import METADATA
 from tests import reference
 from tests.lightning_cases import Chain, batch_list, fit_case, loader, plain_fit, stage_modules, trainer
@@ -470,7 +471,8 @@ def test_one_device(tmp_path: Path) -> None:
     """``PipelineStrategy()`` on one device (one stage, one micro-batch) trains exactly as Lightning
     alone, in 32-true and bf16-mixed; CDP's single-device form (three stages, three micro-batches in
     the cyclic order) ends with the parameters of its rules' references over three epochs with a
-    validation after each, and as much when resumed from its first epoch's checkpoint."""
+    validation after each, and as much when resumed from its first epoch's checkpoint. The set-up's
+    time is kept by phase (nothing profiled where the stages were given)."""
     cases = [
         {"name": "one_device", "batches": 5, "strategy": {}},
         {"name": "one_device_bf16", "batches": 5, "strategy": {}, "trainer": {"precision": "bf16-mixed"}},
@@ -486,6 +488,12 @@ def test_one_device(tmp_path: Path) -> None:
     for case in cases:
         expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
         _assert_close_states(results[case["name"]][0]["final"], expected, 0)
+    planned, given = results["one_device"][0]["setup_seconds"], results["cdp_single_v2"][0]["setup_seconds"]
+    for seconds in (planned, given):  # the set-up's wall time by phase, which add up to its total
+        assert list(seconds) == [*SETUP_PHASES, "executor", "total"] and min(seconds.values()) >= 0
+        assert seconds["total"] == pytest.approx(sum(seconds[phase] for phase in [*SETUP_PHASES, "executor"]))
+        assert seconds["capture"] > 0 and seconds["verify"] > 0
+    assert planned["profile"] > 0 and given["profile"] == 0  # CDP's stages were given (balance=)
     _assert_references(single, results)
     _assert_resumed(single, results)
 

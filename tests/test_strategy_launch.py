@@ -50,11 +50,13 @@ def _plain(tmp_path: Path, steps: int = -1) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("strategy", ["pipe", "pipe_spawn"])
 def test_launched_by_lightning(tmp_path: Path, strategy: str) -> None:
     """``Trainer(strategy="pipe", devices=2)`` (1F1B) in a plain script, with the script re-run or
-    with spawned processes: the plan and prediction are printed, the trained model equals plain
+    with spawned processes: the plan, prediction and set-up time are printed, the trained model equals plain
     Lightning's, and the report (timeline picture, trace, pipeline metrics) is in the log directory."""
     output, logs = _script(tmp_path, strategy)
     assert "===== Partition (time) =====" in output and "Predicted schedule" in output
     assert output.count("After fit, each rank's module holds only the stages the rank ran") == 1  # rank 0, once
+    assert re.search(r"Pipeline set-up [\d.]+ s: capture [\d.]+ s, verify [\d.]+ s, profile [\d.]+ s", output)
+    assert output.count("Pipeline set-up") == 1
     # each rank maps one ring to its neighbour and one from it, sized to the plan's small messages
     rings = re.search(r"shared-memory rings: rank 0: [^,]+ \+ ([^,]+), rank 1: [^,]+ \+ (.+)", output)
     assert rings is not None

@@ -38,6 +38,7 @@ from lightning_pipe.profiler import profile_layers
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.ties import find_ties
 from lightning_pipe.strategy.contract import Call, Entry, pipeline_model
+from lightning_pipe.strategy.report import run_directory
 from tests.lightning_cases import final_state
 from tests.user_modules import (
     DenseNetModule,
@@ -366,17 +367,17 @@ def test_boring_model_on_two_devices_says_what_to_do(tmp_path: Path) -> None:
         assert "devices=1" in message
 
 
-def _loggerless_pipeline(rank: int, root: str, **options: Any) -> L.Trainer:
-    """A Trainer as a user writes it for ``strategy="pipe"`` on 2 devices, without a logger."""
+def _pipe_trainer(rank: int, root: str, logger: CSVLogger | bool = False, **options: Any) -> L.Trainer:
+    """A Trainer as a user writes it for ``strategy="pipe"`` on 2 devices, without a logger by default."""
     os.environ["LOCAL_RANK"] = str(rank)
     quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
     return L.Trainer(
-        accelerator="cpu", devices=2, strategy="pipe", logger=False, default_root_dir=root, **quiet, **options
+        accelerator="cpu", devices=2, strategy="pipe", logger=logger, default_root_dir=root, **quiet, **options
     )
 
 
 def _boring_worker(rank: int, root: str) -> str:
-    trainer = _loggerless_pipeline(rank, root, max_steps=1)
+    trainer = _pipe_trainer(rank, root, max_steps=1)
     try:
         trainer.fit(BoringModel(), DataLoader(torch.randn(8, 32), batch_size=4))
     except PlanningError as error:
@@ -384,18 +385,46 @@ def _boring_worker(rank: int, root: str) -> str:
     return "no error"
 
 
-def test_without_a_logger_the_report_goes_under_default_root_dir(tmp_path: Path) -> None:
-    """``logger=False``: the end-of-fit timeline and trace are written under the Trainer's
-    ``default_root_dir``, not in the working directory the processes run in."""
-    run_local(_no_logger_worker, 2, str(tmp_path), timeout=120)
-    root = tmp_path / "root"
-    assert (root / "pipeline_timeline.png").is_file() and (root / "pipeline_trace.json").is_file()
-    assert not list((tmp_path / "cwd").iterdir())
+def test_without_a_logger_each_fit_reports_in_a_directory_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``logger=False``: each fit's end-of-fit timeline and trace go to a new
+    ``<default_root_dir>/pipeline_logs/version_<N>`` (two fits, two directories, the earlier one
+    untouched), never to the working directory the processes run in; with a CSVLogger, to its
+    ``log_dir``."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # the spawned processes start there
+    run_local(_report_worker, 2, str(tmp_path), timeout=180)
+    files = ["pipeline_timeline.png", "pipeline_trace.json"]
+    runs = tmp_path / "root" / "pipeline_logs"
+    assert sorted(p.name for p in runs.iterdir()) == ["version_0", "version_1"]
+    # "first" was written between the fits: the second fit left the first's directory alone
+    assert sorted(p.name for p in (runs / "version_0").iterdir()) == ["first", *files]
+    assert sorted(p.name for p in (runs / "version_1").iterdir()) == files
+    logged = tmp_path / "csv" / "lightning_logs" / "version_0"
+    assert all((logged / name).is_file() for name in [*files, "metrics.csv"])
+    assert not list(cwd.iterdir())
 
 
-def _no_logger_worker(rank: int, tmp: str) -> None:
-    cwd = Path(tmp) / "cwd"
-    cwd.mkdir(exist_ok=True)
-    os.chdir(cwd)
-    trainer = _loggerless_pipeline(rank, str(Path(tmp) / "root"), max_epochs=1)
+def test_run_directories_are_numbered_as_lightnings_versions(tmp_path: Path) -> None:
+    """The next ``version_<N>`` follows the largest numbered directory (Lightning's convention), and a
+    name taken by something else is skipped rather than shared."""
+    assert run_directory(tmp_path) == tmp_path / "pipeline_logs" / "version_0"
+    for name in ("version_4", "version_x", "other"):
+        (tmp_path / "pipeline_logs" / name).mkdir()
+    (tmp_path / "pipeline_logs" / "version_5").touch()  # a file, not a run
+    assert run_directory(tmp_path) == tmp_path / "pipeline_logs" / "version_6"
+    assert run_directory(tmp_path).is_dir()
+
+
+def _report_worker(rank: int, tmp: str) -> None:
+    """Two fits without a logger, then one with a CSVLogger (each with a Trainer of its own)."""
+    root = Path(tmp) / "root"
+    for fit in range(2):
+        trainer = _pipe_trainer(rank, str(root), max_epochs=1)
+        trainer.fit(_module("autoencoder"), DataLoader(_dataset("autoencoder", 6, seed=5), batch_size=ROWS))
+        if fit == 0 and rank == 0:
+            (root / "pipeline_logs" / "version_0" / "first").touch()
+    trainer = _pipe_trainer(rank, str(root), logger=CSVLogger(Path(tmp) / "csv"), max_epochs=1)
     trainer.fit(_module("autoencoder"), DataLoader(_dataset("autoencoder", 6, seed=5), batch_size=ROWS))

@@ -15,6 +15,9 @@ for CPU tests. Nothing in them knows about pipelines.
 - :class:`LitClassifier`: a ``Backbone`` module passed in, ``forward = self.backbone(x)``.
 - :class:`EpochEndOutputs`: the Lightning 2 pattern of collecting step outputs in lists on the module
   for ``on_*_epoch_end`` hooks.
+- :class:`HuggingFaceGPT2`: ``transformers``' ``GPT2LMHeadModel`` in the usual thin LightningModule,
+  ``forward(input_ids)`` returning the model's output (its ``loss`` for ``labels=input_ids``).
+- :class:`EncoderLM`: an embedding, a ``torch.nn.TransformerEncoder`` under a causal mask and a head.
 - Lightning's own demos (``LightningTransformer``, ``BoringModel``) are imported from the installed
   package by the tests.
 """
@@ -395,3 +398,66 @@ class EpochEndOutputs(LitClassifier):
         self.log("validation_epoch_mean", epoch_mean)
         self.epoch_means.append(float(epoch_mean))
         self.validation_step_outputs.clear()
+
+
+# -- a Hugging Face GPT-2 and a torch.nn.TransformerEncoder ----------------------------------------------
+class HuggingFaceGPT2(L.LightningModule):
+    """A small ``GPT2LMHeadModel`` (``transformers`` is imported here: only who builds one needs it),
+    without the key-value cache (``use_cache=False``)."""
+
+    def __init__(
+        self, n_layer: int = 12, n_embd: int = 128, n_head: int = 4, vocab_size: int = 1024, n_positions: int = 256
+    ) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        ends = vocab_size - 1  # GPT-2's own 50256 is outside a smaller vocabulary (transformers warns)
+        config = GPT2Config(
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            vocab_size=vocab_size,
+            n_positions=n_positions,
+            bos_token_id=ends,
+            eos_token_id=ends,
+        )
+        self.model = GPT2LMHeadModel(config)
+        self.model.config.use_cache = False
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        return self.model(input_ids, labels=input_ids)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        loss = self(input_ids).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class EncoderLM(L.LightningModule):
+    """Next-token prediction with ``nn.TransformerEncoder`` (``norm_first``, batch first, GELU)."""
+
+    def __init__(self, layers: int = 6, width: int = 128, heads: int = 4, vocab: int = 1024, dropout: float = 0.1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        block = nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
+        return self.head(self.encoder(self.embed(tokens), mask=mask, is_causal=True))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        loss = F.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)

@@ -9,6 +9,7 @@ and the tensors of the stages a rank does not run released.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +36,7 @@ from lightning_pipe.strategy.materialise import MATERIALISED, materialise, on_me
 from lightning_pipe.strategy.optimizers import stage_optimizers
 from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
 from lightning_pipe.strategy.planning import (
+    SETUP_PHASES,
     PlanOptions,
     StagePlan,
     memory_schedule,
@@ -43,6 +45,8 @@ from lightning_pipe.strategy.planning import (
     predict,
     report,
     schedule_of,
+    setup_line,
+    timed,
 )
 from lightning_pipe.strategy.sharded import read_entries
 from lightning_pipe.units import format_bytes
@@ -62,19 +66,24 @@ class PipelineBuilding:
         if self.executor is not None:
             return self.executor
         assert self._entry is not None
+        start = time.perf_counter()
         module = self.lightning_module
         optimizer = self.optimizers[0] if self.optimizers else None
         fresh = self._chain is None or self._chain_of is not module  # a released module is captured once
         meta = fresh and on_meta(module)  # built with init_module(empty_init=True) or configure_model: shapes only
         if fresh:
+            seconds = self.setup_seconds = dict.fromkeys(SETUP_PHASES, 0.0)
             first = _first_microbatch(call, self.microbatches)
             if meta:
                 first = Call(*map_tensors(lambda t: t.to("meta"), (first.args, first.kwargs)))
-            self._chain, self._chain_of = self._capture(module, first), module
+            with timed(seconds, "capture"):
+                self._chain, self._chain_of = self._capture(module, first), module
             if self._chain.captured is not None:
                 watch_attributes(module, self._chain.captured.graph.read)
             if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(self._chain.layers) - 1:
-                self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(batch), meta)
+                with timed(seconds, "plan"):
+                    self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(batch), meta)
+                seconds["plan"] -= seconds["verify"] + seconds["profile"]  # timed apart inside
         layers = self._chain.layers
         stage_plan = self.stage_plan
         make = schedule_of(stage_plan, self.options, self.microbatches)
@@ -112,7 +121,19 @@ class PipelineBuilding:
         self._release(module, layers, mine)
         if self._parent_watch is not None:  # the pipeline is up: failures travel through the job's store now
             self._parent_watch.stop()
+        if fresh:
+            self._timed_setup(start)
         return self.executor
+
+    def _timed_setup(self, start: float) -> None:
+        """Complete :attr:`setup_seconds` of a set-up that began at ``start`` (``time.perf_counter``):
+        the rest of it, ``executor`` (the executor made, this rank's stages kept), and the ``total``;
+        rank 0 prints its own."""
+        seconds = self.setup_seconds
+        total = time.perf_counter() - start
+        seconds["executor"] = total - sum(seconds.values())
+        seconds["total"] = total
+        rank_zero_info(setup_line(seconds))
 
     def _predict_memory(self, mine: set[int], announce: bool) -> None:
         """This rank's predicted memory (:attr:`predicted_memory`; ``None`` when the stages were given,
@@ -260,7 +281,8 @@ class PipelineBuilding:
         if self.global_rank == 0:
             try:
                 if not meta:  # a model on the meta device has no values to compare
-                    self._verify(model, first)
+                    with timed(self.setup_seconds, "verify"):
+                        self._verify(model, first)
                 stage_plan = plan_stages(
                     model.layers,
                     model.inputs(first),
@@ -270,6 +292,7 @@ class PipelineBuilding:
                     torch.device("meta") if meta else self.root_device,
                     self._replicated,
                     names=model.names,
+                    seconds=self.setup_seconds,
                 )
             except PlanningError as error:
                 stage_plan = error

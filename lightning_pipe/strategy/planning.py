@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from lightning_pipe.schedule.stage_costs import check_contention
 from lightning_pipe.strategy.profile_cache import cached_profile, profile_key
 
 __all__ = [
+    "SETUP_PHASES",
     "PlanOptions",
     "StagePlan",
     "memory_schedule",
@@ -47,11 +50,34 @@ __all__ = [
     "predict",
     "report",
     "schedule_of",
+    "setup_line",
+    "timed",
 ]
 
 DEFAULT_TOLERANCE = 0.02
 """Near-ties of measured splits (``PlanOptions.tolerance``): within 2% of the fastest split."""
 _MEMORY_SCHEDULE = {"gpipe": "gpipe", "pipedream": "pipedream", "2bw": "2bw", "cdp": "2bw"}
+SETUP_PHASES = ("capture", "verify", "profile", "plan")
+"""The phases of a pipeline's set-up timed apart (``PipelineStrategy.setup_seconds``, ``bench/setup_time.py``)."""
+
+
+@contextmanager
+def timed(seconds: dict[str, float] | None, phase: str) -> Iterator[None]:
+    """Add the wall time of the ``with`` block (``time.perf_counter``) to ``seconds[phase]``; nothing
+    is timed without ``seconds``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if seconds is not None:
+            seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def setup_line(seconds: dict[str, float]) -> str:
+    """``Pipeline set-up 3.2 s: capture 0.6 s, verify 0.2 s, ...``: ``seconds['total']`` and each
+    other phase in it, in order."""
+    parts = ", ".join(f"{phase} {value:.1f} s" for phase, value in seconds.items() if phase != "total")
+    return f"Pipeline set-up {seconds['total']:.1f} s: {parts}"
 
 
 @dataclass(frozen=True)
@@ -186,10 +212,11 @@ def plan_stages(
     device: torch.device,
     replicate: bool = False,
     names: Sequence[str] | None = None,
+    seconds: dict[str, float] | None = None,
 ) -> StagePlan:
     """Split ``layers`` (named ``names``) into straight stages, one per worker, or — with
     ``replicate`` (``1f1b_rr``) — into stages replicated over ``workers`` workers (see the module
-    docstring)."""
+    docstring). The time spent profiling is added to ``seconds['profile']`` (:func:`timed`)."""
     if workers > len(layers) and not replicate:
         shown = f" ({', '.join(names)})" if names is not None else ""
         raise PlanningError(
@@ -209,7 +236,8 @@ def plan_stages(
         costs = load_profile(options.profile)
         _check_same_model(options.profile, "profile", len(costs), given_names(costs), len(layers), names)
     else:
-        costs = _profile(layers, sample, device, options, names)
+        with timed(seconds, "profile"):
+            costs = _profile(layers, sample, device, options, names)
     request = PlanRequest(
         costs,
         devices=workers,

@@ -8,8 +8,11 @@ At the end of ``fit`` the strategy puts beside each other, for the last steps of
   ran it, waits excluded: :meth:`~lightning_pipe.runtime.PipelineExecutor.measured_costs`),
 
 drawn on one time axis (``pipeline_timeline.png``) and as a Chrome/Perfetto trace
-(``pipeline_trace.json``) in the trainer's log directory, and logs per-stage compute, per-worker waits
-and the measured and predicted step times through the trainer's loggers.
+(``pipeline_trace.json``), and logs per-stage compute, per-worker waits and the measured and predicted
+step times through the trainer's loggers. The two files go to the logger's log directory; without a
+logger (or one with no directory), to a directory of the run's own, ``<default_root_dir>/pipeline_logs/
+version_<N>`` (:func:`run_directory`), so that no run writes over another's, nor into the working
+directory.
 """
 
 from __future__ import annotations
@@ -24,9 +27,29 @@ from lightning_pipe.schedule.draw import chrome_trace, draw_comparison
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.simulation import Interval, Simulation
 
-__all__ = ["STEPS_SHOWN", "FitReport", "last_steps"]
+__all__ = ["LOGS", "STEPS_SHOWN", "FitReport", "last_steps", "run_directory"]
 
 STEPS_SHOWN = 3
+LOGS = "pipeline_logs"
+"""The folder under ``default_root_dir`` that holds the runs' report directories when there is no logger."""
+
+
+def run_directory(root: Path) -> Path:
+    """A new directory ``root/pipeline_logs/version_<N>``, made here. As Lightning's loggers number
+    their runs (``lightning_logs/version_<N>``), N is one more than the largest version there (0 for
+    the first); a version another run makes in the meantime is skipped, so two runs never share one."""
+    parent = root / LOGS
+    parent.mkdir(parents=True, exist_ok=True)
+    found = (name.removeprefix("version_") for name in (p.name for p in parent.iterdir() if p.is_dir()))
+    version = max((int(n) for n in found if n.isdigit()), default=-1) + 1
+    while True:
+        directory = parent / f"version_{version}"
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            version += 1
+        else:
+            return directory
 
 
 def last_steps(intervals: Sequence[Interval], steps: int = STEPS_SHOWN) -> list[Interval]:

@@ -331,6 +331,9 @@ class PipelineStrategy(
         self.predicted_memory: float | None = None  # this rank's: its stages' (the plan's) and its rings
         self.ring_bytes = 0  # this rank's shared-memory rings (resident from the start: part of predicted_memory)
         self._step_seconds: list[float] = []
+        # the last set-up's seconds by phase on this rank (printed by rank 0): capture, verify, profile, plan (rank
+        # 0's partition and prediction; elsewhere the wait for them), executor (the rest) and their total
+        self.setup_seconds: dict[str, float] = {}
         self._posted: Any = None
         self._signals: Signals | None = None
         self._parent_watch: ParentWatch | None = None

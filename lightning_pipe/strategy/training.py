@@ -26,7 +26,7 @@ from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.effects import metric_modules, replay
 from lightning_pipe.strategy.logs import Record, combine, logged_metrics
 from lightning_pipe.strategy.planning import schedule_of
-from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps
+from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps, run_directory
 from lightning_pipe.strategy.stop_iteration import no_stop_iteration
 
 if TYPE_CHECKING:  # annotations only: the class differs under the standalone pytorch_lightning
@@ -186,9 +186,11 @@ class TrainingHooks:
         in_run = executor.measured_costs(since_step=since)
         timelines = self._gather([i for i in executor.timeline if i.action.step >= since])
         trainer = self.lightning_module.trainer
-        directory = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir is a collective (broadcast)
+        logged = trainer.log_dir  # a collective (broadcast): every rank asks
         if self.global_rank != 0:
             return
+        # the logger's directory; without one, a directory of this run's own (never the working directory)
+        directory = Path(logged) if trainer.loggers and logged else run_directory(Path(trainer.default_root_dir))
         fit = FitReport(
             last_steps([i for part in timelines for i in part]),
             self._step_seconds[2:],

@@ -8,7 +8,8 @@ measured:
 - ``metrics.csv`` (and TensorBoard events with ``logger=tensorboard``; in a multirun, whose runs
   spawn their processes, the test's metrics go to ``test/metrics.csv``: a spawned test starts a fresh
   CSV writer, which would rewrite ``metrics.csv`` with the test's columns only), ``pipeline_timeline.png``
-  (measured timeline beside the predictions) and ``pipeline_trace.json``;
+  (measured timeline beside the predictions) and ``pipeline_trace.json`` (with ``logger=none``, in
+  ``pipeline_logs/version_0/``: the strategy's directory for a run without a logger);
 - ``results.json``: the test metrics, the predicted and measured step times.
 
 With no arguments it runs the README's main job: a 2-stage 1F1B pipeline on 2 CPU processes training
