@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.capture.generation_cache import CACHE_OFF, generation_cache_off
 from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.errors import PlanningError
@@ -28,6 +29,7 @@ from lightning_pipe.runtime.ring_sizes import shared_memory_capacity
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.simulation import Simulation
+from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Call, PipelineModel, pipeline_model
 from lightning_pipe.strategy.differences import differences
 from lightning_pipe.strategy.effects import watch_attributes
@@ -97,13 +99,22 @@ class PipelineBuilding:
         trainer = module.trainer
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"  # a str enum: compares equal to its value
+        stages: list[Any] = stage_plan.modules(layers)
+        self.compilation = None
+        if self._compiled:  # the model held compiled modules: its stages are compiled instead (.compiling)
+            self.compilation = StageCompilation.of(self._compiled, stages, make(1))
+            stages = self.compilation.modules(stages, mine)
+            if fresh:
+                rank_zero_info(self.compilation.report())
+        compiled = self.compilation is not None and bool(self.compilation.compiled)
         self.executor = PipelineExecutor(
             make,
-            stage_plan.modules(layers),
+            stages,
             self._loss,
             stage_optimizers(optimizer) if optimizer is not None else (lambda params: None),
             device=self.root_device,
             recompute=self.recompute,
+            early_gradients=not compiled,  # a compiled stage's backward is one node: split, it would run twice
             timeout_seconds=self._timeout.total_seconds(),
             shared_memory_bytes=self.shared_memory_bytes,
             message_bytes=_message_bytes(stage_plan),
@@ -319,7 +330,8 @@ class PipelineBuilding:
     def _verify(self, model: PipelineModel, first: Call) -> None:
         """The layers chained on the first micro-batch must give forward's output (both modes)."""
         module = self.lightning_module
-        with generation_cache_off(module):
+        # forward as written: a compiled submodule would be compiled here; no generation cache
+        with uncompiled(module), generation_cache_off(module):
             verify_chain(
                 module,
                 model.layers,

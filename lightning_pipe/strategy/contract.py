@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.capture import CapturedForward, GraphLayer, capture
+from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.nested import flatten, tensors
 
@@ -183,13 +184,16 @@ class PipelineModel:
 
 def pipeline_model(module: nn.Module, call: Call, stages: int) -> PipelineModel:
     """The layers of ``module`` for a pipeline of ``stages`` stages: ``configure_pipeline``'s, or
-    ``forward`` captured on ``call`` (one micro-batch)."""
+    ``forward`` captured on ``call`` (one micro-batch). Compiled modules are taken uncompiled, as the
+    code is written (:func:`~lightning_pipe.capture.compiled.uncompiled`): the layers hold the originals."""
     hook = getattr(module, HOOK, None)
     if callable(hook):
-        layers = _as_layers(hook(), f"{type(module).__name__}.{HOOK}()")
+        with uncompiled(module):
+            layers = _as_layers(hook(), f"{type(module).__name__}.{HOOK}()")
         _refuse_untrained(module, layers)
         return PipelineModel(layers, [type(layer).__name__ for layer in layers])
-    captured = capture(module, call.args, call.kwargs, stages=stages)
+    with uncompiled(module):
+        captured = capture(module, call.args, call.kwargs, stages=stages)
     return PipelineModel(list(captured.layers), [spec.name for spec in captured.specs], captured)
 
 

@@ -66,11 +66,19 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 
+from lightning_pipe.capture.compiled import (
+    CompileSettings,
+    compiled_settings,
+    put_back_calls,
+    set_aside_calls,
+    settings_of,
+)
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.affinity import pin_threads
@@ -85,6 +93,7 @@ from lightning_pipe.strategy.atomic import write_file
 from lightning_pipe.strategy.building import PipelineBuilding
 from lightning_pipe.strategy.checkpointing import CheckpointHooks
 from lightning_pipe.strategy.collectives import Collectives
+from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
 from lightning_pipe.strategy.effects import metric_modules
 from lightning_pipe.strategy.evaluation import EvaluationHooks
@@ -337,6 +346,27 @@ class PipelineStrategy(
         self._posted: Any = None
         self._signals: Signals | None = None
         self._parent_watch: ParentWatch | None = None
+        self._whole_compiled: tuple[LightningModule, CompileSettings] | None = None  # torch.compile(model)'s
+        self._compiled: list[tuple[str, CompileSettings | None]] = []  # the module's compiled parts (.compiling)
+        self._compiled_calls: list[tuple[torch.nn.Module, Callable[..., Any]]] = []  # set aside until teardown
+        self.compilation: StageCompilation | None = (
+            None  # which stages run compiled, when the model held compiled modules
+        )
+
+    @property
+    def _lightning_module(self) -> LightningModule | None:
+        return self._module
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: LightningModule | None) -> None:
+        """Lightning's Trainer sets the module it unwrapped from ``torch.compile(model)`` here, then refuses
+        a compiled module for any strategy but its own few: the pipeline takes the original back with its
+        settings, captures it and compiles each stage (:mod:`.compiling`)."""
+        context = getattr(module, "_compiler_ctx", None)
+        if module is not None and context is not None:
+            self._whole_compiled = (module, settings_of(context["dynamo_ctx"]))
+            to_uncompiled(module)
+        self._module = module
 
     # -- process set-up, as Lightning's DDP ------------------------------------------------------
     @property
@@ -413,6 +443,11 @@ class PipelineStrategy(
             warnings.filterwarnings("ignore", message=_SYNC_DIST_ADVICE, category=PossibleUserWarning)
         self.accelerator.setup(trainer)
         self._refuse_unsupported(trainer)
+        module = self.lightning_module
+        whole = self._whole_compiled
+        self._compiled = [(type(module).__name__, whole[1])] if whole is not None and whole[0] is module else []
+        self._compiled += compiled_settings(module)
+        self._compiled_calls = set_aside_calls(module)  # the step code calls forward, stood in for (.contract)
         self._entry = Entry(self.lightning_module)
         self._outputs_read = reads_step_outputs(trainer)
         for metric in metric_modules(self.lightning_module).values():
@@ -496,6 +531,8 @@ class PipelineStrategy(
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        put_back_calls(self._compiled_calls)
+        self._compiled_calls = []
         if self.lightning_module is not None:
             _move_held(self.lightning_module, torch.device("cpu"))
             if self._full_after_fit is not None:
