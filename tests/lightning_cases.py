@@ -19,7 +19,12 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -85,8 +90,9 @@ def dataset(batches: int, seed: int = 1) -> TensorDataset:
     return TensorDataset(x, torch.randint(0, CLASSES, (batches * ROWS,), generator=generator))
 
 
-def loader(batches: int, seed: int = 1) -> DataLoader:
-    return DataLoader(dataset(batches, seed), batch_size=ROWS)
+def loader(batches: int, seed: int = 1, rows: int = ROWS) -> DataLoader:
+    """``batches`` batches of ``ROWS`` rows, in batches of ``rows`` (fewer: the same data cut finer)."""
+    return DataLoader(dataset(batches, seed), batch_size=rows)
 
 
 def batch_list(batches: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -142,11 +148,14 @@ def plain_fit(root: str | Path, case: dict[str, Any]) -> dict[str, Any]:
         "enable_checkpointing": checkpoints,
     }
     run = trainer(root, "auto", 1, **options)
-    run.fit(model, loader(case["batches"]), loader(2, seed=7), ckpt_path=case.get("resume"))
+    run.fit(
+        model, loader(case["batches"], rows=case.get("rows", ROWS)), loader(2, seed=7), ckpt_path=case.get("resume")
+    )
     if "save_after" in case:
         run.save_checkpoint(case["save_after"])
     result: dict[str, Any] = {
         "final": state(model),
+        "global_step": run.global_step,
         "precision": run.precision_plugin.state_dict(),
         "callbacks": callback_outcome(run),
     }
@@ -188,6 +197,7 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
         "bounds": getattr(run.strategy, "stage_plan", None) and run.strategy.stage_plan.bounds,
         "setup_seconds": getattr(run.strategy, "setup_seconds", None),
         "final": final_state(run, model),
+        "global_step": run.global_step,
         "held": held(model),
         "initial": initial,
         "precision": run.precision_plugin.state_dict(),
@@ -250,7 +260,25 @@ def _callbacks(root: str | Path, case: dict[str, Any]) -> list[L.Callback]:
         callbacks.append(LearningRateMonitor("step"))
     if case.get("collectives"):
         callbacks.append(Collectives())
+    if "accumulation_schedule" in case:  # {epoch: accumulate_grad_batches from that epoch on}
+        callbacks.append(GradientAccumulationScheduler(case["accumulation_schedule"]))
+    if "save_at" in case:
+        callbacks.append(SaveAt(*case["save_at"]))
     return callbacks
+
+
+class SaveAt(L.Callback):
+    """At the end of training batch ``batch`` of the first epoch, every rank saves a checkpoint to
+    ``path`` (under ``accumulate_grad_batches``, a batch may end mid-accumulation)."""
+
+    def __init__(self, batch: int, path: str) -> None:
+        self.batch, self.path = batch, path
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.current_epoch == 0 and batch_idx == self.batch:
+            trainer.save_checkpoint(self.path)
 
 
 class FillDisk(L.Callback):

@@ -124,6 +124,7 @@ def reference(
     optimizer: str,
     record: dict[tuple[int, int], tuple[float, torch.Tensor]] | None = None,
     runs: Sequence[int] | None = None,
+    accumulate: int = 1,
 ) -> list[list[torch.Tensor]]:
     """Train ``stages`` in one process following ``rule``; returns each stage's final parameters. A
     parameter without gradient in a step (frozen, or unused) is skipped by the optimizer, as in
@@ -134,15 +135,19 @@ def reference(
     one run of every step). A drain finishes every step in flight, so the next run fills anew from
     the live weights: the rule starts over, its step counted from the run's first step, and step
     ``t`` of a run begun at step ``o`` (after ``o`` updates) uses version ``o + rule(j, i, t - o)``.
-    The optimizers' states (momentum, Adam's moments) carry over."""
+    The optimizers' states (momentum, Adam's moments) carry over.
+
+    ``accumulate``: gradient accumulation over steps, as Lightning's ``accumulate_grad_batches``
+    (:func:`updates`): each loss divided by it, the gradients summed over the steps until an update;
+    a step without one leaves the weights as they are (its version is the same weights)."""
     stages = copy.deepcopy(stages)
     optimizers = [OPTIMIZERS[optimizer](list(s.parameters())) if list(s.parameters()) else None for s in stages]
     history = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in stages]
     starts = list(itertools.accumulate([len(data)] if runs is None else runs, initial=0))  # then the end
     assert starts[-1] == len(data), (runs, len(data))
+    grads: list[list[torch.Tensor | None]] = [[None] * len(list(s.parameters())) for s in stages]
     for step, (inputs, targets) in enumerate(data):
         origin = max(start for start in starts if start <= step)  # the first step of this step's run
-        grads: list[list[torch.Tensor | None]] = [[None] * len(list(s.parameters())) for s in stages]
         for i, (x, y) in enumerate(
             zip(torch.tensor_split(inputs, microbatches), torch.tensor_split(targets, microbatches), strict=True)
         ):
@@ -159,18 +164,28 @@ def reference(
             loss = nn.functional.cross_entropy(out, y) * (len(y) / len(targets))
             if record is not None:
                 record[(step, i)] = (float(loss.detach()), out.detach().clone())
-            loss.backward()
+            (loss / accumulate).backward()
             for j in range(len(stages)):
                 for index, leaf in enumerate(weights[j].values()):
                     if leaf.grad is not None:
                         grads[j][index] = leaf.grad if grads[j][index] is None else grads[j][index] + leaf.grad
+        updating = updates(step - origin, min(s for s in starts if s > step) - origin, accumulate)
         for j, stage in enumerate(stages):
             for param, grad in zip(stage.parameters(), grads[j], strict=True):
                 param.grad = grad
-            if optimizers[j] is not None:
+            if optimizers[j] is not None and updating:
                 optimizers[j].step()
             history[j].append({n: p.detach().clone() for n, p in stage.named_parameters()})
+        if updating:
+            grads = [[None] * len(list(s.parameters())) for s in stages]
     return [[p.detach() for p in s.parameters()] for s in stages]
+
+
+def updates(step: int, steps: int, accumulate: int) -> bool:
+    """Whether step ``step`` of a run of ``steps`` ends with an update when ``accumulate`` steps'
+    gradients make one (Lightning's rule for the batches of an epoch: every ``accumulate``-th, and
+    the last)."""
+    return (step + 1) % accumulate == 0 or step + 1 == steps
 
 
 def leading_forwards(actions: list[Action]) -> int:
@@ -181,9 +196,10 @@ def leading_forwards(actions: list[Action]) -> int:
 def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch.Tensor]]]:
     """Worker of :func:`lightning_pipe.runtime.launch.run_local`: train every case with the runtime,
     drained after each of its ``"runs"`` (the steps between drains; by default one run of every
-    step); returns ``{case name: {stage: parameters}}`` for the stages this rank holds, under
-    ``"leading forwards"`` how many forwards this rank ran before its first backward, and under
-    ``"ring messages"`` the partial and whole sums it sent along rings, per case."""
+    step), accumulating the gradients of ``"accumulate"`` steps per update (:func:`updates`); returns
+    ``{case name: {stage: parameters}}`` for the stages this rank holds, under ``"leading forwards"``
+    how many forwards this rank ran before its first backward, and under ``"ring messages"`` the
+    partial and whole sums it sent along rings, per case."""
     results: dict = {"leading forwards": {}, "ring messages": {}}
     for case in cases:
         options = case.get("options", {})
@@ -202,9 +218,10 @@ def run_pipeline(rank: int, cases: list[dict]) -> dict[str, dict[int, list[torch
                 for param in weights.params:
                     nn.init.normal_(param.data)
         data = iter(batches(case["steps"], rows=case.get("rows", 10)))
+        accumulate = case.get("accumulate", 1)
         for run in case.get("runs", [case["steps"]]):  # a drain after each run, as at an epoch's end
-            for inputs, targets in itertools.islice(data, run):
-                executor.step(inputs, targets)
+            for step, (inputs, targets) in enumerate(itertools.islice(data, run)):
+                executor.step(inputs, targets, update=updates(step, run, accumulate), accumulation=accumulate)
             executor.drain()
         executor.close()
         held = {s for s in executor.weights if s not in executor.relays.stages or s in executor.relays.held}

@@ -53,7 +53,15 @@ def _check(cases: list[dict], workers: int) -> None:
     for case in cases:
         stages = build_stages(case["stages"], frozen=case.get("frozen", ()), gated=case.get("gated", False))
         data = batches(case["steps"], rows=case.get("rows", 10))
-        expected = reference(stages, data, case["microbatches"], _rule(case), case["optimizer"], runs=case.get("runs"))
+        expected = reference(
+            stages,
+            data,
+            case["microbatches"],
+            _rule(case),
+            case["optimizer"],
+            runs=case.get("runs"),
+            accumulate=case.get("accumulate", 1),
+        )
         if "runs" in case:  # the drains matter: the rule started over at each differs from one run of every step
             one_run = reference(stages, data, case["microbatches"], _rule(case), case["optimizer"])
             flat = [torch.cat([p.flatten() for stage in result for p in stage]) for result in (expected, one_run)]
@@ -252,6 +260,26 @@ def test_two_workers_equal_the_references() -> None:
 @pytest.mark.timeout(300)
 def test_four_workers_equal_the_references() -> None:
     _check(FOUR_WORKERS, 4)
+
+
+@pytest.mark.timeout(120)
+def test_accumulation_over_calls_equals_the_reference() -> None:
+    """Flushing schedules with ``step(update=False)``: every ``accumulate``-th step of a run and its
+    last update with the sum of the steps' gradients, each loss divided by ``accumulate``. Through
+    replicated stages (DDP: summed over the replicas once, at the update), lent ones (FSDP: the
+    borrowers' gradients added before each carry) and split backwards (ZB-H1's ``W`` adding into the
+    carried buffer), over runs separated by drains (a carried gradient survives none: every run ends
+    with an update)."""
+    _check(
+        [
+            _case("1f1b-accumulate-drains", "1f1b", 2, 2, steps=7, runs=(5, 2), accumulate=2),
+            _case("gpipe-accumulate-uneven", "gpipe", 2, 3, steps=5, rows=11, accumulate=3),
+            _case("zb_h1-adam-accumulate", "zb_h1", 2, 3, steps=5, optimizer="adam", accumulate=2),
+            _case("ddp-accumulate", "ddp", 2, 2, steps=5, accumulate=2),
+            _case("fsdp-accumulate", "fsdp", 2, 2, steps=5, accumulate=2, foreign_init=True),
+        ],
+        2,
+    )
 
 
 @pytest.mark.timeout(120)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, Subset
@@ -223,7 +224,19 @@ class _StopsIterating(Chain):
 
 ONE_PROCESS = {
     "manual": (_Manual, {}, {}, r"manual optimization .* not supported"),
-    "accumulate": (Chain, {}, {"accumulate_grad_batches": 4}, r"accumulate_grad_batches=4.*microbatches=4"),
+    "accumulate_delayed": (
+        Chain,
+        {"schedule": "2bw"},
+        {"accumulate_grad_batches": 4},
+        r"accumulate_grad_batches=4 with a non-flushing schedule \('2bw'\): .*no batch can end without an update; "
+        r"use batches 4x larger with microbatches=4 \(the same gradient per update\), or a flushing schedule",
+    ),
+    "accumulate_scheduled_delayed": (  # the scheduler sets accumulate_grad_batches when the epoch starts
+        Chain,
+        {"schedule": "pipedream"},
+        {"callbacks": [GradientAccumulationScheduler({0: 2})]},
+        r"gradient accumulation over calls \(update=False, accumulation=2\) needs a flushing schedule: pipedream",
+    ),
     "optimizers": (_TwoOptimizers, {}, {}, r"multiple optimizers is only supported with manual optimization"),
     "clipping": (_OwnClipping, {}, {}, r"configure_gradient_clipping is overridden.*gradient_clip_val"),
     "precision": (Chain, {}, {"precision": "64-true"}, r"precision='64-true' is not supported.*bf16-mixed"),

@@ -3,9 +3,11 @@
 One executor runs every family (docs/design.md): it walks its worker's actions (a
 :class:`~lightning_pipe.runtime.program.Program`, one call per mini-batch) and does what each says —
 forward ``F``, backward ``B`` or its halves ``I`` and ``W``, optimizer ``UPDATE`` — with the weight
-version the action names (:class:`~lightning_pipe.runtime.weights.StageWeights`). Receives of a call's
-large messages are posted when it starts, so data moves while the worker computes (small ones when
-they are needed); sends are asynchronous.
+version the action names (:class:`~lightning_pipe.runtime.weights.StageWeights`). A flushing
+schedule's call may also only accumulate (``step(update=False)``): its ``UPDATE`` actions keep the
+step's gradient for the next step (gradient accumulation over calls, as Lightning's
+``accumulate_grad_batches``). Receives of a call's large messages are posted when it starts, so data
+moves while the worker computes (small ones when they are needed); sends are asynchronous.
 
 The executor runs the action loop and keeps its timeline; its parts do the rest: the micro-batches
 (:mod:`.batches`), where actions run and messages go (:mod:`.routing`), each micro-batch's forward
@@ -292,14 +294,36 @@ class PipelineExecutor:
 
     # -- the training loop's entry points --------------------------------------------------------
     def step(
-        self, inputs: Any = None, targets: Any = None, *, return_outputs: bool = False, share_losses: bool = False
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        return_outputs: bool = False,
+        share_losses: bool = False,
+        update: bool = True,
+        accumulation: int = 1,
     ) -> StepOutput:
         """Run one call: feed mini-batch ``inputs``/``targets`` (only the ranks running the first and
         last stage need them) and run every action that can run with the data given so far.
 
         With ``share_losses`` (a collective: every rank must ask) every rank gets the losses, and the
         last stage's outputs when ``return_outputs`` is set too.
+
+        Gradient accumulation over calls (flushing schedules; every rank passes the same values):
+        ``accumulation`` is the number of steps whose gradients one update applies, each step's losses
+        divided by it for the backward (the reported losses are not), so that the update applies their
+        mean, as Lightning's ``accumulate_grad_batches`` divides the loss; ``update=False`` ends the step
+        without its update, the gradient kept as the start of the next step's
+        (:meth:`~lightning_pipe.runtime.updates.Updates.carry`).
         """
+        check_whole("accumulation", accumulation, 1, "steps")
+        if (accumulation != 1 or not update) and not self.schedule.flush:
+            raise PlanningError(
+                f"gradient accumulation over calls (update={update}, accumulation={accumulation}) needs a flushing "
+                f"schedule: {self.schedule.family} applies each step's gradient while later steps are in flight, so "
+                "no call can end without its updates; accumulate over micro-batches instead (more per step)"
+            )
+        self.compute.accumulation = accumulation
         call = self.calls
         self.garbage.call()
         try:
@@ -307,7 +331,9 @@ class PipelineExecutor:
         except Exception as error:
             self._stop(error)
             raise
-        output = self._run(self._actions(self.rank, call), lambda peer: self._actions(peer, call), return_outputs)
+        output = self._run(
+            self._actions(self.rank, call), lambda peer: self._actions(peer, call), return_outputs, update
+        )
         self.calls += 1
         self._calls_cache = {key: actions for key, actions in self._calls_cache.items() if key[1] >= self.calls}
         return share(output, self.world, self.group) if share_losses else output
@@ -451,7 +477,12 @@ class PipelineExecutor:
             self.norms[int(stage)].forget()
 
     # -- running actions -------------------------------------------------------------------------
-    def _run(self, actions: list[Action], peers: Callable[[int], list[Action]], return_outputs: bool) -> StepOutput:
+    def _run(
+        self, actions: list[Action], peers: Callable[[int], list[Action]], return_outputs: bool, update: bool = True
+    ) -> StepOutput:
+        """Run ``actions`` (this worker's part of a call or a drain; ``peers(worker)``: the others'); with
+        ``update`` false, a flushing call that only accumulates: each stage's gradient is carried into
+        the next step, not summed over replicas or applied."""
         output = StepOutput()
         try:
             self.transport.next_call()
@@ -465,7 +496,7 @@ class PipelineExecutor:
             returning = last_gradients(actions, self.borrowed)  # position -> (borrowed stage, step)
             gathering = last_gradients(actions, self.rings.stages)  # position -> (ring stage, step)
             # a flushing call holds every gradient of its step: each replicated stage's sum starts after its last
-            summing = last_gradients(actions, self._replicated_stages) if self.schedule.flush else {}
+            summing = last_gradients(actions, self._replicated_stages) if self.schedule.flush and update else {}
             for position, action in enumerate(actions):
                 self._position = position
                 self.compute.sent_early = None
@@ -473,7 +504,7 @@ class PipelineExecutor:
                 relayed = action.stage in self.relays.stages and (action.kind in COMPUTE or action.kind is Kind.UPDATE)
                 if relayed:
                     self.relays.take(self.weights[action.stage], action)
-                self._execute(action, output, return_outputs, position in early)
+                self._execute(action, output, return_outputs, position in early, update)
                 if relayed:
                     if action.kind is not Kind.UPDATE:
                         self.versions.last_relayed[action.stage] = action
@@ -487,7 +518,7 @@ class PipelineExecutor:
                     stage, step = summing[position]
                     self.weights[stage].start_sum(step)
                 self._record(action, start, waited)
-            if self.updates.deferring:
+            if self.updates.deferring and update:
                 self.updates.apply_deferred(self._versions_kept)
         except Exception as error:
             self._stop(error)
@@ -527,7 +558,7 @@ class PipelineExecutor:
         self.transport.abort()
         self.garbage.close()
 
-    def _execute(self, action: Action, output: StepOutput, return_outputs: bool, early: bool) -> None:
+    def _execute(self, action: Action, output: StepOutput, return_outputs: bool, early: bool, update: bool) -> None:
         if action.kind is Kind.F:
             self.compute.forward(action, output, return_outputs)
         elif action.kind in (Kind.B, Kind.I):
@@ -538,6 +569,9 @@ class PipelineExecutor:
             self.router.signal(action)
         elif action.kind is Kind.WAIT:
             self.router.wait(action)
+        elif action.kind is Kind.UPDATE and not update:
+            self.borrowing.collect(action)
+            self.updates.carry(action)
         elif action.kind is Kind.UPDATE and self.updates.deferring:
             self.borrowing.collect(action)
             self.updates.deferred.append(action)  # after every stage's gradient of the step: the global norm

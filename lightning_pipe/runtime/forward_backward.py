@@ -6,8 +6,9 @@ output otherwise), computes with the weight version its action names
 (:class:`~lightning_pipe.runtime.weights.StageWeights`) and sends its output on, detached; on the last
 stage it computes the loss, weighted by the micro-batch's share of the mini-batch, ``n_i / n``, so
 that the accumulated gradient is the mini-batch mean ``1/N Σ ∇f_i`` of the update rules even when the
-last micro-batch is smaller. The micro-batch stays in flight, with what its backward needs, until its
-last backward half:
+last micro-batch is smaller (and, for the backward, divided by the data-parallel pipelines and by the
+steps one update accumulates: the mean over them). The micro-batch stays in flight, with what its
+backward needs, until its last backward half:
 
 - ``B`` differentiates the weights the forward used and sends the input gradient back; ``I`` computes
   the input gradient only and ``W`` the weight gradients later, nothing computed twice (zero bubble's
@@ -104,6 +105,8 @@ class ForwardBackward:
         loss_key: the (step, micro-batch) whose loss ``loss_fn`` is computing, for callers that log.
         sent_early: when the running backward's input gradient left (and the waits until then), if
             it ran as ``I`` then ``W``.
+        accumulation: the steps whose gradients one update applies (set per call by the executor:
+            gradient accumulation over calls), whose mean the losses make.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class ForwardBackward:
         self.copies_inputs: set[int] = set()
         self.loss_key: tuple[int, int] | None = None
         self.sent_early: tuple[float, float] | None = None
+        self.accumulation = 1
 
     def _computing(self, stage: int) -> StageWeights:
         """The weights this worker computes ``stage`` with: its own, or borrowed."""
@@ -158,7 +162,7 @@ class ForwardBackward:
             raise
         if s == self.last:
             loss = self._loss(state.outputs, t, mb)
-            state.loss = None if self.recompute[s] else self._pipeline_share(loss)
+            state.loss = None if self.recompute[s] else self._gradient_share(loss)
             output.microbatch_losses[(t, mb)] = loss.detach()  # a float at the call's end: no sync here
             if return_outputs:
                 output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
@@ -200,11 +204,12 @@ class ForwardBackward:
         self.loss_key = (step, mb)  # which micro-batch loss_fn is computing, for callers that log
         return self.loss_fn(result, target) * (rows_of(target) / self.batches.rows[step])
 
-    def _pipeline_share(self, loss: torch.Tensor) -> torch.Tensor:
-        """What a micro-batch's loss contributes to the gradient summed over the data-parallel
-        pipelines (their mean); with one pipeline the loss itself, no division (one autograd node
-        less per micro-batch)."""
-        return loss if self.pipelines == 1 else loss / self.pipelines
+    def _gradient_share(self, loss: torch.Tensor) -> torch.Tensor:
+        """What a micro-batch's loss contributes to the gradient an update applies: summed over the
+        data-parallel pipelines and the steps accumulated into it, their mean; with one pipeline and
+        no accumulation the loss itself, no division (one autograd node less per micro-batch)."""
+        parts = self.pipelines * self.accumulation
+        return loss if parts == 1 else loss / parts
 
     def _rng_state(self) -> tuple[torch.Tensor, ...]:
         """The random state a forward starts from (CPU, and the GPU's when computing there)."""
@@ -233,7 +238,7 @@ class ForwardBackward:
             # checks their version, though training mode's gradient does not read them
             buffer.data.copy_(before)
         if action.stage == self.last:
-            state.loss = self._pipeline_share(self._loss(state.outputs, action.step, action.microbatch))
+            state.loss = self._gradient_share(self._loss(state.outputs, action.step, action.microbatch))
 
     def _roots(self, action: Action, state: InFlight) -> None:
         """The tensors to differentiate and their incoming gradients (none for the scalar loss)."""

@@ -12,6 +12,10 @@
   every gradient is scaled by the unsplit model's clipping factor, and a step whose sum is not finite
   (an overflow) is skipped on every stage (Micikevicius et al. 2018, §3.2:
   :mod:`~lightning_pipe.runtime.loss_scaling`).
+- A call that only accumulates (gradient accumulation over steps, flushing schedules) *carries* each
+  stage's gradient into the next step at its ``UPDATE`` instead (:meth:`Updates.carry`): ties,
+  replicas, clipping and the loss scale wait for the update that applies the sum, which they treat as
+  one step's gradient.
 """
 
 from __future__ import annotations
@@ -88,6 +92,13 @@ class Updates:
         so that no part of the executor refers back to it (an executor dropped is freed at once, and
         its connections with it)."""
         self._update(action, self.clip_grad_norm, versions_kept)
+
+    def carry(self, action: Action) -> None:
+        """A stage's ``UPDATE`` in a call that only accumulates: its gradient is kept as the start of
+        the next step's (:meth:`StageWeights.carry`), nothing summed, clipped or stepped; batch norm's
+        running statistics still move by the step's rows, as plain training moves them every batch."""
+        self.weights[action.stage].carry(action.step)
+        self.norms[action.stage].commit(action.step)
 
     def _update(
         self, action: Action, stage_norm: float | None, versions_kept: Callable[[int], set[int]], skip: bool = False

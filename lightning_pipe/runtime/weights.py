@@ -18,11 +18,12 @@ updates happened in between (weight stashing, Narayanan et al. 2019 §3.3).
   PipeDream-2BW (Narayanan et al. 2021, §3.1), and no allocation from one step to the next.
 
 Gradients are accumulated per step (two steps can be in flight): the step's first backward keeps the
-gradients autograd made (nothing to zero), later ones are added into them in place. Frozen
-parameters (``requires_grad=False``) are never differentiated. An update sums the gradients across
-the stage's replicas (one all-reduce per dtype in the stage's own process group), hands them to the
-optimizer and steps it; a parameter no micro-batch reached keeps ``grad = None`` and the optimizer
-skips it, as in single-process training.
+gradients autograd made (nothing to zero), later ones are added into them in place. A step that ends
+without an update (gradient accumulation over steps, flushing schedules: :meth:`StageWeights.carry`)
+hands its gradient on as the start of the next step's. Frozen parameters (``requires_grad=False``)
+are never differentiated. An update sums the gradients across the stage's replicas (one all-reduce
+per dtype in the stage's own process group), hands them to the optimizer and steps it; a parameter
+no micro-batch reached keeps ``grad = None`` and the optimizer skips it, as in single-process training.
 Everything that carries over between calls is in :meth:`StageWeights.state_dict`.
 """
 
@@ -285,6 +286,14 @@ class StageWeights:
         buffer = self.pop_gradients(step)
         self.gradients[step] = buffer
         self._summing[step] = self._start_sum(buffer)
+
+    def carry(self, step: int) -> None:
+        """End ``step`` without an update: its gradient becomes the start of step ``step + 1``'s, which
+        adds its own into it (gradient accumulation over steps, flushing schedules: no step runs past
+        this one). The weights stay as they are; the version counter advances, as after an update
+        (versions count steps)."""
+        self.gradients[step + 1] = self.pop_gradients(step)
+        self.version += 1
 
     def update(
         self,

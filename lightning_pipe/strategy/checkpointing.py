@@ -143,10 +143,17 @@ class CheckpointHooks:
 
     def _carried_state(self) -> dict[str, Any]:
         """Step count and, per stage of this rank, its carried state (weight versions and gradients of
-        a non-flushing schedule; the first worker of a replicated stage gives it)."""
+        a non-flushing schedule; the first worker of a replicated stage gives it). A flushing schedule's
+        gradient accumulated over the batches since the last update (``accumulate_grad_batches``, a
+        checkpoint written mid-accumulation) is left out, as Lightning saves no gradients: a resumed run
+        accumulates from zero the batches left before the update, as plain Lightning's does."""
         if self.executor is None:
             return self._carried or {}
-        state = to_cpu(self.executor.state_dict(weights=False))
+        state = self.executor.state_dict(weights=False)
+        if self.executor.schedule.flush:
+            for entry in state["stages"].values():
+                entry["gradients"] = {}
+        state = to_cpu(state)
         owners = self.executor.schedule.owners
         state["stages"] = {s: e for s, e in state["stages"].items() if owners[s][0] == self.executor.rank}
         return state

@@ -4,9 +4,9 @@ Lifecycle (Lightning calls these in this order):
 
 1. **Launch and connect** as DDP does: Lightning's launchers start one process per device (the script
    re-run, or ``spawn``), each joins the process group (gloo on CPU, NCCL on GPU).
-2. **Set-up** checks what a pipeline cannot run (manual optimisation, gradient accumulation by
-   batches, several optimizers, a custom ``configure_gradient_clipping``) and finds the layers
-   (:mod:`.contract`).
+2. **Set-up** checks what a pipeline cannot run (manual optimisation, gradient accumulation over
+   batches with a non-flushing schedule, several optimizers, a custom ``configure_gradient_clipping``)
+   and finds the layers (:mod:`.contract`).
 3. **First batch**: profile, partition and predict (:mod:`.planning`, printed on rank 0; a resume
    reuses the checkpoint's plan), then the :class:`~lightning_pipe.runtime.PipelineExecutor` is built
    with one optimizer per stage cloned from the user's (:mod:`.optimizers`), and each rank releases
@@ -14,8 +14,11 @@ Lifecycle (Lightning calls these in this order):
 4. **Training**: Lightning's closure calls :meth:`training_step` once per batch — the pipeline step
    runs there, exactly once, with the update inside it; ``backward`` only runs the backward hooks,
    and :meth:`optimizer_step` runs the closure without stepping the user's optimizer (it is the
-   hyper-parameter template). The last stage runs the user's ``training_step`` per micro-batch to
-   compute the loss; its ``self.log`` calls are combined and replayed on every rank (:mod:`.logs`).
+   hyper-parameter template). Under ``accumulate_grad_batches=k`` (flushing schedules) a batch that
+   Lightning accumulates runs a step that keeps its gradient for the next one instead of updating,
+   each loss divided by ``k`` as Lightning's closure divides it. The last stage runs the user's
+   ``training_step`` per micro-batch to compute the loss; its ``self.log`` calls are combined and
+   replayed on every rank (:mod:`.logs`).
 5. **Validation, test, predict**: a forward-only pipeline over the same stages.
 6. **Drains**: a non-flushing schedule (PipeDream, 2BW, CDP) keeps steps in flight between batches;
    they are finished on the last batch of an epoch, at ``max_steps``, before validation, before a
@@ -155,7 +158,11 @@ class PipelineStrategy(
 
     Args:
         schedule: the schedule family (``gpipe``, ``1f1b``, ``interleaved``, ``zb_h1``, ``pipedream``,
-            ``2bw``, ``cdp``, ...; see ``lightning_pipe.schedule.FAMILIES``).
+            ``2bw``, ``cdp``, ...; see ``lightning_pipe.schedule.FAMILIES``). The flushing families
+            run ``Trainer(accumulate_grad_batches=k)`` as Lightning does (``k`` steps, one update);
+            the non-flushing ones (``pipedream``, ``2bw``, ``cdp``) refuse it: their steps overlap and
+            their update rules apply each step's gradient, so batches ``k`` times larger with ``k``
+            times the micro-batches give the gradient per update instead.
         microbatches: micro-batches per batch (default: the number of stages).
         rule, slack, virtual_stages, form, period, k: the schedule's options
             (:class:`~lightning_pipe.schedule.options.ScheduleOptions`).
@@ -472,11 +479,14 @@ class PipelineStrategy(
                 "manual optimization (automatic_optimization = False) is not supported: the pipeline runs forward, "
                 "backward and the update of every stage itself"
             )
-        if trainer.accumulate_grad_batches != 1:
+        accumulate, family = trainer.accumulate_grad_batches, self.schedule_options.family
+        if accumulate != 1 and family in NON_FLUSHING_FAMILIES:
             raise PlanningError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches}: a pipeline accumulates over its "
-                f"micro-batches; use batches {trainer.accumulate_grad_batches}x larger with "
-                f"microbatches={trainer.accumulate_grad_batches * self.microbatches} instead"
+                f"accumulate_grad_batches={accumulate} with a non-flushing schedule ({family!r}): "
+                "its steps overlap from batch to batch and its update rule applies each step's gradient to weights "
+                "of the steps before, so no batch can end without an update; use batches "
+                f"{accumulate}x larger with microbatches={accumulate * self.microbatches} (the same gradient per "
+                "update), or a flushing schedule (gpipe, 1f1b, interleaved, zb_h1)"
             )
         if is_overridden("configure_gradient_clipping", module, LightningModule):
             raise PlanningError(

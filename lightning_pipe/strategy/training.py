@@ -40,7 +40,11 @@ class TrainingHooks:
 
     @no_stop_iteration
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        """One pipeline step for the batch (inside Lightning's closure), its logs replayed."""
+        """One pipeline step for the batch (inside Lightning's closure), its logs replayed. Under
+        ``accumulate_grad_batches=k`` the step updates on the batches Lightning steps the optimizer
+        after (every ``k``-th of an epoch, and its last), and otherwise keeps its gradient for the next
+        step; each micro-batch's loss is divided by ``k`` for the backward, as Lightning's closure
+        divides the loss (not the losses logged and returned: Lightning divides the returned one itself)."""
         module = self.lightning_module
         args = (*args, *kwargs.values())
         with self.precision_plugin.train_step_context():
@@ -58,8 +62,10 @@ class TrainingHooks:
             # a rank with no last stage has nothing to add after the step: its part leaves now, so
             # the gather is complete as soon as the last stage's part arrives
             posted = None if self._last else self._post_logs({})
+            trainer = module.trainer
+            update, accumulation = not trainer.fit_loop._should_accumulate(), trainer.accumulate_grad_batches
             start = time.perf_counter()
-            output = executor.step(inputs, args[0] if self._last else None)
+            output = executor.step(inputs, args[0] if self._last else None, update=update, accumulation=accumulation)
             self._step_seconds.append(time.perf_counter() - start)
             drained = self._drain_after_this_batch()
             if drained:
