@@ -93,7 +93,7 @@ def _network(name: str) -> nn.Module:
     if name == "efficientnet":
         import torchvision
 
-        return torchvision.models.efficientnet_b0(weights=None, num_classes=3)
+        return torchvision.models.efficientnet_b0(weights=None, num_classes=3, dropout=0.0, stochastic_depth_prob=0.0)
     return smp.Unet(
         "resnet18", encoder_weights=None, in_channels=3, classes=2, encoder_depth=3, decoder_channels=(32, 16, 8)
     )
