@@ -50,7 +50,12 @@ class TrainingHooks:
         with self.precision_plugin.train_step_context():
             # every rank runs the step's code before forward, once: what it changes in the modules
             # (a gate's scale, a temperature) is then in place on every stage before any computes
-            call = self._entry.capture(module.training_step, *args)
+            try:
+                call = self._entry.capture(module.training_step, *args)
+            except Exception as error:  # the other ranks wait in the pipeline: they stop with it
+                if self.executor is not None:
+                    self.executor._stop(error)
+                raise
             executor = self._pipeline(call, args[0])
             self._chain.refuse_changed_attributes()
             step = executor.origin + executor.calls
