@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
@@ -332,3 +333,66 @@ def stage_modules(model: Chain, balance: list[int]) -> list[nn.Module]:
     layers = list(copy.deepcopy(model.net))
     starts = [sum(balance[:i]) for i in range(len(balance))]
     return [nn.Sequential(*layers[s : s + n]) for s, n in zip(starts, balance, strict=True)]
+
+
+def step_losses(losses: list[float], microbatches: int) -> list[float]:
+    """The per-step losses of plain Lightning fed micro-batches (``accumulate_grad_batches``): each
+    micro-batch's loss is divided by their number, so a step's is their sum."""
+    return [sum(losses[i : i + microbatches]) for i in range(0, len(losses), microbatches)]
+
+
+def assert_states_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tolerance: float) -> None:
+    """The same entries; floating ones within ``tolerance``, the others (counters) equal."""
+    assert got.keys() == expected.keys()
+    for key in expected:
+        if expected[key].is_floating_point():
+            gap = float((got[key] - expected[key]).abs().max()) if expected[key].numel() else 0.0
+            assert gap <= tolerance, (key, gap)
+        else:
+            assert torch.equal(got[key], expected[key]), key
+
+
+def deferred_statistics(package: Any) -> type:
+    """The callback class (of ``package``: ``lightning`` or ``pytorch_lightning``) that makes plain
+    Lightning fed micro-batches the exact reference of a pipeline's batch norm."""
+
+    class DeferredStatistics(package.Callback):
+        """The micro-batch reference's batch norm: each layer normalises its micro-batch (Lightning
+        with ``accumulate_grad_batches`` feeds micro-batches), and its running statistics move once
+        per optimizer step, by the mean and unbiased variance of all the step's rows."""
+
+        def __init__(self, microbatches: int) -> None:
+            self.microbatches = microbatches
+            self.inputs: dict[nn.Module, list[torch.Tensor]] = {}
+            self.before: dict[nn.Module, list[torch.Tensor]] = {}
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            for layer in module.modules():
+                if isinstance(layer, _BatchNorm):
+                    layer.register_forward_pre_hook(self._keep)
+
+        def _keep(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
+            if layer.training:
+                self.inputs.setdefault(layer, []).append(args[0].detach().clone())
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx % self.microbatches == 0:
+                self.inputs.clear()
+                self.before = {
+                    layer: [layer.running_mean.clone(), layer.running_var.clone(), layer.num_batches_tracked.clone()]
+                    for layer in module.modules()
+                    if isinstance(layer, _BatchNorm)
+                }
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            with torch.no_grad():
+                for layer, (mean, var, count) in self.before.items():
+                    rows = torch.cat(self.inputs[layer])
+                    dims = [d for d in range(rows.dim()) if d != 1]
+                    batch_var, batch_mean = torch.var_mean(rows, dim=dims, correction=1)
+                    m = layer.momentum
+                    layer.running_mean.copy_(mean * (1 - m) + batch_mean * m)
+                    layer.running_var.copy_(var * (1 - m) + batch_var * m)
+                    layer.num_batches_tracked.copy_(count + 1)
+
+    return DeferredStatistics

@@ -39,7 +39,7 @@ from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import make_schedule
 from lightning_pipe.strategy.compiling import StageCompilation, StageFunction
 from lightning_pipe.strategy.contract import Entry, pipeline_model
-from tests.lightning_cases import ROWS, Chain, dataset, final_state, trainer
+from tests.lightning_cases import ROWS, Chain, assert_states_close, dataset, final_state, trainer
 
 BATCHES = 3
 
@@ -210,12 +210,6 @@ def _pipelines(rank: int, root: str) -> dict[str, Any]:
     return {name: _fit(Path(root) / name, name, 2) for name in CASES}
 
 
-def _close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tolerance: float) -> None:
-    assert got.keys() == expected.keys()
-    for key, value in expected.items():
-        assert float((got[key] - value).abs().max()) <= tolerance, key
-
-
 @pytest.mark.timeout(300)
 def test_compiled_modules_train_as_plain_lightning_on_two_processes(tmp_path: Path) -> None:
     ranks = run_local(_pipelines, 2, str(tmp_path / "pipe"), timeout=280)
@@ -223,14 +217,14 @@ def test_compiled_modules_train_as_plain_lightning_on_two_processes(tmp_path: Pa
         plain = _fit(tmp_path / f"plain_{kind}", kind, 1, accumulate=CASES[kind][3])
         for result in ranks:
             assert result[kind]["compiled"] == [0, 1] and result[kind]["frames"] > 0, kind  # run compiled
-            _close(result[kind]["final"], plain["final"], 1e-6)
+            assert_states_close(result[kind]["final"], plain["final"], 1e-6)
         saved = torch.load(tmp_path / "pipe" / kind / "last.ckpt", weights_only=False)["state_dict"]
         expected = torch.load(tmp_path / f"plain_{kind}" / "last.ckpt", weights_only=False)["state_dict"]
         assert list(saved) == list(expected)
         assert any("_orig_mod." in key for key in saved) == (kind == "a")  # (c): the module itself is saved
     for result in ranks:
         assert result["2bw"]["compiled"] == [0, 1] and result["2bw_eager"]["frames"] == 0
-        _close(result["2bw"]["final"], result["2bw_eager"]["final"], 1e-6)
+        assert_states_close(result["2bw"]["final"], result["2bw_eager"]["final"], 1e-6)
         losses = result["inductor"]["losses"]
         assert all(torch.isfinite(torch.tensor(losses))) and result["inductor"]["compiled"] == [0, 1]
         assert sum(losses[-BATCHES:]) < sum(losses[:BATCHES]), losses

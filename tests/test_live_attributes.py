@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.capture import capture
 from lightning_pipe.runtime import LocalRunError, run_local
+from tests.lightning_cases import step_losses, trainer
 
 ROWS, MICROBATCHES, BATCHES, CLASSES, SWITCH = 8, 2, 6, 4, 3
 
@@ -85,29 +86,19 @@ def _loader(rows: int) -> DataLoader:
     return DataLoader(TensorDataset(x, torch.randint(0, CLASSES, (BATCHES * ROWS,), generator=generator)), rows)
 
 
-def _fit(where: str, strategy: Any, devices: int, accumulate: int = 1) -> dict[str, Any]:
+def _fit(where: str, root: str, strategy: Any, devices: int, accumulate: int = 1) -> dict[str, Any]:
     module = Gated(where)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accumulate_grad_batches=accumulate,
-    )
-    trainer.fit(module, _loader(ROWS // accumulate))
-    losses = module.losses
-    if accumulate > 1:  # the micro-batches' losses, each divided by their number: the step's is their sum
-        losses = [sum(losses[i : i + accumulate]) for i in range(0, len(losses), accumulate)]
+    trainer(root, strategy, devices, accumulate_grad_batches=accumulate).fit(module, _loader(ROWS // accumulate))
+    losses = step_losses(module.losses, accumulate) if accumulate > 1 else module.losses
     return {"losses": losses, "scale": module.gate.scale}
 
 
-def _worker(rank: int, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
+def _worker(rank: int, root: str, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
     os.environ["LOCAL_RANK"] = str(rank)
-    return [_fit(where, PipelineStrategy(schedule, microbatches=MICROBATCHES), 2) for where, schedule in cases]
+    return [
+        _fit(where, f"{root}/{where}_{schedule}", PipelineStrategy(schedule, microbatches=MICROBATCHES), 2)
+        for where, schedule in cases
+    ]
 
 
 def test_a_changed_float_is_read_when_the_layers_run_and_a_decided_flag_is_caught() -> None:
@@ -134,8 +125,8 @@ def test_a_changed_float_is_read_when_the_layers_run_and_a_decided_flag_is_caugh
 @pytest.mark.timeout(300)
 def test_a_gate_changed_in_the_step_or_a_hook_acts_on_every_stage(tmp_path: Path) -> None:
     cases = [("step", "1f1b"), ("hook", "1f1b"), ("step", "2bw"), ("hook", "2bw")]
-    per_rank = run_local(_worker, 2, cases, timeout=280)
-    plain = _fit("step", "auto", 1, accumulate=MICROBATCHES)
+    per_rank = run_local(_worker, 2, str(tmp_path), cases, timeout=280)
+    plain = _fit("step", str(tmp_path / "plain"), "auto", 1, accumulate=MICROBATCHES)
     assert plain["losses"][SWITCH:] == pytest.approx([math.log(CLASSES)] * (BATCHES - SWITCH), abs=1e-6)
     for i, (where, schedule) in enumerate(cases):
         for rank in per_rank:
@@ -146,15 +137,15 @@ def test_a_gate_changed_in_the_step_or_a_hook_acts_on_every_stage(tmp_path: Path
                 assert result["losses"] == pytest.approx(plain["losses"], abs=1e-6), (where, schedule)
 
 
-def _refused(rank: int) -> None:
+def _refused(rank: int, root: str) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
-    _fit("hook-flag", PipelineStrategy("1f1b", microbatches=MICROBATCHES), 2)
+    _fit("hook-flag", root, PipelineStrategy("1f1b", microbatches=MICROBATCHES), 2)
 
 
 @pytest.mark.timeout(200)
-def test_a_changed_decision_is_refused_on_every_rank() -> None:
+def test_a_changed_decision_is_refused_on_every_rank(tmp_path: Path) -> None:
     with pytest.raises(LocalRunError) as raised:
-        run_local(_refused, 2, timeout=180)
+        run_local(_refused, 2, str(tmp_path), timeout=180)
     message = str(raised.value)
     assert message.count("gate.shift changed from True to False") >= 2, message  # every rank, no hang
     assert "if self.shift" in message and "torch.where" in message

@@ -27,8 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
-from tests.lightning_cases import final_state
-from tests.test_user_modules import _deferred_callback
+from tests.lightning_cases import assert_states_close, deferred_statistics, final_state, step_losses, trainer
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -154,62 +153,44 @@ def _data(name: str) -> TensorDataset:
         return TensorDataset(ids, mask, types, torch.randint(0, 3, (rows,), generator=g))
     if name == "t5":
         return TensorDataset(ids, torch.randint(1, VOCAB, (rows, 5), generator=g))
-    images = torch.randn(rows, 3, 16, 16, generator=g)
+    # EfficientNet's last maps are 1x1 at 16x16 (32x smaller): batch norm over a micro-batch's 4 values
+    # is then so ill-conditioned that plain PyTorch on 1 and 2 threads differs by 0.03 in the loss
+    size = 64 if name == "efficientnet" else 16
+    images = torch.randn(rows, 3, size, size, generator=g)
     if name == "unet":
         return TensorDataset(images, (images[:, 0] > 0).long())
     return TensorDataset(images, (images[:, 0].mean((1, 2)) > 0).long())  # learnable in a few steps
 
 
-def _fit(name: str, strategy: Any, devices: int, epochs: int, reference: int = 1) -> dict[str, Any]:
+def _fit(name: str, root: str, strategy: Any, devices: int, epochs: int, reference: int = 1) -> dict[str, Any]:
     module = ZooModule(name)
-    callbacks = [_deferred_callback(L)(reference)] if reference > 1 and name in BATCH_NORM else []
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accumulate_grad_batches=reference,
-        callbacks=callbacks,
-    )
-    trainer.fit(module, DataLoader(_data(name), batch_size=ROWS // reference))
-    losses = module.losses
-    if reference > 1:  # the micro-batches' losses, each divided by their number: the step's is their sum
-        losses = [sum(losses[i : i + reference]) for i in range(0, len(losses), reference)]
-    return {"final": final_state(trainer, module), "losses": losses}
+    callbacks = [deferred_statistics(L)(reference)] if reference > 1 and name in BATCH_NORM else []
+    run = trainer(root, strategy, devices, max_epochs=epochs, accumulate_grad_batches=reference, callbacks=callbacks)
+    run.fit(module, DataLoader(_data(name), batch_size=ROWS // reference))
+    losses = step_losses(module.losses, reference) if reference > 1 else module.losses
+    return {"final": final_state(run, module), "losses": losses}
 
 
-def _worker(rank: int, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
+def _worker(rank: int, root: str, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
     os.environ["LOCAL_RANK"] = str(rank)
     results = []
     for name, schedule in cases:
         strategy = PipelineStrategy(schedule, microbatches=MICROBATCHES)
-        results.append(_fit(name, strategy, 2, epochs=2 if schedule == "2bw" else 1))
+        epochs = 2 if schedule == "2bw" else 1
+        results.append(_fit(name, f"{root}/{name}_{schedule}", strategy, 2, epochs))
     return results
-
-
-def _check(name: str, schedule: str, got: dict[str, Any], expected: dict[str, Any]) -> None:
-    assert got["losses"] == pytest.approx(expected["losses"], abs=1e-6), (name, schedule)
-    assert got["final"].keys() == expected["final"].keys()
-    for key, value in expected["final"].items():
-        if value.is_floating_point():
-            gap = float((got["final"][key] - value).abs().max()) if value.numel() else 0.0
-            assert gap <= 1e-6, (name, schedule, key, gap)
-        else:
-            assert torch.equal(got["final"][key], value), (name, schedule, key)
 
 
 def _run(names: tuple[str, ...], tmp_path: Path) -> None:
     cases = [(name, schedule) for name in names for schedule in ("1f1b", "gpipe", "2bw")]
-    per_rank = run_local(_worker, 2, cases, timeout=560)
+    per_rank = run_local(_worker, 2, str(tmp_path), cases, timeout=560)
     for name in names:
-        expected = _fit(name, "auto", 1, epochs=1, reference=MICROBATCHES)
+        expected = _fit(name, str(tmp_path / f"{name}_plain"), "auto", 1, epochs=1, reference=MICROBATCHES)
         for schedule in ("1f1b", "gpipe"):
             for rank in per_rank:
-                _check(name, schedule, rank[cases.index((name, schedule))], expected)
+                got = rank[cases.index((name, schedule))]
+                assert got["losses"] == pytest.approx(expected["losses"], abs=1e-6), (name, schedule)
+                assert_states_close(got["final"], expected["final"], 1e-6)
         for rank in per_rank:
             losses = rank[cases.index((name, "2bw"))]["losses"]
             assert all(torch.isfinite(torch.tensor(losses))), (name, losses)

@@ -29,7 +29,6 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.demos.transformer import LightningTransformer
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PlanningError
@@ -39,7 +38,7 @@ from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.ties import find_ties
 from lightning_pipe.strategy.contract import Call, Entry, pipeline_model
 from lightning_pipe.strategy.report import run_directory
-from tests.lightning_cases import final_state
+from tests.lightning_cases import assert_states_close, deferred_statistics, final_state, step_losses
 from tests.user_modules import (
     DenseNetModule,
     EpochEndOutputs,
@@ -107,7 +106,7 @@ def _callbacks(name: str, reference_microbatches: int | None) -> list[Any]:
     package = _flavour(name)
     callbacks = [_outputs_callback(package)()]
     if reference_microbatches:
-        callbacks.append(_deferred_callback(package)(reference_microbatches))
+        callbacks.append(deferred_statistics(package)(reference_microbatches))
     return callbacks
 
 
@@ -122,49 +121,6 @@ def _outputs_callback(package: Any) -> type:
             self.losses.append(float(outputs["loss"]))
 
     return StepLosses
-
-
-def _deferred_callback(package: Any) -> type:
-    class DeferredStatistics(package.Callback):
-        """The micro-batch reference's batch norm: each layer normalises its micro-batch (Lightning
-        with ``accumulate_grad_batches`` feeds micro-batches), and its running statistics move once
-        per optimizer step, by the mean and unbiased variance of all the step's rows."""
-
-        def __init__(self, microbatches: int) -> None:
-            self.microbatches = microbatches
-            self.inputs: dict[nn.Module, list[torch.Tensor]] = {}
-            self.before: dict[nn.Module, list[torch.Tensor]] = {}
-
-        def on_train_start(self, trainer: Any, module: Any) -> None:
-            for layer in module.modules():
-                if isinstance(layer, _BatchNorm):
-                    layer.register_forward_pre_hook(self._keep)
-
-        def _keep(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
-            if layer.training:
-                self.inputs.setdefault(layer, []).append(args[0].detach().clone())
-
-        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx % self.microbatches == 0:
-                self.inputs.clear()
-                self.before = {
-                    layer: [layer.running_mean.clone(), layer.running_var.clone(), layer.num_batches_tracked.clone()]
-                    for layer in module.modules()
-                    if isinstance(layer, _BatchNorm)
-                }
-
-        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
-            with torch.no_grad():
-                for layer, (mean, var, count) in self.before.items():
-                    rows = torch.cat(self.inputs[layer])
-                    dims = [d for d in range(rows.dim()) if d != 1]
-                    batch_var, batch_mean = torch.var_mean(rows, dim=dims, correction=1)
-                    m = layer.momentum
-                    layer.running_mean.copy_(mean * (1 - m) + batch_mean * m)
-                    layer.running_var.copy_(var * (1 - m) + batch_var * m)
-                    layer.num_batches_tracked.copy_(count + 1)
-
-    return DeferredStatistics
 
 
 def _train(name: str, root: str, strategy: Any, devices: int, epochs: int, reference: int | None = None) -> dict:
@@ -195,8 +151,8 @@ def _train(name: str, root: str, strategy: Any, devices: int, epochs: int, refer
     val = DataLoader(_dataset(name, 2, seed=2), batch_size=ROWS)
     trainer.fit(module, train, val if hasattr(type(module), "validation_step") else None)
     losses = callbacks[0].losses
-    if reference:  # one loss per micro-batch, divided by their number: the step's is their sum
-        losses = [sum(losses[i : i + reference]) for i in range(0, len(losses), reference)]
+    if reference:
+        losses = step_losses(losses, reference)
     return {
         "final": final_state(trainer, module),
         "metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
@@ -236,16 +192,6 @@ def _epochs(name: str, schedule: str) -> int:
     return 3 if schedule == "2bw" else SHORT.get(name, (2, BATCHES))[0]
 
 
-def _close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tolerance: float) -> None:
-    assert got.keys() == expected.keys()
-    for key in expected:
-        if expected[key].is_floating_point():
-            gap = float((got[key] - expected[key]).abs().max()) if expected[key].numel() else 0.0
-            assert gap <= tolerance, (key, gap)
-        else:
-            assert torch.equal(got[key], expected[key]), key
-
-
 @pytest.mark.timeout(600)
 def test_public_module_shapes_run_unchanged_on_two_processes(tmp_path: Path) -> None:
     cases = [(name, schedule) for name in NAMES for schedule in SCHEDULES]
@@ -262,7 +208,7 @@ def test_public_module_shapes_run_unchanged_on_two_processes(tmp_path: Path) -> 
         for schedule in ("1f1b", "gpipe"):
             ranks = results[(name, schedule)]
             for result in ranks:  # every rank holds the whole trained module after fit
-                _close(result["final"], expected["final"], 1e-5)
+                assert_states_close(result["final"], expected["final"], 1e-5)
                 assert result["losses"] == pytest.approx(expected["losses"], abs=1e-5), (name, schedule)
                 assert result["epoch_means"] == pytest.approx(expected["epoch_means"], abs=1e-5)
                 for key, value in expected["metrics"].items():

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -78,9 +78,8 @@ class CapturedGraph:
     attributes: dict[str, Any]
     output: Any = ("value", None)
     decided: dict[tuple[str, str], Decided] = field(default_factory=dict)
-    leaves: dict[str, str] = field(default_factory=dict)
-
     read: dict[tuple[str, str], nn.Module] = field(default_factory=dict)
+    leaves: dict[str, str] = field(default_factory=dict)
 
     def changed_attributes(self) -> list[Decided]:
         """The attributes whose values the graph holds that user code has changed since the capture."""
@@ -119,16 +118,31 @@ def capture_graph(
                 raise _untraceable(failure) from None
             leaves[failure.scope] = str(failure)
             continue
-        graph, shadows, attributes, output, decided = train
-        eval_graph, _, eval_attributes, _, eval_decided = evaluated
         skeleton, _ = flatten((args, kwargs))
-        attributes = {**eval_attributes, **attributes}
-        decided = {**eval_decided[0], **decided[0]}
-        read = {**eval_decided[1], **train[4][1]}
-        captured = CapturedGraph(root, graph, eval_graph, shadows, skeleton, attributes, output, decided, leaves)
-        captured.read = {key: read.get(key, entry.module) for key, entry in decided.items()} | read
-        return captured
+        return CapturedGraph(
+            root,
+            train.graph,
+            evaluated.graph,
+            train.shadows,
+            skeleton,
+            {**evaluated.attributes, **train.attributes},
+            train.output,
+            {**evaluated.tracer.decided, **train.tracer.decided},
+            {**evaluated.tracer.attributes_read, **train.tracer.attributes_read},
+            leaves,
+        )
     raise PlanningError(f"tracing {type(root).__name__}.forward did not settle after {_MAX_RETRACES} attempts")
+
+
+class _Traced(NamedTuple):
+    """One trace of ``forward``: its graph, the shadows of its nodes, the objects its nodes name, its
+    output's skeleton and the tracer (what the traced code read of the modules' attributes)."""
+
+    graph: fx.Graph
+    shadows: dict[Node, Shadow]
+    attributes: dict[str, Any]
+    output: Any
+    tracer: ShadowTracer
 
 
 def _trace(
@@ -139,7 +153,7 @@ def _trace(
     paths: dict[nn.Module, str],
     training: bool,
     count_flops: bool = False,
-) -> tuple[fx.Graph, dict[Node, Shadow], dict[str, Any], Any, dict[tuple[str, str], Decided]]:
+) -> _Traced:
     ids = {id(module) for module, path in paths.items() if path in leaves}
     tracer = ShadowTracer(ids, count_flops)
     with _untouched(root):
@@ -153,7 +167,7 @@ def _trace(
             if node.op in ("get_attr", "call_module")
         }
         attributes.update(tracer.live)
-    return graph, tracer.shadows, attributes, tracer.output_skeleton, (tracer.decided, tracer.read_live)
+    return _Traced(graph, tracer.shadows, attributes, tracer.output_skeleton, tracer)
 
 
 def _eliminate_dead_code(graph: fx.Graph) -> None:
@@ -257,23 +271,23 @@ def signature(graph: fx.Graph, operands: bool = True) -> list[tuple[Any, ...]]:
 
 
 def _compare(
-    reference: tuple[fx.Graph, dict[Node, Shadow], dict[str, Any], Any, Any],
-    other: tuple[fx.Graph, dict[Node, Shadow], dict[str, Any], Any, Any],
+    reference: _Traced,
+    other: _Traced,
     how: str,
     operands: bool,
 ) -> None:
     """Raise a :class:`TraceFailure` at the first node where ``other`` differs from ``reference``."""
-    first, second = signature(reference[0], operands), signature(other[0], operands)
+    first, second = signature(reference.graph, operands), signature(other.graph, operands)
     if first == second:
-        if not _same(reference[3], other[3]):
+        if not _same(reference.output, other.output):
             raise _DiffersByCase(f"forward returns another structure {how}", "", "its return statement")
         return
     position = next(
         (i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), min(len(first), len(second))
     )
-    nodes = list(reference[0].nodes)
+    nodes = list(reference.graph.nodes)
     node = nodes[min(position, len(nodes) - 1)]
-    shadow = reference[1].get(node) or other[1].get(list(other[0].nodes)[min(position, len(second) - 1)])
+    shadow = reference.shadows.get(node) or other.shadows.get(list(other.graph.nodes)[min(position, len(second) - 1)])
     scope = shadow.scope[-1] if shadow is not None and shadow.scope else ""
     line = shadow.line if shadow is not None else ""
     raise _DiffersByCase(f"forward records other operations {how} from {line or 'its start'}", scope, line)

@@ -241,7 +241,7 @@ class ShadowTracer(fx.Tracer):
         if path is None:
             return value
         if type(value) is not float:
-            self.decided.setdefault((path, name), Decided(module, path, name, value, source_line()))
+            self._hold(module, path, name, value)
             return value
         self.read_live[(path, name)] = module
         target = "live_attributes_" + (path.replace(".", "_") if path else "root")
@@ -377,11 +377,20 @@ class ShadowTracer(fx.Tracer):
             raise DataDependent(
                 f"forward takes a Python decision on tensor values ({use}) at {line}{read}", self._scope(), line
             )
-        for path, name in shadow.attributes:  # a decision on a module's float: the graph holds its outcome
-            module = _attribute(self.root, path) if path else self.root
-            value = vars(module).get(name)
-            self.decided.setdefault((path, name), Decided(module, path, name, value, source_line()))
+        for key in shadow.attributes:  # a decision on a module's float: the graph holds its outcome
+            module = self.read_live[key]
+            self._hold(module, *key, vars(module).get(key[1]))
         return shadow.value
+
+    def _hold(self, module: nn.Module, path: str, name: str, value: Any) -> None:
+        """Record ``module.name`` (at ``path``) as held by the graph with ``value``, where first held."""
+        if (path, name) not in self.decided:
+            self.decided[(path, name)] = Decided(module, path, name, value, source_line())
+
+    @property
+    def attributes_read(self) -> dict[tuple[str, str], nn.Module]:
+        """Every module attribute the traced code read, held or live: ``(path, name) -> module``."""
+        return {key: entry.module for key, entry in self.decided.items()} | self.read_live
 
     def _scope(self) -> str:
         return self.scope_stack[-1] if self.scope_stack else ""
@@ -453,7 +462,8 @@ class Decided:
 
 _MISSING = object()
 _SCALARS = (bool, int, float, str)
-_WATCHING: dict[type, type] = {}
+_WATCHING: dict[type, type] = {}  # a class -> its watching subclass
+_WATCHERS: set[type] = set()  # the watching subclasses
 
 
 def _watching_class(cls: type) -> type:
@@ -472,6 +482,7 @@ def _watching_class(cls: type) -> type:
         namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__}
         namespace["__qualname__"] = cls.__qualname__
         watching = _WATCHING[cls] = type(cls.__name__, (cls,), namespace)
+        _WATCHERS.add(watching)
     return watching
 
 
@@ -480,7 +491,7 @@ def _watched(module: nn.Module) -> Iterator[None]:
     """While tracing ``module``'s own code, its reads of its Python scalars are seen (its class swapped
     for a watching subclass, then restored)."""
     cls = type(module)
-    if cls in _WATCHING.values():
+    if cls in _WATCHERS:
         yield
         return
     module.__class__ = _watching_class(cls)

@@ -112,7 +112,7 @@ def _difference(expected: Any, got: Any, tolerance: float) -> str | None:
 def _structure_difference(want: Any, have: Any, where: str) -> str | None:
     """The first place where two :func:`~lightning_pipe.nested.flatten` skeletons differ: a type (a
     ``ModelOutput`` returned as a plain ``dict``), a key, a length or a constant."""
-    if want[0] != have[0] or (want[0] != "tensor" and want[0] != "value" and want[1] is not have[1]):
+    if want[0] != have[0] or (want[0] in ("sequence", "dict") and want[1] is not have[1]):
         return f"{where} is {_kind(want)} in forward, {_kind(have)} in the chain"
     if want[0] == "value":
         try:

@@ -329,7 +329,7 @@ class PipelineExecutor:
         try:
             self.batches.store(self.origin + call, inputs, targets)
         except Exception as error:
-            self._stop(error)
+            self.stop(error)
             raise
         output = self._run(
             self._actions(self.rank, call), lambda peer: self._actions(peer, call), return_outputs, update
@@ -413,7 +413,7 @@ class PipelineExecutor:
                     else:
                         self.transport.send(self.ranks[worker[s + 1]], y, ("E", s + 1, mb))
         except Exception as error:
-            self._stop(error)
+            self.stop(error)
             raise
 
     def close(self) -> None:
@@ -521,7 +521,7 @@ class PipelineExecutor:
             if self.updates.deferring and update:
                 self.updates.apply_deferred(self._versions_kept)
         except Exception as error:
-            self._stop(error)
+            self.stop(error)
             raise
         return self.loss_sums.as_floats(output)
 
@@ -546,7 +546,7 @@ class PipelineExecutor:
             half = replace(action, kind=kind)
             self.timeline.append(Interval(self.rank, half, begin - epoch, finish - epoch, waited_in))
 
-    def _stop(self, error: Exception) -> None:
+    def stop(self, error: Exception) -> None:
         """Record the failure (unless another rank's caused it) and tear the pipeline's groups down so
         every rank waiting on this one stops too; the failed frames' locals (pending transfers) go."""
         if not raised_elsewhere(error):

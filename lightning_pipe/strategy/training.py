@@ -52,12 +52,13 @@ class TrainingHooks:
             # (a gate's scale, a temperature) is then in place on every stage before any computes
             try:
                 call = self._entry.capture(module.training_step, *args)
+                if self.executor is not None:  # a built pipeline: the capture's graph holds the attributes
+                    self._chain.refuse_changed_attributes()
             except Exception as error:  # the other ranks wait in the pipeline: they stop with it
                 if self.executor is not None:
-                    self.executor._stop(error)
+                    self.executor.stop(error)
                 raise
             executor = self._pipeline(call, args[0])
-            self._chain.refuse_changed_attributes()
             step = executor.origin + executor.calls
             assert self._hyper is not None
             self._hyper.record(step)
