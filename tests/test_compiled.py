@@ -27,6 +27,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.utilities.compile import from_compiled
+from pytorch_lightning.demos.boring_classes import BoringModel
+from pytorch_lightning.utilities import compile as pl_compile
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
@@ -120,13 +122,20 @@ def test_the_settings_given_to_torch_compile_are_read_back() -> None:
 def test_a_module_compiled_whole_is_taken_back_uncompiled_with_its_settings() -> None:
     """``trainer.fit(torch.compile(model))``: Lightning unwraps it (``from_compiled``) and hands the
     strategy the module, which it refuses for strategies other than its own; the pipeline's takes the
-    original back."""
-    model = Chain()
-    strategy = PipelineStrategy()
-    strategy._lightning_module = from_compiled(torch.compile(model, backend="eager", dynamic=True))
-    assert strategy.lightning_module is model and model._compiler_ctx is None
-    assert model.forward.__func__ is Chain.forward and model.training_step.__func__ is Chain.training_step
-    assert strategy._whole_compiled == (model, CompileSettings("eager", dynamic=True))
+    original back (the standalone ``pytorch_lightning``'s too)."""
+    from lightning_pipe.pytorch_lightning import PipelineStrategy as Standalone
+
+    for strategy_class, unwrap, module_class in (
+        (PipelineStrategy, from_compiled, Chain),
+        (Standalone, pl_compile.from_compiled, BoringModel),
+    ):
+        model = module_class()
+        strategy = strategy_class()
+        strategy._lightning_module = unwrap(torch.compile(model, backend="eager", dynamic=True))
+        assert strategy.lightning_module is model and model._compiler_ctx is None
+        assert model.forward.__func__ is module_class.forward
+        assert model.training_step.__func__ is module_class.training_step
+        assert strategy._whole_compiled == (model, CompileSettings("eager", dynamic=True))
 
 
 def _failing(gm: torch.fx.GraphModule, inputs: Any) -> Any:
