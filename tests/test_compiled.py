@@ -12,7 +12,8 @@ compiled with the user's settings (:mod:`lightning_pipe.capture.compiled`,
 - On 2 processes (one bounded test, about a minute): (a), (b) with ``recompute=True``, and (c) the
   whole LightningModule compiled before ``trainer.fit``, with 1F1B and ``backend="aot_eager"``, end
   with the parameters of plain Lightning fed the same micro-batches (``accumulate_grad_batches``) to
-  1e-6, and (a)'s checkpoint holds the keys plain Lightning saves; 2BW compiled ends equal to 2BW
+  1e-6, each checkpoint with the keys plain Lightning saves (``net._orig_mod.`` for (a)), no stage
+  falling back to eager; 2BW compiled ends equal to 2BW
   uncompiled (three uneven micro-batches: a smaller last one); inductor (``torch.compile``'s
   default backend) trains, its loss falling.
 """
@@ -20,6 +21,7 @@ compiled with the user's settings (:mod:`lightning_pipe.capture.compiled`,
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +205,9 @@ def _fit(root: Path, name: str, devices: int, accumulate: int = 1) -> dict[str, 
     run = trainer(root, strategy, devices, callbacks=[losses], max_epochs=epochs, accumulate_grad_batches=accumulate)
     rows = ROWS // accumulate
     frames = counters["frames"]["ok"]
-    run.fit(fitted, DataLoader(dataset(BATCHES), batch_size=rows), DataLoader(dataset(2, 7), batch_size=rows))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(fitted, DataLoader(dataset(BATCHES), batch_size=rows), DataLoader(dataset(2, 7), batch_size=rows))
     run.save_checkpoint(root / "last.ckpt")
     compilation = getattr(run.strategy, "compilation", None)
     return {
@@ -211,6 +215,7 @@ def _fit(root: Path, name: str, devices: int, accumulate: int = 1) -> dict[str, 
         "losses": losses.losses,
         "compiled": compilation.compiled if compilation else [],
         "frames": counters["frames"]["ok"] - frames,
+        "eager": [str(w.message) for w in caught if "runs eagerly" in str(w.message)],
     }
 
 
@@ -232,6 +237,7 @@ def test_compiled_modules_train_as_plain_lightning_on_two_processes(tmp_path: Pa
         plain = _fit(tmp_path / f"plain_{kind}", kind, 1, accumulate=CASES[kind][3])
         for result in ranks:
             assert result[kind]["compiled"] == [0, 1] and result[kind]["frames"] > 0, kind  # run compiled
+            assert not result[kind]["eager"], result[kind]["eager"]
             _close(result[kind]["final"], plain["final"], 1e-6)
         saved = torch.load(tmp_path / "pipe" / kind / "last.ckpt", weights_only=False)["state_dict"]
         expected = torch.load(tmp_path / f"plain_{kind}" / "last.ckpt", weights_only=False)["state_dict"]
@@ -242,4 +248,5 @@ def test_compiled_modules_train_as_plain_lightning_on_two_processes(tmp_path: Pa
         _close(result["2bw"]["final"], result["2bw_eager"]["final"], 1e-6)
         losses = result["inductor"]["losses"]
         assert all(torch.isfinite(torch.tensor(losses))) and result["inductor"]["compiled"] == [0, 1]
+        assert not result["inductor"]["eager"] and not result["2bw"]["eager"]
         assert sum(losses[-BATCHES:]) < sum(losses[:BATCHES]), losses
