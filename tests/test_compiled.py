@@ -12,7 +12,8 @@ compiled with the user's settings (:mod:`lightning_pipe.capture.compiled`,
 - On 2 processes (one bounded test, about a minute): (a), (b) with ``recompute=True``, and (c) the
   whole LightningModule compiled before ``trainer.fit``, with 1F1B and ``backend="aot_eager"``, end
   with the parameters of plain Lightning fed the same micro-batches (``accumulate_grad_batches``) to
-  1e-6, and (a)'s checkpoint holds the keys plain Lightning saves; 2BW compiled ends equal to 2BW
+  1e-6, each checkpoint with the keys plain Lightning saves (``net._orig_mod.`` for (a)), no stage
+  falling back to eager; 2BW compiled ends equal to 2BW
   uncompiled (three uneven micro-batches: a smaller last one); inductor (``torch.compile``'s
   default backend) trains, its loss falling.
 """
@@ -20,6 +21,7 @@ compiled with the user's settings (:mod:`lightning_pipe.capture.compiled`,
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.utilities.compile import from_compiled
+from pytorch_lightning.demos.boring_classes import BoringModel
+from pytorch_lightning.utilities import compile as pl_compile
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
@@ -120,13 +124,20 @@ def test_the_settings_given_to_torch_compile_are_read_back() -> None:
 def test_a_module_compiled_whole_is_taken_back_uncompiled_with_its_settings() -> None:
     """``trainer.fit(torch.compile(model))``: Lightning unwraps it (``from_compiled``) and hands the
     strategy the module, which it refuses for strategies other than its own; the pipeline's takes the
-    original back."""
-    model = Chain()
-    strategy = PipelineStrategy()
-    strategy._lightning_module = from_compiled(torch.compile(model, backend="eager", dynamic=True))
-    assert strategy.lightning_module is model and model._compiler_ctx is None
-    assert model.forward.__func__ is Chain.forward and model.training_step.__func__ is Chain.training_step
-    assert strategy._whole_compiled == (model, CompileSettings("eager", dynamic=True))
+    original back (the standalone ``pytorch_lightning``'s too)."""
+    from lightning_pipe.pytorch_lightning import PipelineStrategy as Standalone
+
+    for strategy_class, unwrap, module_class in (
+        (PipelineStrategy, from_compiled, Chain),
+        (Standalone, pl_compile.from_compiled, BoringModel),
+    ):
+        model = module_class()
+        strategy = strategy_class()
+        strategy._lightning_module = unwrap(torch.compile(model, backend="eager", dynamic=True))
+        assert strategy.lightning_module is model and model._compiler_ctx is None
+        assert model.forward.__func__ is module_class.forward
+        assert model.training_step.__func__ is module_class.training_step
+        assert strategy._whole_compiled == (model, CompileSettings("eager", dynamic=True))
 
 
 def _failing(gm: torch.fx.GraphModule, inputs: Any) -> Any:
@@ -194,7 +205,9 @@ def _fit(root: Path, name: str, devices: int, accumulate: int = 1) -> dict[str, 
     run = trainer(root, strategy, devices, callbacks=[losses], max_epochs=epochs, accumulate_grad_batches=accumulate)
     rows = ROWS // accumulate
     frames = counters["frames"]["ok"]
-    run.fit(fitted, DataLoader(dataset(BATCHES), batch_size=rows), DataLoader(dataset(2, 7), batch_size=rows))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(fitted, DataLoader(dataset(BATCHES), batch_size=rows), DataLoader(dataset(2, 7), batch_size=rows))
     run.save_checkpoint(root / "last.ckpt")
     compilation = getattr(run.strategy, "compilation", None)
     return {
@@ -202,6 +215,7 @@ def _fit(root: Path, name: str, devices: int, accumulate: int = 1) -> dict[str, 
         "losses": losses.losses,
         "compiled": compilation.compiled if compilation else [],
         "frames": counters["frames"]["ok"] - frames,
+        "eager": [str(w.message) for w in caught if "runs eagerly" in str(w.message)],
     }
 
 
@@ -217,6 +231,7 @@ def test_compiled_modules_train_as_plain_lightning_on_two_processes(tmp_path: Pa
         plain = _fit(tmp_path / f"plain_{kind}", kind, 1, accumulate=CASES[kind][3])
         for result in ranks:
             assert result[kind]["compiled"] == [0, 1] and result[kind]["frames"] > 0, kind  # run compiled
+            assert not result[kind]["eager"], result[kind]["eager"]
             assert_states_close(result[kind]["final"], plain["final"], 1e-6)
         saved = torch.load(tmp_path / "pipe" / kind / "last.ckpt", weights_only=False)["state_dict"]
         expected = torch.load(tmp_path / f"plain_{kind}" / "last.ckpt", weights_only=False)["state_dict"]
@@ -227,4 +242,5 @@ def test_compiled_modules_train_as_plain_lightning_on_two_processes(tmp_path: Pa
         assert_states_close(result["2bw"]["final"], result["2bw_eager"]["final"], 1e-6)
         losses = result["inductor"]["losses"]
         assert all(torch.isfinite(torch.tensor(losses))) and result["inductor"]["compiled"] == [0, 1]
+        assert not result["inductor"]["eager"] and not result["2bw"]["eager"]
         assert sum(losses[-BATCHES:]) < sum(losses[:BATCHES]), losses

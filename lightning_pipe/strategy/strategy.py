@@ -6,7 +6,8 @@ Lifecycle (Lightning calls these in this order):
    re-run, or ``spawn``), each joins the process group (gloo on CPU, NCCL on GPU).
 2. **Set-up** checks what a pipeline cannot run (manual optimisation, gradient accumulation over
    batches with a non-flushing schedule, several optimizers, a custom ``configure_gradient_clipping``)
-   and finds the layers (:mod:`.contract`).
+   and finds the layers (:mod:`.contract`); modules compiled with ``torch.compile`` are captured
+   uncompiled and each stage compiled instead (:mod:`.compiling`).
 3. **First batch**: profile, partition and predict (:mod:`.planning`, printed on rank 0; a resume
    reuses the checkpoint's plan), then the :class:`~lightning_pipe.runtime.PipelineExecutor` is built
    with one optimizer per stage cloned from the user's (:mod:`.optimizers`), and each rank releases
@@ -356,9 +357,7 @@ class PipelineStrategy(
         self._whole_compiled: tuple[LightningModule, CompileSettings] | None = None  # torch.compile(model)'s
         self._compiled: list[tuple[str, CompileSettings | None]] = []  # the module's compiled parts (.compiling)
         self._compiled_calls: list[tuple[torch.nn.Module, Callable[..., Any]]] = []  # set aside until teardown
-        self.compilation: StageCompilation | None = (
-            None  # which stages run compiled, when the model held compiled modules
-        )
+        self.compilation: StageCompilation | None = None  # the stages compiled, for a model holding compiled code
 
     @property
     def _lightning_module(self) -> LightningModule | None:
@@ -370,7 +369,7 @@ class PipelineStrategy(
         a compiled module for any strategy but its own few: the pipeline takes the original back with its
         settings, captures it and compiles each stage (:mod:`.compiling`)."""
         context = getattr(module, "_compiler_ctx", None)
-        if module is not None and context is not None:
+        if context is not None:
             self._whole_compiled = (module, settings_of(context["dynamo_ctx"]))
             to_uncompiled(module)
         self._module = module
@@ -455,7 +454,7 @@ class PipelineStrategy(
         self._compiled = [(type(module).__name__, whole[1])] if whole is not None and whole[0] is module else []
         self._compiled += compiled_settings(module)
         self._compiled_calls = set_aside_calls(module)  # the step code calls forward, stood in for (.contract)
-        self._entry = Entry(self.lightning_module)
+        self._entry = Entry(module)
         self._outputs_read = reads_step_outputs(trainer)
         for metric in metric_modules(self.lightning_module).values():
             metric.process_group = self._copies  # every rank of a pipeline holds the same states (.effects)
