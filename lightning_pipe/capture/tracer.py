@@ -38,6 +38,7 @@ import torch
 from torch import fx, nn
 from torch.fx import _symbolic_trace
 from torch.fx.node import Node, has_side_effect, map_aggregate
+from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pipe.errors import PlanningError
@@ -79,7 +80,13 @@ _METADATA = frozenset(
 )
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 # torch.nn modules made of layers whose forward traces well: their layers become the graph's
-_TRACED_TORCH_MODULES = (nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder)
+_TRACED_TORCH_MODULES = (
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _ACTIVE: list[ShadowTracer] = []
@@ -234,7 +241,7 @@ class ShadowTracer(fx.Tracer):
         _ACTIVE.append(self)
         try:
             counting = FlopCounterMode(display=False) if self._count_flops else nullcontext()
-            with torch.no_grad(), _factories_traced(), counting as self._counter:
+            with torch.no_grad(), _factories_traced(), _masks_traced(), counting as self._counter:
                 try:
                     return self.trace(root)
                 except (TraceFailure, ForwardFailed):
@@ -363,6 +370,18 @@ def _factories_traced() -> Iterator[None]:
             setattr(torch, name, function)
 
 
+@contextmanager
+def _masks_traced() -> Iterator[None]:
+    """``F._none_or_dtype``, with which ``nn.TransformerEncoderLayer`` and its kin check their masks,
+    refuses anything but a tensor: a traced mask answers with its dtype, as the tensor would."""
+    original = F._none_or_dtype
+    F._none_or_dtype = lambda mask: mask.dtype if isinstance(mask, fx.Proxy) else original(mask)
+    try:
+        yield
+    finally:
+        F._none_or_dtype = original
+
+
 @has_side_effect
 def split_marker() -> None:
     """The target of a split point's node (layers are cut there: it never runs)."""
@@ -401,8 +420,9 @@ def _reads_values(kind: str, target: Any, inputs: list[Shadow], value: Any) -> b
     opposed to reading a tensor's metadata (``size()``, ``.shape``, ``.device``)."""
     if isinstance(value, torch.Tensor | torch.Size | torch.dtype | torch.device) or value is None:
         return False
-    if isinstance(value, tuple | list) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return False  # tensors still (x.split(n), x.chunk(n), x.max(dim)): no value has left them
+    parts = value if isinstance(value, tuple | list) else ()
+    if any(isinstance(v, torch.Tensor) for v in parts) and all(isinstance(v, torch.Tensor | None) for v in parts):
+        return False  # tensors still (x.split(n), attention's (output, None)): no value has left them
     if not any(isinstance(s.value, torch.Tensor) for s in inputs):
         return False
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
