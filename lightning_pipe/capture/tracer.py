@@ -38,6 +38,7 @@ import torch
 from torch import fx, nn
 from torch.fx import _symbolic_trace
 from torch.fx.node import Node, has_side_effect, map_aggregate
+from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pipe.errors import PlanningError
@@ -82,7 +83,13 @@ _METADATA = frozenset(
 )
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 # torch.nn modules made of layers whose forward traces well: their layers become the graph's
-_TRACED_TORCH_MODULES = (nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder)
+_TRACED_TORCH_MODULES = (
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _ACTIVE: list[ShadowTracer] = []
@@ -284,7 +291,7 @@ class ShadowTracer(fx.Tracer):
         _ACTIVE.append(self)
         try:
             counting = FlopCounterMode(display=False) if self._count_flops else nullcontext()
-            with torch.no_grad(), _factories_traced(), counting as self._counter, _watched(root):
+            with torch.no_grad(), _factories_traced(), _masks_traced(), counting as self._counter, _watched(root):
                 try:
                     return self.trace(root)
                 except (TraceFailure, ForwardFailed):
@@ -531,6 +538,18 @@ def _factories_traced() -> Iterator[None]:
             setattr(torch, name, function)
 
 
+@contextmanager
+def _masks_traced() -> Iterator[None]:
+    """``F._none_or_dtype``, with which ``nn.TransformerEncoderLayer`` and its kin check their masks,
+    refuses anything but a tensor: a traced mask answers with its dtype, as the tensor would."""
+    original = F._none_or_dtype
+    F._none_or_dtype = lambda mask: mask.dtype if isinstance(mask, fx.Proxy) else original(mask)
+    try:
+        yield
+    finally:
+        F._none_or_dtype = original
+
+
 @has_side_effect
 def split_marker() -> None:
     """The target of a split point's node (layers are cut there: it never runs)."""
@@ -578,7 +597,8 @@ def _reads_values(kind: str, target: Any, inputs: list[Shadow], value: Any) -> b
 
 
 def _metadata_or_tensors(value: Any) -> bool:
-    """Whether ``value`` holds tensors and tensor metadata only (``x.split(n)``'s tuple, ``x.size()``):
+    """Whether ``value`` holds tensors and tensor metadata only (``x.split(n)``'s tuple, ``x.size()``, an
+    attention's ``(output, None)``):
     what an operation on tensors returns without reading their values into Python."""
     if isinstance(value, torch.Tensor | torch.Size | torch.dtype | torch.device) or value is None:
         return True
