@@ -387,6 +387,8 @@ def deferred_statistics(package: Any) -> type:
         def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
             with torch.no_grad():
                 for layer, (mean, var, count) in self.before.items():
+                    if layer not in self.inputs:  # not called by forward (a U-Net's unused encoder stage)
+                        continue
                     rows = torch.cat(self.inputs[layer])
                     dims = [d for d in range(rows.dim()) if d != 1]
                     batch_var, batch_mean = torch.var_mean(rows, dim=dims, correction=1)
