@@ -398,3 +398,40 @@ def deferred_statistics(package: Any) -> type:
                     layer.num_batches_tracked.copy_(count + 1)
 
     return DeferredStatistics
+
+
+def one_step_late(package: Any) -> type:
+    """The callback class (of ``package``) that makes plain Lightning fed micro-batches the
+    single-process reference of PipeDream-2BW's update rule."""
+
+    class OneStepLate(package.Callback):
+        """PipeDream-2BW's rule (Narayanan et al. 2021, §3.1; ``tests/reference.py``'s
+        ``one_step_late``) on one device: step ``t``'s gradients are taken at the weights of ``t - 1``
+        updates and applied to those of ``t`` (``θ_{t+1} = θ_t - γ ∇f(θ_{t-1})``). A drain (an
+        epoch's end) starts the rule over: a run's first two steps both take their gradients at the
+        weights it began with. Steps are ``microbatches`` of Lightning's batches
+        (``accumulate_grad_batches``); only parameters are swapped, the optimizer's state is the
+        live one's."""
+
+        def __init__(self, microbatches: int) -> None:
+            self.microbatches = microbatches
+            self.previous: list[torch.Tensor] | None = None
+            self.current: list[torch.Tensor] = []
+
+        def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+            self.previous = None
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx % self.microbatches == 0:
+                self.current = [p.detach().clone() for p in module.parameters()]
+                with torch.no_grad():
+                    for param, old in zip(module.parameters(), self.previous or self.current, strict=True):
+                        param.copy_(old)
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            with torch.no_grad():
+                for param, live in zip(module.parameters(), self.current, strict=True):
+                    param.copy_(live)  # the gradients stay: those of the older weights
+            self.previous = self.current
+
+    return OneStepLate

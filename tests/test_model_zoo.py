@@ -8,9 +8,12 @@ a ``segmentation-models-pytorch`` U-Net.
 
 1F1B and GPipe end equal to plain Lightning fed the same micro-batches (``accumulate_grad_batches``,
 batch norm's running statistics moved once per step by the whole batch's rows, as the pipeline
-does: the reference of :mod:`tests.test_user_modules`); 2BW trains (finite losses, the second
-epoch's below the first). The step reads the model's own output class (``out.loss``,
-``out["logits"]``).
+does: the reference of :mod:`tests.test_user_modules`) to 1e-6, and, on the models without batch
+norm (SGD on a mean loss), to plain Lightning's whole-batch run to 1e-5. 2BW ends equal to the
+single-process reference of its rule, plain Lightning fed the same micro-batches whose gradients
+are taken one step late (``tests/lightning_cases.py``'s ``one_step_late``), to 1e-6, and it is not
+synchronous training. The step reads the model's own output class (``out.loss``,
+``out["logits"]``). ``gradient_checkpointing_enable()`` becomes the stages' recomputation.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
-from tests.lightning_cases import assert_states_close, deferred_statistics, final_state, step_losses, trainer
+from tests.lightning_cases import (
+    assert_states_close,
+    deferred_statistics,
+    final_state,
+    one_step_late,
+    step_losses,
+    trainer,
+)
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -41,6 +51,10 @@ BATCH_NORM = ("efficientnet", "unet")
 
 def _network(name: str) -> nn.Module:
     t = transformers
+    if name == "gpt2_checkpointed":  # as transformers' documentation turns activation checkpointing on
+        model = _network("gpt2")
+        model.gradient_checkpointing_enable()
+        return model
     if name == "gpt2":
         config = t.GPT2Config(
             n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0, eos_token_id=0
@@ -111,7 +125,7 @@ class ZooModule(L.LightningModule):
         return self.model(*args, **kwargs)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.name in ("gpt2", "llama"):
+        if self.name in ("gpt2", "gpt2_checkpointed", "llama"):
             (ids,) = batch
             out = self(ids, labels=ids)
             loss = out.loss
@@ -135,6 +149,10 @@ class ZooModule(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses = [*getattr(self, "losses", []), float(outputs["loss"])]
 
+    def on_train_end(self) -> None:
+        executor = getattr(self.trainer.strategy, "executor", None)  # which stages recompute, on this rank
+        self.recomputed = {} if executor is None else dict(executor.compute.recompute)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.5)
 
@@ -143,7 +161,7 @@ def _data(name: str) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     rows = BATCHES * ROWS
     ids = torch.randint(1, VOCAB, (rows, LENGTH), generator=g)
-    if name in ("gpt2", "llama"):
+    if name in ("gpt2", "gpt2_checkpointed", "llama"):
         return TensorDataset(ids)
     if name == "bert":
         mask = torch.ones(rows, LENGTH, dtype=torch.long)
@@ -162,13 +180,18 @@ def _data(name: str) -> TensorDataset:
     return TensorDataset(images, (images[:, 0].mean((1, 2)) > 0).long())  # learnable in a few steps
 
 
-def _fit(name: str, root: str, strategy: Any, devices: int, epochs: int, reference: int = 1) -> dict[str, Any]:
+def _fit(
+    name: str, root: str, strategy: Any, devices: int, epochs: int, reference: int = 1, late: bool = False
+) -> dict[str, Any]:
+    """Train ``name``; with ``reference`` > 1 plain Lightning fed that many micro-batches per step
+    (with ``late``, under 2BW's rule)."""
     module = ZooModule(name)
     callbacks = [deferred_statistics(L)(reference)] if reference > 1 and name in BATCH_NORM else []
+    callbacks += [one_step_late(L)(reference)] if late else []
     run = trainer(root, strategy, devices, max_epochs=epochs, accumulate_grad_batches=reference, callbacks=callbacks)
     run.fit(module, DataLoader(_data(name), batch_size=ROWS // reference))
     losses = step_losses(module.losses, reference) if reference > 1 else module.losses
-    return {"final": final_state(run, module), "losses": losses}
+    return {"final": final_state(run, module), "losses": losses, "recomputed": module.recomputed}
 
 
 def _worker(rank: int, root: str, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
@@ -192,20 +215,31 @@ def _one_thread(fit: Any, *args: Any) -> Any:
         torch.set_num_threads(threads)
 
 
+def _largest_gap(one: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
+    return max(float((one[k] - other[k]).abs().max()) for k in one if one[k].is_floating_point() and one[k].numel())
+
+
 def _run(names: tuple[str, ...], tmp_path: Path) -> None:
     cases = [(name, schedule) for name in names for schedule in ("1f1b", "gpipe", "2bw")]
     per_rank = run_local(_worker, 2, str(tmp_path), cases, timeout=560)
     for name in names:
         expected = _one_thread(_fit, name, str(tmp_path / f"{name}_plain"), "auto", 1, 1, MICROBATCHES)
-        for schedule in ("1f1b", "gpipe"):
-            for rank in per_rank:
+        whole = None if name in BATCH_NORM else _one_thread(_fit, name, str(tmp_path / f"{name}_whole"), "auto", 1, 1)
+        late = _one_thread(_fit, name, str(tmp_path / f"{name}_late"), "auto", 1, 2, MICROBATCHES, True)
+        early = _one_thread(_fit, name, str(tmp_path / f"{name}_sync"), "auto", 1, 2, MICROBATCHES)
+        assert _largest_gap(late["final"], early["final"]) > 1e-4, name  # 2BW's rule is not synchronous training
+        for rank in per_rank:
+            for schedule in ("1f1b", "gpipe"):
                 got = rank[cases.index((name, schedule))]
                 assert got["losses"] == pytest.approx(expected["losses"], abs=1e-6), (name, schedule)
                 assert_states_close(got["final"], expected["final"], 1e-6)
-        for rank in per_rank:
-            losses = rank[cases.index((name, "2bw"))]["losses"]
-            assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
-            assert sum(losses[-BATCHES:]) < sum(losses[:BATCHES]), (name, losses)
+                if whole is not None:  # SGD on a mean loss: the micro-batches' mean gradient is the batch's
+                    assert got["losses"] == pytest.approx(whole["losses"], abs=1e-5), (name, schedule)
+                    assert_states_close(got["final"], whole["final"], 1e-5)
+            got = rank[cases.index((name, "2bw"))]
+            assert got["losses"] == pytest.approx(late["losses"], abs=1e-6), name
+            assert_states_close(got["final"], late["final"], 1e-6)
+            assert sum(got["losses"][-BATCHES:]) < sum(got["losses"][:BATCHES]), (name, got["losses"])
 
 
 @pytest.mark.timeout(600)
@@ -216,3 +250,17 @@ def test_transformers_models_run_unchanged(tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 def test_vision_models_run_unchanged(tmp_path: Path) -> None:
     _run(VISION, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_activation_checkpointing_becomes_stage_recomputation(tmp_path: Path) -> None:
+    """GPT-2 after ``gradient_checkpointing_enable()``: every stage holds checkpointed blocks, so each
+    recomputes its forward in the backward (its activations not kept), and 1F1B still ends equal to
+    plain Lightning (checkpointing itself) fed the same micro-batches."""
+    name = "gpt2_checkpointed"
+    per_rank = run_local(_worker, 2, str(tmp_path), [(name, "1f1b")], timeout=280)
+    expected = _one_thread(_fit, name, str(tmp_path / "plain"), "auto", 1, 1, MICROBATCHES)
+    for rank, (got,) in enumerate(per_rank):
+        assert got["recomputed"] == {rank: True}
+        assert got["losses"] == pytest.approx(expected["losses"], abs=1e-6)
+        assert_states_close(got["final"], expected["final"], 1e-6)

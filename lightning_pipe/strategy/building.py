@@ -50,6 +50,7 @@ from lightning_pipe.strategy.planning import (
     setup_line,
     timed,
 )
+from lightning_pipe.strategy.recomputation import checkpointed_blocks, recomputation_note, recomputed_stages
 from lightning_pipe.strategy.sharded import read_entries
 from lightning_pipe.units import format_bytes
 
@@ -100,6 +101,7 @@ class PipelineBuilding:
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"  # a str enum: compares equal to its value
         stages: list[Any] = stage_plan.modules(layers)
+        recompute = self._recomputed(module, stages, announce=fresh)
         self.compilation = None
         if self._compiled:  # the model held compiled modules: its stages are compiled instead (.compiling)
             self.compilation = StageCompilation.of(self._compiled, stages, make(1))
@@ -113,7 +115,7 @@ class PipelineBuilding:
             self._loss,
             stage_optimizers(optimizer) if optimizer is not None else (lambda params: None),
             device=self.root_device,
-            recompute=self.recompute,
+            recompute=recompute,
             early_gradients=not compiled,  # a compiled stage's backward is one node: split, it would run twice
             timeout_seconds=self._timeout.total_seconds(),
             shared_memory_bytes=self.shared_memory_bytes,
@@ -135,6 +137,20 @@ class PipelineBuilding:
         if fresh:
             self._timed_setup(start)
         return self.executor
+
+    def _recomputed(self, module: LightningModule, stages: list[Any], announce: bool) -> bool | list[bool]:
+        """Which stages recompute their forward in the backward: every one with ``recompute=True``,
+        else those holding a block the model asks to checkpoint (:mod:`.recomputation`), said at a new
+        plan's set-up."""
+        if self.recompute:
+            return True
+        blocks = checkpointed_blocks(module)
+        if not blocks:
+            return False
+        recomputed = recomputed_stages(blocks, stages)
+        if announce:
+            rank_zero_info(recomputation_note(blocks, recomputed))
+        return recomputed
 
     def _timed_setup(self, start: float) -> None:
         """Complete :attr:`setup_seconds` of a set-up that began at ``start`` (``time.perf_counter``):
