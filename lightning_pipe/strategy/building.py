@@ -50,6 +50,7 @@ from lightning_pipe.strategy.planning import (
     setup_line,
     timed,
 )
+from lightning_pipe.strategy.random_states import replayed
 from lightning_pipe.strategy.recomputation import checkpointed_blocks, recomputation_note, recomputed_stages
 from lightning_pipe.strategy.sharded import read_entries
 from lightning_pipe.units import format_bytes
@@ -407,8 +408,9 @@ class PipelineBuilding:
         step, mb = self.executor.loss_key
         record = Record(rows_of(batch))
         module = self.lightning_module
-        with self._entry.inject(output), recording(module, record):
-            result = module.training_step(batch, *self._step_args[step])
+        extra, random = self._step_args[step]
+        with replayed(random), self._entry.inject(output), recording(module, record):
+            result = module.training_step(batch, *extra)
         loss = result.get("loss") if isinstance(result, dict) else result
         if not isinstance(loss, Tensor):
             raise PlanningError(

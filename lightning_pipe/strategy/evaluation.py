@@ -8,12 +8,14 @@ assembled from, each a module of its own).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from lightning_pipe.nested import concatenate, map_tensors, to_cpu
 from lightning_pipe.runtime.batches import rows_of
 from lightning_pipe.strategy.effects import replay
 from lightning_pipe.strategy.logs import Record, recording
+from lightning_pipe.strategy.random_states import RandomStates, replayed
 from lightning_pipe.strategy.stop_iteration import no_stop_iteration
 
 __all__ = ["EvaluationHooks"]
@@ -30,6 +32,7 @@ class EvaluationHooks:
         module = self.lightning_module
         step = getattr(module, hook)
         # the step's code before forward runs once per batch, on the ranks that need its arguments
+        random = RandomStates.now()  # a rerun of the step below draws what this run draws
         call = self._entry.capture(step, *args) if self.executor is None or self._evaluates(0) else None
         executor = self._pipeline(call, args[0]) if call is not None else self.executor
         assert executor is not None
@@ -42,7 +45,8 @@ class EvaluationHooks:
         if not self._evaluates(-1):
             return None, None
         record = Record(rows_of(args[0]))
-        with self._entry.inject(concatenate(outputs)), recording(module, record):
+        rerun = replayed(random) if call is not None else contextlib.nullcontext()
+        with rerun, self._entry.inject(concatenate(outputs)), recording(module, record):
             result = step(*args)
         return record, result
 

@@ -111,6 +111,7 @@ from lightning_pipe.strategy.planning import (
     StagePlan,
 )
 from lightning_pipe.strategy.profile_cache import default_directory
+from lightning_pipe.strategy.random_states import RandomStates
 from lightning_pipe.strategy.relay import Relay
 from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.signals import Signals
@@ -339,7 +340,7 @@ class PipelineStrategy(
         self._carried: dict[str, Any] | None = None  # this rank's carried state when the executor closed
         self.differences: list[str] = []  # how the run differs from plain Lightning (rank 0, after planning)
         self._hyper: HyperParameters | None = None
-        self._step_args: dict[int, tuple[Any, ...]] = {}
+        self._step_args: dict[int, tuple[tuple[Any, ...], RandomStates]] = {}  # step -> its other arguments, streams
         self._records: dict[tuple[int, int], Record] = {}
         self._pending: dict[int, dict[int, tuple[Record, float]]] = {}
         self._last_output: Any = torch.tensor(float("nan"))

@@ -26,6 +26,7 @@ from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.effects import metric_modules, replay
 from lightning_pipe.strategy.logs import Record, combine, logged_metrics
 from lightning_pipe.strategy.planning import schedule_of
+from lightning_pipe.strategy.random_states import RandomStates
 from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps, run_directory
 from lightning_pipe.strategy.stop_iteration import no_stop_iteration
 
@@ -50,6 +51,7 @@ class TrainingHooks:
         with self.precision_plugin.train_step_context():
             # every rank runs the step's code before forward, once: what it changes in the modules
             # (a gate's scale, a temperature) is then in place on every stage before any computes
+            random = RandomStates.now()  # the last stage's reruns of the step draw what this run draws
             try:
                 call = self._entry.capture(module.training_step, *args)
                 if self.executor is not None:  # a built pipeline: the capture's graph holds the attributes
@@ -62,7 +64,7 @@ class TrainingHooks:
             step = executor.origin + executor.calls
             assert self._hyper is not None
             self._hyper.record(step)
-            self._step_args[step] = args[1:]
+            self._step_args[step] = (args[1:], random)
             self._chain.follow_mode(module.training)
             inputs = self._chain.inputs(call) if self._first else None
             # a rank with no last stage has nothing to add after the step: its part leaves now, so

@@ -1,0 +1,61 @@
+"""The step's code before ``forward`` runs once per batch, on every rank, as under plain Lightning:
+a random augmentation drawn there draws once, so the random stream (the draws and what the model
+trains on) is plain Lightning's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.runtime import run_local
+from tests.lightning_cases import Chain, assert_states_close, final_state, loader, trainer
+
+BATCHES = 4
+
+
+class Augmented(Chain):
+    """Adds noise drawn from the global generator to the batch before ``forward``, and keeps the draws."""
+
+    def __init__(self) -> None:
+        super().__init__(blocks=3)
+        self.draws: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        noise = torch.randn(())
+        self.draws.append(float(noise))
+        return nn.functional.cross_entropy(self(x + 0.1 * noise), y)
+
+
+def _fit(root: str, strategy: Any, devices: int, rows: int) -> dict[str, Any]:
+    torch.manual_seed(5)
+    model = Augmented()
+    run = trainer(root, strategy, devices)
+    run.fit(model, loader(BATCHES, rows=rows))
+    return {"draws": model.draws, "final": final_state(run, model)}
+
+
+def _worker(rank: int, root: str, schedule: str) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    return _fit(f"{root}/{schedule}", PipelineStrategy(schedule, microbatches=2), 2, 10)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_a_draw_before_forward_happens_once_per_batch(tmp_path: Path, schedule: str) -> None:
+    """Under 1F1B the run ends as plain Lightning's with the same seed (the first batch's draw is not
+    repeated by the pipeline's set-up, and nothing the set-up does draws from the stream); under 2BW
+    the draws are the same."""
+    plain = _fit(str(tmp_path / "plain"), "auto", 1, 10)
+    assert len(plain["draws"]) == BATCHES and len(set(plain["draws"])) == BATCHES
+    for got in run_local(_worker, 2, str(tmp_path), schedule, timeout=220):
+        # the last stage's reruns of the step (one per micro-batch) draw what the first run drew
+        assert list(dict.fromkeys(got["draws"])) == plain["draws"]
+        if schedule == "1f1b":
+            assert_states_close(got["final"], plain["final"], 1e-5)
