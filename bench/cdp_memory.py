@@ -29,8 +29,8 @@ import os
 import torch
 import torchvision
 
-from lightning_pipe.models import mlp_chain
 from lightning_pipe.train.cyclic_memory import SETTINGS, measure, plan_split
+from lightning_pipe.zoo.models import mlp_chain
 
 _SMALL_VIT = {"image_size": 32, "patch_size": 8, "num_layers": 4, "num_heads": 4, "hidden_dim": 64, "mlp_dim": 128}
 MODELS = {  # builders are partials of module classes: they go to other processes

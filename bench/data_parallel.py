@@ -35,8 +35,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.models import build_chain
 from lightning_pipe.runtime import run_local
+from lightning_pipe.zoo.models import build_chain
 
 KINDS = ("lightning ddp", "pipe ddp", "pipe cdp dp")
 SHAPES = {"resnet18": (3, 32, 32), "mlp": (3, 32, 32)}

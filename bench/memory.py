@@ -68,9 +68,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.classifier import ImageClassifier
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.allocator import mallinfo
+from lightning_pipe.zoo.classifier import ImageClassifier
 
 MB = 2**20
 _OPTIMIZER_COPIES = {"sgd": 1, "adam": 2}

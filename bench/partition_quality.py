@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from torchgpipe.balance import balance_cost
 
-from lightning_pipe.costs import ChainCosts
-from lightning_pipe.models import torchvision_chain
-from lightning_pipe.network import Network
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.profile_file import load_profile
+from lightning_pipe.cost.profiler import profile_layers
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.partition import Plan, PlanRequest, partition
-from lightning_pipe.profile_file import load_profile
-from lightning_pipe.profiler import profile_layers
+from lightning_pipe.zoo.models import torchvision_chain
 
 PROFILES = Path(__file__).resolve().parents[1] / "tests" / "data" / "pipedream-profiles"
 

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from textbook_dp import textbook_bottleneck
 
-from lightning_pipe.costs import ChainCosts
-from lightning_pipe.network import Network
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.partition import PlanRequest, partition
 
 

@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.models import build_chain
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.profiler import profile_layers
 from lightning_pipe.partition import PlanRequest, partition
-from lightning_pipe.profiler import profile_layers
+from lightning_pipe.zoo.models import build_chain
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,7 +51,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_pipe.capture.verify import verify_chain
-from lightning_pipe.memory import MemoryModel
+from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.planning import (

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from lightning_pipe.costs import ChainCosts
-from lightning_pipe.network import Network
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.records import ChainCosts
 
 
 def textbook_bottleneck(costs: ChainCosts, machines: int, network: Network, straight: bool) -> float:

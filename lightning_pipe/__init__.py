@@ -10,11 +10,13 @@ import importlib.util
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pipe.capture import pipe_split
-from lightning_pipe.costs import ChainCosts, LayerCost
+from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.moved import install as _install_moved_paths
 from lightning_pipe.strategy import PipelineStrategy
 from lightning_pipe.strategy.sharded import consolidate
 
+_install_moved_paths()
 PipelineStrategy.register_strategies(StrategyRegistry)
 if importlib.util.find_spec("pytorch_lightning") is not None:
     from pytorch_lightning.strategies import StrategyRegistry as _StandaloneRegistry

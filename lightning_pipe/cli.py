@@ -16,22 +16,23 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_pipe.costs import ChainCosts
+from lightning_pipe.cost.memory import EXTRA_COPIES, SCHEDULES, MemoryModel
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.profile_file import load_profile, save_profile
+from lightning_pipe.cost.profiler import given_names
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import CheckpointError, PlanningError
-from lightning_pipe.files import read_json
-from lightning_pipe.memory import EXTRA_COPIES, SCHEDULES, MemoryModel
-from lightning_pipe.network import Network
-from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
-from lightning_pipe.plan_file import load_plan
-from lightning_pipe.profile_file import load_profile, save_profile
-from lightning_pipe.profiler import given_names
+from lightning_pipe.partition import PARTITIONERS, PlanRequest, partition
+from lightning_pipe.partition.plan_file import load_plan
 from lightning_pipe.schedule.cyclic import FORMS
-from lightning_pipe.units import format_bytes, format_seconds, parse_bandwidth, parse_bytes
+from lightning_pipe.tables import plan_table, simulation_table
+from lightning_pipe.util.files import read_json
+from lightning_pipe.util.units import parse_bandwidth, parse_bytes
 
 if TYPE_CHECKING:
-    from lightning_pipe.schedule.simulation import Simulation
+    pass
 
-__all__ = ["main", "plan_table", "simulation_table"]
+__all__ = ["main"]
 
 
 def _whole_at_least(minimum: int) -> Callable[[str], int]:
@@ -132,8 +133,8 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:
 def _profile_model(args: argparse.Namespace) -> ChainCosts:
     import torch
 
-    from lightning_pipe.models import torchvision_chain
-    from lightning_pipe.profiler import profile_layers
+    from lightning_pipe.cost.profiler import profile_layers
+    from lightning_pipe.zoo.models import torchvision_chain
 
     if ":" in args.model:
         return _profile_module(args)
@@ -148,7 +149,7 @@ def _profile_module(args: argparse.Namespace) -> ChainCosts:
     import importlib
 
     from lightning_pipe.capture.describe import describe
-    from lightning_pipe.profiler import profile_layers
+    from lightning_pipe.cost.profiler import profile_layers
     from lightning_pipe.strategy.contract import pipeline_model
 
     path, _, name = args.model.partition(":")
@@ -175,8 +176,8 @@ def _sample_call(module: Any, args: argparse.Namespace) -> Any:
     ``train_dataloader()`` as its ``training_step`` passes it on, else a random ``--input-shape``."""
     import torch
 
-    from lightning_pipe.nested import map_tensors
     from lightning_pipe.strategy.contract import Call, Entry
+    from lightning_pipe.util.nested import map_tensors
 
     def on_device(value: Any) -> Any:
         return map_tensors(lambda t: t.to(args.device), value)
@@ -195,38 +196,6 @@ def _sample_call(module: Any, args: argparse.Namespace) -> Any:
         if batch is not None:
             return Entry(module).capture(module.training_step, on_device(batch), 0)
     return Call((torch.randn(args.batch_size, *args.input_shape, device=args.device),))
-
-
-def _short(name: str, width: int = 28) -> str:
-    return name if len(name) <= width else name[: width - 3] + "..."
-
-
-def plan_table(costs: ChainCosts, plan: Plan) -> str:
-    memory = plan.memory
-    limit = "none" if plan.memory_limit is None else format_bytes(plan.memory_limit)
-    bandwidth = "free" if plan.network.free else f"{format_bytes(plan.network.bandwidth)}/s"
-    lines = [
-        f"Profile: {costs.name} ({len(costs)} layers)",
-        *[f"  note: {note}" for note in plan.notes],
-        f"===== Partition ({plan.partitioner}) =====",
-        f"# of layers : {len(costs)}",
-        f"# of devices: {plan.devices} ({plan.devices_used} used)",
-        f"schedule {memory.schedule}, {memory.microbatches or 'unbounded'} micro-batches, "
-        f"memory limit {limit}, bandwidth {bandwidth}",
-        f"{'stage':>5} {'layers':>14} {'reps':>4} {'cost':>11} {'compute':>11} {'memory':>11}  first .. last layer",
-    ]
-    for index, stage in enumerate(plan.stages):
-        layers = stage.layers_json()
-        span = f"{layers[0]} -> {layers[1]}" if stage.contiguous else ",".join(map(str, layers))
-        names = f"{_short(costs.layers[stage.layers[0]].name)} .. {_short(costs.layers[stage.layers[-1]].name)}"
-        lines.append(
-            f"{index:>5} {span:>14} {stage.replicas:>4} {format_seconds(stage.stage_seconds):>11} "
-            f"{format_seconds(stage.compute_seconds):>11} {format_bytes(stage.memory_bytes):>11}  {names}"
-        )
-    if plan.cut_seconds and not plan.network.free:
-        lines.append("cut transfers (2·C): " + ", ".join(format_seconds(c) for c in plan.cut_seconds))
-    lines.append(f"Pipeline bottleneck cost: {format_seconds(plan.bottleneck_seconds)} per micro-batch")
-    return "\n".join(lines)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -350,24 +319,6 @@ def _stage_costs(args: argparse.Namespace) -> tuple[Any, list[int] | None]:
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     return (replace(costs, **changes) if changes else costs), replicas
-
-
-def simulation_table(result: Simulation) -> str:
-    schedule = result.schedule
-    lines = [
-        f"{schedule.family}: {schedule.stages} stages, {schedule.microbatches} micro-batches x {schedule.steps} "
-        f"step(s) on {schedule.workers} workers, rule {schedule.rule}" + ("" if schedule.flush else ", no flush"),
-        f"makespan {result.makespan:.6g}, steady step {result.steady_step:.6g}, "
-        f"throughput {result.throughput:.6g} micro-batches per time unit, bubble {result.bubble_fraction:.2%}",
-        "NCA per stage: " + " ".join(str(n) for n in result.nca),
-        f"{'worker':>6} {'busy':>10} {'idle':>10} {'activations':>11} {'act. bytes':>11} {'weights':>7}",
-    ]
-    for w in range(schedule.workers):
-        lines.append(
-            f"{w:>6} {result.busy[w]:>10.6g} {result.idle[w]:>10.6g} {result.peak_activations[w]:>11} "
-            f"{format_bytes(result.peak_activation_bytes[w]):>11} {result.weight_versions[w]:>7}"
-        )
-    return "\n".join(lines)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_pipe.capture import capture
 from lightning_pipe.capture.verify import verify_chain
-from lightning_pipe.memory import MemoryModel
+from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.planning import PlanOptions, plan_stages
 from tests.user_modules import EncoderLM

@@ -1,4 +1,4 @@
-"""Tests for lightning_pipe.classifier: ImageClassifier trains under plain Lightning, logs what it says,
+"""Tests for lightning_pipe.zoo.classifier: ImageClassifier trains under plain Lightning, logs what it says,
 configures the optimizer it is asked for, refuses bad arguments and fits the strategy's model contract."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipe.classifier import ImageClassifier, top_k_accuracy
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.strategy.contract import Entry, pipeline_model
+from lightning_pipe.zoo.classifier import ImageClassifier, top_k_accuracy
 
 
 def tiny_trainer(root, **options) -> L.Trainer:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lightning_pipe.cli import main
+from lightning_pipe.cost.profile_file import load_profile
 from lightning_pipe.partition import PlanRequest, partition
-from lightning_pipe.profile_file import load_profile
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:

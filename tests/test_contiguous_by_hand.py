@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.network import Network
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.network import Network
 from lightning_pipe.partition.contiguous import ChainProblem, _bisect, _prefix
 
 ONE_F_ONE_B = MemoryModel("1f1b", None, extra_copies=0)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_pipe.costs import ChainCosts, LayerCost
+from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
 
 FIELDS = ["forward_seconds", "backward_seconds", "activation_bytes", "saved_bytes", "param_bytes", "flops"]

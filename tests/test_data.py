@@ -20,7 +20,8 @@ from PIL import Image
 from sklearn.datasets import load_digits
 from torch import nn
 
-from lightning_pipe.data import (
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.zoo.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     DATA_MODULES,
@@ -30,7 +31,6 @@ from lightning_pipe.data import (
     SyntheticDataModule,
     split_indices,
 )
-from lightning_pipe.errors import PlanningError
 
 # ---------------------------------------------------------------------------------------------- digits
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
 
 
 def test_every_schedule_is_accepted_with_the_smallest_whole_microbatch_count() -> None:

@@ -1,4 +1,4 @@
-"""Tests for lightning_pipe.models: flattened torchvision models compute what the originals compute."""
+"""Tests for lightning_pipe.zoo.models: flattened torchvision models compute what the originals compute."""
 
 from __future__ import annotations
 
@@ -11,8 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_pipe.cost.profiler import profile_layers
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.models import (
+from lightning_pipe.runtime.executor import PipelineExecutor
+from lightning_pipe.runtime.launch import run_local
+from lightning_pipe.schedule import make_schedule
+from lightning_pipe.zoo.models import (
     MODEL_NAMES,
     build_chain,
     chain_from_model,
@@ -22,10 +26,6 @@ from lightning_pipe.models import (
     torchvision_model,
     torchvision_state_dict,
 )
-from lightning_pipe.profiler import profile_layers
-from lightning_pipe.runtime.executor import PipelineExecutor
-from lightning_pipe.runtime.launch import run_local
-from lightning_pipe.schedule import make_schedule
 
 RESNET18_NAMES = [
     "conv1",

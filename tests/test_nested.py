@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten, map_tensors, nbytes, tensors, unflatten
 from lightning_pipe.runtime.batches import split_batch
+from lightning_pipe.util.nested import flatten, map_tensors, nbytes, tensors, unflatten
 
 Pair = namedtuple("Pair", ["features", "skip"])
 

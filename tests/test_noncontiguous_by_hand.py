@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pipe.costs import ChainCosts
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
 from lightning_pipe.partition import PlanRequest, partition
 from lightning_pipe.partition.noncontiguous import _list_scheduling
 

@@ -15,10 +15,10 @@ import importlib
 
 import pytest
 
-from lightning_pipe.costs import ChainCosts
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.network import Network
 from lightning_pipe.partition import PlanRequest, partition
 
 # ``lightning_pipe.partition.noncontiguous`` is shadowed by the function of that name in the package.

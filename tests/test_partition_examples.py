@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipe.costs import ChainCosts, LayerCost
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.network import Network
 from lightning_pipe.partition import PARTITIONERS, PlanRequest, next_fit, partition
 from lightning_pipe.partition.plan import evaluate
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_pipe.costs import ChainCosts
-from lightning_pipe.memory import MemoryModel
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.schedule.cyclic import cue_after
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy import planning

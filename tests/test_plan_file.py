@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_pipe.costs import ChainCosts
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.profile_file import save_profile
+from lightning_pipe.cost.profiler import profile_layers
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.plan_file import load_plan
-from lightning_pipe.profile_file import save_profile
-from lightning_pipe.profiler import profile_layers
+from lightning_pipe.partition.plan_file import load_plan
 from lightning_pipe.strategy import planning
 from lightning_pipe.strategy.planning import PlanOptions, plan_stages
 

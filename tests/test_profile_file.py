@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipe.costs import ChainCosts, LayerCost
+from lightning_pipe.cost.pipedream_graph import parse_pipedream_graph
+from lightning_pipe.cost.profile_file import load_profile, profile_from_dict, profile_to_dict, save_profile
+from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.pipedream_graph import parse_pipedream_graph
-from lightning_pipe.profile_file import load_profile, profile_from_dict, profile_to_dict, save_profile
 
 EXPECTED_LAYERS = {
     "alexnet": 22,

@@ -1,4 +1,4 @@
-"""Tests for lightning_pipe.profiler: exact byte and FLOP counts, timings, nested outputs, bad inputs."""
+"""Tests for lightning_pipe.cost.profiler: exact byte and FLOP counts, timings, nested outputs, bad inputs."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_pipe.cost.profiler import profile_layers
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.profiler import profile_layers
 
 
 def quick(model, sample, **kwargs):
@@ -238,7 +238,7 @@ def test_plain_module_is_rejected_with_a_way_out():
     assert "Linear" in message
     assert "nn.Sequential" in message
     assert "list" in message
-    assert "lightning_pipe.models.torchvision_chain" in message
+    assert "lightning_pipe.zoo.models.torchvision_chain" in message
 
 
 def test_non_module_layer_is_rejected():
@@ -357,7 +357,7 @@ def test_profiled_graphs_are_freed_without_the_garbage_collector():
     gc.collect()
     gc.disable()
     try:
-        from lightning_pipe.profiler import _forward_saving, _split_backward
+        from lightning_pipe.cost.profiler import _forward_saving, _split_backward
 
         x = torch.randn(4, 8, requires_grad=True)
         _, output = _forward_saving("tanh", layer, x)

@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_pipe.cost.saved_bytes import saved_bytes
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten
 from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead
 from lightning_pipe.runtime.forward_backward import _sent_forward
 from lightning_pipe.runtime.launch import LocalRunError, run_local
 from lightning_pipe.runtime.transport import _HEADER
-from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule import Kind, make_schedule
 from lightning_pipe.schedule.draw import chrome_trace
+from lightning_pipe.util.nested import flatten
 from tests.reference import OPTIMIZERS, batches, build_stages, one_step_late, reference, sync
 
 
@@ -391,7 +391,7 @@ TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist
 from torch import nn
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten
+from lightning_pipe.util.nested import flatten
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.schedule import make_schedule
 dist.init_process_group("gloo")

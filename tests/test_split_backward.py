@@ -188,7 +188,7 @@ def test_halves_equal_one_backward_on_random_graphs(
 def test_a_stages_kept_gradients_are_the_sum_of_its_layers_profiled_ones() -> None:
     """The memory model adds the profiled layers' ``kept_gradient_bytes`` over a stage: that sum is
     what the stage's split backward keeps (oracle: the runtime's own :class:`SplitBackward`)."""
-    from lightning_pipe.profiler import profile_layers
+    from lightning_pipe.cost.profiler import profile_layers
 
     torch.manual_seed(0)
     layers = [nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Unflatten(1, (3, 4)), nn.BatchNorm1d(3)]

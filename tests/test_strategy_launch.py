@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_pipe.units import parse_bytes
+from lightning_pipe.util.units import parse_bytes
 from tests.lightning_cases import Chain, loader, state, trainer
 
 ROOT = Path(__file__).resolve().parent.parent

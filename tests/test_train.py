@@ -329,4 +329,4 @@ def test_configs_are_found_from_a_non_editable_install(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[0].startswith(str(site))
-    assert "family: 1f1b" in done.stdout and "_target_: lightning_pipe.data.DigitsDataModule" in done.stdout
+    assert "family: 1f1b" in done.stdout and "_target_: lightning_pipe.zoo.data.DigitsDataModule" in done.stdout

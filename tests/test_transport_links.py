@@ -19,11 +19,11 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_pipe.nested import map_tensors
 from lightning_pipe.runtime import shared_memory
 from lightning_pipe.runtime.failure import FailureBoard, PipelineAborted
 from lightning_pipe.runtime.launch import LocalRunError, run_local
 from lightning_pipe.runtime.transport import Transport
+from lightning_pipe.util.nested import map_tensors
 
 _LEFTOVERS = "/dev/shm/lightning_pipe-*"
 

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PlanningError
 from lightning_pipe.capture.verify import verify_chain
-from lightning_pipe.profiler import profile_layers
+from lightning_pipe.cost.profiler import profile_layers
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.ties import find_ties
 from lightning_pipe.strategy.contract import Call, Entry, pipeline_model
@@ -272,7 +272,7 @@ def test_each_module_is_captured_and_its_chain_verified() -> None:
 def test_a_dropped_log_softmax_is_refused_before_any_update() -> None:
     """configure_pipeline returning the ResNet's chain without forward's log_softmax: the chain is
     refused, naming code after the last module call."""
-    from lightning_pipe.models import chain_from_model
+    from lightning_pipe.zoo.models import chain_from_model
 
     class Hooked(LitResnet):
         def configure_pipeline(self) -> nn.Sequential:

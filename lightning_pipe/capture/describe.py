@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from lightning_pipe.capture import CapturedForward
-from lightning_pipe.units import format_bytes
+from lightning_pipe.util.units import format_bytes
 
 __all__ = ["describe", "value_text"]
 

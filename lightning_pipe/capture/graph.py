@@ -33,7 +33,7 @@ from torch.fx.node import Node, map_aggregate
 
 from lightning_pipe.capture.tracer import DataDependent, Decided, LiveRead, Shadow, ShadowTracer, TraceFailure
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten, unflatten
+from lightning_pipe.util.nested import flatten, unflatten
 
 __all__ = ["CapturedGraph", "UntraceableForward", "capture_graph", "signature"]
 
@@ -66,7 +66,7 @@ class CapturedGraph:
             change to one is caught (:meth:`changed_attributes`); floats computed with are read live.
         read: every module attribute the graphs read, ``(module path, name) -> module`` (decided or live):
             what the step code may change for the layers (:mod:`lightning_pipe.strategy.effects`).
-        output: ``forward``'s output with its tensors taken out (:func:`lightning_pipe.nested.flatten`):
+        output: ``forward``'s output with its tensors taken out (:func:`lightning_pipe.util.nested.flatten`):
             the graphs return the tensors, the last layer rebuilds the output's own types from this.
     """
 

@@ -42,7 +42,7 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten, map_tensors, unflatten
+from lightning_pipe.util.nested import flatten, map_tensors, unflatten
 
 __all__ = [
     "DataDependent",
@@ -284,7 +284,7 @@ class ShadowTracer(fx.Tracer):
     # -- the call ---------------------------------------------------------------------------------
     def trace_call(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fx.Graph:
         """Trace ``root.forward(*args, **kwargs)``: its tensors become the graph's placeholders (in
-        the order of :func:`lightning_pipe.nested.flatten`), everything else is taken as given."""
+        the order of :func:`lightning_pipe.util.nested.flatten`), everything else is taken as given."""
         skeleton, found = flatten((args, kwargs))
         self._call = _Call(skeleton, found, _placeholder_names(root, args, kwargs, len(found)))
         self._paths = {id(module): path for path, module in root.named_modules()}

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten
+from lightning_pipe.util.nested import flatten
 
 __all__ = ["ChainMismatch", "verify_chain"]
 
@@ -110,7 +110,7 @@ def _difference(expected: Any, got: Any, tolerance: float) -> str | None:
 
 
 def _structure_difference(want: Any, have: Any, where: str) -> str | None:
-    """The first place where two :func:`~lightning_pipe.nested.flatten` skeletons differ: a type (a
+    """The first place where two :func:`~lightning_pipe.util.nested.flatten` skeletons differ: a type (a
     ``ModelOutput`` returned as a plain ``dict``), a key, a length or a constant."""
     if want[0] != have[0] or (want[0] in ("sequence", "dict") and want[1] is not have[1]):
         return f"{where} is {_kind(want)} in forward, {_kind(have)} in the chain"

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.network import Network
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.network import Network
-from lightning_pipe.units import format_bytes
+from lightning_pipe.util.units import format_bytes
 
 __all__ = ["ChainProblem", "StageSpan"]
 

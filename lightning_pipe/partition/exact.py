@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition.plan import Plan
 from lightning_pipe.partition.request import PlanRequest
-from lightning_pipe.units import format_bytes
+from lightning_pipe.util.units import format_bytes
 
 __all__ = ["MAX_CANDIDATES", "exact"]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition.plan import Plan
 from lightning_pipe.partition.request import PlanRequest
-from lightning_pipe.units import format_bytes
+from lightning_pipe.util.units import format_bytes
 
 __all__ = ["EXACT_LAYERS", "NODE_BUDGET", "next_fit", "noncontiguous"]
 

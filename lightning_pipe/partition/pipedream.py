@@ -4,7 +4,7 @@
 possibly replicated (data parallelism inside a stage, weight sync by all-reduce), or as a straight
 pipeline with ``straight=True``. ``memory`` is the same search with a per-device memory limit that
 rejects stages over it, where a stage's activations in flight follow the schedule
-(:mod:`lightning_pipe.memory`). Both are exact; the search itself is in
+(:mod:`lightning_pipe.cost.memory`). Both are exact; the search itself is in
 :mod:`lightning_pipe.partition.contiguous`.
 """
 

@@ -8,7 +8,7 @@ algorithms (and the exact oracle) are measured by one definition:
 - a cut after layer ``i`` costs ``2·C_i`` (activation forward, gradient backward) and is pipelined
   like a stage of its own;
 - the bottleneck (steady-state time per micro-batch) is the largest of these;
-- the memory of a replica follows :class:`lightning_pipe.memory.MemoryModel`. A device may hold
+- the memory of a replica follows :class:`lightning_pipe.cost.memory.MemoryModel`. A device may hold
   several maximal runs of consecutive layers (non-contiguous plans); each run is a pipeline stage for
   the schedule's in-flight count, with ``downstream`` = replicas of the runs from it to the end.
 """
@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_pipe.costs import ChainCosts
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.network import Network
 
 __all__ = ["Plan", "Stage", "evaluate"]
 

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_pipe.costs import ChainCosts
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError, check_whole
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.network import Network
 from lightning_pipe.partition.contiguous import ChainProblem, StageSpan
 from lightning_pipe.partition.plan import Plan, evaluate
-from lightning_pipe.units import format_bytes
+from lightning_pipe.util.units import format_bytes
 
 __all__ = ["PlanRequest", "check_tolerance"]
 

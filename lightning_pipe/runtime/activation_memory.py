@@ -1,6 +1,6 @@
 """Memory accounting: the bytes autograd saves for the micro-batches in flight on one worker.
 
-With ``track_memory`` every forward runs under :func:`~lightning_pipe.saved_bytes.saved_bytes`, which
+With ``track_memory`` every forward runs under :func:`~lightning_pipe.cost.saved_bytes.saved_bytes`, which
 finds the storages autograd saved for its backward. Each storage counts once however many forwards
 in flight save it (the micro-batches of the first stage are views of one batch), from its forward
 until the last backward half of every micro-batch saving it. Model state (parameters, and buffers
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.nested import tensors
+from lightning_pipe.cost.saved_bytes import saved_bytes
 from lightning_pipe.runtime.weights import StageWeights
-from lightning_pipe.saved_bytes import saved_bytes
+from lightning_pipe.util.nested import tensors
 
 __all__ = ["ActivationMemory"]
 

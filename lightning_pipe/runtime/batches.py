@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
 from lightning_pipe.runtime.activation_memory import ActivationMemory
+from lightning_pipe.util.nested import flatten, map_tensors, tensors, unflatten
 
 __all__ = ["MiniBatches", "rows_of", "split_batch"]
 

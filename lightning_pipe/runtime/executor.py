@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.errors import PlanningError, check_whole
-from lightning_pipe.nested import map_tensors
 from lightning_pipe.runtime.activation_memory import ActivationMemory
 from lightning_pipe.runtime.batch_norm import DeferredNorms
 from lightning_pipe.runtime.batches import MiniBatches, split_batch
@@ -61,6 +60,7 @@ from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulation import Interval
 from lightning_pipe.schedule.stage_costs import StageCosts
 from lightning_pipe.schedule.validate import validate
+from lightning_pipe.util.nested import map_tensors
 
 __all__ = ["PipelineExecutor"]
 

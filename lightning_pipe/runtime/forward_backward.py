@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 import torch
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten, map_tensors, tensors, unflatten
 from lightning_pipe.runtime.activation_memory import ActivationMemory
 from lightning_pipe.runtime.batch_norm import running_forward
 from lightning_pipe.runtime.batches import MiniBatches, rows_of
@@ -41,6 +40,7 @@ from lightning_pipe.runtime.step_output import StepOutput
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.schedule.ir import Action, Kind
+from lightning_pipe.util.nested import flatten, map_tensors, tensors, unflatten
 
 __all__ = ["ForwardBackward", "InFlight"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.nested import map_tensors
+from lightning_pipe.util.nested import map_tensors
 
 __all__ = ["LossSums", "StepOutput", "share"]
 

@@ -44,9 +44,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.nested import flatten, unflatten
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.shared_memory import Links
+from lightning_pipe.util.nested import flatten, unflatten
 
 __all__ = ["Transport"]
 

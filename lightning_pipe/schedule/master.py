@@ -20,8 +20,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.errors import PlanningError, check_whole
-from lightning_pipe.memory import MemoryModel
 from lightning_pipe.schedule.greedy import list_schedule
 from lightning_pipe.schedule.ir import Action, Kind, Schedule
 from lightning_pipe.schedule.pipeline import check_sizes

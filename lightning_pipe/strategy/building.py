@@ -19,9 +19,8 @@ from torch import Tensor
 from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.capture.generation_cache import CACHE_OFF, generation_cache_off
 from lightning_pipe.capture.verify import verify_chain
+from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.nested import flatten, map_tensors, to_cpu, unflatten
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
@@ -53,7 +52,8 @@ from lightning_pipe.strategy.planning import (
 from lightning_pipe.strategy.random_states import replayed
 from lightning_pipe.strategy.recomputation import checkpointed_blocks, recomputation_note, recomputed_stages
 from lightning_pipe.strategy.sharded import read_entries
-from lightning_pipe.units import format_bytes
+from lightning_pipe.util.nested import flatten, map_tensors, to_cpu, unflatten
+from lightning_pipe.util.units import format_bytes
 
 if TYPE_CHECKING:  # annotations only: the class differs under the standalone pytorch_lightning
     from lightning.pytorch import LightningModule

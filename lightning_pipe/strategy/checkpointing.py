@@ -18,11 +18,11 @@ import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 
 from lightning_pipe.errors import CheckpointError, PlanningError
-from lightning_pipe.nested import to_cpu
 from lightning_pipe.strategy.atomic import remove, sweep, write_file
 from lightning_pipe.strategy.checkpoint_files import check_same_model, load_checkpoint
 from lightning_pipe.strategy.saving import SaveRanks, save_together
 from lightning_pipe.strategy.sharded import read_entries, save_sharded
+from lightning_pipe.util.nested import to_cpu
 
 __all__ = ["CheckpointHooks"]
 

@@ -29,7 +29,7 @@ from torch import nn
 from lightning_pipe.capture import CapturedForward, GraphLayer, capture
 from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import flatten, tensors
+from lightning_pipe.util.nested import flatten, tensors
 
 __all__ = ["HOOK", "Call", "Entry", "PipelineModel", "pipeline_model"]
 

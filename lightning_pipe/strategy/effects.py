@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.nested import map_tensors
+from lightning_pipe.util.nested import map_tensors
 
 __all__ = ["Effects", "metric_modules", "recording_effects", "replay", "watch_attributes"]
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from lightning_pipe.nested import concatenate, map_tensors, to_cpu
 from lightning_pipe.runtime.batches import rows_of
 from lightning_pipe.strategy.effects import replay
 from lightning_pipe.strategy.logs import Record, recording
 from lightning_pipe.strategy.random_states import RandomStates, replayed
 from lightning_pipe.strategy.stop_iteration import no_stop_iteration
+from lightning_pipe.util.nested import concatenate, map_tensors, to_cpu
 
 __all__ = ["EvaluationHooks"]
 

@@ -23,22 +23,22 @@ from torch import nn
 
 from lightning_pipe.capture import CapturedForward
 from lightning_pipe.capture.describe import describe
-from lightning_pipe.cli import plan_table, simulation_table
-from lightning_pipe.costs import ChainCosts
+from lightning_pipe.cost.memory import EXTRA_COPIES, MemoryModel
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.profile_file import load_profile
+from lightning_pipe.cost.profiler import given_names, profile_layers
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError, check_whole
-from lightning_pipe.memory import EXTRA_COPIES, MemoryModel
-from lightning_pipe.network import Network
 from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
+from lightning_pipe.partition.plan_file import load_plan
 from lightning_pipe.partition.request import check_tolerance
-from lightning_pipe.plan_file import load_plan
-from lightning_pipe.profile_file import load_profile
-from lightning_pipe.profiler import given_names, profile_layers
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.schedule.stage_costs import check_contention
 from lightning_pipe.strategy.profile_cache import cached_profile, profile_key
+from lightning_pipe.tables import placement_table, plan_table, simulation_table
 
 __all__ = [
     "SETUP_PHASES",
@@ -158,7 +158,7 @@ class StagePlan:
     def to_dict(self) -> dict[str, object]:
         """The plan as ``lightning-pipe plan --json`` writes it (with the profile's name), or the
         stages' layer ranges when they were given, and the model's layers (their count and names,
-        which a run given the file compares with its own: :mod:`lightning_pipe.plan_file`);
+        which a run given the file compares with its own: :mod:`lightning_pipe.partition.plan_file`);
         ``PipelineStrategy(plan=path)`` reads either."""
         model = {} if self.names is None else {"layers": len(self.names), "layer_names": list(self.names)}
         if self.plan is not None:
@@ -396,31 +396,6 @@ def predict(
     costs = StageCosts.from_plan(stage_plan.plan.to_dict(), replicated=stage_plan.replicas is not None)
     costs = replace(costs, contention=contention)
     return simulate(schedule_of(stage_plan, schedule, microbatches)(3), costs, early_gradients=True)
-
-
-def placement_table(schedule: Schedule) -> str:
-    """Where each stage computes and where its weights live (the workers of one pipeline): Rahimi's
-    ``w(s, b, d)`` as it came out, for every family."""
-    lines = [
-        f"===== Placement ({schedule.family}, {schedule.workers} workers per pipeline) =====",
-        "stage  computes on  weights on",
-    ]
-    for stage in range(schedule.stages):
-        computing, owners = schedule.computing(stage), schedule.owners[stage]
-        lines.append(f"{stage:>5}  {_workers(computing):<11} {_workers(owners)}")
-    after = schedule.params.get("cue_after")
-    if isinstance(after, int):  # CDP's dp form: where each replica starts
-        stages = schedule.stages
-        action = f"F{after}" if after < stages else f"B{2 * stages - 1 - after}"
-        lines.append(f"each worker starts its micro-batch when the previous one has done its {action}")
-    return "\n".join(lines)
-
-
-def _workers(workers: Sequence[int]) -> str:
-    """``0``, ``0,2`` or ``0-3``."""
-    if len(workers) > 2 and list(workers) == list(range(workers[0], workers[-1] + 1)):
-        return f"{workers[0]}-{workers[-1]}"
-    return ",".join(map(str, workers))
 
 
 def report(

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.costs import ChainCosts
+from lightning_pipe.cost.profile_file import load_profile, save_profile
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import tensors
-from lightning_pipe.profile_file import load_profile, save_profile
+from lightning_pipe.util.nested import tensors
 
 __all__ = ["cached_profile", "default_directory", "profile_key"]
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_pipe.errors import CheckpointSaveError
 from lightning_pipe.strategy.atomic import publish, remove, sweep, temporary_name
-from lightning_pipe.units import format_bytes
+from lightning_pipe.util.units import format_bytes
 
 __all__ = ["SaveRanks", "save_together"]
 

@@ -117,7 +117,7 @@ from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.signals import Signals
 from lightning_pipe.strategy.topology import Topology
 from lightning_pipe.strategy.training import TrainingHooks, reads_step_outputs
-from lightning_pipe.units import parse_bandwidth, parse_bytes
+from lightning_pipe.util.units import parse_bandwidth, parse_bytes
 
 __all__ = ["PipelineStrategy"]
 

@@ -20,7 +20,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_pipe.nested import concatenate, map_tensors
 from lightning_pipe.strategy.after_fit import HOW_TO_GET_IT
 from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.effects import metric_modules, replay
@@ -29,6 +28,7 @@ from lightning_pipe.strategy.planning import schedule_of
 from lightning_pipe.strategy.random_states import RandomStates
 from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps, run_directory
 from lightning_pipe.strategy.stop_iteration import no_stop_iteration
+from lightning_pipe.util.nested import concatenate, map_tensors
 
 if TYPE_CHECKING:  # annotations only: the class differs under the standalone pytorch_lightning
     from lightning.pytorch import Trainer

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_pipe.errors import PlanningError, check_positive
 from lightning_pipe.schedule import check_rule
 from lightning_pipe.strategy import PipelineStrategy
-from lightning_pipe.units import parse_bandwidth, parse_bytes
+from lightning_pipe.util.units import parse_bandwidth, parse_bytes
 
 __all__ = ["check", "data_module", "logger_list", "model", "strategy", "trainer"]
 

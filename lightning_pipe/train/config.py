@@ -20,9 +20,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from lightning_pipe.models import MODEL_NAMES
 from lightning_pipe.partition import PARTITIONERS
 from lightning_pipe.schedule import FAMILIES, RULES
+from lightning_pipe.zoo.models import MODEL_NAMES
 
 __all__ = [
     "DataConfig",
@@ -108,9 +108,9 @@ class PipelineConfig:
 
 @dataclass
 class ModelConfig:
-    """:class:`~lightning_pipe.classifier.ImageClassifier`'s network and optimizer."""
+    """:class:`~lightning_pipe.zoo.classifier.ImageClassifier`'s network and optimizer."""
 
-    _target_: str = "lightning_pipe.classifier.ImageClassifier"
+    _target_: str = "lightning_pipe.zoo.classifier.ImageClassifier"
     model: Model = Model["mlp"]
     cifar: bool | None = None  # default: the CIFAR variant for inputs of 32x32 or less
     width: int = 128
@@ -135,7 +135,7 @@ class DataConfig:
 
 @dataclass
 class DigitsConfig(DataConfig):
-    _target_: str = "lightning_pipe.data.DigitsDataModule"
+    _target_: str = "lightning_pipe.zoo.data.DigitsDataModule"
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     seed: int = 0
@@ -145,7 +145,7 @@ class DigitsConfig(DataConfig):
 
 @dataclass
 class CIFAR10Config(DataConfig):
-    _target_: str = "lightning_pipe.data.CIFAR10DataModule"
+    _target_: str = "lightning_pipe.zoo.data.CIFAR10DataModule"
     root: str = "data/cifar10"
     batch_size: int = 128
     num_workers: int = 2
@@ -157,7 +157,7 @@ class CIFAR10Config(DataConfig):
 
 @dataclass
 class ImageNetConfig(DataConfig):
-    _target_: str = "lightning_pipe.data.ImageNetDataModule"
+    _target_: str = "lightning_pipe.zoo.data.ImageNetDataModule"
     root: str = "data/imagenet"
     batch_size: int = 256
     num_workers: int = 8
@@ -167,7 +167,7 @@ class ImageNetConfig(DataConfig):
 
 @dataclass
 class SyntheticConfig(DataConfig):
-    _target_: str = "lightning_pipe.data.SyntheticDataModule"
+    _target_: str = "lightning_pipe.zoo.data.SyntheticDataModule"
     input_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
     num_classes: int = 10
     samples: int = 1024

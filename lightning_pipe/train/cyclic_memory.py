@@ -30,17 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.nested import map_tensors, tensors
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.saved_bytes import saved_bytes
 from lightning_pipe.runtime import PipelineExecutor, run_local
 from lightning_pipe.runtime.calibration import Totals, measured_seconds, stage_costs
-from lightning_pipe.saved_bytes import saved_bytes
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.cyclic import Durations
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.planning import PlanOptions, StagePlan, plan_stages
+from lightning_pipe.util.nested import map_tensors, tensors
 
 __all__ = ["SETTINGS", "Measurement", "Split", "measure", "per_worker_peak", "plan_split", "schedule_of"]
 

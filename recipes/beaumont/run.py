@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lightning_pipe.costs import ChainCosts
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
 from lightning_pipe.partition import PlanRequest, partition
 from lightning_pipe.schedule import Kind, StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.beaumont import groups_1f1b_star

@@ -21,12 +21,12 @@ import re
 
 import torch
 
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.profiler import profile_layers
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.memory import MemoryModel
-from lightning_pipe.models import torchvision_chain
 from lightning_pipe.partition import PlanRequest, partition
-from lightning_pipe.profiler import profile_layers
 from lightning_pipe.train.recipe import output_directory, sized_parser
+from lightning_pipe.zoo.models import torchvision_chain
 
 DEVICES, MICROBATCHES = 4, 8
 FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.8, 1.0)

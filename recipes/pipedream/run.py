@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_pipe.network import Network
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.profile_file import load_profile
 from lightning_pipe.partition import PlanRequest, partition
-from lightning_pipe.profile_file import load_profile
 from lightning_pipe.train.recipe import output_directory, sized_parser
 from lightning_pipe.train.sweep import compare
 

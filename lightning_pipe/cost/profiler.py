@@ -1,4 +1,4 @@
-"""Profile a real model layer by layer into :class:`~lightning_pipe.costs.ChainCosts`.
+"""Profile a real model layer by layer into :class:`~lightning_pipe.cost.records.ChainCosts`.
 
 Each layer of a chain is run on its own, on a detached copy of the input it receives in the full
 model, and measured for:
@@ -52,11 +52,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_pipe.costs import ChainCosts, LayerCost
+from lightning_pipe.cost.records import ChainCosts, LayerCost
+from lightning_pipe.cost.saved_bytes import saved_bytes
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.nested import map_tensors, nbytes, tensors
 from lightning_pipe.runtime.split_backward import SplitBackward
-from lightning_pipe.saved_bytes import saved_bytes
+from lightning_pipe.util.nested import map_tensors, nbytes, tensors
 
 __all__ = ["ESTIMATED_FLOPS_PER_SECOND", "given_names", "profile_layers"]
 
@@ -153,7 +153,7 @@ def _named_layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.
         raise PlanningError(
             f"cannot profile a {type(model).__name__} layer by layer: its forward is not a chain. Give the "
             "model as an nn.Sequential or an ordered list of layers whose outputs feed the next layer "
-            "(for torchvision models use lightning_pipe.models.torchvision_chain)"
+            "(for torchvision models use lightning_pipe.zoo.models.torchvision_chain)"
         )
     if not pairs:
         raise PlanningError("the model has no layers: give a non-empty nn.Sequential or list of modules")
@@ -295,7 +295,7 @@ def _total(*counters: FlopCounterMode | None) -> int:
 
 
 def _forward_saving(label: str, layer: nn.Module, leaf: Any) -> tuple[int, Any]:
-    """Run the layer once; return the bytes it saved for backward (:mod:`lightning_pipe.saved_bytes`,
+    """Run the layer once; return the bytes it saved for backward (:mod:`lightning_pipe.cost.saved_bytes`,
     its parameters and buffers excluded) and its output."""
     with saved_bytes((*layer.parameters(), *layer.buffers())) as counted:
         try:

@@ -28,10 +28,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_pipe.costs import ChainCosts, LayerCost
+from lightning_pipe.cost.pipedream_graph import parse_pipedream_graph
+from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.files import json_kind, parse_json, read_text
-from lightning_pipe.pipedream_graph import parse_pipedream_graph
+from lightning_pipe.util.files import json_kind, parse_json, read_text
 
 __all__ = ["FORMAT", "load_profile", "profile_from_dict", "profile_to_dict", "save_profile"]
 

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_pipe.costs import ChainCosts, LayerCost
+from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
 
 __all__ = ["parse_pipedream_graph"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_pipe.errors import PlanningError, check_whole
-from lightning_pipe.files import json_kind, read_json
+from lightning_pipe.util.files import json_kind, read_json
 
 __all__ = ["PlanFile", "load_plan"]
 

@@ -1,7 +1,7 @@
 """An image classifier of the shape :class:`lightning_pipe.PipelineStrategy` takes unchanged.
 
 :class:`ImageClassifier` keeps its network in one ``nn.Sequential`` attribute, ``self.net``, made by
-:func:`lightning_pipe.models.build_chain` (the MLP for the 8x8 digits, or a torchvision VGG or ResNet),
+:func:`lightning_pipe.zoo.models.build_chain` (the MLP for the 8x8 digits, or a torchvision VGG or ResNet),
 and ``forward`` calls it: the strategy's model contract (:mod:`lightning_pipe.strategy.contract`).
 Every step is ordinary Lightning code; accuracies are computed with tensors (no torchmetrics), as
 per-sample means, so the strategy's mean over micro-batches weighted by rows is exact.
@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn import functional
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.models import build_chain
+from lightning_pipe.zoo.models import build_chain
 
 __all__ = ["OPTIMIZERS", "ImageClassifier"]
 
@@ -37,7 +37,7 @@ class ImageClassifier(L.LightningModule):
     """Cross-entropy classification with a chain of layers in ``self.net``.
 
     Args:
-        model: ``"mlp"`` or a torchvision name of :data:`lightning_pipe.models.MODEL_NAMES`.
+        model: ``"mlp"`` or a torchvision name of :data:`lightning_pipe.zoo.models.MODEL_NAMES`.
         num_classes: number of classes (logits).
         input_shape: the shape of one sample, e.g. ``(3, 32, 32)`` or ``(1, 8, 8)`` for the digits.
         cifar: the 32x32 variant of a torchvision model; ``None`` chooses it for images of 32x32 or smaller.

@@ -1,0 +1,14 @@
+"""What a model costs, layer by layer: the planner's input.
+
+The profiler measures each captured layer on the device (:mod:`.profiler`, the bytes autograd keeps
+for the backward from :mod:`.saved_bytes`) into cost records (:mod:`.records`), which profile files
+save and load (:mod:`.profile_file`, PipeDream's ``graph.txt`` through :mod:`.pipedream_graph`). The
+memory model of a stage under a schedule (:mod:`.memory`) and the network between devices
+(:mod:`.network`) complete what a partitioner weighs.
+"""
+
+from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.records import ChainCosts, LayerCost
+
+__all__ = ["ChainCosts", "LayerCost", "MemoryModel", "Network"]
