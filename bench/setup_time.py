@@ -52,12 +52,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.schedule import memory_schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.planning import (
     SETUP_PHASES,
     PlanOptions,
-    memory_schedule,
     optimizer_copies,
     plan_stages,
     predict,

@@ -23,6 +23,7 @@ __all__ = [
     "COMPUTE",
     "FAMILIES",
     "FAMILY_RULES",
+    "MEMORY_SCHEDULES",
     "NON_FLUSHING_FAMILIES",
     "RULES",
     "SLACK_FAMILIES",
@@ -34,6 +35,7 @@ __all__ = [
     "assign_versions",
     "build_schedule",
     "make_schedule",
+    "memory_schedule",
     "simulate",
     "validate",
 ]
@@ -58,12 +60,20 @@ FAMILIES: dict[str, str] = {
 }
 SLACK_FAMILIES: tuple[str, ...] = ("1f1b", "pipedream", "2bw")
 NON_FLUSHING_FAMILIES: tuple[str, ...] = ("pipedream", "2bw", "cdp")  # steps overlap: updates are delayed
+MEMORY_SCHEDULES: dict[str, str] = {"gpipe": "gpipe", "pipedream": "pipedream", "2bw": "2bw", "cdp": "2bw"}
+"""The memory model (:data:`lightning_pipe.cost.memory.SCHEDULES`) of a family that keeps other than
+1F1B's activations in flight and one weight version; every other family is modelled as ``1f1b``."""
 FAMILY_RULES: dict[str, tuple[str, ...]] = {
     "pipedream": ("stash", "vertical"),
     "2bw": ("2bw", "stash"),
     "cdp": ("cdp_v2", "cdp_v1"),
 }
 """The update rules a family runs (its default first); every other family runs ``sync``."""
+
+
+def memory_schedule(family: str) -> str:
+    """The memory model's schedule closest to ``family`` (activations in flight, weight versions)."""
+    return MEMORY_SCHEDULES.get(family, "1f1b")
 
 
 def rules_of(family: str) -> tuple[str, ...]:

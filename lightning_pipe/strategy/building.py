@@ -25,7 +25,7 @@ from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.ring_sizes import shared_memory_capacity
-from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
+from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, memory_schedule
 from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.compiling import StageCompilation
@@ -40,7 +40,6 @@ from lightning_pipe.strategy.planning import (
     SETUP_PHASES,
     PlanOptions,
     StagePlan,
-    memory_schedule,
     optimizer_copies,
     plan_stages,
     predict,

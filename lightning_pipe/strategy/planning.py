@@ -44,7 +44,6 @@ __all__ = [
     "SETUP_PHASES",
     "PlanOptions",
     "StagePlan",
-    "memory_schedule",
     "optimizer_copies",
     "plan_stages",
     "predict",
@@ -56,7 +55,6 @@ __all__ = [
 
 DEFAULT_TOLERANCE = 0.02
 """Near-ties of measured splits (``PlanOptions.tolerance``): within 2% of the fastest split."""
-_MEMORY_SCHEDULE = {"gpipe": "gpipe", "pipedream": "pipedream", "2bw": "2bw", "cdp": "2bw"}
 SETUP_PHASES = ("capture", "verify", "profile", "plan")
 """The phases of a pipeline's set-up timed apart (``PipelineStrategy.setup_seconds``, ``bench/setup_time.py``)."""
 
@@ -176,11 +174,6 @@ def _check_counts(name: str, value: object, unit: str) -> None:
         raise PlanningError(f"{name} must list the {unit} of each stage, e.g. [3, 2], or be None; got {value!r}")
     for count in value:
         check_whole(f"every {name} entry", count, 1, unit)
-
-
-def memory_schedule(family: str) -> str:
-    """The memory model's schedule closest to ``family`` (activations in flight, weight versions)."""
-    return _MEMORY_SCHEDULE.get(family, "1f1b")
 
 
 def optimizer_copies(optimizer: torch.optim.Optimizer | None) -> int:
