@@ -20,7 +20,7 @@ from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.capture.generation_cache import CACHE_OFF, generation_cache_off
 from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.cost.memory import MemoryModel
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PipelineRuntimeError, PlanningError
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
@@ -413,7 +413,7 @@ class PipelineBuilding:
             result = module.training_step(batch, *extra)
         loss = result.get("loss") if isinstance(result, dict) else result
         if not isinstance(loss, Tensor):
-            raise PlanningError(
+            raise PipelineRuntimeError(
                 "training_step must return the loss (a tensor, or a dict with 'loss') for every micro-batch; "
                 f"got {type(result).__name__}"
             )
@@ -438,6 +438,8 @@ def _first_microbatch(call: Call, microbatches: int) -> Call:
         raise PlanningError(
             "forward was called without any tensor: a pipeline cuts forward's tensors into micro-batches"
         )
+    if not any(t.dim() for t in found):  # set-up: refused as planning, not as a running step's batch
+        raise PlanningError("a mini-batch must hold a tensor with a batch dimension to split into micro-batches")
     parts = min(microbatches, rows_of(tuple(found)))  # an evaluation batch may be smaller
     args, kwargs = unflatten(skeleton, list(split_batch(tuple(found), parts)[0]))
     return Call(tuple(args), dict(kwargs))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 
-from lightning_pipe.errors import CheckpointError, PlanningError
+from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
 from lightning_pipe.strategy.atomic import remove, sweep, write_file
 from lightning_pipe.strategy.checkpoint_files import check_same_model, load_checkpoint
 from lightning_pipe.strategy.saving import SaveRanks, save_together
@@ -163,7 +163,7 @@ class CheckpointHooks:
         waits for the stage optimizers, and the plan and carried state for the first batch."""
         (state,) = checkpoint["optimizer_states"]
         if self.executor is not None:
-            raise PlanningError("a checkpoint can only be restored before the pipeline's first batch")
+            raise PipelineRuntimeError("a checkpoint can only be restored before the pipeline's first batch")
         template = self.optimizers[0]
         groups = state["param_groups"]
         saved_sizes = [len(group["params"]) for group in groups]
@@ -215,7 +215,9 @@ class CheckpointHooks:
         path = str(filepath)
         if not _is_local_file_protocol(path):
             if self.state_dict_type == "sharded":
-                raise PlanningError(f"state_dict_type='sharded' writes to a local or mounted filesystem, not {path}")
+                raise PipelineRuntimeError(
+                    f"state_dict_type='sharded' writes to a local or mounted filesystem, not {path}"
+                )
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         if self.state_dict_type == "full":
