@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pipe.capture import pipe_split
 from lightning_pipe.cost.records import ChainCosts, LayerCost
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PipelineRuntimeError, PlanningError
 from lightning_pipe.moved import install as _install_moved_paths
 from lightning_pipe.strategy import PipelineStrategy
 from lightning_pipe.strategy.sharded import consolidate
@@ -25,5 +25,13 @@ if importlib.util.find_spec("pytorch_lightning") is not None:
 
     _Standalone.register_strategies(_StandaloneRegistry)
 
-__all__ = ["ChainCosts", "LayerCost", "PipelineStrategy", "PlanningError", "consolidate", "pipe_split"]
+__all__ = [
+    "ChainCosts",
+    "LayerCost",
+    "PipelineRuntimeError",
+    "PipelineStrategy",
+    "PlanningError",
+    "consolidate",
+    "pipe_split",
+]
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from lightning_pipe.cost.network import Network
 from lightning_pipe.cost.profile_file import load_profile, save_profile
 from lightning_pipe.cost.profiler import given_names
 from lightning_pipe.cost.records import ChainCosts
-from lightning_pipe.errors import CheckpointError, PlanningError
+from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
 from lightning_pipe.partition import PARTITIONERS, PlanRequest, partition
 from lightning_pipe.partition.plan_file import load_plan
 from lightning_pipe.schedule.cyclic import FORMS
@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (PlanningError, CheckpointError) as error:
+    except (PlanningError, PipelineRuntimeError, CheckpointError) as error:
         print(f"lightning-pipe {args.command}: error: {error}", file=sys.stderr)
         return 2
 

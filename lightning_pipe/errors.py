@@ -1,4 +1,21 @@
-"""Errors that tell the user what is wrong and what would work."""
+"""Errors that tell the user what is wrong and what would work, typed by the phase that raises them.
+
+- :class:`PlanningError` (a ``ValueError``): set-up. The request cannot be met or is malformed, and
+  nothing of the run has happened with it: the strategy's or the schedule's options, a model the
+  pipeline cannot capture or split, a plan or memory limit that does not fit the model, a checkpoint
+  resumed on a split it cannot take. Change the request and start again.
+- :class:`PipelineRuntimeError` (a ``RuntimeError``): running. The pipeline is built and met, in a
+  training or evaluation step, something it cannot go on with: step code that breaks the model
+  contract (no loss returned, ``forward`` not called or called with two different inputs, an
+  attribute the captured graph holds changed, a value it cannot log), a batch it cannot cut into
+  micro-batches, messages between stages that do not match, a call made out of order (a checkpoint
+  restored or written while steps are in flight).
+- :class:`CheckpointError` and its kinds: a checkpoint that cannot be read as asked, or a save that
+  failed (:class:`CheckpointSaveError`, an ``OSError``).
+
+The user's own exceptions, raised in their step or their modules, are never turned into these: they
+reach the caller with their own type (on every rank, see :mod:`lightning_pipe.runtime.failure`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +25,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSaveError",
     "IncompleteCheckpoint",
+    "PipelineRuntimeError",
     "PlanningError",
     "check_flag",
     "check_positive",
@@ -18,7 +36,20 @@ __all__ = [
 class PlanningError(ValueError):
     """A planning request that cannot be satisfied or is malformed.
 
-    The message always says what is wrong and, where one exists, what would work instead.
+    Raised by the planning tools (partitioners, schedules, cost models) and while the pipeline is
+    set up, before it runs a step with the request (see the module
+    docstring; once it runs, :class:`PipelineRuntimeError`). The message always says what is wrong
+    and, where one exists, what would work instead.
+    """
+
+
+class PipelineRuntimeError(RuntimeError):
+    """What the pipeline, once running, cannot go on with: step code that breaks the model contract,
+    a batch it cannot cut, messages between stages that do not match, a call made out of order.
+
+    Unlike :class:`PlanningError` (set-up, a ``ValueError``: the options, the model's split, the plan)
+    it is raised in a training or evaluation step, the executor's action loop or a save or restore
+    while the pipeline runs. The message says what happened and what would work instead.
     """
 
 

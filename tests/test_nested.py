@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PipelineRuntimeError
 from lightning_pipe.runtime.batches import split_batch
 from lightning_pipe.util.nested import flatten, map_tensors, nbytes, tensors, unflatten
 
@@ -68,7 +68,7 @@ def test_shortcuts_and_split_agree_with_the_general_path(batch: object, parts: i
     assert _same(map_tensors(lambda t: t + 1, batch), unflatten(skeleton, [t + 1 for t in found]))
     rows = found[0].shape[0]
     if rows < parts:
-        with pytest.raises(PlanningError, match=f"a mini-batch of {rows} samples cannot be split into {parts}"):
+        with pytest.raises(PipelineRuntimeError, match=f"a mini-batch of {rows} samples cannot be split into {parts}"):
             split_batch(batch, parts)
         return
     pieces = split_batch(batch, parts)
@@ -81,9 +81,9 @@ def test_shortcuts_and_split_agree_with_the_general_path(batch: object, parts: i
 
 
 def test_a_batch_without_tensors_cannot_be_split() -> None:
-    with pytest.raises(PlanningError, match="a mini-batch must hold a tensor with a batch dimension"):
+    with pytest.raises(PipelineRuntimeError, match="a mini-batch must hold a tensor with a batch dimension"):
         split_batch({"labels": [1, 2, 3]}, 2)
-    with pytest.raises(PlanningError, match="a mini-batch must hold a tensor with a batch dimension"):
+    with pytest.raises(PipelineRuntimeError, match="a mini-batch must hold a tensor with a batch dimension"):
         split_batch((torch.tensor(1.0),), 2)
 
 
@@ -96,7 +96,7 @@ def test_tensors_without_the_batch_rows_go_to_every_part(rows: int, other: int, 
     x, mask, scale = torch.randn(rows, 3), torch.randn(other, other), torch.tensor(2.0)
     batch = (scale, x, mask) if scalar_first else (x, mask, scale)
     if rows < parts:
-        with pytest.raises(PlanningError, match=f"a mini-batch of {rows} samples cannot be split"):
+        with pytest.raises(PipelineRuntimeError, match=f"a mini-batch of {rows} samples cannot be split"):
             split_batch(batch, parts)
         return
     pieces = split_batch(batch, parts)

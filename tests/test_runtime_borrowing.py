@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PipelineRuntimeError, PlanningError
 from lightning_pipe.runtime.borrowing import (
     Lending,
     check_borrowing,
@@ -87,7 +87,7 @@ def test_a_borrower_computes_with_the_lenders_weights_and_buffers() -> None:
     assert borrower.version == 3
     for got, want in zip(borrower.module.state_dict().values(), lender.module.state_dict().values(), strict=True):
         assert torch.equal(got, want)
-    with pytest.raises(PlanningError, match="every worker must build the same stage modules"):
+    with pytest.raises(PipelineRuntimeError, match="every worker must build the same stage modules"):
         load_weights(StageWeights(nn.Linear(3, 4), OPTIMIZERS["sgd"], snapshots=False), weights_message(lender), 0)
 
 

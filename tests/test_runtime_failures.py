@@ -160,6 +160,6 @@ def test_a_bad_call_on_one_rank_stops_the_others() -> None:
     with pytest.raises(LocalRunError) as caught:
         run_local(_forget_inputs, 2, timeout=90)
     assert "rank 0 runs the first stage: step() needs the inputs" in caught.value.errors[0]
-    assert caught.value.errors[1].startswith("PlanningError: rank 0 runs the first stage")
+    assert caught.value.errors[1].startswith("PipelineRuntimeError: rank 0 runs the first stage")
     assert "raised on rank 0; rank 1 stopped because of it" in caught.value.errors[1]
     assert _after(caught.value.errors[1]) < SURVIVOR_TIMEOUT

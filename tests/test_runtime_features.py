@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.cost.saved_bytes import saved_bytes
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PipelineRuntimeError, PlanningError
 from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead
 from lightning_pipe.runtime.forward_backward import _sent_forward
 from lightning_pipe.runtime.launch import LocalRunError, run_local
@@ -370,7 +370,7 @@ def _mid_stream_worker(rank: int) -> str:
     )
     for inputs, targets in batches(2):
         executor.step(inputs, targets)
-    with pytest.raises(PlanningError, match="drain") as refused:
+    with pytest.raises(PipelineRuntimeError, match="drain") as refused:
         executor.state_dict()
     executor.drain()
     assert executor.state_dict()["calls"] == 0

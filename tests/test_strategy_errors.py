@@ -21,10 +21,11 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from lightning_pipe import PipelineStrategy, PlanningError
+from lightning_pipe import PipelineRuntimeError, PipelineStrategy, PlanningError
 from lightning_pipe.runtime import LocalRunError, run_local
 from lightning_pipe.strategy.arguments import check_port
-from lightning_pipe.strategy.contract import Call, pipeline_model
+from lightning_pipe.strategy.contract import Call, Entry, pipeline_model
+from lightning_pipe.strategy.logs import _number, _reduction
 from tests.lightning_cases import ROWS, Chain, dataset, loader, trainer
 
 
@@ -66,6 +67,44 @@ def test_model_contract_refusals() -> None:
         r"submodule of its own.*pipe_split.*configure_pipeline",
     ):
         pipeline_model(_Branching(), Call((x,)), stages=2)
+
+
+class _Mine(Exception):
+    """An exception of the user's own, raised in their step."""
+
+
+def test_step_contract_breaches_are_runtime_errors() -> None:
+    """What a running step does against the model contract is a PipelineRuntimeError, not a
+    PlanningError (the set-up went through): forward never called, called twice with different
+    inputs, with other non-tensor arguments than it was captured with, a value or reduction that
+    cannot be logged. The user's own exception in the step reaches the caller as itself."""
+    x = torch.randn(4, 6)
+    module = Chain()
+    entry = Entry(module)
+    with pytest.raises(PipelineRuntimeError, match=r"^_skip never called forward: the pipeline splits"):
+        entry.capture(_skip)
+    with entry.inject(torch.zeros(4, 3)):
+        module(x)
+        module(x.clone())  # the same values: the same output
+        with pytest.raises(PipelineRuntimeError, match=r"^the step called forward with two different inputs"):
+            module(x + 1)
+    captured = pipeline_model(module, Call((x,)), stages=2)
+    with pytest.raises(PipelineRuntimeError, match=r"^forward was called with other non-tensor arguments"):
+        captured.inputs(Call((x,), {"scale": 2}))
+    with pytest.raises(PipelineRuntimeError, match=r"^self.log\('bad', list\)"):
+        _number("bad", [1.0])
+    with pytest.raises(PipelineRuntimeError, match=r"^self.log\('bad', reduce_fx='median'\)"):
+        _reduction("bad", "median")
+
+    def fails() -> None:
+        raise _Mine("the user's own")
+
+    with pytest.raises(_Mine, match="the user's own"):
+        entry.capture(fails)
+
+
+def _skip() -> None:
+    """A step that never calls forward."""
 
 
 CONSTRUCTOR_REFUSALS = [
@@ -265,6 +304,13 @@ ONE_PROCESS = {
         r"^RuntimeError: StopIteration raised inside training_step on rank 0 .*end the epoch there without a word",
     ),
 }
+_RAISED = {  # each refusal's type: set-up (planning) or raised by a running step
+    **dict.fromkeys(
+        ["manual", "accumulate_delayed", "clipping", "precision", "float16_delayed", "split", "last_batch"],
+        "PlanningError",
+    ),
+    **dict.fromkeys(["accumulate_scheduled_delayed", "log", "none", "skips"], "PipelineRuntimeError"),
+}
 _DATA = {  # the cases' training data when not loader(3)'s 30 rows in batches of 10
     "last_batch": lambda: DataLoader(Subset(dataset(3), range(23)), batch_size=ROWS),
     "last_batch_dropped": lambda: DataLoader(Subset(dataset(3), range(23)), batch_size=ROWS, drop_last=True),
@@ -291,6 +337,8 @@ def test_setup_refusals(tmp_path: Path) -> None:
     (messages,) = run_local(_refusal_worker, 1, str(tmp_path), ONE_PROCESS, timeout=200)
     for name, (*_, pattern) in ONE_PROCESS.items():
         assert re.search(pattern, messages[name]), (name, messages[name])
+        if name in _RAISED:
+            assert messages[name].startswith(f"{_RAISED[name]}: "), (name, messages[name])
 
 
 def _plan_refusal_worker(rank: int, root: str, strategy_options: dict, model: type) -> str:

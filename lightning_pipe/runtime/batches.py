@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PipelineRuntimeError
 from lightning_pipe.runtime.activation_memory import ActivationMemory
 from lightning_pipe.util.nested import flatten, map_tensors, tensors, unflatten
 
@@ -27,7 +27,7 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     skeleton, found = (None, [batch]) if isinstance(batch, torch.Tensor) else flatten(batch)  # a tensor: no skeleton
     size = _rows(found)
     if size < parts:
-        raise PlanningError(f"a mini-batch of {size} samples cannot be split into {parts} micro-batches")
+        raise PipelineRuntimeError(f"a mini-batch of {size} samples cannot be split into {parts} micro-batches")
     chunks = [torch.tensor_split(t, parts) if t.dim() and t.shape[0] == size else (t,) * parts for t in found]
     if skeleton is None:
         return list(chunks[0])
@@ -42,7 +42,7 @@ def rows_of(batch: Any) -> int:
 def _rows(found: list[torch.Tensor]) -> int:
     first = next((t for t in found if t.dim()), None)
     if first is None:
-        raise PlanningError("a mini-batch must hold a tensor with a batch dimension to split into micro-batches")
+        raise PipelineRuntimeError("a mini-batch must hold a tensor with a batch dimension to split into micro-batches")
     return first.shape[0]
 
 
@@ -84,12 +84,12 @@ class MiniBatches:
         m = self.microbatches
         if self.needs_inputs:
             if inputs is None:
-                raise PlanningError(f"rank {self.worker} runs the first stage: step() needs the inputs")
+                raise PipelineRuntimeError(f"rank {self.worker} runs the first stage: step() needs the inputs")
             self.inputs[step] = split_batch(map_tensors(self._to_device, inputs), m)
             self.memory.keep_data(step, self.inputs[step])
         if self.needs_targets:
             if targets is None:
-                raise PlanningError(f"rank {self.worker} runs the last stage: step() needs the targets")
+                raise PipelineRuntimeError(f"rank {self.worker} runs the last stage: step() needs the targets")
             self.targets[step] = split_batch(map_tensors(self._to_device, targets), m)
             self.rows[step] = rows_of(targets)
             self._targets_left[step] = m

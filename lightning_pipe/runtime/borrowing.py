@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PipelineRuntimeError, PlanningError
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
@@ -102,7 +102,7 @@ def load_weights(weights: StageWeights, message: list[torch.Tensor], version: in
     of the stage, in place."""
     targets = [*weights.params, *weights.module.buffers()]
     if len(targets) != len(message):
-        raise PlanningError(
+        raise PipelineRuntimeError(
             f"a lent stage has {len(message)} parameters and buffers, the borrower's copy {len(targets)}: every "
             "worker must build the same stage modules"
         )

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.errors import PlanningError, check_whole
+from lightning_pipe.errors import PipelineRuntimeError, PlanningError, check_whole
 from lightning_pipe.runtime.activation_memory import ActivationMemory
 from lightning_pipe.runtime.batch_norm import DeferredNorms
 from lightning_pipe.runtime.batches import MiniBatches, split_batch
@@ -318,7 +318,7 @@ class PipelineExecutor:
         """
         check_whole("accumulation", accumulation, 1, "steps")
         if (accumulation != 1 or not update) and not self.schedule.flush:
-            raise PlanningError(
+            raise PipelineRuntimeError(
                 f"gradient accumulation over calls (update={update}, accumulation={accumulation}) needs a flushing "
                 f"schedule: {self.schedule.family} applies each step's gradient while later steps are in flight, so "
                 "no call can end without its updates; accumulate over micro-batches instead (more per step)"
@@ -378,7 +378,7 @@ class PipelineExecutor:
         micro-batch ``i``'s output, in order. A replicated stage runs on its first worker. Every worker
         must call it with the same ``microbatches``, after a :meth:`drain` (no step in flight)."""
         if self.calls:
-            raise PlanningError("evaluate() runs on drained weights: call drain() first, on every worker")
+            raise PipelineRuntimeError("evaluate() runs on drained weights: call drain() first, on every worker")
         check_whole("microbatches", microbatches, 1)
         last = self.schedule.stages - 1
         worker = [owners[0] for owners in self.schedule.owners]
@@ -452,7 +452,7 @@ class PipelineExecutor:
         of the micro-batches still in the pipeline cannot be saved, so a restored run could not finish
         them."""
         if self.calls and not self.schedule.flush:
-            raise PlanningError(
+            raise PipelineRuntimeError(
                 f"state_dict() with {self.schedule.family} steps in flight: the micro-batches still in the "
                 "pipeline hold activations a checkpoint cannot keep; call drain() first, on every worker "
                 "(the Lightning strategy drains before it saves)"

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PipelineRuntimeError
 from lightning_pipe.runtime.activation_memory import ActivationMemory
 from lightning_pipe.runtime.batch_norm import running_forward
 from lightning_pipe.runtime.batches import MiniBatches, rows_of
@@ -253,7 +253,7 @@ class ForwardBackward:
         outputs = tensors(state.outputs)
         if [(o.shape, o.dtype) for o in outputs] != [(g.shape, g.dtype) for g in grads]:
             producer = self.router.backward_worker(s + 1, mb, t)
-            raise PlanningError(
+            raise PipelineRuntimeError(
                 f"stage {s + 1} (rank {producer}) sent gradients {[(tuple(g.shape), g.dtype) for g in grads]} for "
                 f"stage {s}'s outputs {[(tuple(o.shape), o.dtype) for o in outputs]} (rank {self.worker})"
             )

@@ -20,7 +20,7 @@ from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.capture.generation_cache import CACHE_OFF, generation_cache_off
 from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.cost.memory import MemoryModel
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
@@ -230,16 +230,16 @@ class PipelineBuilding:
     def _plan_options(self, layers: int) -> PlanOptions:
         """The plan options; when resuming a pipeline checkpoint of as many stages and layers (and no
         split was given), its split, so that a resume never depends on profiling again."""
-        saved = (self._saved or {}).get("plan")
+        saved = self._saved.plan if self._saved is not None else None
         options = self.plan_options
         given = options.balance is not None or options.plan is not None or options.profile is not None
         if saved is None or given or not self.keep_plan:
             return options
-        replicas = saved["replicas"]
-        if len(saved["bounds"]) != self.stages or saved["layers"] != layers or (replicas and not self._replicated):
+        replicas = None if saved.replicas is None else list(saved.replicas)
+        if len(saved.bounds) != self.stages or saved.layers != layers or (replicas and not self._replicated):
             return options
-        rank_zero_info(f"Reusing the checkpoint's split of the {layers} layers: {saved['bounds']}")
-        balance = [last - first + 1 for first, last in saved["bounds"]]
+        rank_zero_info(f"Reusing the checkpoint's split of the {layers} layers: {saved.listed_bounds()}")
+        balance = [last - first + 1 for first, last in saved.bounds]
         return dataclasses.replace(options, balance=balance, stage_replicas=replicas)
 
     def _restore_carried(self) -> None:
@@ -251,28 +251,25 @@ class PipelineBuilding:
         if saved is None or self.executor is None:
             return
         assert self.stage_plan is not None
-        same = saved["plan"]["bounds"] == [list(b) for b in self.stage_plan.bounds] and (
-            saved["schedule"] == self.schedule_options.family
-        )
-        if same:
-            found = read_entries(saved["carried"], [str(s) for s in self.executor.weights])
-            stages = {
-                s: {"version": e["version"], "versions": e.get("versions", {}), "gradients": e.get("gradients", {})}
-                for s, e in ((int(key), entry) for key, entry in found.items())
-            }
-        else:
-            summary: dict[int, dict[str, Any]] = saved["stages"]
-            versions = {entry["version"] for entry in summary.values()}
-            if len(versions) > 1 or any(entry["in_flight"] for entry in summary.values()):
-                raise PlanningError(
-                    f"the checkpoint holds {saved['schedule']} weight versions or gradients still to apply for its "
-                    f"split {saved['plan']['bounds']}, which this run ({self.schedule_options.family}, "
-                    f"{[list(b) for b in self.stage_plan.bounds]}) cannot take: resume with schedule="
-                    f"{saved['schedule']!r} and the checkpoint's split (keep_plan=True, the default, reuses it)"
+        if saved.same_split(self.stage_plan.bounds, self.schedule_options.family):
+            if saved.carried is None:  # only a sharded checkpoint's meta.pt read without its rank files
+                raise CheckpointError(
+                    "the checkpoint's pipeline entry holds no carried state: a sharded checkpoint's is in its rank "
+                    "files; resume from the checkpoint's directory"
                 )
-            (version,) = versions
+            found = read_entries(saved.carried, [str(s) for s in self.executor.weights])
+            stages = saved.stage_states(found)
+        else:
+            version = saved.settled_version()
+            if version is None:
+                raise PlanningError(
+                    f"the checkpoint holds {saved.schedule} weight versions or gradients still to apply for its "
+                    f"split {saved.plan.listed_bounds()}, which this run ({self.schedule_options.family}, "
+                    f"{[list(b) for b in self.stage_plan.bounds]}) cannot take: resume with schedule="
+                    f"{saved.schedule!r} and the checkpoint's split (keep_plan=True, the default, reuses it)"
+                )
             stages = {s: {"version": version, "versions": {}, "gradients": {}} for s in self.executor.weights}
-        self.executor.load_state_dict({"calls": saved["calls"], "origin": saved["origin"], "stages": stages})
+        self.executor.load_state_dict({"calls": saved.calls, "origin": saved.origin, "stages": stages})
 
     def _capture(self, module: LightningModule, first: Call) -> PipelineModel:
         """The layers of ``module``, captured on every rank from the same micro-batch (each rank's
@@ -412,7 +409,7 @@ class PipelineBuilding:
             result = module.training_step(batch, *extra)
         loss = result.get("loss") if isinstance(result, dict) else result
         if not isinstance(loss, Tensor):
-            raise PlanningError(
+            raise PipelineRuntimeError(
                 "training_step must return the loss (a tensor, or a dict with 'loss') for every micro-batch; "
                 f"got {type(result).__name__}"
             )
@@ -437,6 +434,8 @@ def _first_microbatch(call: Call, microbatches: int) -> Call:
         raise PlanningError(
             "forward was called without any tensor: a pipeline cuts forward's tensors into micro-batches"
         )
+    if not any(t.dim() for t in found):  # set-up: refused as planning, not as a running step's batch
+        raise PlanningError("a mini-batch must hold a tensor with a batch dimension to split into micro-batches")
     parts = min(microbatches, rows_of(tuple(found)))  # an evaluation batch may be smaller
     args, kwargs = unflatten(skeleton, list(split_batch(tuple(found), parts)[0]))
     return Call(tuple(args), dict(kwargs))

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 
-from lightning_pipe.errors import CheckpointError, PlanningError
+from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
 from lightning_pipe.strategy.atomic import remove, sweep, write_file
 from lightning_pipe.strategy.checkpoint_files import check_same_model, load_checkpoint
+from lightning_pipe.strategy.pipeline_state import PipelineState, SavedPlan, StageSummary
 from lightning_pipe.strategy.saving import SaveRanks, save_together
 from lightning_pipe.strategy.sharded import read_entries, save_sharded
 from lightning_pipe.util.nested import to_cpu
@@ -81,19 +82,18 @@ class CheckpointHooks:
         self.lightning_module.load_state_dict(read_entries(state, real), strict=False)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The user's optimizer's state by parameter, with ``["pipeline"]``: the plan and each stage's
-        carried state (step count, weight versions). ``full``: on global rank 0, in Lightning's
-        layout, every parameter's state gathered by name from the stage optimizers (a collective), so
-        that any run resumes it: plain Lightning, DDP, or a pipeline on another split; ``{}`` on the
-        other ranks. ``sharded``: this rank's parameters' states and carried state, by name."""
+        """The user's optimizer's state by parameter, with the pipeline's entry (``["pipeline"]``,
+        :class:`~.pipeline_state.PipelineState`): the plan and each stage's carried state (step count,
+        weight versions). ``full``: on global rank 0, in Lightning's layout, every parameter's state
+        gathered by name from the stage optimizers (a collective), so that any run resumes it: plain
+        Lightning, DDP, or a pipeline on another split; ``{}`` on the other ranks. ``sharded``: this
+        rank's parameters' states and carried state, by name."""
         sharded = self.state_dict_type == "sharded"
         first = self.pipeline_index == 0
         states = self._parameter_states() if first else {}
         carried = self._carried_state() if first else {}
         stages: dict[int, Any] = carried.get("stages", {})
-        summary = {
-            s: {"version": e["version"], "in_flight": bool(e["versions"] or e["gradients"])} for s, e in stages.items()
-        }
+        summary = {s: StageSummary.of(e) for s, e in stages.items()}
         part = {"states": states, "carried": stages} if not sharded else {"states": {}, "carried": {}}
         parts = self._gather_to_zero({**part, "summary": summary})
         if sharded:
@@ -107,18 +107,14 @@ class CheckpointHooks:
             stages = {stage: entry for part in parts for stage, entry in part["carried"].items()}
         if stages:
             assert self.stage_plan is not None
-            state["pipeline"] = {
-                "plan": {
-                    "bounds": [list(b) for b in self.stage_plan.bounds],
-                    "replicas": None if self.stage_plan.replicas is None else list(self.stage_plan.replicas),
-                    "layers": self.stage_plan.bounds[-1][1] + 1,
-                },
-                "schedule": self.schedule_options.family,
-                "calls": carried["calls"],
-                "origin": carried["origin"],
-                "stages": {s: e for part in parts or [] for s, e in part["summary"].items()},
-                "carried": {str(stage): entry for stage, entry in stages.items()},
-            }
+            PipelineState(
+                plan=SavedPlan.of(self.stage_plan),
+                schedule=self.schedule_options.family,
+                calls=carried["calls"],
+                origin=carried["origin"],
+                stages={s: e for part in parts or [] for s, e in part["summary"].items()},
+                carried={str(stage): entry for stage, entry in stages.items()},
+            ).write(state)
         return state
 
     def _named_groups(self, optimizer: Any) -> list[dict[str, Any]]:
@@ -163,7 +159,7 @@ class CheckpointHooks:
         waits for the stage optimizers, and the plan and carried state for the first batch."""
         (state,) = checkpoint["optimizer_states"]
         if self.executor is not None:
-            raise PlanningError("a checkpoint can only be restored before the pipeline's first batch")
+            raise PipelineRuntimeError("a checkpoint can only be restored before the pipeline's first batch")
         template = self.optimizers[0]
         groups = state["param_groups"]
         saved_sizes = [len(group["params"]) for group in groups]
@@ -186,7 +182,7 @@ class CheckpointHooks:
         template.load_state_dict(
             {"state": {}, "param_groups": [{**g, "params": p} for g, p in zip(groups, positions, strict=True)]}
         )
-        self._saved = state.get("pipeline")
+        self._saved = PipelineState.read(state, getattr(self, "_checkpoint_path", None) or "the checkpoint")
 
     def _restore_optimizer_states(self) -> None:
         """Each stage optimizer takes its parameters' states from the resumed checkpoint, by name."""
@@ -215,7 +211,9 @@ class CheckpointHooks:
         path = str(filepath)
         if not _is_local_file_protocol(path):
             if self.state_dict_type == "sharded":
-                raise PlanningError(f"state_dict_type='sharded' writes to a local or mounted filesystem, not {path}")
+                raise PipelineRuntimeError(
+                    f"state_dict_type='sharded' writes to a local or mounted filesystem, not {path}"
+                )
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         if self.state_dict_type == "full":
@@ -227,8 +225,10 @@ class CheckpointHooks:
         if checkpoint.get("optimizer_states"):
             (state,) = checkpoint["optimizer_states"]
             trees["optimizer"] = state.pop("state")
-            if "pipeline" in state:
-                trees["carried"] = state["pipeline"].pop("carried")
+            pipeline = PipelineState.read(state, path)
+            if pipeline is not None:  # its carried state goes into the rank files, the rest into meta.pt
+                trees["carried"] = pipeline.carried
+                pipeline.with_carried(None).write(state)
 
         def write(directory: Path | None, save: str) -> None:
             assert directory is not None

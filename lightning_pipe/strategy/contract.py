@@ -28,7 +28,7 @@ from torch import nn
 
 from lightning_pipe.capture import CapturedForward, GraphLayer, capture
 from lightning_pipe.capture.compiled import uncompiled
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PipelineRuntimeError, PlanningError
 from lightning_pipe.util.nested import flatten, tensors
 
 __all__ = ["HOOK", "Call", "Entry", "PipelineModel", "pipeline_model"]
@@ -91,7 +91,7 @@ class Entry:
         except _Captured as captured:
             return captured.call
         name = getattr(step, "__name__", "the step")
-        raise PlanningError(
+        raise PipelineRuntimeError(
             f"{name} never called forward: the pipeline splits the module's forward, so {name} must call it "
             f"(`self(x)` or `self.forward(x)`; code that calls submodules directly, e.g. `self.encoder(x)`, cannot "
             f"be pipelined), or define {HOOK}(self) returning the layers to chain"
@@ -108,7 +108,7 @@ class Entry:
             if not seen:
                 seen.append(call)
             elif not seen[0].same(call):
-                raise PlanningError(
+                raise PipelineRuntimeError(
                     "the step called forward with two different inputs: a pipeline runs each micro-batch through "
                     "the layers once per step"
                 )
@@ -138,7 +138,7 @@ class PipelineModel:
             return _single_input(call)
         skeleton, found = flatten((call.args, call.kwargs))
         if skeleton != self.captured.graph.skeleton:
-            raise PlanningError(
+            raise PipelineRuntimeError(
                 "forward was called with other non-tensor arguments than it was captured with (the graph holds "
                 "them as constants): call it with the same arguments in every step, passing changing values as "
                 "tensors"
@@ -154,7 +154,7 @@ class PipelineModel:
             entry = changed[0]
             now = vars(entry.module).get(entry.name)
             where = f"{entry.path}.{entry.name}" if entry.path else entry.name
-            raise PlanningError(
+            raise PipelineRuntimeError(
                 f"{where} changed from {entry.value!r} to {now!r} since the pipeline captured forward, which "
                 f"holds its value as a constant (read at {entry.line}): the layers would go on with "
                 f"{entry.value!r}. A float that forward computes with is read when the layers run; one it takes a "

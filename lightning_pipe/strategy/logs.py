@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
-from lightning_pipe.errors import PlanningError
+from lightning_pipe.errors import PipelineRuntimeError
 from lightning_pipe.strategy.effects import Effects, metric_modules, recording_effects
 
 __all__ = ["Record", "combine", "logged_metrics", "recording"]
@@ -52,7 +52,7 @@ def _number(name: str, value: Any) -> float:
         return float(value.detach())
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
-    raise PlanningError(
+    raise PipelineRuntimeError(
         f"self.log({name!r}, {type(value).__name__}): under a pipeline each micro-batch logs separately and the "
         "values are combined, so log a number, a one-element tensor or a torchmetrics Metric"
     )
@@ -61,7 +61,7 @@ def _number(name: str, value: Any) -> float:
 def _reduction(name: str, reduce_fx: Any) -> str:
     key = _TORCH_REDUCTIONS.get(reduce_fx) if callable(reduce_fx) else _REDUCTIONS.get(str(reduce_fx).lower())
     if key is None:
-        raise PlanningError(
+        raise PipelineRuntimeError(
             f"self.log({name!r}, reduce_fx={reduce_fx!r}): a pipeline combines micro-batches with mean, sum, max or min"
         )
     return key

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lightning_pipe.errors import CheckpointError, IncompleteCheckpoint
 from lightning_pipe.strategy.atomic import write_file
+from lightning_pipe.strategy.pipeline_state import PipelineState
 
 __all__ = [
     "DCP_METADATA",
@@ -239,8 +240,9 @@ def load_sharded(path: str | Path, weights_only: bool | None = None) -> dict[str
     checkpoint["state_dict"] = ShardedEntries(path, "state_dict", metadata)
     for state in checkpoint.get("optimizer_states", []):
         state["state"] = ShardedEntries(path, "optimizer", metadata)
-        if state.get("pipeline") is not None:
-            state["pipeline"]["carried"] = ShardedEntries(path, "carried", metadata)
+        pipeline = PipelineState.read(state, str(path))
+        if pipeline is not None:
+            pipeline.with_carried(ShardedEntries(path, "carried", metadata)).write(state)
     return checkpoint
 
 
@@ -262,10 +264,9 @@ def consolidate(path: str | Path, output: str | Path | None = None) -> dict[str,
         for group in state["param_groups"]:
             group["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
-        pipeline = state.get("pipeline")
-        if pipeline is not None:
-            carried: ShardedEntries = pipeline["carried"]
-            pipeline["carried"] = carried.read(carried)  # by stage, as a string: the full format's keys
+        pipeline = PipelineState.read(state, str(path))
+        if pipeline is not None and pipeline.carried is not None:  # by stage, as a string: the full format's keys
+            pipeline.with_carried(read_entries(pipeline.carried, pipeline.carried)).write(state)
     if output is not None:
         torch.save(checkpoint, output)
     return checkpoint

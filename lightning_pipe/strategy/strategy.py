@@ -105,6 +105,7 @@ from lightning_pipe.strategy.logs import Record
 from lightning_pipe.strategy.materialise import on_meta
 from lightning_pipe.strategy.optimizers import HyperParameters
 from lightning_pipe.strategy.parent_watch import LAUNCHER_PID, ParentWatch
+from lightning_pipe.strategy.pipeline_state import PipelineState
 from lightning_pipe.strategy.planning import (
     DEFAULT_TOLERANCE,
     PlanOptions,
@@ -334,7 +335,7 @@ class PipelineStrategy(
         self._chain_of: LightningModule | None = None  # the module the chain was captured from
         self._writers: dict[str, int] | None = None  # the rank giving each state-dict entry, once released
         self._template_names: list[str | None] = []  # the user's optimizer's parameters, by name
-        self._saved: dict[str, Any] | None = None  # the plan and carried state of a checkpoint being resumed
+        self._saved: PipelineState | None = None  # the plan and carried state of a checkpoint being resumed
         self._saved_states: Mapping[str, Any] | None = None  # its optimizer state by parameter name
         self._deferred: tuple[Mapping[str, Any], list[str]] | None = None  # its entries for tensors still on meta
         self._carried: dict[str, Any] | None = None  # this rank's carried state when the executor closed
