@@ -47,7 +47,7 @@ class Lending:
 
     @classmethod
     def of(cls, schedule: Schedule, worker: int) -> Lending:
-        if schedule.relays:  # a relayed stage's whole state goes to the worker computing it (.relays)
+        if schedule.relays:  # a relayed stage's whole state goes to the worker computing it (.stage_relays)
             return cls({}, {})
         computing: dict[int, set[int]] = {s: set() for s in range(schedule.stages)}
         for w, order in enumerate(schedule.orders):

@@ -15,7 +15,7 @@ and backward (:mod:`.forward_backward`, the loss of micro-batch ``i`` weighted b
 mini-batch, ``n_i / n``), the bytes autograd saves (:mod:`.activation_memory`), the updates with
 clipping and loss scaling (:mod:`.updates`), the weight versions they keep (:mod:`.versions_kept`),
 lent, ring-reduced and relayed stages and shared parameters (:mod:`.borrowing`, :mod:`.rings`,
-:mod:`.relays`, :mod:`.ties`), and what a call returns (:mod:`.step_output`).
+:mod:`.stage_relays`, :mod:`.ties`), and what a call returns (:mod:`.step_output`).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.groups import pipeline_ranks, replica_groups
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, repeated, shift
-from lightning_pipe.runtime.relays import Relays
 from lightning_pipe.runtime.ring_sizes import link_sizes, shared_memory_capacity
 from lightning_pipe.runtime.rings import RingReducer
 from lightning_pipe.runtime.routing import Placement, Router
 from lightning_pipe.runtime.shared_memory import open_links
+from lightning_pipe.runtime.stage_relays import Relays
 from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
 from lightning_pipe.runtime.ties import find_ties, tie_groups
 from lightning_pipe.runtime.transport import Transport

@@ -101,6 +101,7 @@ from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
 from lightning_pipe.strategy.effects import metric_modules
 from lightning_pipe.strategy.evaluation import EvaluationHooks
+from lightning_pipe.strategy.log_relay import LogRelay
 from lightning_pipe.strategy.logs import Record
 from lightning_pipe.strategy.materialise import on_meta
 from lightning_pipe.strategy.optimizers import HyperParameters
@@ -112,7 +113,6 @@ from lightning_pipe.strategy.planning import (
 )
 from lightning_pipe.strategy.profile_cache import default_directory
 from lightning_pipe.strategy.random_states import RandomStates
-from lightning_pipe.strategy.relay import Relay
 from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.signals import Signals
 from lightning_pipe.strategy.topology import Topology
@@ -423,7 +423,7 @@ class PipelineStrategy(
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
-        self._relay = Relay(self._objects, lambda error: self._failures.aborted())
+        self._log_relay = LogRelay(self._objects, lambda error: self._failures.aborted())
         own = [dist.new_group(ranks, backend="gloo", timeout=self._timeout) for ranks in self.pipelines]
         self._pipeline_objects = own[self.pipeline_index]
         positions = [dist.new_group(list(range(w, self.world_size, self.workers))) for w in range(self.workers)]

@@ -93,7 +93,7 @@ class TrainingHooks:
         """Start sending this call's micro-batch records (none but on a last stage) and this rank's
         signal notes to every rank."""
         assert self._signals is not None
-        return self._relay.post(
+        return self._log_relay.post(
             {
                 "pipeline": self.pipeline_index,
                 "rank": self.global_rank,
@@ -109,7 +109,7 @@ class TrainingHooks:
         no rank waits for the last stage at a step boundary (the values are logged one step later)."""
         self._collect_relayed()
         if wait:
-            self._collect(self._relay.wait(posted))
+            self._collect(self._log_relay.wait(posted))
         else:
             self._posted = posted
         for step in sorted(s for s, parts in self._pending.items() if len(parts) == self.microbatches):
@@ -135,7 +135,7 @@ class TrainingHooks:
         """Receive the records left in flight by the last call (before any other collective)."""
         if self._posted is not None:
             posted, self._posted = self._posted, None
-            self._collect(self._relay.wait(posted))
+            self._collect(self._log_relay.wait(posted))
 
     def _collect(self, payloads: list[dict[str, Any]]) -> None:
         for payload in payloads:
