@@ -3,9 +3,10 @@
 ``lightning_pipe.costs``, ``lightning_pipe.profiler``, ``lightning_pipe.models`` and the other
 modules that sat at the package's top now live in packages named after what they do
 (``lightning_pipe.cost``, ``lightning_pipe.zoo``, ``lightning_pipe.util``, ...), and modules whose
-names collided are named after what they do (``strategy.relay`` is ``strategy.log_relay``,
-``runtime.relays`` is ``runtime.stage_relays``, ...). Importing an earlier path gives the module at
-its new one, with a ``DeprecationWarning`` naming it.
+names collided now say what they hold (``strategy.relay`` is ``strategy.log_relay``,
+``runtime.relays`` is ``runtime.stage_relays``, ``runtime.rings`` is ``runtime.gradient_rings``,
+...). Importing an earlier path gives the module at its new one, with a ``DeprecationWarning``
+naming it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ MOVED = {
         "files": "util.files",
         "strategy.relay": "strategy.log_relay",
         "runtime.relays": "runtime.stage_relays",
+        "runtime.rings": "runtime.gradient_rings",
+        "runtime.ring_sizes": "runtime.shared_memory_sizes",
     }.items()
 }
 

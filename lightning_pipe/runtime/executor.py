@@ -14,7 +14,7 @@ The executor runs the action loop and keeps its timeline; its parts do the rest:
 and backward (:mod:`.forward_backward`, the loss of micro-batch ``i`` weighted by its share of the
 mini-batch, ``n_i / n``), the bytes autograd saves (:mod:`.activation_memory`), the updates with
 clipping and loss scaling (:mod:`.updates`), the weight versions they keep (:mod:`.versions_kept`),
-lent, ring-reduced and relayed stages and shared parameters (:mod:`.borrowing`, :mod:`.rings`,
+lent, ring-reduced and relayed stages and shared parameters (:mod:`.borrowing`, :mod:`.gradient_rings`,
 :mod:`.stage_relays`, :mod:`.ties`), and what a call returns (:mod:`.step_output`).
 """
 
@@ -41,13 +41,13 @@ from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
 from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
 from lightning_pipe.runtime.forward_backward import ForwardBackward
 from lightning_pipe.runtime.garbage import AlignedCollection
+from lightning_pipe.runtime.gradient_rings import RingReducer
 from lightning_pipe.runtime.groups import pipeline_ranks, replica_groups
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, repeated, shift
-from lightning_pipe.runtime.ring_sizes import link_sizes, shared_memory_capacity
-from lightning_pipe.runtime.rings import RingReducer
 from lightning_pipe.runtime.routing import Placement, Router
 from lightning_pipe.runtime.shared_memory import open_links
+from lightning_pipe.runtime.shared_memory_sizes import link_sizes, shared_memory_capacity
 from lightning_pipe.runtime.stage_relays import Relays
 from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
 from lightning_pipe.runtime.ties import find_ties, tie_groups
@@ -119,7 +119,7 @@ class PipelineExecutor:
             (:mod:`lightning_pipe.runtime.shared_memory`; a message that finds the ring full goes by
             gloo). Default 64 MiB on the CPU; 0 (gloo only) on GPUs, whose messages NCCL carries.
             With ``message_bytes``, each ring is only as large as its link needs
-            (:mod:`~lightning_pipe.runtime.ring_sizes`), at most this.
+            (:mod:`~lightning_pipe.runtime.shared_memory_sizes`), at most this.
         message_bytes: the bytes of one micro-batch's activation leaving each stage but the last
             (and of its gradient coming back), as a plan knows them: they size the rings.
 

@@ -8,7 +8,7 @@ the worker of the action that takes it, through the transport, or by hand when t
 one (:class:`Router`). Everything a worker receives in a call is known from its peers' actions, so
 the receives are posted when the call starts, in the order each peer sends, with those of lent
 weights' gradients (:mod:`~lightning_pipe.runtime.borrowing`), ring reductions
-(:mod:`~lightning_pipe.runtime.rings`), relayed stages (:mod:`~lightning_pipe.runtime.stage_relays`) and
+(:mod:`~lightning_pipe.runtime.gradient_rings`), relayed stages (:mod:`~lightning_pipe.runtime.stage_relays`) and
 cues (``SIGNAL``/``WAIT``: Cyclic Data Parallelism's uniform delay, Fournier & Oyallon 2024, §4.2).
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.borrowing import Borrowing, Lending, last_gradients
-from lightning_pipe.runtime.rings import RingReducer
+from lightning_pipe.runtime.gradient_rings import RingReducer
 from lightning_pipe.runtime.stage_relays import Relays
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule

@@ -24,7 +24,7 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
-from lightning_pipe.runtime.ring_sizes import shared_memory_capacity
+from lightning_pipe.runtime.shared_memory_sizes import shared_memory_capacity
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE
 from lightning_pipe.schedule.simulation import Simulation
