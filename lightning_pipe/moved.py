@@ -41,6 +41,7 @@ MOVED = {
         "runtime.relays": "runtime.stage_relays",
         "runtime.rings": "runtime.gradient_rings",
         "runtime.ring_sizes": "runtime.shared_memory_sizes",
+        "strategy.report": "strategy.fit_report",
     }.items()
 }
 

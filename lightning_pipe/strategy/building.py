@@ -44,9 +44,9 @@ from lightning_pipe.strategy.planning import (
     optimizer_copies,
     plan_stages,
     predict,
-    report,
     schedule_of,
     setup_line,
+    setup_report,
     timed,
 )
 from lightning_pipe.strategy.random_states import replayed
@@ -108,7 +108,7 @@ class PipelineBuilding:
             self.compilation = StageCompilation.of(self._compiled, stages, make(1))
             stages = self.compilation.modules(stages, mine)
             if fresh:
-                rank_zero_info(self.compilation.report())
+                rank_zero_info(self.compilation.summary())
         compiled = self.compilation is not None and bool(self.compilation.compiled)
         self.executor = PipelineExecutor(
             make,
@@ -340,7 +340,7 @@ class PipelineBuilding:
             if model.captured is not None and model.captured.cache_off:
                 notes.append(CACHE_OFF.format(modules=", ".join(model.captured.cache_off)))
             schedule = schedule_of(stage_plan, self.options, self.microbatches)(1)
-            text = report(stage_plan, self._prediction, model.captured, schedule)
+            text = setup_report(stage_plan, self._prediction, model.captured, schedule)
             rank_zero_info("\n".join([text, *self.differences, *notes]))
         return stage_plan
 

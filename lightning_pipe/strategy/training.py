@@ -23,10 +23,10 @@ from torch import Tensor
 from lightning_pipe.strategy.after_fit import HOW_TO_GET_IT
 from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.effects import metric_modules, replay
+from lightning_pipe.strategy.fit_report import STEPS_SHOWN, FitReport, last_steps, run_directory
 from lightning_pipe.strategy.logs import Record, combine, logged_metrics
 from lightning_pipe.strategy.planning import schedule_of
 from lightning_pipe.strategy.random_states import RandomStates
-from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps, run_directory
 from lightning_pipe.strategy.stop_iteration import no_stop_iteration
 from lightning_pipe.util.nested import concatenate, map_tensors
 
@@ -183,7 +183,7 @@ class TrainingHooks:
     def on_train_end(self) -> None:
         self.drain()
         self._keep_loss_scale()
-        self._report()
+        self._report_fit()
         if self._writers is None:  # nothing was released: every rank holds the whole model
             return
         if self.gather_after_fit:
@@ -191,8 +191,8 @@ class TrainingHooks:
         else:
             rank_zero_info(f"After fit, {HOW_TO_GET_IT}")
 
-    def _report(self) -> None:
-        """The end-of-fit report (:mod:`.report`): a collective; written and logged by global rank 0."""
+    def _report_fit(self) -> None:
+        """The end-of-fit report (:mod:`.fit_report`): a collective; written and logged by global rank 0."""
         executor = self.executor
         if executor is None or executor.origin < STEPS_SHOWN:
             return
