@@ -93,7 +93,7 @@ class PipelineBuilding:
         make = schedule_of(stage_plan, self.options, self.microbatches)
         mine = {a.stage for a in make(1).orders[self.global_rank % self.workers] if a.kind in COMPUTE}
         if meta:  # this rank's stages only, initialised as the whole model would be (.materialise)
-            everything = {id(t) for root in (module, *layers) for t in [*root.parameters(), *root.buffers()]}
+            everything = tensor_ids([module, *layers])
             materialise(
                 module, [module, *layers], everything - self._foreign(layers, mine), self.root_device, self.optimizers
             )

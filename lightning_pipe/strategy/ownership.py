@@ -22,12 +22,24 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Ownership", "as_parameter_like", "release", "replace", "tensor_ids"]
+__all__ = ["Ownership", "as_parameter_like", "group_names", "parameter_names", "release", "replace", "tensor_ids"]
 
 
 def tensor_ids(modules: Iterable[nn.Module]) -> set[int]:
     """The identities of every parameter and buffer of ``modules``."""
     return {id(t) for module in modules for t in [*module.parameters(), *module.buffers()]}
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """The name of each parameter of ``module`` by the parameter's ``id`` (tensors hash by identity
+    only through it), the first name of a parameter held under several."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def group_names(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str | None]:
+    """The name (in ``names``, :func:`parameter_names`) of each parameter of ``optimizer``'s groups, in
+    the order of its state dict's positions; ``None`` for a parameter ``names`` lacks."""
+    return [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ from lightning_pipe.strategy.log_relay import LogRelay
 from lightning_pipe.strategy.logs import Record
 from lightning_pipe.strategy.materialise import on_meta
 from lightning_pipe.strategy.optimizers import HyperParameters
+from lightning_pipe.strategy.ownership import group_names, parameter_names
 from lightning_pipe.strategy.parent_watch import LAUNCHER_PID, ParentWatch
 from lightning_pipe.strategy.planning import (
     DEFAULT_TOLERANCE,
@@ -465,8 +466,7 @@ class PipelineStrategy(
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # one: Lightning refuses several under automatic optimization
             self._hyper = HyperParameters(self.optimizers[0])
-            names = {id(p): name for name, p in self.lightning_module.named_parameters()}
-            self._template_names = [names.get(id(p)) for g in self.optimizers[0].param_groups for p in g["params"]]
+            self._template_names = group_names(self.optimizers[0], parameter_names(self.lightning_module))
             epoch_loop = trainer.fit_loop.epoch_loop
             if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # Lightning's per-batch collective: the
                 epoch_loop._broadcast_sigterm_tensor = lambda: None  # flag travels in the log relay (.signals)
