@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,7 @@ from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.shared_memory_sizes import shared_memory_capacity
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
-from lightning_pipe.schedule.ir import COMPUTE
+from lightning_pipe.schedule.ir import COMPUTE, Schedule
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Call, PipelineModel, pipeline_model
@@ -64,6 +65,11 @@ __all__ = ["PipelineBuilding"]
 class PipelineBuilding:
     """Building the pipeline on the first batch (methods of :class:`~lightning_pipe.strategy.PipelineStrategy`)."""
 
+    def _schedule_maker(self, stage_plan: StagePlan) -> Callable[[int], Schedule]:
+        """``steps -> schedule`` of ``stage_plan``'s stages with this strategy's options and micro-batches
+        (:func:`~lightning_pipe.strategy.planning.schedule_of`)."""
+        return schedule_of(stage_plan, self.options, self.microbatches)
+
     def _pipeline(self, call: Call, batch: Any) -> PipelineExecutor:
         """The executor, built on the first call from ``call`` (the arguments the step gave ``forward``
         for ``batch``)."""
@@ -90,7 +96,7 @@ class PipelineBuilding:
                 seconds["plan"] -= seconds["verify"] + seconds["profile"]  # timed apart inside
         layers = self._chain.layers
         stage_plan = self.stage_plan
-        make = schedule_of(stage_plan, self.options, self.microbatches)
+        make = self._schedule_maker(stage_plan)
         mine = {a.stage for a in make(1).orders[self.global_rank % self.workers] if a.kind in COMPUTE}
         if meta:  # this rank's stages only, initialised as the whole model would be (.materialise)
             everything = tensor_ids([module, *layers])
@@ -339,7 +345,7 @@ class PipelineBuilding:
             notes = [MATERIALISED] if meta else []
             if model.captured is not None and model.captured.cache_off:
                 notes.append(CACHE_OFF.format(modules=", ".join(model.captured.cache_off)))
-            schedule = schedule_of(stage_plan, self.options, self.microbatches)(1)
+            schedule = self._schedule_maker(stage_plan)(1)
             text = setup_report(stage_plan, self._prediction, model.captured, schedule)
             rank_zero_info("\n".join([text, *self.differences, *notes]))
         return stage_plan

@@ -25,7 +25,6 @@ from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.effects import metric_modules, replay
 from lightning_pipe.strategy.fit_report import STEPS_SHOWN, FitReport, last_steps, run_directory
 from lightning_pipe.strategy.logs import Record, combine, logged_metrics
-from lightning_pipe.strategy.planning import schedule_of
 from lightning_pipe.strategy.random_states import RandomStates
 from lightning_pipe.strategy.stop_iteration import no_stop_iteration
 from lightning_pipe.util.nested import concatenate, map_tensors
@@ -209,7 +208,7 @@ class TrainingHooks:
             last_steps([i for part in timelines for i in part]),
             self._step_seconds[2:],
             in_run,
-            schedule_of(self.stage_plan, self.options, self.microbatches)(STEPS_SHOWN),
+            self._schedule_maker(self.stage_plan)(STEPS_SHOWN),
             self._prediction,
         )
         picture, trace = fit.write(directory)
