@@ -88,6 +88,7 @@ from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.affinity import pin_threads
 from lightning_pipe.runtime.allocator import release_freed_memory
 from lightning_pipe.runtime.failure import FailureBoard
+from lightning_pipe.runtime.loss_scaling import refuse_without_flush
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
@@ -499,11 +500,9 @@ class PipelineStrategy(
                 f"precision={precision!r} is not supported by the pipeline: use '32-true', 'bf16-mixed', "
                 "'bf16-true' or '16-mixed'"
             )
-        if precision == "16-mixed" and self.schedule_options.family in NON_FLUSHING_FAMILIES:
-            raise PlanningError(
-                f"precision='16-mixed' needs a loss scale that skips an overflowed step on every stage, which "
-                f"a non-flushing schedule ({self.schedule_options.family!r}) cannot do without a flush: use "
-                "precision='bf16-mixed' (no loss scale), or a flushing schedule (gpipe, 1f1b, interleaved, zb_h1)"
+        if precision == "16-mixed":
+            refuse_without_flush(
+                family, family not in NON_FLUSHING_FAMILIES, "precision='16-mixed'", "precision='bf16-mixed'"
             )
 
     @contextlib.contextmanager
