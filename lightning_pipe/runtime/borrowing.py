@@ -54,11 +54,11 @@ class Lending:
             for action in order:
                 if action.kind in COMPUTE:
                     computing[action.stage].add(w)
-        lenders = {s: schedule.owners[s][0] for s, ws in computing.items() if worker in ws - set(schedule.owners[s])}
+        lenders = {s: schedule.first_owner(s) for s, ws in computing.items() if worker in ws - set(schedule.owners[s])}
         borrowers = {
             s: sorted(ws - set(schedule.owners[s]))
             for s, ws in computing.items()
-            if schedule.owners[s][0] == worker and ws - set(schedule.owners[s])
+            if schedule.first_owner(s) == worker and ws - set(schedule.owners[s])
         }
         return cls(lenders, borrowers)
 

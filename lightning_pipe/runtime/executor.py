@@ -381,7 +381,7 @@ class PipelineExecutor:
             raise PlanningError("evaluate() runs on drained weights: call drain() first, on every worker")
         check_whole("microbatches", microbatches, 1)
         last = self.schedule.stages - 1
-        worker = [owners[0] for owners in self.schedule.owners]
+        worker = self.schedule.first_owners
         mine = [s for s in range(self.schedule.stages) if worker[s] == self.rank]
         try:
             parts = split_batch(inputs, microbatches) if 0 in mine else []

@@ -92,7 +92,7 @@ class Placement:
             pairs |= {(lender, worker), (worker, lender)}
         for borrower in {b for borrowers in lending.borrowers.values() for b in borrowers}:
             pairs |= {(worker, borrower), (borrower, worker)}
-        first = [owners[0] for owners in schedule.owners]
+        first = schedule.first_owners
         pairs |= set(itertools.pairwise(first))
         for ring in schedule.rings:  # partial sums, then the whole sum
             pairs |= set(itertools.pairwise(ring.gather)) | set(itertools.pairwise((ring.reducer, *ring.spread)))

@@ -56,7 +56,7 @@ def ring_sizes(
 
     loads = link_loads(schedule, size)
     evaluation: dict[tuple[int, int], LinkLoad] = {}  # evaluate() runs each stage on its first owner
-    first = [owners[0] for owners in schedule.owners]
+    first = schedule.first_owners
     for stage, (sender, receiver) in enumerate(itertools.pairwise(first)):
         if sender != receiver:
             message = message_bytes[stage] + MESSAGE_OVERHEAD

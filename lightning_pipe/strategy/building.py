@@ -217,8 +217,8 @@ class PipelineBuilding:
         meta device (:mod:`.ownership`)."""
         assert self.executor is not None and self.stage_plan is not None
         ownership = Ownership.of(module, layers, self.stage_plan.bounds)
-        owners, ranks = self.executor.schedule.owners, self.pipelines[0]
-        self._writers = {name: ownership.writer(name, owners, ranks) for name in module.state_dict(keep_vars=True)}
+        first, ranks = self.executor.schedule.first_owners, self.pipelines[0]
+        self._writers = {name: ownership.writer(name, first, ranks) for name in module.state_dict(keep_vars=True)}
         release([module, *layers], self._foreign(layers, mine), self.optimizers)
 
     def _foreign(self, layers: list[Any], mine: set[int]) -> set[int]:
@@ -402,7 +402,7 @@ class PipelineBuilding:
         """Whether this rank runs ``stage`` in a forward-only pipeline (a replicated stage runs on its
         first worker there)."""
         assert self.executor is not None
-        return self.executor.schedule.owners[stage][0] == self.executor.rank
+        return self.executor.schedule.first_owner(stage) == self.executor.rank
 
     def _before_update(self, stage: int, step: int, optimizer: torch.optim.Optimizer | None) -> None:
         assert self._hyper is not None

@@ -155,8 +155,8 @@ class CheckpointHooks:
             for entry in state["stages"].values():
                 entry["gradients"] = {}
         state = to_cpu(state)
-        owners = self.executor.schedule.owners
-        state["stages"] = {s: e for s, e in state["stages"].items() if owners[s][0] == self.executor.rank}
+        schedule = self.executor.schedule
+        state["stages"] = {s: e for s, e in state["stages"].items() if schedule.first_owner(s) == self.executor.rank}
         return state
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:

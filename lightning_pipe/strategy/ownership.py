@@ -64,13 +64,14 @@ class Ownership:
         """The state-dict entries a rank running ``stages`` holds."""
         return self.outside.union(*(self.stage_names[s] for s in stages))
 
-    def writer(self, name: str, owners: Sequence[Sequence[int]], ranks: Sequence[int]) -> int:
+    def writer(self, name: str, first_owners: Sequence[int], ranks: Sequence[int]) -> int:
         """The global rank that contributes entry ``name`` to a full state: the first worker of the
-        first stage holding it (``owners[stage]``: the stage's workers; ``ranks``: the global rank of
-        each worker of the first pipeline); rank ``ranks[0]`` for the entries outside the layers."""
+        first stage holding it (``first_owners[stage]``: :meth:`~lightning_pipe.schedule.ir.Schedule.first_owner`;
+        ``ranks``: the global rank of each worker of the first pipeline); rank ``ranks[0]`` for the
+        entries outside the layers."""
         for stage, names in enumerate(self.stage_names):
             if name in names:
-                return ranks[owners[stage][0]]
+                return ranks[first_owners[stage]]
         return ranks[0]
 
 
