@@ -386,21 +386,16 @@ class PipelineExecutor:
         try:
             parts = split_batch(inputs, microbatches) if 0 in mine else []
             self.transport.next_call()
-            expected = {
-                (s, mb): self.transport.expect(self.ranks[worker[s - 1]], ("E", s, mb))
-                for mb in range(microbatches)
-                for s in mine
-                if s > 0 and worker[s - 1] != self.rank
-            }
-            local: dict[tuple[int, int], Any] = {}
+            for mb in range(microbatches):  # the messages of the stages before, through the router
+                for s in mine:
+                    if s > 0 and worker[s - 1] != self.rank:
+                        self.router.expect_from(worker[s - 1], ("E", s, mb, self.origin))
             for mb in range(microbatches):
                 for s in mine:
                     if s == 0:
                         x = map_tensors(lambda t: t.to(self.device), parts[mb])
-                    elif (s, mb) in expected:
-                        x = self.transport.receive(self.ranks[worker[s - 1]], expected.pop((s, mb)))
                     else:
-                        x = local.pop((s, mb))
+                        x = self.router.incoming(("E", s, mb, self.origin))
                     with torch.no_grad():
                         try:
                             y = self.weights[s].module(x)
@@ -408,10 +403,8 @@ class PipelineExecutor:
                             raise self._mismatch(Action(Kind.F, s, mb, self.origin), x, error) from error
                     if s == last:
                         on_output(mb, y)
-                    elif worker[s + 1] == self.rank:
-                        local[(s + 1, mb)] = y
                     else:
-                        self.transport.send(self.ranks[worker[s + 1]], y, ("E", s + 1, mb))
+                        self.router.send_to(worker[s + 1], ("E", s + 1, mb, self.origin), y)
         except Exception as error:
             self.stop(error)
             raise

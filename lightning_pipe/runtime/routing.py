@@ -29,7 +29,8 @@ from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 __all__ = ["Key", "Placement", "Router"]
 
 Key = tuple[str, int, int, int]
-"""A message: ``("F", receiving stage, micro-batch, step)`` or ``("B", ...)``."""
+"""A message: ``("F", receiving stage, micro-batch, step)`` or ``("B", ...)``; ``("E", ...)`` in an
+evaluation (:meth:`~lightning_pipe.runtime.executor.PipelineExecutor.evaluate`)."""
 
 
 class Placement:
@@ -152,7 +153,7 @@ class Router:
                 if action.kind in COMPUTE:
                     for key, kind in self.placement.consumers(action):
                         if self.worker_of(kind, key[1], key[2], key[3]) == self.worker:
-                            self.expected[key] = (sender, self.transport.expect(sender, key[:3]))
+                            self.expect_from(peer, key)
                 if position in returns:  # after its last backward of a stage lent to it: the gradients
                     self.borrowing.expect_gradients(peer, *returns[position])
                 self.rings.expect(peer, action, gathers.get(position))
@@ -160,14 +161,23 @@ class Router:
                 if action.kind is Kind.SIGNAL and action.peer == self.worker:
                     self.expected[action.key] = (sender, self.transport.expect(sender, "cue"))
 
+    def expect_from(self, peer: int, key: Key) -> None:
+        """Post the receive of message ``key``, which worker ``peer`` sends this one."""
+        sender = self.ranks[peer]
+        self.expected[key] = (sender, self.transport.expect(sender, key[:3]))
+
     def deliver(self, action: Action, obj: Any) -> None:
         """Send ``obj``, the message ``action`` produced, to the worker of the action that takes it."""
         for key, kind in self.placement.consumers(action):
-            destination = self.worker_of(kind, key[1], key[2], key[3])
-            if destination == self.worker:
-                self.local[key] = obj
-            else:
-                self.transport.send(self.ranks[destination], obj, key[:3])
+            self.send_to(self.worker_of(kind, key[1], key[2], key[3]), key, obj)
+
+    def send_to(self, worker: int, key: Key, obj: Any) -> None:
+        """Message ``key`` to ``worker``: kept for :meth:`incoming` when that is this worker, sent
+        through the transport otherwise."""
+        if worker == self.worker:
+            self.local[key] = obj
+        else:
+            self.transport.send(self.ranks[worker], obj, key[:3])
 
     def incoming(self, key: Key) -> Any:
         """Message ``key``, from this worker or as received."""
