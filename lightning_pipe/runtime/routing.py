@@ -8,8 +8,10 @@ the worker of the action that takes it, through the transport, or by hand when t
 one (:class:`Router`). Everything a worker receives in a call is known from its peers' actions, so
 the receives are posted when the call starts, in the order each peer sends, with those of lent
 weights' gradients (:mod:`~lightning_pipe.runtime.borrowing`), ring reductions
-(:mod:`~lightning_pipe.runtime.gradient_rings`), relayed stages (:mod:`~lightning_pipe.runtime.stage_relays`) and
-cues (``SIGNAL``/``WAIT``: Cyclic Data Parallelism's uniform delay, Fournier & Oyallon 2024, §4.2).
+(:mod:`~lightning_pipe.runtime.gradient_rings`), relayed stages
+(:mod:`~lightning_pipe.runtime.stage_relays`) and cues (``SIGNAL``/``WAIT``: Cyclic Data
+Parallelism's uniform delay, Fournier & Oyallon 2024, §4.2). An evaluation's messages go through
+the same router, from each stage's first owner to the next's.
 """
 
 from __future__ import annotations
