@@ -81,8 +81,8 @@ from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.launch import run_local
-from lightning_pipe.runtime.ring_sizes import DEFAULT_SHARED_MEMORY_BYTES
 from lightning_pipe.runtime.shared_memory import open_links
+from lightning_pipe.runtime.shared_memory_sizes import DEFAULT_SHARED_MEMORY_BYTES
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.schedule import Schedule, StageCosts, make_schedule, simulate
 

@@ -2,8 +2,11 @@
 
 ``lightning_pipe.costs``, ``lightning_pipe.profiler``, ``lightning_pipe.models`` and the other
 modules that sat at the package's top now live in packages named after what they do
-(``lightning_pipe.cost``, ``lightning_pipe.zoo``, ``lightning_pipe.util``, ...). Importing an
-earlier path gives the module at its new one, with a ``DeprecationWarning`` naming it.
+(``lightning_pipe.cost``, ``lightning_pipe.zoo``, ``lightning_pipe.util``, ...), and modules whose
+names collided now say what they hold (``strategy.relay`` is ``strategy.log_relay``,
+``runtime.relays`` is ``runtime.stage_relays``, ``runtime.rings`` is ``runtime.gradient_rings``,
+...). Importing an earlier path gives the module at its new one, with a ``DeprecationWarning``
+naming it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ MOVED = {
         "nested": "util.nested",
         "units": "util.units",
         "files": "util.files",
+        "strategy.relay": "strategy.log_relay",
+        "runtime.relays": "runtime.stage_relays",
+        "runtime.rings": "runtime.gradient_rings",
+        "runtime.ring_sizes": "runtime.shared_memory_sizes",
+        "strategy.report": "strategy.fit_report",
     }.items()
 }
 

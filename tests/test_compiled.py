@@ -167,11 +167,11 @@ def test_batch_norm_and_zero_bubble_stages_are_not_compiled() -> None:
     found = [("net", CompileSettings("eager")), ("head", CompileSettings("aot_eager"))]
     compilation = StageCompilation.of(found, stages, make_schedule("1f1b", 2, 2, 1))
     assert compilation.compiled == [1] and list(compilation.eager) == [0]
-    said = compilation.report()
+    said = compilation.summary()
     assert said.startswith("Compiled per stage with backend='eager'") and "head, compiled otherwise" in said
     assert "stage 0 runs eagerly: its batch norm layers" in said
     split = StageCompilation.of(found, stages[1:] * 2, make_schedule("zb_h1", 2, 2, 1))
-    assert split.compiled == [] and "zero bubble splits its backward" in split.report()
+    assert split.compiled == [] and "zero bubble splits its backward" in split.summary()
 
 
 # -- on two processes ---------------------------------------------------------------------------------

@@ -87,13 +87,13 @@ def test_every_entry_has_one_writer_the_first_worker_of_its_first_stage() -> Non
     module, layers = _gpt()
     bounds = _split(len(layers), [2, 4])
     ownership = Ownership.of(module, layers, bounds)
-    owners, ranks = [[0], [1], [2]], [10, 11, 12]
-    assert ownership.writer("model.lm_head.weight", owners, ranks) == 10
-    assert ownership.writer("model.transformer.wte.weight", owners, ranks) == 10
+    first_owners, ranks = [0, 1, 2], [10, 11, 12]
+    assert ownership.writer("model.lm_head.weight", first_owners, ranks) == 10
+    assert ownership.writer("model.transformer.wte.weight", first_owners, ranks) == 10
     assert "model.lm_head.weight" in ownership.stage_names[0] and "model.lm_head.weight" in ownership.stage_names[2]
-    assert ownership.writer("model.transformer.ln_f.weight", owners, ranks) == 12
+    assert ownership.writer("model.transformer.ln_f.weight", first_owners, ranks) == 12
     module.register_buffer("class_weights", torch.ones(3))  # used by the step code, not forward
     ownership = Ownership.of(module, layers, bounds)
     assert ownership.outside == {"class_weights"}
-    assert ownership.writer("class_weights", owners, ranks) == 10
+    assert ownership.writer("class_weights", first_owners, ranks) == 10
     assert all("class_weights" in ownership.names([s]) for s in range(3))

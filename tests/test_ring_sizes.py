@@ -7,7 +7,7 @@ from torch import nn
 
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.launch import run_local
-from lightning_pipe.runtime.ring_sizes import DEFAULT_SHARED_MEMORY_BYTES, MESSAGE_OVERHEAD, ring_sizes
+from lightning_pipe.runtime.shared_memory_sizes import DEFAULT_SHARED_MEMORY_BYTES, MESSAGE_OVERHEAD, ring_sizes
 from lightning_pipe.schedule import make_schedule
 from tests.reference import OPTIMIZERS, batches, build_stages
 

@@ -1,5 +1,5 @@
 """CDP's ZeRO form (Fournier & Oyallon 2024, §4.4): each stage's whole state passed from worker to
-worker (:mod:`lightning_pipe.runtime.relays`). Equality with the rules' references is in
+worker (:mod:`lightning_pipe.runtime.stage_relays`). Equality with the rules' references is in
 ``test_runtime_rules.py``; here, what a worker holds."""
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_pipe.runtime.gradient_rings import PARTIAL, SUM
 from lightning_pipe.runtime.launch import run_local
-from lightning_pipe.runtime.rings import PARTIAL, SUM
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from tests.reference import (
     batches,

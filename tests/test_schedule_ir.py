@@ -50,6 +50,14 @@ def test_json_round_trip_keeps_everything() -> None:
         assert again == schedule
 
 
+def test_a_stage_speaks_through_its_first_owner() -> None:
+    """``first_owner`` and ``first_owners``: the first of each stage's owners (LPP holds every stage on
+    two workers)."""
+    schedule = make_schedule("lpp", 4, 4, 1, groups=2, replicas=2)
+    assert schedule.owners == ((0, 2), (1, 3), (0, 2), (1, 3))
+    assert schedule.first_owners == (0, 1, 0, 1) == tuple(schedule.first_owner(s) for s in range(4))
+
+
 def test_torch_action_strings_round_trip() -> None:
     schedule = make_schedule("1f1b", 3, 4)
     text = schedule.to_torch()

@@ -21,9 +21,9 @@ from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import Call, pipeline_model
+from lightning_pipe.strategy.log_relay import LogRelay
 from lightning_pipe.strategy.logs import Record, combine, recording
 from lightning_pipe.strategy.planning import StagePlan, predict
-from lightning_pipe.strategy.relay import Relay
 from lightning_pipe.tables import placement_table
 from lightning_pipe.zoo.models import chain_from_model, torchvision_model
 
@@ -82,7 +82,7 @@ def test_a_recorded_log_call_has_the_options_lightning_would_bind(args: tuple, k
 
 
 def _relay_worker(rank: int) -> list[list[object]]:
-    relay = Relay(torch.distributed.new_group(backend="gloo"), lambda error: error, capacity=64)
+    relay = LogRelay(torch.distributed.new_group(backend="gloo"), lambda error: error, capacity=64)
     small = relay.post({"rank": rank})
     large = relay.post(list(range(100 * (rank + 1))))  # over the capacity on both ranks
     after = relay.post(("again", rank))

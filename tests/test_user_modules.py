@@ -37,7 +37,7 @@ from lightning_pipe.cost.profiler import profile_layers
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.ties import find_ties
 from lightning_pipe.strategy.contract import Call, Entry, pipeline_model
-from lightning_pipe.strategy.report import run_directory
+from lightning_pipe.strategy.fit_report import run_directory
 from tests.lightning_cases import assert_states_close, deferred_statistics, final_state, step_losses
 from tests.user_modules import (
     DenseNetModule,

@@ -47,18 +47,18 @@ class Lending:
 
     @classmethod
     def of(cls, schedule: Schedule, worker: int) -> Lending:
-        if schedule.relays:  # a relayed stage's whole state goes to the worker computing it (.relays)
+        if schedule.relays:  # a relayed stage's whole state goes to the worker computing it (.stage_relays)
             return cls({}, {})
         computing: dict[int, set[int]] = {s: set() for s in range(schedule.stages)}
         for w, order in enumerate(schedule.orders):
             for action in order:
                 if action.kind in COMPUTE:
                     computing[action.stage].add(w)
-        lenders = {s: schedule.owners[s][0] for s, ws in computing.items() if worker in ws - set(schedule.owners[s])}
+        lenders = {s: schedule.first_owner(s) for s, ws in computing.items() if worker in ws - set(schedule.owners[s])}
         borrowers = {
             s: sorted(ws - set(schedule.owners[s]))
             for s, ws in computing.items()
-            if schedule.owners[s][0] == worker and ws - set(schedule.owners[s])
+            if schedule.first_owner(s) == worker and ws - set(schedule.owners[s])
         }
         return cls(lenders, borrowers)
 

@@ -14,8 +14,8 @@ The executor runs the action loop and keeps its timeline; its parts do the rest:
 and backward (:mod:`.forward_backward`, the loss of micro-batch ``i`` weighted by its share of the
 mini-batch, ``n_i / n``), the bytes autograd saves (:mod:`.activation_memory`), the updates with
 clipping and loss scaling (:mod:`.updates`), the weight versions they keep (:mod:`.versions_kept`),
-lent, ring-reduced and relayed stages and shared parameters (:mod:`.borrowing`, :mod:`.rings`,
-:mod:`.relays`, :mod:`.ties`), and what a call returns (:mod:`.step_output`).
+lent, ring-reduced and relayed stages and shared parameters (:mod:`.borrowing`, :mod:`.gradient_rings`,
+:mod:`.stage_relays`, :mod:`.ties`), and what a call returns (:mod:`.step_output`).
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
 from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
 from lightning_pipe.runtime.forward_backward import ForwardBackward
 from lightning_pipe.runtime.garbage import AlignedCollection
+from lightning_pipe.runtime.gradient_rings import RingReducer
 from lightning_pipe.runtime.groups import pipeline_ranks, replica_groups
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.program import Program, repeated, shift
-from lightning_pipe.runtime.relays import Relays
-from lightning_pipe.runtime.ring_sizes import link_sizes, shared_memory_capacity
-from lightning_pipe.runtime.rings import RingReducer
 from lightning_pipe.runtime.routing import Placement, Router
 from lightning_pipe.runtime.shared_memory import open_links
+from lightning_pipe.runtime.shared_memory_sizes import link_sizes, shared_memory_capacity
+from lightning_pipe.runtime.stage_relays import Relays
 from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
 from lightning_pipe.runtime.ties import find_ties, tie_groups
 from lightning_pipe.runtime.transport import Transport
@@ -119,7 +119,7 @@ class PipelineExecutor:
             (:mod:`lightning_pipe.runtime.shared_memory`; a message that finds the ring full goes by
             gloo). Default 64 MiB on the CPU; 0 (gloo only) on GPUs, whose messages NCCL carries.
             With ``message_bytes``, each ring is only as large as its link needs
-            (:mod:`~lightning_pipe.runtime.ring_sizes`), at most this.
+            (:mod:`~lightning_pipe.runtime.shared_memory_sizes`), at most this.
         message_bytes: the bytes of one micro-batch's activation leaving each stage but the last
             (and of its gradient coming back), as a plan knows them: they size the rings.
 
@@ -381,26 +381,21 @@ class PipelineExecutor:
             raise PipelineRuntimeError("evaluate() runs on drained weights: call drain() first, on every worker")
         check_whole("microbatches", microbatches, 1)
         last = self.schedule.stages - 1
-        worker = [owners[0] for owners in self.schedule.owners]
+        worker = self.schedule.first_owners
         mine = [s for s in range(self.schedule.stages) if worker[s] == self.rank]
         try:
             parts = split_batch(inputs, microbatches) if 0 in mine else []
             self.transport.next_call()
-            expected = {
-                (s, mb): self.transport.expect(self.ranks[worker[s - 1]], ("E", s, mb))
-                for mb in range(microbatches)
-                for s in mine
-                if s > 0 and worker[s - 1] != self.rank
-            }
-            local: dict[tuple[int, int], Any] = {}
+            for mb in range(microbatches):  # the messages of the stages before, through the router
+                for s in mine:
+                    if s > 0 and worker[s - 1] != self.rank:
+                        self.router.expect_from(worker[s - 1], ("E", s, mb, self.origin))
             for mb in range(microbatches):
                 for s in mine:
                     if s == 0:
                         x = map_tensors(lambda t: t.to(self.device), parts[mb])
-                    elif (s, mb) in expected:
-                        x = self.transport.receive(self.ranks[worker[s - 1]], expected.pop((s, mb)))
                     else:
-                        x = local.pop((s, mb))
+                        x = self.router.incoming(("E", s, mb, self.origin))
                     with torch.no_grad():
                         try:
                             y = self.weights[s].module(x)
@@ -408,10 +403,8 @@ class PipelineExecutor:
                             raise self._mismatch(Action(Kind.F, s, mb, self.origin), x, error) from error
                     if s == last:
                         on_output(mb, y)
-                    elif worker[s + 1] == self.rank:
-                        local[(s + 1, mb)] = y
                     else:
-                        self.transport.send(self.ranks[worker[s + 1]], y, ("E", s + 1, mb))
+                        self.router.send_to(worker[s + 1], ("E", s + 1, mb, self.origin), y)
         except Exception as error:
             self.stop(error)
             raise

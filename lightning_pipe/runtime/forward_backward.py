@@ -154,15 +154,12 @@ class ForwardBackward:
                     with torch.no_grad():  # on a copy: a first layer working in place would change the input kept
                         state.outputs = weights.forward(state.leaves, map_tensors(torch.Tensor.clone, inputs))
                 else:
-                    state.outputs, state.saved = self._in_place_safe(
-                        s, inputs, lambda x: self.memory.forward(weights, state.leaves, x, t, s == 0)
-                    )
+                    self._autograd_forward(action, weights, state)
         except Exception as error:
             add_note(error, self._where(action, inputs))
             raise
         if s == self.last:
-            loss = self._loss(state.outputs, t, mb)
-            state.loss = None if self.recompute[s] else self._gradient_share(loss)
+            loss = self._last_loss(action, state, differentiated=not self.recompute[s])
             output.microbatch_losses[(t, mb)] = loss.detach()  # a float at the call's end: no sync here
             if return_outputs:
                 output.outputs[(t, mb)] = map_tensors(torch.Tensor.detach, state.outputs)
@@ -199,10 +196,25 @@ class ForwardBackward:
         self.copies_inputs.add(stage)
         return forward(map_tensors(torch.Tensor.clone, inputs))
 
-    def _loss(self, result: Any, step: int, mb: int) -> torch.Tensor:
-        target = self.batches.targets[step][mb]
-        self.loss_key = (step, mb)  # which micro-batch loss_fn is computing, for callers that log
-        return self.loss_fn(result, target) * (rows_of(target) / self.batches.rows[step])
+    def _autograd_forward(self, action: Action, weights: StageWeights, state: InFlight) -> None:
+        """The stage's forward of ``state.inputs`` with autograd, as a forward runs it or a backward
+        recomputes it: its outputs and the storages autograd saved go into ``state``."""
+        s = action.stage
+        state.outputs, state.saved = self._in_place_safe(
+            s, state.inputs, lambda x: self.memory.forward(weights, state.leaves, x, action.step, s == 0)
+        )
+
+    def _last_loss(self, action: Action, state: InFlight, differentiated: bool) -> torch.Tensor:
+        """The last stage's loss of the micro-batch (``state.outputs``), weighted by its share of the
+        mini-batch's rows. ``differentiated`` (the outputs carry autograd's graph): what it contributes
+        to the gradient (:meth:`_gradient_share`) goes into ``state.loss``, for the backward."""
+        t, mb = action.step, action.microbatch
+        target = self.batches.targets[t][mb]
+        self.loss_key = (t, mb)  # which micro-batch loss_fn is computing, for callers that log
+        loss = self.loss_fn(state.outputs, target) * (rows_of(target) / self.batches.rows[t])
+        if differentiated:
+            state.loss = self._gradient_share(loss)
+        return loss
 
     def _gradient_share(self, loss: torch.Tensor) -> torch.Tensor:
         """What a micro-batch's loss contributes to the gradient an update applies: summed over the
@@ -228,17 +240,13 @@ class ForwardBackward:
             torch.set_rng_state(state.rng[0])
             if accelerated:
                 torch.cuda.set_rng_state(state.rng[1], self.device)
-            state.outputs, state.saved = self._in_place_safe(
-                action.stage,
-                state.inputs,
-                lambda x: self.memory.forward(weights, state.leaves, x, action.step, action.stage == 0),
-            )
+            self._autograd_forward(action, weights, state)
         for buffer, before in buffers:
             # through .data: batch norm's backward node holds the running statistics it was given and
             # checks their version, though training mode's gradient does not read them
             buffer.data.copy_(before)
         if action.stage == self.last:
-            state.loss = self._gradient_share(self._loss(state.outputs, action.step, action.microbatch))
+            self._last_loss(action, state, differentiated=True)
 
     def _roots(self, action: Action, state: InFlight) -> None:
         """The tensors to differentiate and their incoming gradients (none for the scalar loss)."""

@@ -41,7 +41,7 @@ def replica_groups(schedule: Schedule, pipelines: list[list[int]], rank: int) ->
     groups = {}
     for stage, owners in enumerate(schedule.owners):
         holders = sorted(ranks[w] for ranks in pipelines for w in owners)
-        if len(holders) > 1 and not schedule.rings:  # a ring reduces point to point (.rings)
+        if len(holders) > 1 and not schedule.rings:  # a ring reduces point to point (.gradient_rings)
             group = dist.new_group(holders)
             if rank in holders:
                 groups[stage] = group

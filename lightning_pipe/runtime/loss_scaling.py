@@ -15,7 +15,8 @@ checkpoint of the scaler carries it), held outside any one optimizer because in 
   sum is an overflow), so it costs no extra collective, and every worker applies the same update to
   the factor.
 
-That needs every stage's gradient of a step before any stage updates: flushing schedules only.
+That needs every stage's gradient of a step before any stage updates: flushing schedules only
+(:func:`refuse_without_flush`, which the strategy asks at set-up and the executor when it is made).
 """
 
 from __future__ import annotations
@@ -25,7 +26,26 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LossScale"]
+from lightning_pipe.errors import PlanningError
+
+__all__ = ["LossScale", "refuse_without_flush"]
+
+
+def refuse_without_flush(
+    family: str, flush: bool, asked: str = "float16 mixed precision (loss_scale)", instead: str = "bfloat16"
+) -> None:
+    """Refuse float16's loss scale (``asked``: as the caller's user asked for it) with a schedule that
+    does not flush (``flush``; ``family``: its name), suggesting ``instead``.
+
+    Raises:
+        PlanningError: ``flush`` is false.
+    """
+    if not flush:
+        raise PlanningError(
+            f"{asked} needs a loss scale that skips an overflowed step on every stage, which a non-flushing "
+            f"schedule ({family!r}) cannot do without a flush: use {instead} (no loss scale), or a flushing "
+            "schedule (gpipe, 1f1b, interleaved, zb_h1)"
+        )
 
 
 @dataclass

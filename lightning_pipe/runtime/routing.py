@@ -8,8 +8,10 @@ the worker of the action that takes it, through the transport, or by hand when t
 one (:class:`Router`). Everything a worker receives in a call is known from its peers' actions, so
 the receives are posted when the call starts, in the order each peer sends, with those of lent
 weights' gradients (:mod:`~lightning_pipe.runtime.borrowing`), ring reductions
-(:mod:`~lightning_pipe.runtime.rings`), relayed stages (:mod:`~lightning_pipe.runtime.relays`) and
-cues (``SIGNAL``/``WAIT``: Cyclic Data Parallelism's uniform delay, Fournier & Oyallon 2024, §4.2).
+(:mod:`~lightning_pipe.runtime.gradient_rings`), relayed stages
+(:mod:`~lightning_pipe.runtime.stage_relays`) and cues (``SIGNAL``/``WAIT``: Cyclic Data
+Parallelism's uniform delay, Fournier & Oyallon 2024, §4.2). An evaluation's messages go through
+the same router, from each stage's first owner to the next's.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ from typing import Any
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.borrowing import Borrowing, Lending, last_gradients
-from lightning_pipe.runtime.relays import Relays
-from lightning_pipe.runtime.rings import RingReducer
+from lightning_pipe.runtime.gradient_rings import RingReducer
+from lightning_pipe.runtime.stage_relays import Relays
 from lightning_pipe.runtime.transport import Transport
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 
 __all__ = ["Key", "Placement", "Router"]
 
 Key = tuple[str, int, int, int]
-"""A message: ``("F", receiving stage, micro-batch, step)`` or ``("B", ...)``."""
+"""A message: ``("F", receiving stage, micro-batch, step)`` or ``("B", ...)``; ``("E", ...)`` in an
+evaluation (:meth:`~lightning_pipe.runtime.executor.PipelineExecutor.evaluate`)."""
 
 
 class Placement:
@@ -92,7 +95,7 @@ class Placement:
             pairs |= {(lender, worker), (worker, lender)}
         for borrower in {b for borrowers in lending.borrowers.values() for b in borrowers}:
             pairs |= {(worker, borrower), (borrower, worker)}
-        first = [owners[0] for owners in schedule.owners]
+        first = schedule.first_owners
         pairs |= set(itertools.pairwise(first))
         for ring in schedule.rings:  # partial sums, then the whole sum
             pairs |= set(itertools.pairwise(ring.gather)) | set(itertools.pairwise((ring.reducer, *ring.spread)))
@@ -152,7 +155,7 @@ class Router:
                 if action.kind in COMPUTE:
                     for key, kind in self.placement.consumers(action):
                         if self.worker_of(kind, key[1], key[2], key[3]) == self.worker:
-                            self.expected[key] = (sender, self.transport.expect(sender, key[:3]))
+                            self.expect_from(peer, key)
                 if position in returns:  # after its last backward of a stage lent to it: the gradients
                     self.borrowing.expect_gradients(peer, *returns[position])
                 self.rings.expect(peer, action, gathers.get(position))
@@ -160,14 +163,23 @@ class Router:
                 if action.kind is Kind.SIGNAL and action.peer == self.worker:
                     self.expected[action.key] = (sender, self.transport.expect(sender, "cue"))
 
+    def expect_from(self, peer: int, key: Key) -> None:
+        """Post the receive of message ``key``, which worker ``peer`` sends this one."""
+        sender = self.ranks[peer]
+        self.expected[key] = (sender, self.transport.expect(sender, key[:3]))
+
     def deliver(self, action: Action, obj: Any) -> None:
         """Send ``obj``, the message ``action`` produced, to the worker of the action that takes it."""
         for key, kind in self.placement.consumers(action):
-            destination = self.worker_of(kind, key[1], key[2], key[3])
-            if destination == self.worker:
-                self.local[key] = obj
-            else:
-                self.transport.send(self.ranks[destination], obj, key[:3])
+            self.send_to(self.worker_of(kind, key[1], key[2], key[3]), key, obj)
+
+    def send_to(self, worker: int, key: Key, obj: Any) -> None:
+        """Message ``key`` to ``worker``: kept for :meth:`incoming` when that is this worker, sent
+        through the transport otherwise."""
+        if worker == self.worker:
+            self.local[key] = obj
+        else:
+            self.transport.send(self.ranks[worker], obj, key[:3])
 
     def incoming(self, key: Key) -> Any:
         """Message ``key``, from this worker or as received."""

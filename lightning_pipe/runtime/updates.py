@@ -29,7 +29,7 @@ import torch.distributed as dist
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.batch_norm import DeferredNorms
 from lightning_pipe.runtime.clipping import clip_by_value, norm_coefficient, scale, squared_norm
-from lightning_pipe.runtime.loss_scaling import LossScale
+from lightning_pipe.runtime.loss_scaling import LossScale, refuse_without_flush
 from lightning_pipe.runtime.ties import Tie, sum_ties
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.schedule.ir import Action, Schedule
@@ -70,12 +70,8 @@ class Updates:
         for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
             if value is not None and not (isinstance(value, int | float) and value > 0):
                 raise PlanningError(f"{name} must be a positive number or None; got {value!r}")
-        if loss_scale is not None and not schedule.flush:
-            raise PlanningError(
-                f"float16 loss scaling needs a flushing schedule (every stage's gradient of a step before any "
-                f"update, to skip an overflowed step on all stages); {schedule.family!r} updates stages at "
-                "different times: use bfloat16 (no loss scale) or a flushing schedule (gpipe, 1f1b, interleaved, zb)"
-            )
+        if loss_scale is not None:
+            refuse_without_flush(schedule.family, schedule.flush)
         self.owners = schedule.owners
         self.weights, self.ties, self.norms = weights, ties, norms
         self.device, self.group = device, group

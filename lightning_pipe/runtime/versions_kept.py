@@ -9,7 +9,7 @@ steady state they depend only on the program's entry the call runs
 (:meth:`~lightning_pipe.runtime.program.Program.entry_of`) and the position in it, up to a shift of
 every version, so they are worked out once per stage, entry and position and shifted after that. A
 relayed stage (Cyclic Data Parallelism's ZeRO form, Fournier & Oyallon 2024, §4.4) keeps those its
-next actions use, on whichever worker (:meth:`~lightning_pipe.runtime.relays.Relays.upcoming_versions`).
+next actions use, on whichever worker (:meth:`~lightning_pipe.runtime.stage_relays.Relays.upcoming_versions`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 
 from lightning_pipe.runtime.forward_backward import InFlight
 from lightning_pipe.runtime.program import Program
-from lightning_pipe.runtime.relays import Relays
+from lightning_pipe.runtime.stage_relays import Relays
 from lightning_pipe.schedule.ir import COMPUTE, Action
 
 __all__ = ["VersionsKept"]

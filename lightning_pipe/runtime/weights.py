@@ -370,7 +370,7 @@ class StageWeights:
             buffer[index] = None
 
     def hand_over(self) -> dict[str, object]:
-        """The stage's whole state, to pass to another worker (:mod:`~lightning_pipe.runtime.relays`):
+        """The stage's whole state, to pass to another worker (:mod:`~lightning_pipe.runtime.stage_relays`):
         :meth:`state_dict` with the live weights and buffers."""
         state = self.state_dict()
         state["live"] = [p.detach() for p in self.params]

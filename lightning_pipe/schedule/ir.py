@@ -250,6 +250,17 @@ class Schedule:
             for position, action in enumerate(order):
                 yield worker, position, action
 
+    def first_owner(self, stage: int) -> int:
+        """The first of ``stage``'s owners, which speaks for them: it lends the stage's weights to the
+        workers that compute it without owning it, runs it in an evaluation, holds a relayed stage
+        between runs, and gives a replicated stage's carried state and entries to a checkpoint."""
+        return self.owners[stage][0]
+
+    @property
+    def first_owners(self) -> tuple[int, ...]:
+        """:meth:`first_owner` of every stage, in order."""
+        return tuple(self.first_owner(s) for s in range(len(self.owners)))
+
     def computing(self, stage: int) -> tuple[int, ...]:
         """The workers that compute ``stage`` (its forwards and backwards), in order."""
         return tuple(sorted({w for w, _, a in self.actions() if a.stage == stage and a.kind in COMPUTE}))

@@ -53,7 +53,7 @@ def with_transfers(schedule: Schedule) -> Schedule:
             if action.kind in COMPUTE and worker not in schedule.owners[action.stage]:
                 run = (action.stage, action.version or 0)
                 if run != current:
-                    owner = schedule.owners[action.stage][0]
+                    owner = schedule.first_owner(action.stage)
                     lowered.append(Action(Kind.FETCH, action.stage, None, action.step, action.version, owner))
                 current = run
             elif action.kind in COMPUTE:

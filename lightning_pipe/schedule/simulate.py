@@ -91,7 +91,7 @@ class _Replay:
             return ready
         nbytes = self.costs.stage_bytes("weight_bytes", action.stage)
         issued = max(self.produced.get((action.stage, version), 0.0), self.previous_start[worker])
-        message = Message(issued, self.schedule.owners[action.stage][0], worker, "weight", nbytes)
+        message = Message(issued, self.schedule.first_owner(action.stage), worker, "weight", nbytes)
         self.traffic.send(message, self.owners[action.stage])
         arrival = issued + self.costs.transfer(nbytes)
         self.weights.hold(worker, action.stage, issued)

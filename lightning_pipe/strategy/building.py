@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,9 +25,9 @@ from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, Plannin
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
-from lightning_pipe.runtime.ring_sizes import shared_memory_capacity
+from lightning_pipe.runtime.shared_memory_sizes import shared_memory_capacity
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, memory_schedule
-from lightning_pipe.schedule.ir import COMPUTE
+from lightning_pipe.schedule.ir import COMPUTE, Schedule
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Call, PipelineModel, pipeline_model
@@ -43,9 +44,9 @@ from lightning_pipe.strategy.planning import (
     optimizer_copies,
     plan_stages,
     predict,
-    report,
     schedule_of,
     setup_line,
+    setup_report,
     timed,
 )
 from lightning_pipe.strategy.random_states import replayed
@@ -62,6 +63,11 @@ __all__ = ["PipelineBuilding"]
 
 class PipelineBuilding:
     """Building the pipeline on the first batch (methods of :class:`~lightning_pipe.strategy.PipelineStrategy`)."""
+
+    def _schedule_maker(self, stage_plan: StagePlan) -> Callable[[int], Schedule]:
+        """``steps -> schedule`` of ``stage_plan``'s stages with this strategy's options and micro-batches
+        (:func:`~lightning_pipe.strategy.planning.schedule_of`)."""
+        return schedule_of(stage_plan, self.options, self.microbatches)
 
     def _pipeline(self, call: Call, batch: Any) -> PipelineExecutor:
         """The executor, built on the first call from ``call`` (the arguments the step gave ``forward``
@@ -89,10 +95,10 @@ class PipelineBuilding:
                 seconds["plan"] -= seconds["verify"] + seconds["profile"]  # timed apart inside
         layers = self._chain.layers
         stage_plan = self.stage_plan
-        make = schedule_of(stage_plan, self.options, self.microbatches)
+        make = self._schedule_maker(stage_plan)
         mine = {a.stage for a in make(1).orders[self.global_rank % self.workers] if a.kind in COMPUTE}
         if meta:  # this rank's stages only, initialised as the whole model would be (.materialise)
-            everything = {id(t) for root in (module, *layers) for t in [*root.parameters(), *root.buffers()]}
+            everything = tensor_ids([module, *layers])
             materialise(
                 module, [module, *layers], everything - self._foreign(layers, mine), self.root_device, self.optimizers
             )
@@ -107,7 +113,7 @@ class PipelineBuilding:
             self.compilation = StageCompilation.of(self._compiled, stages, make(1))
             stages = self.compilation.modules(stages, mine)
             if fresh:
-                rank_zero_info(self.compilation.report())
+                rank_zero_info(self.compilation.summary())
         compiled = self.compilation is not None and bool(self.compilation.compiled)
         self.executor = PipelineExecutor(
             make,
@@ -210,8 +216,8 @@ class PipelineBuilding:
         meta device (:mod:`.ownership`)."""
         assert self.executor is not None and self.stage_plan is not None
         ownership = Ownership.of(module, layers, self.stage_plan.bounds)
-        owners, ranks = self.executor.schedule.owners, self.pipelines[0]
-        self._writers = {name: ownership.writer(name, owners, ranks) for name in module.state_dict(keep_vars=True)}
+        first, ranks = self.executor.schedule.first_owners, self.pipelines[0]
+        self._writers = {name: ownership.writer(name, first, ranks) for name in module.state_dict(keep_vars=True)}
         release([module, *layers], self._foreign(layers, mine), self.optimizers)
 
     def _foreign(self, layers: list[Any], mine: set[int]) -> set[int]:
@@ -335,8 +341,8 @@ class PipelineBuilding:
             notes = [MATERIALISED] if meta else []
             if model.captured is not None and model.captured.cache_off:
                 notes.append(CACHE_OFF.format(modules=", ".join(model.captured.cache_off)))
-            schedule = schedule_of(stage_plan, self.options, self.microbatches)(1)
-            text = report(stage_plan, self._prediction, model.captured, schedule)
+            schedule = self._schedule_maker(stage_plan)(1)
+            text = setup_report(stage_plan, self._prediction, model.captured, schedule)
             rank_zero_info("\n".join([text, *self.differences, *notes]))
         return stage_plan
 
@@ -392,7 +398,7 @@ class PipelineBuilding:
         """Whether this rank runs ``stage`` in a forward-only pipeline (a replicated stage runs on its
         first worker there)."""
         assert self.executor is not None
-        return self.executor.schedule.owners[stage][0] == self.executor.rank
+        return self.executor.schedule.first_owner(stage) == self.executor.rank
 
     def _before_update(self, stage: int, step: int, optimizer: torch.optim.Optimizer | None) -> None:
         assert self._hyper is not None

@@ -20,6 +20,7 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
 from lightning_pipe.strategy.atomic import remove, sweep, write_file
 from lightning_pipe.strategy.checkpoint_files import check_same_model, load_checkpoint
+from lightning_pipe.strategy.ownership import group_names, parameter_names
 from lightning_pipe.strategy.pipeline_state import PipelineState, SavedPlan, StageSummary
 from lightning_pipe.strategy.saving import SaveRanks, save_together
 from lightning_pipe.strategy.sharded import read_entries, save_sharded
@@ -129,7 +130,7 @@ class CheckpointHooks:
             sources = [w.optimizer.state for w in self.executor.weights.values() if w.optimizer is not None]
         else:
             sources = [optimizer.state for optimizer in self.optimizers]
-        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        names = parameter_names(self.lightning_module)
         return {
             names[id(p)]: to_cpu(value)
             for source in sources
@@ -150,8 +151,8 @@ class CheckpointHooks:
             for entry in state["stages"].values():
                 entry["gradients"] = {}
         state = to_cpu(state)
-        owners = self.executor.schedule.owners
-        state["stages"] = {s: e for s, e in state["stages"].items() if owners[s][0] == self.executor.rank}
+        schedule = self.executor.schedule
+        state["stages"] = {s: e for s, e in state["stages"].items() if schedule.first_owner(s) == self.executor.rank}
         return state
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -189,12 +190,12 @@ class CheckpointHooks:
         states, self._saved_states = self._saved_states, None
         if states is None or self.executor is None:
             return
-        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        names = parameter_names(self.lightning_module)
         for weights in self.executor.weights.values():
             optimizer = weights.optimizer
             if optimizer is None:
                 continue
-            params = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+            params = group_names(optimizer, names)
             found = read_entries(states, [name for name in params if name is not None])
             own = optimizer.state_dict()
             own["state"] = {i: found[name] for i, name in enumerate(params) if name in found}

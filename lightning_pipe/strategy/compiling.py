@@ -196,7 +196,7 @@ class StageCompilation:
             for s, stage in enumerate(stages)
         ]
 
-    def report(self) -> str:
+    def summary(self) -> str:
         """The set-up message: the settings, the stages compiled and the others with their reason."""
         compiled = self.compiled
         if compiled:

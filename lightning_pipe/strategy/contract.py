@@ -79,18 +79,19 @@ class Entry:
             else:
                 del self.module.forward
 
-    def capture(self, step: Callable[..., Any], *args: Any) -> Call:
-        """The arguments ``step(*args)`` gives ``forward`` (the step is abandoned there)."""
+    def capture(self, step_code: Callable[..., Any], *args: Any) -> Call:
+        """The arguments ``step_code(*args)`` (``training_step``, ``validation_step``, ...) gives
+        ``forward`` (the step is abandoned there)."""
 
         def forward(*inputs: Any, **kwargs: Any) -> Any:
             raise _Captured(Call(inputs, kwargs))
 
         try:
             with self._standing_in(forward):
-                step(*args)
+                step_code(*args)
         except _Captured as captured:
             return captured.call
-        name = getattr(step, "__name__", "the step")
+        name = getattr(step_code, "__name__", "the step")
         raise PipelineRuntimeError(
             f"{name} never called forward: the pipeline splits the module's forward, so {name} must call it "
             f"(`self(x)` or `self.forward(x)`; code that calls submodules directly, e.g. `self.encoder(x)`, cannot "

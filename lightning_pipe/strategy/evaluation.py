@@ -30,10 +30,10 @@ class EvaluationHooks:
         the joined outputs, so what it logs or returns is what the unsplit step gives (exactly: no
         combination of micro-batches). Returns the step's record and result (``None`` elsewhere)."""
         module = self.lightning_module
-        step = getattr(module, hook)
+        step_code = getattr(module, hook)
         # the step's code before forward runs once per batch, on the ranks that need its arguments
         random = RandomStates.now()  # a rerun of the step below draws what this run draws
-        call = self._entry.capture(step, *args) if self.executor is None or self._evaluates(0) else None
+        call = self._entry.capture(step_code, *args) if self.executor is None or self._evaluates(0) else None
         executor = self._pipeline(call, args[0]) if call is not None else self.executor
         assert executor is not None
         self.drain()
@@ -47,7 +47,7 @@ class EvaluationHooks:
         record = Record(rows_of(args[0]))
         rerun = replayed(random) if call is not None else contextlib.nullcontext()
         with rerun, self._entry.inject(concatenate(outputs)), recording(module, record):
-            result = step(*args)
+            result = step_code(*args)
         return record, result
 
     def _replay(self, record: Record | None, result: Any) -> Any:

@@ -22,12 +22,24 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Ownership", "as_parameter_like", "release", "replace", "tensor_ids"]
+__all__ = ["Ownership", "as_parameter_like", "group_names", "parameter_names", "release", "replace", "tensor_ids"]
 
 
 def tensor_ids(modules: Iterable[nn.Module]) -> set[int]:
     """The identities of every parameter and buffer of ``modules``."""
     return {id(t) for module in modules for t in [*module.parameters(), *module.buffers()]}
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """The name of each parameter of ``module`` by the parameter's ``id`` (tensors hash by identity
+    only through it), the first name of a parameter held under several."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def group_names(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str | None]:
+    """The name (in ``names``, :func:`parameter_names`) of each parameter of ``optimizer``'s groups, in
+    the order of its state dict's positions; ``None`` for a parameter ``names`` lacks."""
+    return [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
 
 
 @dataclass(frozen=True)
@@ -52,13 +64,14 @@ class Ownership:
         """The state-dict entries a rank running ``stages`` holds."""
         return self.outside.union(*(self.stage_names[s] for s in stages))
 
-    def writer(self, name: str, owners: Sequence[Sequence[int]], ranks: Sequence[int]) -> int:
+    def writer(self, name: str, first_owners: Sequence[int], ranks: Sequence[int]) -> int:
         """The global rank that contributes entry ``name`` to a full state: the first worker of the
-        first stage holding it (``owners[stage]``: the stage's workers; ``ranks``: the global rank of
-        each worker of the first pipeline); rank ``ranks[0]`` for the entries outside the layers."""
+        first stage holding it (``first_owners[stage]``: :meth:`~lightning_pipe.schedule.ir.Schedule.first_owner`;
+        ``ranks``: the global rank of each worker of the first pipeline); rank ``ranks[0]`` for the
+        entries outside the layers."""
         for stage, names in enumerate(self.stage_names):
             if name in names:
-                return ranks[owners[stage][0]]
+                return ranks[first_owners[stage]]
         return ranks[0]
 
 

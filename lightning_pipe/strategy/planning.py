@@ -47,9 +47,9 @@ __all__ = [
     "optimizer_copies",
     "plan_stages",
     "predict",
-    "report",
     "schedule_of",
     "setup_line",
+    "setup_report",
     "timed",
 ]
 
@@ -391,14 +391,16 @@ def predict(
     return simulate(schedule_of(stage_plan, schedule, microbatches)(3), costs, early_gradients=True)
 
 
-def report(
+def setup_report(
     stage_plan: StagePlan,
     prediction: Simulation | None,
     captured: CapturedForward | None = None,
     schedule: Schedule | None = None,
 ) -> str:
-    """The captured layers and cuts (when ``forward`` was captured), the plan table, the placement of
-    ``schedule`` and the prediction, as ``lightning-pipe plan`` and ``simulate`` print them."""
+    """The set-up report rank 0 prints once the plan is made (the end-of-fit one is
+    :mod:`~lightning_pipe.strategy.fit_report`'s): the captured layers and cuts (when ``forward`` was
+    captured), the plan table, the placement of ``schedule`` and the prediction, as ``lightning-pipe
+    plan`` and ``simulate`` print them."""
     lines = [describe(captured, stage_plan.bounds)] if captured is not None else []
     placement = [placement_table(schedule)] if schedule is not None else []
     if stage_plan.plan is None or stage_plan.costs is None:

@@ -88,6 +88,7 @@ from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.affinity import pin_threads
 from lightning_pipe.runtime.allocator import release_freed_memory
 from lightning_pipe.runtime.failure import FailureBoard
+from lightning_pipe.runtime.loss_scaling import refuse_without_flush
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
@@ -101,9 +102,11 @@ from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
 from lightning_pipe.strategy.effects import metric_modules
 from lightning_pipe.strategy.evaluation import EvaluationHooks
+from lightning_pipe.strategy.log_relay import LogRelay
 from lightning_pipe.strategy.logs import Record
 from lightning_pipe.strategy.materialise import on_meta
 from lightning_pipe.strategy.optimizers import HyperParameters
+from lightning_pipe.strategy.ownership import group_names, parameter_names
 from lightning_pipe.strategy.parent_watch import LAUNCHER_PID, ParentWatch
 from lightning_pipe.strategy.pipeline_state import PipelineState
 from lightning_pipe.strategy.planning import (
@@ -113,7 +116,6 @@ from lightning_pipe.strategy.planning import (
 )
 from lightning_pipe.strategy.profile_cache import default_directory
 from lightning_pipe.strategy.random_states import RandomStates
-from lightning_pipe.strategy.relay import Relay
 from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.signals import Signals
 from lightning_pipe.strategy.topology import Topology
@@ -424,7 +426,7 @@ class PipelineStrategy(
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
-        self._relay = Relay(self._objects, lambda error: self._failures.aborted())
+        self._log_relay = LogRelay(self._objects, lambda error: self._failures.aborted())
         own = [dist.new_group(ranks, backend="gloo", timeout=self._timeout) for ranks in self.pipelines]
         self._pipeline_objects = own[self.pipeline_index]
         positions = [dist.new_group(list(range(w, self.world_size, self.workers))) for w in range(self.workers)]
@@ -466,8 +468,7 @@ class PipelineStrategy(
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # one: Lightning refuses several under automatic optimization
             self._hyper = HyperParameters(self.optimizers[0])
-            names = {id(p): name for name, p in self.lightning_module.named_parameters()}
-            self._template_names = [names.get(id(p)) for g in self.optimizers[0].param_groups for p in g["params"]]
+            self._template_names = group_names(self.optimizers[0], parameter_names(self.lightning_module))
             epoch_loop = trainer.fit_loop.epoch_loop
             if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # Lightning's per-batch collective: the
                 epoch_loop._broadcast_sigterm_tensor = lambda: None  # flag travels in the log relay (.signals)
@@ -500,11 +501,9 @@ class PipelineStrategy(
                 f"precision={precision!r} is not supported by the pipeline: use '32-true', 'bf16-mixed', "
                 "'bf16-true' or '16-mixed'"
             )
-        if precision == "16-mixed" and self.schedule_options.family in NON_FLUSHING_FAMILIES:
-            raise PlanningError(
-                f"precision='16-mixed' needs a loss scale that skips an overflowed step on every stage, which "
-                f"a non-flushing schedule ({self.schedule_options.family!r}) cannot do without a flush: use "
-                "precision='bf16-mixed' (no loss scale), or a flushing schedule (gpipe, 1f1b, interleaved, zb_h1)"
+        if precision == "16-mixed":
+            refuse_without_flush(
+                family, family not in NON_FLUSHING_FAMILIES, "precision='16-mixed'", "precision='bf16-mixed'"
             )
 
     @contextlib.contextmanager

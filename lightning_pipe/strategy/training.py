@@ -23,10 +23,9 @@ from torch import Tensor
 from lightning_pipe.strategy.after_fit import HOW_TO_GET_IT
 from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.effects import metric_modules, replay
+from lightning_pipe.strategy.fit_report import STEPS_SHOWN, FitReport, last_steps, run_directory
 from lightning_pipe.strategy.logs import Record, combine, logged_metrics
-from lightning_pipe.strategy.planning import schedule_of
 from lightning_pipe.strategy.random_states import RandomStates
-from lightning_pipe.strategy.report import STEPS_SHOWN, FitReport, last_steps, run_directory
 from lightning_pipe.strategy.stop_iteration import no_stop_iteration
 from lightning_pipe.util.nested import concatenate, map_tensors
 
@@ -93,7 +92,7 @@ class TrainingHooks:
         """Start sending this call's micro-batch records (none but on a last stage) and this rank's
         signal notes to every rank."""
         assert self._signals is not None
-        return self._relay.post(
+        return self._log_relay.post(
             {
                 "pipeline": self.pipeline_index,
                 "rank": self.global_rank,
@@ -109,7 +108,7 @@ class TrainingHooks:
         no rank waits for the last stage at a step boundary (the values are logged one step later)."""
         self._collect_relayed()
         if wait:
-            self._collect(self._relay.wait(posted))
+            self._collect(self._log_relay.wait(posted))
         else:
             self._posted = posted
         for step in sorted(s for s, parts in self._pending.items() if len(parts) == self.microbatches):
@@ -135,7 +134,7 @@ class TrainingHooks:
         """Receive the records left in flight by the last call (before any other collective)."""
         if self._posted is not None:
             posted, self._posted = self._posted, None
-            self._collect(self._relay.wait(posted))
+            self._collect(self._log_relay.wait(posted))
 
     def _collect(self, payloads: list[dict[str, Any]]) -> None:
         for payload in payloads:
@@ -183,7 +182,7 @@ class TrainingHooks:
     def on_train_end(self) -> None:
         self.drain()
         self._keep_loss_scale()
-        self._report()
+        self._report_fit()
         if self._writers is None:  # nothing was released: every rank holds the whole model
             return
         if self.gather_after_fit:
@@ -191,8 +190,8 @@ class TrainingHooks:
         else:
             rank_zero_info(f"After fit, {HOW_TO_GET_IT}")
 
-    def _report(self) -> None:
-        """The end-of-fit report (:mod:`.report`): a collective; written and logged by global rank 0."""
+    def _report_fit(self) -> None:
+        """The end-of-fit report (:mod:`.fit_report`): a collective; written and logged by global rank 0."""
         executor = self.executor
         if executor is None or executor.origin < STEPS_SHOWN:
             return
@@ -209,7 +208,7 @@ class TrainingHooks:
             last_steps([i for part in timelines for i in part]),
             self._step_seconds[2:],
             in_run,
-            schedule_of(self.stage_plan, self.options, self.microbatches)(STEPS_SHOWN),
+            self._schedule_maker(self.stage_plan)(STEPS_SHOWN),
             self._prediction,
         )
         picture, trace = fit.write(directory)

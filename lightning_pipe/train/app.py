@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.strategy import PipelineStrategy
-from lightning_pipe.strategy.planning import report
+from lightning_pipe.strategy.planning import setup_report
 from lightning_pipe.train import build
 from lightning_pipe.train.config import register_configs
 
@@ -69,7 +69,7 @@ def _write_results(trainer: L.Trainer, directory: Path, metrics: dict[str, float
     results: dict[str, Any] = {"test": metrics}
     if isinstance(strategy, PipelineStrategy) and strategy.stage_plan is not None:
         prediction = strategy.prediction
-        (directory / "plan.txt").write_text(report(strategy.stage_plan, prediction) + "\n")
+        (directory / "plan.txt").write_text(setup_report(strategy.stage_plan, prediction) + "\n")
         (directory / "plan.json").write_text(json.dumps(strategy.stage_plan.to_dict(), indent=1) + "\n")
         results["predicted_step_seconds"] = None if prediction is None else prediction.steady_step
         results["measured_step_seconds"] = strategy.measured_step_seconds

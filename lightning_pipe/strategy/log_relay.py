@@ -2,11 +2,14 @@
 
 ``all_gather_object`` costs two collectives and makes every rank wait for the slowest at each step,
 which is what a non-flushing pipeline must avoid: rank 0 should start step ``t + 1`` while the last
-stage finishes step ``t``. A :class:`Relay` packs each rank's pickled payload into a buffer of fixed
+stage finishes step ``t``. A :class:`LogRelay` packs each rank's pickled payload into a buffer of fixed
 capacity (a length header, then the bytes) and gathers the buffers in one collective, which can be
 left in flight (:meth:`post`) and collected a step later (:meth:`wait`). A payload larger than the
 capacity is fetched by a second, blocking gather that every rank knows to make (the lengths are in
 the gathered headers), and the capacity grows to fit.
+
+(Not to be confused with :mod:`lightning_pipe.runtime.stage_relays`, which passes a relayed stage's
+whole state from worker to worker.)
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Relay"]
+__all__ = ["LogRelay"]
 
 _HEADER = 8  # int64 length of the pickled payload
 
@@ -31,7 +34,7 @@ class _Posted:
     work: dist.Work
 
 
-class Relay:
+class LogRelay:
     """Gathers one picklable object per rank over ``group`` (a gloo group: CPU tensors).
 
     Args:

@@ -8,6 +8,9 @@ stage may send every micro-batch before the next takes one), whichever is more, 
 more for the room lost where a message does not fit before the ring's end and starts again at its
 front. Never more than the size asked for (a message that finds the ring full goes by gloo), 64 MiB
 unless asked otherwise; no rings at all on GPUs, whose messages NCCL carries.
+
+(These rings are buffers of bytes; the rings of workers along which Cyclic Data Parallelism reduces
+gradients are :mod:`~lightning_pipe.runtime.gradient_rings`'.)
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def ring_sizes(
 
     loads = link_loads(schedule, size)
     evaluation: dict[tuple[int, int], LinkLoad] = {}  # evaluate() runs each stage on its first owner
-    first = [owners[0] for owners in schedule.owners]
+    first = schedule.first_owners
     for stage, (sender, receiver) in enumerate(itertools.pairwise(first)):
         if sender != receiver:
             message = message_bytes[stage] + MESSAGE_OVERHEAD

@@ -8,6 +8,9 @@ last owner (the reducer) then holds the step's sum and passes it to the first ow
 and each of those takes it at its update of the step and passes it on. A step's gradient of a stage
 therefore crosses ``2(W - 1)`` links, the volume of a bandwidth-optimal ring all-reduce
 (Patarasuk & Yuan 2009), spread over the step instead of at its end, and with no collective.
+
+(These rings are the schedule's, of workers; the shared-memory rings that carry messages between two
+processes are sized in :mod:`~lightning_pipe.runtime.shared_memory_sizes`.)
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class Relays:
         self.worker, self.ranks, self.transport = worker, ranks, transport
         self.base, self.period = base, period
         self.origin = 0  # the step the programs count from (the executor's, moved on by each drain)
-        self.homes = [owners[0] for owners in schedule.owners]
+        self.homes = schedule.first_owners
         self.where = {a.key: w for w, _, a in schedule.actions() if a.kind in COMPUTE or a.kind is Kind.UPDATE}
         self.versions = {a.key: a.version for _, _, a in schedule.actions() if a.kind in COMPUTE}
         self.index = {a.key: (stage, i) for stage, relay in enumerate(self.relays) for i, a in enumerate(relay)}
