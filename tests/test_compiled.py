@@ -13,7 +13,7 @@ compiled with the user's settings (:mod:`lightning_pipe.capture.compiled`,
   whole LightningModule compiled before ``trainer.fit``, with 1F1B and ``backend="aot_eager"``, end
   with the parameters of plain Lightning fed the same micro-batches (``accumulate_grad_batches``) to
   1e-6, each checkpoint with the keys plain Lightning saves (``net._orig_mod.`` for (a)), no stage
-  falling back to eager; 2BW compiled ends equal to 2BW
+  falling back to eager, and (a) with GPipe as well; 2BW compiled ends equal to 2BW
   uncompiled (three uneven micro-batches: a smaller last one); inductor (``torch.compile``'s
   default backend) trains, its loss falling.
 """
@@ -180,6 +180,7 @@ CASES = {
     "a": ("a", "aot_eager", {}, 2),
     "b": ("b", "aot_eager", {"recompute": True}, 2),
     "c": ("c", "aot_eager", {}, 2),
+    "gpipe": ("a", "aot_eager", {"schedule": "gpipe"}, 2),
     "2bw": ("b", "aot_eager", {"schedule": "2bw"}, 3),
     "2bw_eager": (None, None, {"schedule": "2bw"}, 3),
     "inductor": ("a", None, {}, 2),
@@ -227,8 +228,9 @@ def _pipelines(rank: int, root: str) -> dict[str, Any]:
 @pytest.mark.timeout(300)
 def test_compiled_modules_train_as_plain_lightning_on_two_processes(tmp_path: Path) -> None:
     ranks = run_local(_pipelines, 2, str(tmp_path / "pipe"), timeout=280)
+    plains = {}
     for kind in ("a", "b", "c"):
-        plain = _fit(tmp_path / f"plain_{kind}", kind, 1, accumulate=CASES[kind][3])
+        plain = plains[kind] = _fit(tmp_path / f"plain_{kind}", kind, 1, accumulate=CASES[kind][3])
         for result in ranks:
             assert result[kind]["compiled"] == [0, 1] and result[kind]["frames"] > 0, kind  # run compiled
             assert not result[kind]["eager"], result[kind]["eager"]
@@ -238,6 +240,8 @@ def test_compiled_modules_train_as_plain_lightning_on_two_processes(tmp_path: Pa
         assert list(saved) == list(expected)
         assert any("_orig_mod." in key for key in saved) == (kind == "a")  # (c): the module itself is saved
     for result in ranks:
+        assert result["gpipe"]["compiled"] == [0, 1] and not result["gpipe"]["eager"]
+        assert_states_close(result["gpipe"]["final"], plains["a"]["final"], 1e-6)  # GPipe computes what 1F1B does
         assert result["2bw"]["compiled"] == [0, 1] and result["2bw_eager"]["frames"] == 0
         assert_states_close(result["2bw"]["final"], result["2bw_eager"]["final"], 1e-6)
         losses = result["inductor"]["losses"]
