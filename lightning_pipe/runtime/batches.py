@@ -34,6 +34,10 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     return [unflatten(skeleton, [c[i] for c in chunks]) for i in range(parts)]
 
 
+NO_BATCH_DIMENSION = "a mini-batch must hold a tensor with a batch dimension to split into micro-batches"
+"""Said when a batch has no tensor with rows: by a running step, and at set-up (a planning error there)."""
+
+
 def rows_of(batch: Any) -> int:
     """The samples in ``batch``: the first dimension of its first tensor that has one."""
     return _rows(tensors(batch))
@@ -42,7 +46,7 @@ def rows_of(batch: Any) -> int:
 def _rows(found: list[torch.Tensor]) -> int:
     first = next((t for t in found if t.dim()), None)
     if first is None:
-        raise PipelineRuntimeError("a mini-batch must hold a tensor with a batch dimension to split into micro-batches")
+        raise PipelineRuntimeError(NO_BATCH_DIMENSION)
     return first.shape[0]
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.schedule import SUGGESTED_FLUSHING
 
 __all__ = ["LossScale", "refuse_without_flush"]
 
@@ -44,7 +45,7 @@ def refuse_without_flush(
         raise PlanningError(
             f"{asked} needs a loss scale that skips an overflowed step on every stage, which a non-flushing "
             f"schedule ({family!r}) cannot do without a flush: use {instead} (no loss scale), or a flushing "
-            "schedule (gpipe, 1f1b, interleaved, zb_h1)"
+            f"schedule ({SUGGESTED_FLUSHING})"
         )
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "NON_FLUSHING_FAMILIES",
     "RULES",
     "SLACK_FAMILIES",
+    "SUGGESTED_FLUSHING",
     "Action",
     "Kind",
     "Schedule",
@@ -60,6 +61,8 @@ FAMILIES: dict[str, str] = {
 }
 SLACK_FAMILIES: tuple[str, ...] = ("1f1b", "pipedream", "2bw")
 NON_FLUSHING_FAMILIES: tuple[str, ...] = ("pipedream", "2bw", "cdp")  # steps overlap: updates are delayed
+SUGGESTED_FLUSHING: str = "gpipe, 1f1b, interleaved, zb_h1"
+"""The flushing families a refusal of a non-flushing one suggests instead."""
 MEMORY_SCHEDULES: dict[str, str] = {"gpipe": "gpipe", "pipedream": "pipedream", "2bw": "2bw", "cdp": "2bw"}
 """The memory model (:data:`lightning_pipe.cost.memory.SCHEDULES`) of a family that keeps other than
 1F1B's activations in flight and one weight version; every other family is modelled as ``1f1b``."""

@@ -23,7 +23,7 @@ from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
 from lightning_pipe.runtime import PipelineExecutor
-from lightning_pipe.runtime.batches import rows_of, split_batch
+from lightning_pipe.runtime.batches import NO_BATCH_DIMENSION, rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.shared_memory_sizes import shared_memory_capacity
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, memory_schedule
@@ -441,7 +441,7 @@ def _first_microbatch(call: Call, microbatches: int) -> Call:
             "forward was called without any tensor: a pipeline cuts forward's tensors into micro-batches"
         )
     if not any(t.dim() for t in found):  # set-up: refused as planning, not as a running step's batch
-        raise PlanningError("a mini-batch must hold a tensor with a batch dimension to split into micro-batches")
+        raise PlanningError(NO_BATCH_DIMENSION)
     parts = min(microbatches, rows_of(tuple(found)))  # an evaluation batch may be smaller
     args, kwargs = unflatten(skeleton, list(split_batch(tuple(found), parts)[0]))
     return Call(tuple(args), dict(kwargs))

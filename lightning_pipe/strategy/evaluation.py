@@ -32,8 +32,10 @@ class EvaluationHooks:
         module = self.lightning_module
         step_code = getattr(module, hook)
         # the step's code before forward runs once per batch, on the ranks that need its arguments
-        random = RandomStates.now()  # a rerun of the step below draws what this run draws
-        call = self._entry.capture(step_code, *args) if self.executor is None or self._evaluates(0) else None
+        call, random = None, None
+        if self.executor is None or self._evaluates(0):
+            random = RandomStates.now()  # a rerun of the step below draws what this run draws
+            call = self._entry.capture(step_code, *args)
         executor = self._pipeline(call, args[0]) if call is not None else self.executor
         assert executor is not None
         self.drain()
@@ -45,7 +47,7 @@ class EvaluationHooks:
         if not self._evaluates(-1):
             return None, None
         record = Record(rows_of(args[0]))
-        rerun = replayed(random) if call is not None else contextlib.nullcontext()
+        rerun = replayed(random) if random is not None else contextlib.nullcontext()
         with rerun, self._entry.inject(concatenate(outputs)), recording(module, record):
             result = step_code(*args)
         return record, result

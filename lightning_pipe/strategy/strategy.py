@@ -89,7 +89,7 @@ from lightning_pipe.runtime.affinity import pin_threads
 from lightning_pipe.runtime.allocator import release_freed_memory
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.loss_scaling import refuse_without_flush
-from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
+from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES, SUGGESTED_FLUSHING
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.after_fit import fill, guard, lift_guard
@@ -488,7 +488,7 @@ class PipelineStrategy(
                 "its steps overlap from batch to batch and its update rule applies each step's gradient to weights "
                 "of the steps before, so no batch can end without an update; use batches "
                 f"{accumulate}x larger with microbatches={accumulate * self.microbatches} (the same gradient per "
-                "update), or a flushing schedule (gpipe, 1f1b, interleaved, zb_h1)"
+                f"update), or a flushing schedule ({SUGGESTED_FLUSHING})"
             )
         if is_overridden("configure_gradient_clipping", module, LightningModule):
             raise PlanningError(
