@@ -31,7 +31,8 @@ import torch
 from torch import fx, nn
 from torch.fx.node import Node, map_aggregate
 
-from lightning_pipe.capture.tracer import DataDependent, Decided, LiveRead, Shadow, ShadowTracer, TraceFailure
+from lightning_pipe.capture.module_attributes import Decided, LiveRead
+from lightning_pipe.capture.tracer import DataDependent, Shadow, ShadowTracer, TraceFailure
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.util.nested import flatten, unflatten
 

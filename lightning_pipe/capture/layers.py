@@ -29,7 +29,8 @@ from torch import fx, nn
 from torch.fx.node import Node, map_aggregate, map_arg
 
 from lightning_pipe.capture.graph import CapturedGraph
-from lightning_pipe.capture.tracer import LiveRead, split_marker
+from lightning_pipe.capture.module_attributes import LiveRead
+from lightning_pipe.capture.tracer import split_marker
 from lightning_pipe.util.nested import unflatten
 
 __all__ = ["GraphLayer", "LayerSpec", "build_layers", "group_nodes", "layer_specs"]

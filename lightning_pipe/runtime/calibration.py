@@ -21,6 +21,9 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
+
+import torch.distributed as dist
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import Action, Kind, Schedule
@@ -28,7 +31,7 @@ from lightning_pipe.schedule.simulate import simulate
 from lightning_pipe.schedule.simulation import Interval, Simulation
 from lightning_pipe.schedule.stage_costs import StageCosts, adds_gradients
 
-__all__ = ["alone_costs", "measured_seconds", "stage_costs"]
+__all__ = ["alone_costs", "gathered_stage_costs", "measured_seconds", "stage_costs"]
 
 Totals = dict[tuple[int, Kind, bool], tuple[float, int]]
 """``(stage, kind, adds) -> (seconds of compute, actions)`` of one rank; ``adds``: a ``B`` or ``W``
@@ -88,6 +91,30 @@ def stage_costs(
     stages' price per byte: the extra is one pass over the stage's gradients.
     """
     return _costs(_pooled(ranks), stages, gradient_bytes, **network)
+
+
+def gathered_stage_costs(
+    timeline: Iterable[Interval],
+    weights: Mapping[int, Any],
+    group: Any,
+    world: int,
+    stages: int,
+    since_step: int = 0,
+    **network: object,
+) -> StageCosts:
+    """:func:`stage_costs` of a pipeline's run: each rank's :func:`measured_seconds` of its
+    ``timeline`` and the gradient bytes of the stages it holds (``weights``: stage -> its
+    :class:`~lightning_pipe.runtime.weights.StageWeights`), gathered over ``group`` (of ``world``
+    ranks). A collective."""
+    gradients = {
+        stage: float(sum(p.numel() * p.element_size() for p in held.params if p.requires_grad))
+        for stage, held in weights.items()
+    }
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (measured_seconds(timeline, since_step), gradients), group=group)
+    sizes = {stage: size for _, theirs in gathered for stage, size in theirs.items()}
+    gradient_bytes = [sizes.get(stage, 0.0) for stage in range(stages)]
+    return stage_costs([totals for totals, _ in gathered], stages, gradient_bytes, **network)
 
 
 def _pooled(ranks: Sequence[Totals]) -> dict[tuple[int, Kind, bool], float]:

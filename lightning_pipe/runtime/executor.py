@@ -37,7 +37,7 @@ from lightning_pipe.runtime.activation_memory import ActivationMemory
 from lightning_pipe.runtime.batch_norm import DeferredNorms
 from lightning_pipe.runtime.batches import MiniBatches, split_batch
 from lightning_pipe.runtime.borrowing import Borrowing, Lending, check_borrowing, last_gradients
-from lightning_pipe.runtime.calibration import measured_seconds, stage_costs
+from lightning_pipe.runtime.calibration import gathered_stage_costs
 from lightning_pipe.runtime.failure import FailureBoard, raised_elsewhere
 from lightning_pipe.runtime.forward_backward import ForwardBackward
 from lightning_pipe.runtime.garbage import AlignedCollection
@@ -428,16 +428,8 @@ class PipelineExecutor:
         (:mod:`lightning_pipe.runtime.calibration`): costs to simulate any other schedule with.
         ``network`` sets the other fields of :class:`StageCosts` (``bandwidth``, ``latency``,
         ``overhead``, ``activation_bytes``, ...). A collective: every rank must call it."""
-        gradients = {
-            stage: float(sum(p.numel() * p.element_size() for p in weights.params if p.requires_grad))
-            for stage, weights in self.weights.items()
-        }
-        gathered: list[Any] = [None] * self.world
-        mine = (measured_seconds(self.timeline, since_step), gradients)
-        dist.all_gather_object(gathered, mine, group=self.group)
-        sizes = {stage: size for _, theirs in gathered for stage, size in theirs.items()}
-        gradient_bytes = [sizes.get(stage, 0.0) for stage in range(self.schedule.stages)]
-        return stage_costs([totals for totals, _ in gathered], self.schedule.stages, gradient_bytes, **network)
+        timeline, stages = self.timeline, self.schedule.stages
+        return gathered_stage_costs(timeline, self.weights, self.group, self.world, stages, since_step, **network)
 
     def state_dict(self, weights: bool = True) -> dict[str, object]:
         """Versions kept and gradients accumulated of this worker's stages, and (``weights``) their

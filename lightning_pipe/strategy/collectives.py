@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_pipe.runtime.failure import raised_elsewhere
 
-__all__ = ["Collectives"]
+__all__ = ["Collectives", "close_process_groups"]
 
 
 class Collectives:
@@ -93,3 +93,13 @@ class Collectives:
         votes = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(votes)
         return bool(votes == self.world_size) if all else bool(votes)
+
+
+def close_process_groups() -> None:
+    """At interpreter exit, close every process group, the default one last, while Python still runs:
+    left to the interpreter's finalisation, the strategy's several gloo groups were destroyed in no set
+    order, and a worker thread still joinable aborted the finished process now and then ("terminate
+    called without an active exception", exit status -6)."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

@@ -34,7 +34,19 @@ from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.util.nested import tensors
 
-__all__ = ["cached_profile", "default_directory", "profile_key"]
+__all__ = ["cached_profile", "default_directory", "profile_directory", "profile_key"]
+
+
+def profile_directory(cache: bool | str | os.PathLike[str]) -> Path | None:
+    """The directory the strategy's ``profile_cache`` option names (``True``: :func:`default_directory`),
+    or ``None`` (``False``: measure every run)."""
+    if cache is True:
+        return default_directory()
+    if cache is False:
+        return None
+    if isinstance(cache, str | os.PathLike):
+        return Path(cache).expanduser()
+    raise PlanningError(f"profile_cache must be True, False or a directory, got {cache!r}")
 
 
 def default_directory() -> Path:

@@ -50,7 +50,6 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -97,7 +96,7 @@ from lightning_pipe.strategy.arguments import check_backend, check_flags, check_
 from lightning_pipe.strategy.atomic import write_file
 from lightning_pipe.strategy.building import PipelineBuilding
 from lightning_pipe.strategy.checkpointing import CheckpointHooks
-from lightning_pipe.strategy.collectives import Collectives
+from lightning_pipe.strategy.collectives import Collectives, close_process_groups
 from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
 from lightning_pipe.strategy.effects import metric_modules
@@ -114,7 +113,7 @@ from lightning_pipe.strategy.planning import (
     PlanOptions,
     StagePlan,
 )
-from lightning_pipe.strategy.profile_cache import default_directory
+from lightning_pipe.strategy.profile_cache import profile_directory
 from lightning_pipe.strategy.random_states import RandomStates
 from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.signals import Signals
@@ -142,17 +141,6 @@ _REGISTERED = {
     "pipe_lpp": ("lpp", "popen"),
     "pipe_fslpp": ("fslpp", "popen"),
 }
-
-
-def _profile_directory(cache: bool | str | os.PathLike[str]) -> Path | None:
-    """The directory ``profile_cache`` names (``True``: the default one), or ``None``."""
-    if cache is True:
-        return default_directory()
-    if cache is False:
-        return None
-    if isinstance(cache, str | os.PathLike):
-        return Path(cache).expanduser()
-    raise PlanningError(f"profile_cache must be True, False or a directory, got {cache!r}")
 
 
 class PipelineStrategy(
@@ -297,7 +285,7 @@ class PipelineStrategy(
             stage_replicas=stage_replicas,
             repeats=profile_repeats,
             tolerance=plan_tolerance,
-            cache=_profile_directory(profile_cache),
+            cache=profile_directory(profile_cache),
         )
         check_whole("profile_repeats", profile_repeats, 1)
         check_whole("stages", stages, 1, optional=True)
@@ -418,8 +406,8 @@ class PipelineStrategy(
         rank_zero_only.rank = self.global_rank
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        atexit.unregister(_close_process_groups)  # registered once per process, however many fits
-        atexit.register(_close_process_groups)
+        atexit.unregister(close_process_groups)  # registered once per process, however many fits
+        atexit.register(close_process_groups)
         if self.pin_cpus:
             pin_threads(self.local_rank, self.num_processes)
         self._release_freed_memory()
@@ -593,16 +581,6 @@ class _SpawnLauncher(_ResumesFromComplete, _MultiProcessingLauncher):
         if output is not None and output.weights_path is not None:
             write_file(output.weights_path, lambda handle: torch.save(full, handle))
         return output
-
-
-def _close_process_groups() -> None:
-    """At interpreter exit, close every process group, the default one last, while Python still runs:
-    left to the interpreter's finalisation, the strategy's several gloo groups were destroyed in no set
-    order, and a worker thread still joinable aborted the finished process now and then ("terminate
-    called without an active exception", exit status -6)."""
-    if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
 
 
 def _move_held(module: torch.nn.Module, device: torch.device) -> None:
