@@ -96,7 +96,7 @@ class PipelineBuilding:
         layers = self._chain.layers
         stage_plan = self.stage_plan
         make = self._schedule_maker(stage_plan)
-        mine = {a.stage for a in make(1).orders[self.global_rank % self.workers] if a.kind in COMPUTE}
+        mine = {a.stage for a in make(1).orders[self.topology.worker] if a.kind in COMPUTE}
         if meta:  # this rank's stages only, initialised as the whole model would be (.materialise)
             everything = tensor_ids([module, *layers])
             materialise(

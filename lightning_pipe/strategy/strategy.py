@@ -117,7 +117,7 @@ from lightning_pipe.strategy.profile_cache import profile_directory
 from lightning_pipe.strategy.random_states import RandomStates
 from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.signals import Signals
-from lightning_pipe.strategy.topology import Topology
+from lightning_pipe.strategy.topology import Topology, TopologyHooks
 from lightning_pipe.strategy.training import TrainingHooks, reads_step_outputs
 from lightning_pipe.util.units import parse_bandwidth, parse_bytes
 
@@ -144,7 +144,7 @@ _REGISTERED = {
 
 
 class PipelineStrategy(
-    Topology, PipelineBuilding, TrainingHooks, EvaluationHooks, CheckpointHooks, Collectives, ParallelStrategy
+    TopologyHooks, PipelineBuilding, TrainingHooks, EvaluationHooks, CheckpointHooks, Collectives, ParallelStrategy
 ):
     """Pipeline-parallel training: the model's layers split into stages, one per device, run by a
     schedule of any family with its update rule.
@@ -318,6 +318,7 @@ class PipelineStrategy(
         self._timeout = timeout
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
+        self._topology: Topology | None = None  # built in setup_environment, once the ranks are known
         self.executor: PipelineExecutor | None = None
         self.stage_plan: StagePlan | None = None
         self._entry: Entry | None = None
@@ -404,6 +405,7 @@ class PipelineStrategy(
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
+        self._topology = self._shape()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         atexit.unregister(close_process_groups)  # registered once per process, however many fits
@@ -418,7 +420,7 @@ class PipelineStrategy(
         own = [dist.new_group(ranks, backend="gloo", timeout=self._timeout) for ranks in self.pipelines]
         self._pipeline_objects = own[self.pipeline_index]
         positions = [dist.new_group(list(range(w, self.world_size, self.workers))) for w in range(self.workers)]
-        self._copies = positions[self.global_rank % self.workers]
+        self._copies = positions[self.topology.worker]
         self._failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
 
     def _release_freed_memory(self) -> None:

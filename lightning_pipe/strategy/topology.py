@@ -1,13 +1,16 @@
 """Where a pipeline sits among the job's ranks: its copies, workers, stages and micro-batches, and
 the data each rank reads.
 
-:class:`Topology` holds these as methods of :class:`~lightning_pipe.strategy.PipelineStrategy` (one
-of the parts the strategy's class is assembled from, each a module of its own), computed from the
-options the strategy's constructor keeps and the world size Lightning gives it.
+:class:`Topology` is the shape, worked out once from the options and the world Lightning gives the
+strategy (in ``setup_environment``, once the ranks are known). :class:`TopologyHooks` is the part of
+:class:`~lightning_pipe.strategy.PipelineStrategy` that reads it (one of the parts the strategy's class
+is assembled from, each a module of its own): the properties Lightning asks for and the data each rank
+reads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,45 +18,42 @@ import torch
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.options import ScheduleOptions
 
-__all__ = ["Topology"]
+__all__ = ["Topology", "TopologyHooks"]
 
 
+@dataclass(frozen=True)
 class Topology:
-    """The pipeline's shape on the job's ranks: copies, workers, stages, micro-batches (methods of
-    :class:`~lightning_pipe.strategy.PipelineStrategy`, which holds the options they read)."""
+    """The pipeline's shape on the job's ranks: ``data_parallel`` copies of a pipeline of ``workers``
+    consecutive ranks; ``options`` the schedule's options on those workers; ``stages`` before any plan
+    says otherwise (a saved plan or a resumed one may)."""
 
-    @property
-    def data_parallel(self) -> int:
-        """Copies of the pipeline (each a group of consecutive ranks)."""
-        if self._data_parallel_option is not None:
-            return self._data_parallel_option
-        if self._stages_option is None:  # each device a copy of CDP on one device, or one pipeline
-            return self.world_size if self.schedule_options.one_device else 1
-        workers = self.schedule_options.workers_for(self._stages_option)
-        if workers is None:  # Rahimi's families place the stages on however many workers there are
-            return 1
-        if self.world_size % workers:
+    data_parallel: int
+    workers: int
+    global_rank: int
+    options: ScheduleOptions
+    stages: int
+
+    @classmethod
+    def of(
+        cls,
+        schedule: ScheduleOptions,
+        world_size: int,
+        global_rank: int,
+        stages: int | None = None,
+        data_parallel: int | None = None,
+        balance: list[int] | None = None,
+    ) -> Topology:
+        """The shape of ``world_size`` ranks under the strategy's options (``stages`` and
+        ``data_parallel`` as given to it, ``balance`` its layers per stage)."""
+        copies = _copies(schedule, world_size, stages, data_parallel)
+        if world_size % copies:
             raise PlanningError(
-                f"{self.world_size} devices are not a multiple of the {workers} workers a pipeline of "
-                f"{self._stages_option} {self.schedule_options.family} stages needs: use a multiple of {workers} "
-                "devices"
+                f"{world_size} devices cannot hold {copies} equal pipeline copies: use a multiple of {copies} devices"
             )
-        return self.world_size // workers
-
-    @property
-    def workers(self) -> int:
-        """Workers (devices) of one pipeline."""
-        if self.world_size % self.data_parallel:
-            raise PlanningError(
-                f"{self.world_size} devices cannot hold {self.data_parallel} equal pipeline copies: use a multiple of "
-                f"{self.data_parallel} devices"
-            )
-        return self.world_size // self.data_parallel
-
-    @property
-    def options(self) -> ScheduleOptions:
-        """The schedule's options on this strategy's workers (:meth:`ScheduleOptions.on_workers`)."""
-        return self.schedule_options.on_workers(self.workers)
+        workers = world_size // copies
+        if stages is None:  # a balance says how many where the family takes any count
+            stages = len(balance) if balance is not None and schedule.any_stage_count else schedule.stages_for(workers)
+        return cls(copies, workers, global_rank, schedule.on_workers(workers), stages)
 
     @property
     def pipelines(self) -> list[list[int]]:
@@ -62,7 +62,78 @@ class Topology:
 
     @property
     def pipeline_index(self) -> int:
+        """The copy this rank belongs to."""
         return self.global_rank // self.workers
+
+    @property
+    def worker(self) -> int:
+        """This rank's worker in its pipeline."""
+        return self.global_rank % self.workers
+
+
+def _copies(schedule: ScheduleOptions, world_size: int, stages: int | None, data_parallel: int | None) -> int:
+    """Copies of the pipeline (each a group of consecutive ranks)."""
+    if data_parallel is not None:
+        return data_parallel
+    if stages is None:  # each device a copy of CDP on one device, or one pipeline
+        return world_size if schedule.one_device else 1
+    workers = schedule.workers_for(stages)
+    if workers is None:  # Rahimi's families place the stages on however many workers there are
+        return 1
+    if world_size % workers:
+        raise PlanningError(
+            f"{world_size} devices are not a multiple of the {workers} workers a pipeline of "
+            f"{stages} {schedule.family} stages needs: use a multiple of {workers} devices"
+        )
+    return world_size // workers
+
+
+class TopologyHooks:
+    """The topology's face on :class:`~lightning_pipe.strategy.PipelineStrategy`: the properties
+    Lightning and the other parts read, from the :class:`Topology` built in ``setup_environment``."""
+
+    _topology: Topology | None
+
+    @property
+    def topology(self) -> Topology:
+        """The shape of this job; before the processes are set up, of the world as it stands."""
+        if self._topology is not None:
+            return self._topology
+        return self._shape()
+
+    def _shape(self) -> Topology:
+        return Topology.of(
+            self.schedule_options,
+            self.world_size,
+            self.global_rank,
+            self._stages_option,
+            self._data_parallel_option,
+            self.plan_options.balance,
+        )
+
+    @property
+    def data_parallel(self) -> int:
+        """Copies of the pipeline (each a group of consecutive ranks)."""
+        return self.topology.data_parallel
+
+    @property
+    def workers(self) -> int:
+        """Workers (devices) of one pipeline."""
+        return self.topology.workers
+
+    @property
+    def options(self) -> ScheduleOptions:
+        """The schedule's options on this strategy's workers (:meth:`ScheduleOptions.on_workers`)."""
+        return self.topology.options
+
+    @property
+    def pipelines(self) -> list[list[int]]:
+        """The global ranks of each pipeline copy."""
+        return self.topology.pipelines
+
+    @property
+    def pipeline_index(self) -> int:
+        return self.topology.pipeline_index
 
     @property
     def is_distributed(self) -> bool:
@@ -96,12 +167,7 @@ class Topology:
         plan replicates over the workers for ``1f1b_rr``)."""
         if self.stage_plan is not None:
             return len(self.stage_plan.bounds)
-        if self._stages_option is not None:
-            return self._stages_option
-        balance = self.plan_options.balance
-        if balance is not None and self.schedule_options.any_stage_count:  # the split says how many
-            return len(balance)
-        return self.schedule_options.stages_for(self.workers)
+        return self.topology.stages
 
     @property
     def _replicated(self) -> bool:
