@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_pipe.cost.records import ChainCosts
+from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import PlanRequest, partition
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
@@ -24,6 +25,7 @@ from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.log_relay import LogRelay
 from lightning_pipe.strategy.logs import Record, combine, recording
 from lightning_pipe.strategy.planning import StagePlan, predict
+from lightning_pipe.strategy.topology import Topology
 from lightning_pipe.tables import placement_table
 from lightning_pipe.zoo.models import chain_from_model, torchvision_model
 
@@ -153,3 +155,38 @@ def test_placement_table_shows_where_stages_compute_and_where_their_weights_live
     assert [line.split()[1:] for line in ddp[2:]] == [["0-3", "0-3"]] * 2
     cdp = placement_table(make_schedule("cdp", 4, 4, form="dp", stage_durations=([1.0] * 4, [2.0] * 4)))
     assert cdp.splitlines()[-1] == "each worker starts its micro-batch when the previous one has done its F2"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    family=st.sampled_from(["1f1b", "gpipe", "interleaved", "2bw", "lpp"]),
+    world=st.integers(1, 16),
+    stages=st.one_of(st.none(), st.integers(1, 16)),
+    copies=st.one_of(st.none(), st.integers(1, 16)),
+)
+def test_the_topology_tiles_the_ranks(family: str, world: int, stages: int | None, copies: int | None) -> None:
+    """Every shape the options allow on ``world`` ranks: the pipelines are ``data_parallel`` runs of
+    ``workers`` consecutive ranks covering each rank once, and each rank finds itself in its pipeline
+    at its worker; a world that does not tile is refused with the counts that would."""
+    options = ScheduleOptions(family=family)
+    if stages is not None and copies is not None:
+        copies = None  # the strategy refuses both at once
+    try:
+        shapes = [Topology.of(options, world, rank, stages, copies) for rank in range(world)]
+    except PlanningError as error:
+        assert "use a multiple of" in str(error) or "choose groups among" in str(error) or "stages is not" in str(error)
+        return
+    shape = shapes[0]
+    assert shape.data_parallel * shape.workers == world
+    assert sorted(rank for pipeline in shape.pipelines for rank in pipeline) == list(range(world))
+    for rank, mine in enumerate(shapes):
+        assert mine.pipelines[mine.pipeline_index][mine.worker] == rank
+        assert (mine.data_parallel, mine.workers, mine.stages) == (shape.data_parallel, shape.workers, shape.stages)
+    if copies is not None:
+        assert shape.data_parallel == copies
+    if stages is not None:
+        assert shape.stages == stages
+    elif family == "interleaved":
+        assert shape.stages == 2 * shape.workers
+    elif family != "lpp":
+        assert shape.stages == shape.workers
