@@ -14,10 +14,10 @@ from torch import nn
 
 from lightning_pipe.cost.saved_bytes import saved_bytes
 from lightning_pipe.errors import PipelineRuntimeError, PlanningError
-from lightning_pipe.runtime.executor import PipelineExecutor, _post_ahead
+from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.forward_backward import _sent_forward
 from lightning_pipe.runtime.launch import LocalRunError, run_local
-from lightning_pipe.runtime.transport import _HEADER
+from lightning_pipe.runtime.transport import _HEADER, post_ahead
 from lightning_pipe.schedule import Kind, make_schedule
 from lightning_pipe.schedule.draw import chrome_trace
 from lightning_pipe.util.nested import flatten
@@ -427,9 +427,9 @@ def test_runs_under_torchrun(tmp_path) -> None:
 
 def test_small_receives_wait_until_needed_on_cpus_only_by_default() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert _post_ahead(None, cpu) == 256 * 1024
-    assert _post_ahead(None, gpu) == 0  # NCCL: a pending send waits for its receive, so post them all
-    assert _post_ahead(0, cpu) == 0 and _post_ahead(4096, gpu) == 4096
+    assert post_ahead(None, cpu) == 256 * 1024
+    assert post_ahead(None, gpu) == 0  # NCCL: a pending send waits for its receive, so post them all
+    assert post_ahead(0, cpu) == 0 and post_ahead(4096, gpu) == 4096
 
 
 def _losses_worker(rank: int, family: str, options: dict, early: bool) -> dict:

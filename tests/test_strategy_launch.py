@@ -369,7 +369,9 @@ def test_a_rank_0_failing_at_start_up_stops_the_rank_it_launched(tmp_path: Path)
 def test_non_flushing_fits_launched_by_lightning(tmp_path: Path, strategy: str) -> None:
     """2BW re-run (then validating, testing and predicting with the same trainer) and spawned: each fit
     ends with its steps drained and every process exits cleanly (:func:`_script`), as 1F1B's do in
-    :func:`test_launched_by_lightning`."""
+    :func:`test_launched_by_lightning`. A step's values are logged with the next batch (the relay does not
+    wait for the last stage at a step boundary), the last two of an epoch with its last: 7 rows of 8."""
     _, logs = _script(tmp_path, strategy, *(() if strategy.endswith("spawn") else ("--evaluate",)))
     with open(logs / "metrics.csv") as handle:
-        assert sum(1 for row in csv.DictReader(handle) if row.get("train_loss_step")) == 16
+        rows = [row for row in csv.DictReader(handle) if row.get("train_loss_step")]
+    assert len(rows) == 2 * 7

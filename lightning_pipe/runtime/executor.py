@@ -51,7 +51,7 @@ from lightning_pipe.runtime.shared_memory_sizes import link_sizes, shared_memory
 from lightning_pipe.runtime.stage_relays import Relays
 from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
 from lightning_pipe.runtime.ties import find_ties, tie_groups
-from lightning_pipe.runtime.transport import Transport
+from lightning_pipe.runtime.transport import Transport, post_ahead
 from lightning_pipe.runtime.updates import Updates
 from lightning_pipe.runtime.versions_kept import VersionsKept
 from lightning_pipe.runtime.weights import StageWeights
@@ -110,10 +110,7 @@ class PipelineExecutor:
             over its replicas inside a pipeline). Default: one pipeline over every rank.
         post_ahead_bytes: the receives of a call's messages of at least this many bytes are posted
             when the call starts, so their transfers overlap compute; smaller ones when they are
-            needed (0: all ahead). Default: 256 KiB on the CPU, where each receive gloo posts ahead
-            cost more than a small transfer saves (``bench/runtime_speed.py --width 256 --batch 256
-            --microbatches 8``); 0 on GPUs, where NCCL's pending sends would otherwise wait for
-            their receives.
+            needed (0: all ahead). Default: :func:`~lightning_pipe.runtime.transport.post_ahead`.
         shared_memory_bytes: on the CPU, messages between workers on the same host go through a ring
             buffer of this many bytes per direction in shared memory instead of gloo's sockets
             (:mod:`lightning_pipe.runtime.shared_memory`; a message that finds the ring full goes by
@@ -204,7 +201,7 @@ class PipelineExecutor:
             (data_group, overflow_group),
             timeout_seconds=timeout_seconds,
             keep_sends=2 * max(p.period for p in self.programs) + 2,
-            post_ahead_bytes=_post_ahead(post_ahead_bytes, self.device),
+            post_ahead_bytes=post_ahead(post_ahead_bytes, self.device),
             links=open_links(rings, data_group) if rings else None,
         )
         if self.schedule.rings and len(self.pipelines) > 1:
@@ -286,6 +283,25 @@ class PipelineExecutor:
     def copies_inputs(self) -> set[int]:
         """Stages whose first layer works in place on the received input (their forwards get copies)."""
         return self.compute.copies_inputs
+
+    @property
+    def next_step(self) -> int:
+        """The step the next call runs (counted from the first, across drains)."""
+        return self.origin + self.calls
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether steps are in flight between calls: a non-flushing schedule's, until :meth:`drain`."""
+        return bool(self.calls) and not self.schedule.flush
+
+    def is_first_owner(self, stage: int) -> bool:
+        """Whether this rank is ``stage``'s first worker, the one that evaluates, saves and reports it."""
+        return self.schedule.first_owner(stage) == self.rank
+
+    @property
+    def stage_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers of the stages this rank updates."""
+        return [weights.optimizer for weights in self.weights.values() if weights.optimizer is not None]
 
     @property
     def loss_key(self) -> tuple[int, int] | None:
@@ -581,13 +597,6 @@ class PipelineExecutor:
         if self._running is not self._calls_cache.get((self.rank, self.calls)):  # a drain
             return self.versions.scanned(stage, self._running, self._position, self.calls, self._actions)
         return self.versions.upcoming(stage, self._running, self._position, self.calls, self.origin, self._actions)
-
-
-def _post_ahead(requested: int | None, device: torch.device) -> int:
-    """The message size from which receives are posted ahead (see ``post_ahead_bytes``)."""
-    if requested is not None:
-        return requested
-    return 256 * 1024 if device.type == "cpu" else 0
 
 
 def _default_device() -> torch.device:

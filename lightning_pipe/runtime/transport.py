@@ -48,7 +48,7 @@ from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.shared_memory import Links
 from lightning_pipe.util.nested import flatten, unflatten
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "post_ahead"]
 
 _TAG_SPACE = 1 << 28  # a message's tag is its index per pair of ranks, modulo this
 _Layout = tuple[Any, list[tuple[torch.dtype, tuple[int, ...]]]]
@@ -67,6 +67,16 @@ class _Incoming:
     buffer: torch.Tensor | None = None
     work: dist.Work | None = None
     value: Any = _PENDING
+
+
+def post_ahead(requested: int | None, device: torch.device) -> int:
+    """The message size from which receives are posted ahead (the executor's ``post_ahead_bytes``):
+    ``requested``, else 256 KiB on the CPU, where each receive gloo posts ahead cost more than a small
+    transfer saves (``bench/runtime_speed.py --width 256 --batch 256 --microbatches 8``), and 0 (all
+    ahead) on GPUs, where NCCL's pending sends would otherwise wait for their receives."""
+    if requested is not None:
+        return requested
+    return 256 * 1024 if device.type == "cpu" else 0
 
 
 def _aligned(nbytes: int) -> int:

@@ -398,7 +398,7 @@ class PipelineBuilding:
         """Whether this rank runs ``stage`` in a forward-only pipeline (a replicated stage runs on its
         first worker there)."""
         assert self.executor is not None
-        return self.executor.schedule.first_owner(stage) == self.executor.rank
+        return self.executor.is_first_owner(stage)
 
     def _before_update(self, stage: int, step: int, optimizer: torch.optim.Optimizer | None) -> None:
         assert self._hyper is not None

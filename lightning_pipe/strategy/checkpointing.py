@@ -127,7 +127,7 @@ class CheckpointHooks:
         """The optimizer state of each parameter this rank writes, by name, on the CPU: its stage
         optimizers' (or, once they are closed, the user's optimizer's, which holds them then)."""
         if self.executor is not None:
-            sources = [w.optimizer.state for w in self.executor.weights.values() if w.optimizer is not None]
+            sources = [optimizer.state for optimizer in self.executor.stage_optimizers]
         else:
             sources = [optimizer.state for optimizer in self.optimizers]
         names = parameter_names(self.lightning_module)
@@ -151,8 +151,7 @@ class CheckpointHooks:
             for entry in state["stages"].values():
                 entry["gradients"] = {}
         state = to_cpu(state)
-        schedule = self.executor.schedule
-        state["stages"] = {s: e for s, e in state["stages"].items() if schedule.first_owner(s) == self.executor.rank}
+        state["stages"] = {s: e for s, e in state["stages"].items() if self.executor.is_first_owner(s)}
         return state
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -191,10 +190,7 @@ class CheckpointHooks:
         if states is None or self.executor is None:
             return
         names = parameter_names(self.lightning_module)
-        for weights in self.executor.weights.values():
-            optimizer = weights.optimizer
-            if optimizer is None:
-                continue
+        for optimizer in self.executor.stage_optimizers:
             params = group_names(optimizer, names)
             found = read_entries(states, [name for name in params if name is not None])
             own = optimizer.state_dict()

@@ -520,12 +520,11 @@ class PipelineStrategy(
         if self._parent_watch is not None:
             self._parent_watch.stop()
         if self.executor is not None:
-            drained = self.executor.schedule.flush or not self.executor.calls  # not after a failure mid-step
+            drained = not self.executor.in_flight  # not after a failure mid-step
             self._carried = self._carried_state() if drained else None
-            for weights in self.executor.weights.values():
-                if weights.optimizer is not None:
-                    for optimizer in self.optimizers:
-                        optimizer.state.update(weights.optimizer.state)
+            for stage_optimizer in self.executor.stage_optimizers:
+                for optimizer in self.optimizers:
+                    optimizer.state.update(stage_optimizer.state)
             self.executor.close()
             self.executor = None
         assert self.cluster_environment is not None and self.accelerator is not None

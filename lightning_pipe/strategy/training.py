@@ -60,7 +60,7 @@ class TrainingHooks:
                     self.executor.stop(error)
                 raise
             executor = self._pipeline(call, args[0])
-            step = executor.origin + executor.calls
+            step = executor.next_step
             assert self._hyper is not None
             self._hyper.record(step)
             self._step_args[step] = (args[1:], random)
