@@ -24,7 +24,7 @@ Columns, medians over ``--rounds`` rounds (each model once per round, in turn), 
 - ``capture``: :func:`lightning_pipe.strategy.contract.pipeline_model` (three traces, the layers);
 - ``verify``: :func:`lightning_pipe.capture.verify.verify_chain` as the strategy runs it (eval mode,
   and train mode when the layers' code differs between the modes);
-- ``profile``: the layers profiled inside :func:`~lightning_pipe.strategy.planning.plan_stages` (3
+- ``profile``: the layers profiled inside :func:`~lightning_pipe.planning.plan_stages` (3
   timed runs per layer, no profile cache);
 - ``plan``: the rest of ``plan_stages`` (the partition) and the schedule's prediction;
 - ``total``: the four;
@@ -52,10 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.cost.memory import MemoryModel
-from lightning_pipe.schedule import memory_schedule
-from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.strategy.contract import Call, pipeline_model
-from lightning_pipe.strategy.planning import (
+from lightning_pipe.planning import (
     SETUP_PHASES,
     PlanOptions,
     optimizer_copies,
@@ -63,6 +60,9 @@ from lightning_pipe.strategy.planning import (
     predict,
     timed,
 )
+from lightning_pipe.schedule import memory_schedule
+from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.strategy.contract import Call, pipeline_model
 from tests.user_modules import GPT, EncoderLM, GPTConfig, HuggingFaceGPT2
 
 STAGES, MICROBATCHES, FAMILY = 2, 2, "1f1b"
@@ -116,7 +116,7 @@ def _seconds(run: Callable[[], Any]) -> float:
 
 def set_up(module: nn.Module, args: tuple[Any, ...]) -> dict[str, float]:
     """The set-up of ``module`` for :data:`STAGES` stages from the micro-batch ``args``, timed by
-    phase as the strategy times it (:data:`~lightning_pipe.strategy.planning.SETUP_PHASES`)."""
+    phase as the strategy times it (:data:`~lightning_pipe.planning.SETUP_PHASES`)."""
     seconds = dict.fromkeys(SETUP_PHASES, 0.0)
     call = Call(args)
     with timed(seconds, "capture"):

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_pipe.cost.memory import EXTRA_COPIES, SCHEDULES, MemoryModel
 from lightning_pipe.cost.network import Network
@@ -28,9 +28,6 @@ from lightning_pipe.schedule.cyclic import FORMS
 from lightning_pipe.tables import plan_table, simulation_table
 from lightning_pipe.util.files import read_json
 from lightning_pipe.util.units import parse_bandwidth, parse_bytes
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["main"]
 

@@ -42,6 +42,8 @@ MOVED = {
         "runtime.rings": "runtime.gradient_rings",
         "runtime.ring_sizes": "runtime.shared_memory_sizes",
         "strategy.report": "strategy.fit_report",
+        "strategy.planning": "planning",
+        "strategy.profile_cache": "cost.profile_cache",
     }.items()
 }
 

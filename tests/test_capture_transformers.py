@@ -27,8 +27,8 @@ from torch import nn
 from lightning_pipe.capture import capture
 from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.planning import PlanOptions, plan_stages
 from lightning_pipe.strategy.contract import Call, pipeline_model
-from lightning_pipe.strategy.planning import PlanOptions, plan_stages
 from tests.user_modules import EncoderLM
 
 WIDTH, HEADS, ROWS, SOURCE, TARGET = 8, 2, 3, 5, 4

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe.errors import CheckpointError
+from lightning_pipe.planning import StagePlan
 from lightning_pipe.schedule import FAMILIES
 from lightning_pipe.strategy.pipeline_state import KEY, PipelineState, SavedPlan, StageSummary
-from lightning_pipe.strategy.planning import StagePlan
 
 
 @st.composite

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_pipe import planning
 from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.cost.records import ChainCosts
+from lightning_pipe.planning import PlanOptions, StagePlan, plan_stages, schedule_of
 from lightning_pipe.schedule.cyclic import cue_after
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.strategy import planning
-from lightning_pipe.strategy.planning import PlanOptions, StagePlan, plan_stages, schedule_of
 
 
 def _bottleneck(seconds: list[float], bounds: tuple[tuple[int, int], ...]) -> float:

@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_pipe import planning
 from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.cost.profile_file import save_profile
 from lightning_pipe.cost.profiler import profile_layers
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition.plan_file import load_plan
-from lightning_pipe.strategy import planning
-from lightning_pipe.strategy.planning import PlanOptions, plan_stages
+from lightning_pipe.planning import PlanOptions, plan_stages
 
 NAMES = ("net.0", "net.1", "net.2", "net.3", "net.4")
 CPU = torch.device("cpu")

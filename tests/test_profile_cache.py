@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_pipe import planning
 from lightning_pipe.cost.memory import MemoryModel
+from lightning_pipe.cost.profile_cache import cached_profile, default_directory, profile_key
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.strategy import planning
-from lightning_pipe.strategy.planning import PlanOptions, plan_stages
-from lightning_pipe.strategy.profile_cache import cached_profile, default_directory, profile_key
+from lightning_pipe.planning import PlanOptions, plan_stages
 from lightning_pipe.strategy.strategy import PipelineStrategy
 
 CPU = torch.device("cpu")

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from lightning_pipe import consolidate
+from lightning_pipe.planning import SETUP_PHASES
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.affinity import cores_of
-from lightning_pipe.strategy.planning import SETUP_PHASES
 from lightning_pipe.strategy.sharded import METADATA
 from tests import reference
 from tests.lightning_cases import Chain, batch_list, fit_case, loader, plain_fit, stage_modules, trainer

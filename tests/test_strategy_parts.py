@@ -18,13 +18,13 @@ from torch import nn
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import PlanRequest, partition
+from lightning_pipe.planning import StagePlan, predict
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.log_relay import LogRelay
 from lightning_pipe.strategy.logs import Record, combine, recording
-from lightning_pipe.strategy.planning import StagePlan, predict
 from lightning_pipe.strategy.topology import Topology
 from lightning_pipe.tables import placement_table
 from lightning_pipe.zoo.models import chain_from_model, torchvision_model

@@ -22,6 +22,18 @@ from lightning_pipe.capture.generation_cache import CACHE_OFF, generation_cache_
 from lightning_pipe.capture.verify import verify_chain
 from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
+from lightning_pipe.planning import (
+    SETUP_PHASES,
+    PlanOptions,
+    StagePlan,
+    optimizer_copies,
+    plan_stages,
+    predict,
+    schedule_of,
+    setup_line,
+    setup_report,
+    timed,
+)
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import NO_BATCH_DIMENSION, rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
@@ -37,18 +49,6 @@ from lightning_pipe.strategy.logs import Record, recording
 from lightning_pipe.strategy.materialise import MATERIALISED, materialise, on_meta
 from lightning_pipe.strategy.optimizers import stage_optimizers
 from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
-from lightning_pipe.strategy.planning import (
-    SETUP_PHASES,
-    PlanOptions,
-    StagePlan,
-    optimizer_copies,
-    plan_stages,
-    predict,
-    schedule_of,
-    setup_line,
-    setup_report,
-    timed,
-)
 from lightning_pipe.strategy.random_states import replayed
 from lightning_pipe.strategy.recomputation import checkpointed_blocks, recomputation_note, recomputed_stages
 from lightning_pipe.strategy.sharded import read_entries
@@ -66,7 +66,7 @@ class PipelineBuilding:
 
     def _schedule_maker(self, stage_plan: StagePlan) -> Callable[[int], Schedule]:
         """``steps -> schedule`` of ``stage_plan``'s stages with this strategy's options and micro-batches
-        (:func:`~lightning_pipe.strategy.planning.schedule_of`)."""
+        (:func:`~lightning_pipe.planning.schedule_of`)."""
         return schedule_of(stage_plan, self.options, self.microbatches)
 
     def _pipeline(self, call: Call, batch: Any) -> PipelineExecutor:

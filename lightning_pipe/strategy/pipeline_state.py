@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from lightning_pipe.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from lightning_pipe.strategy.planning import StagePlan
+    from lightning_pipe.planning import StagePlan
 
 __all__ = ["KEY", "PipelineState", "SavedPlan", "StageSummary"]
 

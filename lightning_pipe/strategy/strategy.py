@@ -8,7 +8,7 @@ Lifecycle (Lightning calls these in this order):
    batches with a non-flushing schedule, several optimizers, a custom ``configure_gradient_clipping``)
    and finds the layers (:mod:`.contract`); modules compiled with ``torch.compile`` are captured
    uncompiled and each stage compiled instead (:mod:`.compiling`).
-3. **First batch**: profile, partition and predict (:mod:`.planning`, printed on rank 0; a resume
+3. **First batch**: profile, partition and predict (:mod:`lightning_pipe.planning`, printed on rank 0; a resume
    reuses the checkpoint's plan), then the :class:`~lightning_pipe.runtime.PipelineExecutor` is built
    with one optimizer per stage cloned from the user's (:mod:`.optimizers`), and each rank releases
    the weights of the stages it does not run to the meta device (:mod:`.ownership`).
@@ -82,7 +82,13 @@ from lightning_pipe.capture.compiled import (
     set_aside_calls,
     settings_of,
 )
+from lightning_pipe.cost.profile_cache import profile_directory
 from lightning_pipe.errors import PlanningError, check_whole
+from lightning_pipe.planning import (
+    DEFAULT_TOLERANCE,
+    PlanOptions,
+    StagePlan,
+)
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.affinity import pin_threads
 from lightning_pipe.runtime.allocator import release_freed_memory
@@ -108,12 +114,6 @@ from lightning_pipe.strategy.optimizers import HyperParameters
 from lightning_pipe.strategy.ownership import group_names, parameter_names
 from lightning_pipe.strategy.parent_watch import LAUNCHER_PID, ParentWatch
 from lightning_pipe.strategy.pipeline_state import PipelineState
-from lightning_pipe.strategy.planning import (
-    DEFAULT_TOLERANCE,
-    PlanOptions,
-    StagePlan,
-)
-from lightning_pipe.strategy.profile_cache import profile_directory
 from lightning_pipe.strategy.random_states import RandomStates
 from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.signals import Signals
@@ -184,7 +184,7 @@ class PipelineStrategy(
         profile_cache: keep the measured profile from run to run (``True``: in
             ``$LIGHTNING_PIPE_CACHE`` or ``~/.cache/lightning_pipe/profiles``; a directory; ``False``:
             measure every run), so that the same model on the same machine gets the same split
-            (:mod:`lightning_pipe.strategy.profile_cache`).
+            (:mod:`lightning_pipe.cost.profile_cache`).
         plan_tolerance: splits within this fraction of the fastest one's bottleneck are ties, decided
             by memory, then by FLOPs, so that the jitter of measured times moves the split less often from run to
             run (``bench/plan_stability.py``); 0: the fastest split as measured.

@@ -31,8 +31,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.planning import setup_report
 from lightning_pipe.strategy import PipelineStrategy
-from lightning_pipe.strategy.planning import setup_report
 from lightning_pipe.train import build
 from lightning_pipe.train.config import register_configs
 

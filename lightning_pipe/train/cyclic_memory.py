@@ -32,6 +32,7 @@ from torch import nn
 
 from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.cost.saved_bytes import saved_bytes
+from lightning_pipe.planning import PlanOptions, StagePlan, plan_stages
 from lightning_pipe.runtime import PipelineExecutor, run_local
 from lightning_pipe.runtime.calibration import Totals, measured_seconds, stage_costs
 from lightning_pipe.schedule import StageCosts, simulate
@@ -39,7 +40,6 @@ from lightning_pipe.schedule.cyclic import Durations
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import Call, pipeline_model
-from lightning_pipe.strategy.planning import PlanOptions, StagePlan, plan_stages
 from lightning_pipe.util.nested import map_tensors, tensors
 
 __all__ = ["SETTINGS", "Measurement", "Split", "measure", "per_worker_peak", "plan_split", "schedule_of"]

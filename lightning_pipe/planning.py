@@ -4,6 +4,10 @@ What the ``lightning-pipe plan`` and ``simulate`` commands do from the command l
 on its first batch: the layers are profiled on the training device with a real micro-batch (or a
 saved profile is loaded, or the split is given), partitioned into straight stages by the chosen
 partitioner under the memory limit, and the schedule is simulated with the measured costs.
+
+It joins capture, costs, partitioners and schedules, so it sits above them and below the runtime
+and the strategy (docs/design.md, "The packages"): the strategy plans with it at its first batch,
+and so do the benchmarks and the command line's experiments, without a Trainer.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from lightning_pipe.capture import CapturedForward
 from lightning_pipe.capture.describe import describe
 from lightning_pipe.cost.memory import EXTRA_COPIES, MemoryModel
 from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.profile_cache import cached_profile, profile_key
 from lightning_pipe.cost.profile_file import load_profile
 from lightning_pipe.cost.profiler import given_names, profile_layers
 from lightning_pipe.cost.records import ChainCosts
@@ -37,7 +42,6 @@ from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.schedule.stage_costs import check_contention
-from lightning_pipe.strategy.profile_cache import cached_profile, profile_key
 from lightning_pipe.tables import placement_table, plan_table, simulation_table
 
 __all__ = [
@@ -98,7 +102,7 @@ class PlanOptions:
             the least memory, then the fewest FLOPs in the largest stage (``PlanRequest.tolerance``),
             so that the jitter of the profile's times moves the split less often
             (``bench/plan_stability.py``).
-        cache: where measured profiles are kept from run to run (:mod:`.profile_cache`), so that
+        cache: where measured profiles are kept from run to run (:mod:`~lightning_pipe.cost.profile_cache`), so that
             the same model on the same machine is planned from the same profile; ``None``: not kept.
     """
 
