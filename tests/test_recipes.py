@@ -26,8 +26,11 @@ def _run_smoke(recipe: str, output: Path) -> None:
 
 @pytest.mark.timeout(400)
 def test_cdp_table2_smoke(tmp_path: Path) -> None:
-    """Sync, CDP-v1 and CDP-v2 each train (multirun, 2 processes per run) and land in the table
-    with an accuracy well above chance (10 classes), and the plot is drawn."""
+    """Sync, CDP-v1 and CDP-v2 each train and land in the table with an accuracy well above chance
+    (10 classes), and the plot is drawn. The sweep is one Hydra multirun of ``lightning-pipe-train``:
+    Hydra runs the jobs in one process, so the strategy spawns each run's two processes (``start_method:
+    auto``), once to fit and once to test; each run writes its own directory, and the fit's metrics
+    survive the test's processes."""
     _run_smoke("cdp_table2", tmp_path)
     rows = [line.split("|") for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| ")]
     by_rule = {row[1].strip(): row for row in rows[2:]}
@@ -35,6 +38,13 @@ def test_cdp_table2_smoke(tmp_path: Path) -> None:
     for row in by_rule.values():
         assert int(row[2]) == 1 and float(row[3]) > 50.0, row
     assert (tmp_path / "accuracy.png").stat().st_size > 0
+    runs = sorted(path.parent for path in (tmp_path / "runs").glob("*/results.json"))
+    assert len(runs) == 3
+    for run in runs:
+        assert "train_loss_epoch" in (run / "metrics.csv").read_text().splitlines()[0]
+        assert "test_acc" in (run / "test" / "metrics.csv").read_text().splitlines()[0]
+    swept = [(run / ".hydra" / "overrides.yaml").read_text().split("update_rule=")[1].split()[0] for run in runs]
+    assert sorted(swept) == ["cdp_v1", "cdp_v2", "sync"]
 
 
 @functools.cache
