@@ -27,6 +27,11 @@ already there (autograd's ``grad += new``): for a moment a layer's new gradient 
 layer at a time. A stage holds that transient on top, the parameter bytes of its largest layer
 (:meth:`MemoryModel.accumulating_bytes`): on a 16 x Linear(4096, 4096) MLP 64 MiB per stage, a
 twelfth of a 4-layer stage's weights, gradients and momentum.
+
+A stage that recomputes its forward in the backward (GPipe's re-materialisation, Huang et al. 2019,
+§2.3: ``recompute``) keeps only its input per micro-batch in flight, ``NCA · input_bytes``, and
+re-creates one micro-batch's ``a_l`` at a time in its backward: ``NCA · input + Σ a_l`` instead of
+``NCA · Σ a_l``.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class MemoryModel:
             micro-batch's ``kept_gradient_bytes`` between them (flushing schedules' cool-down).
         accumulation: count the gradient a stage adds into the last one (:meth:`accumulating_bytes`),
             as the runtime does it.
+        recompute: stages recompute their forward in the backward and keep only their inputs in
+            flight (module docstring; :meth:`stage_bytes`' ``input_bytes``).
     """
 
     schedule: str = "1f1b"
@@ -63,6 +70,7 @@ class MemoryModel:
     extra_copies: float = EXTRA_COPIES["momentum"]
     split_backward: bool = False
     accumulation: bool = False
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -98,11 +106,14 @@ class MemoryModel:
         replicas: int = 1,
         kept_bytes: float = 0.0,
         first: bool = False,
+        input_bytes: float = 0.0,
     ) -> float:
         """Memory of one replica of a stage (Beaumont §3.2), plus the gradients a split backward keeps
-        (``kept_bytes``) unless it is the ``first`` stage."""
+        (``kept_bytes``) unless it is the ``first`` stage; with :attr:`recompute`, its ``input_bytes``
+        per micro-batch in flight and one micro-batch's ``saved_bytes`` (GPipe §2.3)."""
         per_param, per_saved = self.coefficients(downstream, replicas)
-        return per_param * param_bytes + per_saved * saved_bytes + self.kept_coefficient(downstream, first) * kept_bytes
+        activations = per_saved * input_bytes + saved_bytes if self.recompute else per_saved * saved_bytes
+        return per_param * param_bytes + activations + self.kept_coefficient(downstream, first) * kept_bytes
 
     @property
     def accumulates(self) -> bool:

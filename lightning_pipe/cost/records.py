@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_pipe.errors import PlanningError
 
@@ -159,6 +159,26 @@ class ChainCosts:
             for i in range(n)
         )
         return cls(layers=layers, name=name)
+
+    def scaled(self, factor: float) -> ChainCosts:
+        """The costs of a micro-batch ``factor`` times as large, assuming every time and activation
+        grows with the rows (no fixed cost per micro-batch): seconds, activation, saved and kept bytes,
+        FLOPs and the bytes crossing each cut scale; parameter bytes do not."""
+        if not math.isfinite(factor) or factor <= 0:
+            raise PlanningError(f"a scale factor must be a finite number > 0, got {factor!r}")
+        layers = tuple(
+            replace(
+                layer,
+                forward_seconds=layer.forward_seconds * factor,
+                backward_seconds=layer.backward_seconds * factor,
+                activation_bytes=layer.activation_bytes * factor,
+                saved_bytes=layer.saved_bytes * factor,
+                kept_gradient_bytes=layer.kept_gradient_bytes * factor,
+                flops=None if layer.flops is None else layer.flops * factor,
+            )
+            for layer in self.layers
+        )
+        return replace(self, layers=layers, boundary_bytes=tuple(b * factor for b in self.boundary_bytes))
 
     def column(self, key: str) -> list[float]:
         """One per-layer quantity as a list: ``seconds``, ``param_bytes``, ``flops``, ..."""

@@ -119,6 +119,11 @@ class ChainProblem:
     proxy: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        if self.memory.recompute:  # its memory falls with the first layer, which a run's input breaks
+            raise PlanningError(
+                "the contiguous partitioners plan without recomputation: evaluate a recomputing split with "
+                "partition.evaluate (lightning_pipe.auto.search does)"
+            )
         self.layers = len(self.seconds)
         self._time = _prefix(self.seconds)
         self._params = _prefix(self.param_bytes)

@@ -178,7 +178,10 @@ def evaluate(
         params = sum(costs.layers[i].param_bytes for i in range(first, last + 1))
         saved = sum(costs.layers[i].saved_bytes for i in range(first, last + 1))
         kept = sum(costs.layers[i].kept_gradient_bytes for i in range(first, last + 1))
-        memory_bytes[g] += memory.stage_bytes(params, saved, downstream, replicas[g], kept, first=first == 0)
+        entering = costs.boundary_bytes[first - 1] if first > 0 else 0.0  # what a recomputing run keeps
+        memory_bytes[g] += memory.stage_bytes(
+            params, saved, downstream, replicas[g], kept, first=first == 0, input_bytes=entering
+        )
 
     stages = []
     for g, group in enumerate(groups):
