@@ -1,4 +1,4 @@
-"""The search behind ``schedule="auto"`` (issue 39, first increment): which pipeline to run.
+"""The search behind ``schedule="auto"``: which pipeline to run.
 
 :func:`search` takes a profiled chain of layers, the workers and the per-device memory limit, and
 prices every configuration of a small space, contiguous split × schedule family × micro-batches ×
@@ -8,7 +8,8 @@ recomputation, with the pieces the strategy plans with: each split's memory by
 :func:`~lightning_pipe.schedule.simulate` of the family's schedule (as
 :func:`~lightning_pipe.planning.predict` does). Candidates over the limit are dropped; the rest are
 ranked by predicted seconds per mini-batch, and :func:`ranking_table` prints the best and why the
-winner won. Nothing here runs a model: calibration and switching are later increments.
+winner won. Nothing here runs a model; the strategy does not call it yet, nor re-ranks with the
+costs measured in a run.
 
 The assumptions, all of them the simulator's or stated here:
 
@@ -45,7 +46,7 @@ from lightning_pipe.cost.network import Network
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError, check_positive, check_whole
 from lightning_pipe.partition import Plan, PlanRequest, evaluate, partition
-from lightning_pipe.planning import _every_worker_a_stage
+from lightning_pipe.planning import every_worker_a_stage
 from lightning_pipe.schedule import (
     NON_FLUSHING_FAMILIES,
     StageCosts,
@@ -170,7 +171,7 @@ def _near_cuts(
     if not plan.contiguous:
         raise PlanningError(f"the search splits layers contiguously; the {partitioner} partitioner does not")
     if len(plan.stages) < workers:
-        plan = _every_worker_a_stage(request, plan, costs.column("seconds"))
+        plan = every_worker_a_stage(request, plan, costs.column("seconds"))
     seed = tuple(stage.layers[0] for stage in plan.stages[1:])
     found = {seed}
     for index, step in itertools.product(range(len(seed)), (-1, 1)):

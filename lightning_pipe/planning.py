@@ -48,6 +48,7 @@ __all__ = [
     "SETUP_PHASES",
     "PlanOptions",
     "StagePlan",
+    "every_worker_a_stage",
     "optimizer_copies",
     "plan_stages",
     "predict",
@@ -256,12 +257,12 @@ def plan_stages(
             "worker placed (use the pipedream partitioner, or give balance= and stage_replicas=)"
         )
     if not replicate and len(plan.stages) < workers:
-        plan = _every_worker_a_stage(request, plan, costs.column("seconds"))
+        plan = every_worker_a_stage(request, plan, costs.column("seconds"))
     bounds = tuple((s.layers[0], s.layers[-1]) for s in plan.stages)
     return StagePlan(bounds, plan, costs, tuple(s.replicas for s in plan.stages) if replicate else None, known)
 
 
-def _every_worker_a_stage(request: PlanRequest, plan: Plan, seconds: Sequence[float]) -> Plan:
+def every_worker_a_stage(request: PlanRequest, plan: Plan, seconds: Sequence[float]) -> Plan:
     """``plan`` split into one stage per worker. A partitioner uses at most the devices it is given,
     and fewer when one layer's time bounds every split (a large first layer); every rank of the
     pipeline holds a stage, so the longest stage with two layers or more is cut in two where the
