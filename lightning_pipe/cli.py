@@ -123,6 +123,19 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:
         default=float("inf"),
         help="link bandwidth, e.g. 10GB/s (default: free communication)",
     )
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help="rank every split x schedule (gpipe, 1f1b, zb_h1) x micro-batches (2, 4, 8) x recomputation by "
+        "predicted time per mini-batch within --memory-limit, as schedule='auto' chooses; the profile is one "
+        "micro-batch of a mini-batch split into --microbatches (default: the devices)",
+    )
+    parser.add_argument(
+        "--allow-delayed",
+        action="store_true",
+        help="with --auto, also rank pipedream, 2bw and cdp, whose updates use delayed weights",
+    )
+    parser.add_argument("--top", type=_positive_int, default=5, help="with --auto, the candidates shown (default: 5)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(run=_run_plan)
 
@@ -199,6 +212,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     costs = load_profile(args.profile) if args.profile else _profile_model(args)
     if args.save_profile:
         save_profile(costs, args.save_profile)
+    if args.auto:
+        return _run_auto(args, costs)
+    if args.allow_delayed:
+        raise PlanningError("--allow-delayed widens --auto's search: give --auto too")
     memory = MemoryModel(
         schedule=args.schedule,
         microbatches=args.microbatches or args.devices,
@@ -222,6 +239,28 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"profile": costs.name, **model, **plan.to_dict()}, indent=1))
     else:
         print(plan_table(costs, plan))
+    return 0
+
+
+def _run_auto(args: argparse.Namespace, costs: ChainCosts) -> int:
+    """``plan --auto``: the ranking :func:`lightning_pipe.auto.search` gives, best first."""
+    from lightning_pipe.auto import ranking_table, search
+
+    candidates = search(
+        costs,
+        args.devices,
+        memory_limit=args.memory_limit,
+        allow_delayed=args.allow_delayed,
+        profile_microbatches=args.microbatches or args.devices,
+        extra_copies=EXTRA_COPIES[args.optimizer],
+        network=Network(args.bandwidth),
+    )
+    if args.json:
+        fields = ("family", "microbatches", "recompute", "bounds", "step_seconds", "bubble_fraction", "memory_bytes")
+        ranked = [{name: getattr(c, name) for name in fields} | {"why": c.why} for c in candidates[: args.top]]
+        print(json.dumps({"profile": costs.name, "devices": args.devices, "candidates": ranked}, indent=1))
+    else:
+        print(ranking_table(candidates, top=args.top))
     return 0
 
 

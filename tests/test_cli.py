@@ -279,3 +279,27 @@ def test_consolidate_refuses_what_is_not_a_sharded_checkpoint(tmp_path: Path, ca
     for given in (tmp_path, tmp_path / "file.ckpt"):
         assert main(["consolidate", str(given)]) == 2
         assert "is not a sharded checkpoint (a directory with meta.pt" in capsys.readouterr().err
+
+
+def test_plan_auto_prints_the_searchs_ranking(pipedream_profiles: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --auto`` ranks as :func:`lightning_pipe.auto.search` does (its JSON the same candidates in
+    the same order), says why the winner won, and keeps the delayed-weight families out unless allowed."""
+    from lightning_pipe.auto import search
+    from lightning_pipe.cost.network import Network
+
+    profile = str(pipedream_profiles / "alexnet" / "graph.txt")
+    argv = ["plan", "--profile", profile, "--devices", "2", "--auto", "--top", "20"]
+    result = _json(capsys, *argv)
+    costs, free = load_profile(profile), Network(float("inf"))
+    expected = search(costs, 2, profile_microbatches=2, network=free)
+    got = [(c["family"], c["microbatches"], c["recompute"], c["bounds"]) for c in result["candidates"]]
+    assert got == [(c.family, c.microbatches, c.recompute, [list(b) for b in c.bounds]) for c in expected[:20]]
+    assert [c["step_seconds"] for c in result["candidates"]] == [c.step_seconds for c in expected[:20]]
+    assert {c["family"] for c in result["candidates"]} <= {"gpipe", "1f1b", "zb_h1"}
+    assert main([*argv, "--allow-delayed"]) == 0
+    table = capsys.readouterr().out
+    delayed = search(costs, 2, allow_delayed=True, profile_microbatches=2, network=free)
+    assert f"{delayed[0].label} wins: {delayed[0].why}" in table
+    assert table.count("\n| ") == 20  # one row per candidate
+    assert main(["plan", "--profile", profile, "--devices", "2", "--allow-delayed"]) == 2
+    assert "--allow-delayed widens --auto's search: give --auto too" in capsys.readouterr().err
