@@ -46,7 +46,7 @@ from lightning_pipe.cost.network import Network
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError, check_positive, check_whole
 from lightning_pipe.partition import Plan, PlanRequest, evaluate, partition
-from lightning_pipe.planning import every_worker_a_stage
+from lightning_pipe.planning import PREDICTED_STEPS, every_worker_a_stage
 from lightning_pipe.schedule import (
     NON_FLUSHING_FAMILIES,
     StageCosts,
@@ -65,10 +65,9 @@ FLUSHING_FAMILIES: tuple[str, ...] = ("gpipe", "1f1b", "zb_h1")
 """The families searched whatever the update rule allows: they flush every step (rule ``sync``)."""
 DELAYED_FAMILIES: tuple[str, ...] = NON_FLUSHING_FAMILIES
 """The families searched only with ``allow_delayed=True``: their updates use delayed weights."""
-STEPS = 4
-"""Steps simulated per candidate: :func:`~lightning_pipe.schedule.simulation.steady_step` leaves the
-last step (the drain) out from four steps on; from three, a non-flushing family's step would be
-predicted shorter than its slowest stage's compute."""
+STEPS = PREDICTED_STEPS
+"""Steps simulated per candidate, as many as the strategy's prediction
+(:data:`~lightning_pipe.planning.PREDICTED_STEPS`)."""
 DEFAULT_MAX_SPLITS = 200
 """Most contiguous splits enumerated one by one; beyond, the partitioner's and its neighbours'."""
 

@@ -45,6 +45,7 @@ from lightning_pipe.schedule.stage_costs import check_contention
 from lightning_pipe.tables import placement_table, plan_table, simulation_table
 
 __all__ = [
+    "PREDICTED_STEPS",
     "SETUP_PHASES",
     "PlanOptions",
     "StagePlan",
@@ -60,6 +61,10 @@ __all__ = [
 
 DEFAULT_TOLERANCE = 0.02
 """Near-ties of measured splits (``PlanOptions.tolerance``): within 2% of the fastest split."""
+PREDICTED_STEPS = 4
+"""Steps the prediction simulates: :func:`~lightning_pipe.schedule.simulation.steady_step` leaves the
+last step (the drain) out from four steps on; from three, a non-flushing family's step was predicted
+shorter than its slowest stage's compute (2BW, m = 2, stages of 18 and 15 ms: 15.75 ms)."""
 SETUP_PHASES = ("capture", "verify", "profile", "plan")
 """The phases of a pipeline's set-up timed apart (``PipelineStrategy.setup_seconds``, ``bench/setup_time.py``)."""
 
@@ -393,7 +398,7 @@ def predict(
         return None
     costs = StageCosts.from_plan(stage_plan.plan.to_dict(), replicated=stage_plan.replicas is not None)
     costs = replace(costs, contention=contention)
-    return simulate(schedule_of(stage_plan, schedule, microbatches)(3), costs, early_gradients=True)
+    return simulate(schedule_of(stage_plan, schedule, microbatches)(PREDICTED_STEPS), costs, early_gradients=True)
 
 
 def setup_report(

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import PlanRequest, partition
-from lightning_pipe.planning import StagePlan, predict
+from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
@@ -135,7 +135,9 @@ def test_the_prediction_shares_the_machine_by_the_contention_given() -> None:
     options = ScheduleOptions("1f1b", 4)
     alone, shared = (predict(stage_plan, options, 4, contention) for contention in (1.0, 1.5))
     priced = StageCosts.from_plan(plan.to_dict())
-    expected = simulate(make_schedule("1f1b", 2, 4, 3), replace(priced, contention=1.5), early_gradients=True)
+    expected = simulate(
+        make_schedule("1f1b", 2, 4, PREDICTED_STEPS), replace(priced, contention=1.5), early_gradients=True
+    )
     assert shared.makespan == expected.makespan
     assert alone.makespan < shared.makespan <= 1.5 * alone.makespan
 
@@ -190,3 +192,23 @@ def test_the_topology_tiles_the_ranks(family: str, world: int, stages: int | Non
         assert shape.stages == 2 * shape.workers
     elif family != "lpp":
         assert shape.stages == shape.workers
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    family=st.sampled_from(["gpipe", "1f1b", "pipedream", "2bw", "cdp"]),
+    seconds=st.lists(st.floats(0.001, 0.1), min_size=2, max_size=6),
+    microbatches=st.sampled_from([2, 4, 8]),
+)
+def test_the_predicted_step_is_no_shorter_than_the_busiest_stage(
+    family: str, seconds: list[float], microbatches: int
+) -> None:
+    """Whatever the family, a step cannot take less than the busiest worker's compute: its stage's
+    forward and backward of every micro-batch. Guards against a non-flushing family's steady step
+    taken over the drain (2BW, m = 2, stages of 18 and 15 ms was predicted at 15.75 ms)."""
+    costs = ChainCosts.from_lists(seconds)
+    plan = partition(PlanRequest(costs, 2), "time")
+    stage_plan = StagePlan(tuple((s.layers[0], s.layers[-1]) for s in plan.stages), plan, costs)
+    predicted = predict(stage_plan, ScheduleOptions(family, microbatches), microbatches)
+    busiest = max(stage.compute_seconds for stage in plan.stages) * microbatches
+    assert predicted.steady_step >= busiest * (1 - 1e-9)
