@@ -46,12 +46,11 @@ from lightning_pipe.cost.network import Network
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError, check_positive, check_whole
 from lightning_pipe.partition import Plan, PlanRequest, evaluate, partition
-from lightning_pipe.planning import PREDICTED_STEPS, every_worker_a_stage
+from lightning_pipe.planning import PREDICTED_STEPS, every_worker_a_stage, memory_model
 from lightning_pipe.schedule import (
     NON_FLUSHING_FAMILIES,
     StageCosts,
     build_schedule,
-    memory_schedule,
     rules_of,
     simulate,
 )
@@ -252,14 +251,7 @@ def search(
             if graph is None:
                 continue
             for again in dict.fromkeys(recompute):
-                memory = MemoryModel(
-                    memory_schedule(family),
-                    m,
-                    extra_copies,
-                    split_backward=family not in NON_FLUSHING_FAMILIES,
-                    accumulation=True,
-                    recompute=bool(again),
-                )
+                memory = memory_model(family, m, extra_copies, recompute=bool(again))
                 cuts = every if every is not None else _near_cuts(scaled, workers, memory, network, partitioner)
                 for cut in cuts:
                     plan = evaluate(

@@ -37,7 +37,7 @@ from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
 from lightning_pipe.partition.plan_file import load_plan
 from lightning_pipe.partition.request import check_tolerance
-from lightning_pipe.schedule import StageCosts, simulate
+from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, StageCosts, memory_schedule, simulate
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
@@ -50,6 +50,7 @@ __all__ = [
     "PlanOptions",
     "StagePlan",
     "every_worker_a_stage",
+    "memory_model",
     "optimizer_copies",
     "plan_stages",
     "predict",
@@ -184,6 +185,20 @@ def _check_counts(name: str, value: object, unit: str) -> None:
         raise PlanningError(f"{name} must list the {unit} of each stage, e.g. [3, 2], or be None; got {value!r}")
     for count in value:
         check_whole(f"every {name} entry", count, 1, unit)
+
+
+def memory_model(family: str, microbatches: int, extra_copies: float, recompute: bool = False) -> MemoryModel:
+    """The memory model a run of ``family`` with ``microbatches`` per step is planned with: the
+    family's in-flight activations and weight versions, the flushing families' early cool-down
+    gradients, the gradient a stage adds into its last one, and ``recompute``'s inputs in flight."""
+    return MemoryModel(
+        memory_schedule(family),
+        microbatches,
+        extra_copies,
+        split_backward=family not in NON_FLUSHING_FAMILIES,
+        accumulation=True,
+        recompute=recompute,
+    )
 
 
 def optimizer_copies(optimizer: torch.optim.Optimizer | None) -> int:

@@ -212,3 +212,15 @@ def test_the_predicted_step_is_no_shorter_than_the_busiest_stage(
     predicted = predict(stage_plan, ScheduleOptions(family, microbatches), microbatches)
     busiest = max(stage.compute_seconds for stage in plan.stages) * microbatches
     assert predicted.steady_step >= busiest * (1 - 1e-9)
+
+
+def test_the_topology_of_known_shapes() -> None:
+    """Worked cases: 4 ranks of 1F1B are one pipeline; 2 copies of 2 workers put rank 3 at worker 1 of
+    copy 1; interleaved puts 2 stages on each worker; 3 ranks cannot hold 2 copies."""
+    one = Topology.of(ScheduleOptions("1f1b"), 4, 3)
+    assert (one.data_parallel, one.workers, one.stages, one.pipelines) == (1, 4, 4, [[0, 1, 2, 3]])
+    two = Topology.of(ScheduleOptions("1f1b"), 4, 3, data_parallel=2)
+    assert (two.pipelines, two.pipeline_index, two.worker) == ([[0, 1], [2, 3]], 1, 1)
+    assert Topology.of(ScheduleOptions("interleaved"), 2, 0).stages == 4
+    with pytest.raises(PlanningError, match="3 devices cannot hold 2 equal pipeline copies: use a multiple of 2"):
+        Topology.of(ScheduleOptions("1f1b"), 3, 0, data_parallel=2)

@@ -20,12 +20,12 @@ from torch import Tensor
 from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.capture.generation_cache import CACHE_OFF, generation_cache_off
 from lightning_pipe.capture.verify import verify_chain
-from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
 from lightning_pipe.planning import (
     SETUP_PHASES,
     PlanOptions,
     StagePlan,
+    memory_model,
     optimizer_copies,
     plan_stages,
     predict,
@@ -38,7 +38,7 @@ from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import NO_BATCH_DIMENSION, rows_of, split_batch
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.shared_memory_sizes import shared_memory_capacity
-from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, memory_schedule
+from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE, Schedule
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.compiling import StageCompilation
@@ -300,13 +300,7 @@ class PipelineBuilding:
         """Verify the chain, profile and partition on rank 0 (with the first micro-batch), broadcast the
         plan or the error, print the plan and the prediction. A later ``validate``/``test``/``predict``
         (or ``fit``) of a module with as many layers keeps the plan."""
-        memory = MemoryModel(
-            memory_schedule(self.schedule_options.family),
-            self.microbatches,
-            optimizer_copies(optimizer),
-            split_backward=self.schedule_options.family not in NON_FLUSHING_FAMILIES,
-            accumulation=True,
-        )
+        memory = memory_model(self.schedule_options.family, self.microbatches, optimizer_copies(optimizer))
         stage_plan: StagePlan | PlanningError | None = None
         if self.global_rank == 0:
             try:
