@@ -1,37 +1,42 @@
 """The search behind ``schedule="auto"``: which pipeline to run.
 
-:func:`search` takes a profiled chain of layers, the workers and the per-device memory limit, and
-prices every configuration of a small space, contiguous split × schedule family × micro-batches ×
-recomputation, with the pieces the strategy plans with: each split's memory by
-:func:`~lightning_pipe.partition.evaluate` under the family's
-:class:`~lightning_pipe.cost.memory.MemoryModel`, its time by
-:func:`~lightning_pipe.schedule.simulate` of the family's schedule (as
-:func:`~lightning_pipe.planning.predict` does). Candidates over the limit are dropped; the rest are
-ranked by predicted seconds per mini-batch, and :func:`ranking_table` prints the best and why the
-winner won. Nothing here runs a model; the strategy does not call it yet, nor re-ranks with the
-costs measured in a run.
+:func:`search` takes a profiled chain of layers, the workers of one pipeline and the per-device
+memory limit, and prices every configuration of a space — split × schedule family (with its update
+rule) × micro-batches × per-stage recomputation × stage replication and data-parallel degree — with
+the pieces the strategy plans with: each stage's memory by :func:`~lightning_pipe.partition.evaluate`
+under the family's :func:`~lightning_pipe.planning.memory_model`, summed over the stages a worker
+computes in the family's schedule; its time by :func:`~lightning_pipe.planning.predict`, the
+strategy's own prediction. Candidates over the limit are dropped; the rest are ranked by predicted
+seconds per mini-batch, and :func:`ranking_table` prints the best and why the winner won.
 
-The assumptions, all of them the simulator's or stated here:
+The space and its assumptions, all of them the simulator's or stated here:
 
 - **A fixed mini-batch** split into ``m`` micro-batches. The profile prices one micro-batch of the
   mini-batch split into ``profile_microbatches`` (1: the whole mini-batch); ``m`` micro-batches are
   priced as the profile scaled by ``profile_microbatches / m`` (:meth:`ChainCosts.scaled
   <lightning_pipe.cost.records.ChainCosts.scaled>`: times and activations grow with the rows,
   parameters do not), plus ``action_seconds`` per forward and per backward, the fixed cost of a
-  micro-batch that linear scaling leaves out (0 unless given). Every candidate computes the same
-  samples per step, so their step times compare fairly whatever their ``m``.
-- **Recomputation** (GPipe's re-materialisation, Huang et al. 2019, §2.3): a stage's backward runs
-  its forward again first (backward + forward seconds) and keeps only its input per micro-batch in
-  flight (``MemoryModel.recompute``); every stage or none.
-- **Update rules**: the flushing families (GPipe; 1F1B, Narayanan et al. 2021's PipeDream-Flush;
-  zero bubble's ZB-H1, Qi et al. 2024) run ``sync``; the non-flushing ones delay weights (PipeDream's
-  stashing, Narayanan et al. 2019 §3.3; PipeDream-2BW, Narayanan et al. 2021 §3; CDP, Fournier &
-  Oyallon 2024 §3) and are searched only with ``allow_delayed=True``: the search never changes the
-  update rule silently. A non-flushing family's time is its steady step (steps overlap).
-- **Splits**: every contiguous split into one stage per worker when there are at most ``max_splits``
-  (the ranking is then exact over the space, which the tests check by brute force); otherwise the
-  ``partitioner``'s split and every split one cut away from it (a heuristic). Stage replication
-  (PipeDream §3.1) and interleaved stages are not searched yet: each candidate has one worker per stage.
+  micro-batch that linear scaling leaves out. Every candidate computes the same samples per step, so
+  their step times compare fairly whatever their ``m``, and none changes the global batch.
+- **Families and rules** (:func:`searched_families`): the flushing families run ``sync`` — GPipe
+  (Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 2021), ZB-H1 (Qi et al. 2024), the
+  interleaved 1F1B of Megatron-LM (Narayanan et al. 2021 §2.2, two stages per worker), PipeDream's
+  1F1B-RR with the stages its dynamic program replicates (Narayanan et al. 2019 §3.1), and Rahimi's
+  ``ddp`` (each worker the whole model on its micro-batches: the data-parallel degree, Rahimi 2025
+  §3). The non-flushing ones delay weights (PipeDream's stashing, Narayanan et al. 2019 §3.3;
+  PipeDream-2BW, Narayanan et al. 2021 §3; CDP, Fournier & Oyallon 2024 §3) and are searched only
+  when the update rule allows it: the search never changes the update rule silently. A non-flushing
+  family's time is its steady step (steps overlap).
+- **Recomputation** (GPipe's re-materialisation, Huang et al. 2019, §2.3): a recomputing stage's
+  backward runs its forward again first and keeps only its input per micro-batch in flight
+  (``MemoryModel.recompute``). ``recompute=None`` chooses per stage: a worker recomputes exactly the
+  stages it holds when they do not fit the limit without it. Recomputing only adds time, so among the
+  assignments that fit this one is the fastest (the tests check it against every assignment).
+- **Splits**: every contiguous split into the family's stage count when there are at most
+  ``max_splits`` (the ranking is then exact over the space, which the tests check by brute force);
+  otherwise the ``partitioner``'s split and every split one cut away from it (a heuristic). ``ddp``
+  runs the partitioner's split (every worker computes every stage: the split does not change its
+  time), ``1f1b_rr`` PipeDream's replicated plan.
 """
 
 from __future__ import annotations
@@ -41,29 +46,34 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from lightning_pipe.cost.memory import EXTRA_COPIES, MemoryModel
+from lightning_pipe.cost.memory import EXTRA_COPIES
 from lightning_pipe.cost.network import Network
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError, check_positive, check_whole
 from lightning_pipe.partition import Plan, PlanRequest, evaluate, partition
-from lightning_pipe.planning import PREDICTED_STEPS, every_worker_a_stage, memory_model
-from lightning_pipe.schedule import (
-    NON_FLUSHING_FAMILIES,
-    StageCosts,
-    build_schedule,
-    rules_of,
-    simulate,
-)
-from lightning_pipe.schedule.graph import Graph
+from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, every_worker_a_stage, memory_model, predict, schedule_of
+from lightning_pipe.schedule import COMPUTE, NON_FLUSHING_FAMILIES, RULES, rules_of
+from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.util.units import format_bytes, format_seconds
 
-__all__ = ["DELAYED_FAMILIES", "FLUSHING_FAMILIES", "STEPS", "Candidate", "ranking_table", "search"]
+__all__ = [
+    "ANY_RULE",
+    "DELAYED_FAMILIES",
+    "FLUSHING_FAMILIES",
+    "STEPS",
+    "Candidate",
+    "ranking_table",
+    "search",
+    "searched_families",
+]
 
-FLUSHING_FAMILIES: tuple[str, ...] = ("gpipe", "1f1b", "zb_h1")
+FLUSHING_FAMILIES: tuple[str, ...] = ("gpipe", "1f1b", "zb_h1", "interleaved", "1f1b_rr", "ddp")
 """The families searched whatever the update rule allows: they flush every step (rule ``sync``)."""
 DELAYED_FAMILIES: tuple[str, ...] = NON_FLUSHING_FAMILIES
-"""The families searched only with ``allow_delayed=True``: their updates use delayed weights."""
+"""The families searched only when the rule allows delayed weights."""
+ANY_RULE = "delayed"
+"""``rule=`` of ``schedule="auto"`` allowing every family, each with its own update rule."""
 STEPS = PREDICTED_STEPS
 """Steps simulated per candidate, as many as the strategy's prediction
 (:data:`~lightning_pipe.planning.PREDICTED_STEPS`)."""
@@ -76,32 +86,55 @@ class Candidate:
     """One configuration of the pipeline and what the simulator and the memory model predict for it.
 
     Attributes:
-        family: the schedule family (a key of :data:`~lightning_pipe.schedule.FAMILIES`), run with its
-            own (first) update rule.
-        microbatches: ``m``: the fixed mini-batch split into ``m`` micro-batches.
-        recompute: every stage recomputes its forward in its backward (Huang et al. 2019, §2.3).
-        bounds: each stage's first and last layer; one stage per worker.
-        replicas: workers per stage (all 1: replication, PipeDream §3.1, is not searched yet).
+        schedule: the family, its micro-batches ``m`` and update rule, on the search's workers.
+        recompute: per stage, whether it recomputes its forward in the backward.
+        stage_plan: the stages' layers (and replicas, for ``1f1b_rr``) with the plan evaluated on
+            ``m``'s micro-batches and that profile: what the strategy runs.
         step_seconds: predicted seconds per mini-batch (the steady step of :data:`STEPS` simulated
             steps), the ranking's key: every candidate computes the same mini-batch.
         bubble_fraction: idle time / (workers × makespan) of the simulated steps.
-        memory_bytes: each worker's memory by the memory model (one stage each).
+        memory_bytes: each worker's memory by the memory model (the stages it computes).
         memory_limit: the per-device limit it was checked against (``None``: none).
         why: its place in the ranking, in a few words.
-        plan: the evaluated plan (scaled to ``m``'s micro-batches), for building it.
     """
 
-    family: str
-    microbatches: int
-    recompute: bool
-    bounds: tuple[tuple[int, int], ...]
-    replicas: tuple[int, ...]
+    schedule: ScheduleOptions
+    recompute: tuple[bool, ...]
+    stage_plan: StagePlan = field(repr=False)
     step_seconds: float
     bubble_fraction: float
     memory_bytes: tuple[float, ...]
     memory_limit: float | None = None
     why: str = ""
-    plan: Plan | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def family(self) -> str:
+        return self.schedule.family
+
+    @property
+    def microbatches(self) -> int:
+        assert self.schedule.microbatches is not None
+        return self.schedule.microbatches
+
+    @property
+    def rule(self) -> str:
+        """The update rule it runs."""
+        return self.schedule.rule or rules_of(self.family)[0]
+
+    @property
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        """Each stage's first and last layer."""
+        return self.stage_plan.bounds
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        """Workers per stage (1 but for ``1f1b_rr``)."""
+        return self.stage_plan.replicas or (1,) * len(self.bounds)
+
+    @property
+    def plan(self) -> Plan:
+        assert self.stage_plan.plan is not None
+        return self.stage_plan.plan
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -109,42 +142,55 @@ class Candidate:
         return max(self.memory_bytes)
 
     @property
-    def rule(self) -> str:
-        """The update rule it runs: its family's own."""
-        return rules_of(self.family)[0]
+    def recomputed(self) -> str:
+        """``no``, ``all`` or the recomputing stages (``1, 3``)."""
+        if not any(self.recompute):
+            return "no"
+        if all(self.recompute):
+            return "all"
+        return ", ".join(str(s) for s, again in enumerate(self.recompute) if again)
 
     @property
     def label(self) -> str:
-        """``1f1b m=8`` or ``gpipe m=4 recompute``."""
-        return f"{self.family} m={self.microbatches}" + (" recompute" if self.recompute else "")
+        """``1f1b m=8``, ``2bw (stash) m=4`` or ``gpipe m=4 recompute all``."""
+        rule = "" if self.rule == rules_of(self.family)[0] else f" ({self.rule})"
+        again = "" if self.recomputed == "no" else f" recompute {self.recomputed}"
+        return f"{self.family}{rule} m={self.microbatches}{again}"
 
     def seconds_per_sample(self, batch_size: int) -> float:
         """Predicted seconds per sample of a ``batch_size``-row mini-batch."""
         check_whole("batch_size", batch_size, 1)
         return self.step_seconds / batch_size
 
-    def schedule_options(self) -> ScheduleOptions:
-        """The schedule it runs, as the strategy takes it."""
-        return ScheduleOptions(self.family, self.microbatches)
 
-
-def _families(families: Iterable[str] | None, allow_delayed: bool) -> tuple[str, ...]:
-    """The families searched: the flushing ones, and the delayed ones when allowed; a family asked
-    for by name and not allowed is refused, not dropped."""
+def searched_families(
+    rule: str | None = None, families: Iterable[str] | None = None
+) -> tuple[tuple[str, str | None], ...]:
+    """The ``(family, rule)`` pairs ``rule`` allows (``None`` for a family's own rule): ``None`` or
+    ``sync``, the flushing families; :data:`ANY_RULE`, every family with its own rule; a delayed rule
+    (``2bw``, ``stash``, ...), the flushing families and the delayed ones running it. ``families``
+    narrows them; one asked for by name and not allowed is refused, not dropped."""
+    if rule is not None and rule != ANY_RULE and rule not in RULES:
+        raise PlanningError(f"rule={rule!r} is no update rule: use one of {', '.join(RULES)}, or {ANY_RULE!r}")
+    allowed: list[tuple[str, str | None]] = [(family, None) for family in FLUSHING_FAMILIES]
+    if rule == ANY_RULE:
+        allowed += [(family, None) for family in DELAYED_FAMILIES]
+    elif rule not in (None, "sync"):
+        allowed += [(family, rule) for family in DELAYED_FAMILIES if rule in rules_of(family)]
     if families is None:
-        return FLUSHING_FAMILIES + (DELAYED_FAMILIES if allow_delayed else ())
+        return tuple(allowed)
     chosen = tuple(dict.fromkeys(families))
     searched = FLUSHING_FAMILIES + DELAYED_FAMILIES
     unknown = [name for name in chosen if name not in searched]
     if unknown or not chosen:
         raise PlanningError(f"the search prices {', '.join(searched)}; got {list(chosen)}")
-    delayed = [name for name in chosen if name in DELAYED_FAMILIES]
-    if delayed and not allow_delayed:
+    refused = [name for name in chosen if name not in {family for family, _ in allowed}]
+    if refused:
         raise PlanningError(
-            f"{', '.join(delayed)} update with delayed weights, which the search never chooses without leave: "
-            "pass allow_delayed=True (an update rule that allows them), or leave them out"
+            f"{', '.join(refused)} update with delayed weights, which rule={rule!r} does not allow and the search "
+            f"never chooses without leave: give rule={ANY_RULE!r} (or a rule they run), or leave them out"
         )
-    return chosen
+    return tuple(pair for pair in allowed if pair[0] in chosen)
 
 
 def _groups(cuts: Sequence[int], layers: int) -> list[list[int]]:
@@ -153,47 +199,71 @@ def _groups(cuts: Sequence[int], layers: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in itertools.pairwise(edges)]
 
 
-def _all_cuts(layers: int, workers: int) -> list[tuple[int, ...]]:
-    return list(itertools.combinations(range(1, layers), workers - 1))
-
-
-def _near_cuts(
-    costs: ChainCosts, workers: int, memory: MemoryModel, network: Network, partitioner: str
-) -> list[tuple[int, ...]]:
-    """The ``partitioner``'s straight split (no memory limit, so that the splits tried do not depend on
-    it) cut to one stage per worker, and every split one cut away from it."""
-    request = PlanRequest(
-        costs, devices=workers, memory=replace(memory, recompute=False), network=network, straight=True
-    )
+def _seed(costs: ChainCosts, stages: int, network: Network, partitioner: str) -> tuple[int, ...]:
+    """The cuts of the ``partitioner``'s straight split into ``stages`` stages (no memory limit, so
+    that the splits tried do not depend on it)."""
+    request = PlanRequest(costs, devices=stages, network=network, straight=True)
     plan = partition(request, partitioner)
     if not plan.contiguous:
         raise PlanningError(f"the search splits layers contiguously; the {partitioner} partitioner does not")
-    if len(plan.stages) < workers:
+    if len(plan.stages) < stages:
         plan = every_worker_a_stage(request, plan, costs.column("seconds"))
-    seed = tuple(stage.layers[0] for stage in plan.stages[1:])
+    return tuple(stage.layers[0] for stage in plan.stages[1:])
+
+
+def _splits(
+    costs: ChainCosts, family: str, stages: int, network: Network, partitioner: str, max_splits: int
+) -> list[tuple[list[list[int]], tuple[int, ...] | None]]:
+    """The splits searched for ``family``: ``(stage layer lists, replicas or None)``."""
+    layers = len(costs)
+    if family == "1f1b_rr":  # PipeDream's dynamic program decides the replication
+        plan = partition(PlanRequest(costs, devices=stages, network=network, straight=False), "pipedream")
+        replicas = tuple(stage.replicas for stage in plan.stages)
+        if max(replicas) == 1 or sum(replicas) != stages:  # 1f1b's split, or workers left idle
+            return []
+        return [([list(stage.layers) for stage in plan.stages], replicas)]
+    if stages > layers:
+        return []
+    seed = _seed(costs, stages, network, partitioner)
+    if family == "ddp":  # every worker computes every stage
+        return [(_groups(seed, layers), None)]
+    if math.comb(layers - 1, stages - 1) <= max_splits:
+        return [(_groups(cut, layers), None) for cut in itertools.combinations(range(1, layers), stages - 1)]
     found = {seed}
     for index, step in itertools.product(range(len(seed)), (-1, 1)):
         moved = (*seed[:index], seed[index] + step, *seed[index + 1 :])
-        if all(a < b for a, b in itertools.pairwise((0, *moved, len(costs)))):
+        if all(a < b for a, b in itertools.pairwise((0, *moved, layers))):
             found.add(moved)
-    return sorted(found)
+    return [(_groups(cut, layers), None) for cut in sorted(found)]
 
 
-def _graph(family: str, workers: int, microbatches: int) -> Graph | None:
-    """The validated schedule of ``family`` on ``workers`` stages; ``None`` where it cannot run ``m``."""
-    try:
-        return build_schedule(family, workers, microbatches, STEPS)
-    except PlanningError:
-        return None
+def _owned(schedule: Schedule) -> list[set[int]]:
+    """The stages each worker computes."""
+    return [{a.stage for a in order if a.kind in COMPUTE} for order in schedule.orders]
 
 
-def _stage_costs(plan: Plan, recompute: bool, action_seconds: float, contention: float) -> StageCosts:
-    """The plan's per-stage costs (as :func:`~lightning_pipe.planning.predict` takes them), with the
-    fixed cost per action and, recomputing, the forward again in the backward."""
-    costs = StageCosts.from_plan(plan.to_dict())
-    forward = [f + action_seconds for f in costs.forward]
-    backward = [b + action_seconds + (f if recompute else 0.0) for f, b in zip(forward, costs.backward, strict=True)]
-    return replace(costs, forward=forward, backward=backward, contention=contention)
+def _recomputing(plain: Plan, owned: list[set[int]], limit: float | None, recompute: bool | None) -> tuple[bool, ...]:
+    """Which stages recompute: all, none, or (``None``) those of the workers over ``limit`` without it."""
+    stages = len(plain.stages)
+    if recompute is not None:
+        return (recompute,) * stages
+    over = [w for w, mine in enumerate(owned) if limit is not None and _worker_bytes(plain, mine) > limit]
+    return tuple(any(s in owned[w] for w in over) for s in range(stages))
+
+
+def _worker_bytes(plan: Plan, mine: set[int]) -> float:
+    return sum(plan.stages[s].memory_bytes for s in mine)
+
+
+def _mixed(plain: Plan, again: Plan, recompute: tuple[bool, ...]) -> Plan:
+    """``plain`` with the recomputing stages' memory taken from ``again`` (the same split, recomputing)."""
+    if not any(recompute):
+        return plain
+    if all(recompute):
+        return again
+    stages = tuple(a if r else p for p, a, r in zip(plain.stages, again.stages, recompute, strict=True))
+    note = "stages " + ", ".join(str(s) for s, r in enumerate(recompute) if r) + " recompute their forward"
+    return replace(plain, stages=stages, notes=(*plain.notes, note))
 
 
 def search(
@@ -201,10 +271,10 @@ def search(
     workers: int,
     *,
     memory_limit: float | None = None,
-    allow_delayed: bool = False,
-    microbatches: Sequence[int] = (2, 4, 8),
-    recompute: Sequence[bool] = (False, True),
+    rule: str | None = None,
     families: Iterable[str] | None = None,
+    microbatches: Sequence[int] = (2, 4, 8),
+    recompute: bool | None = None,
     partitioner: str = "time",
     profile_microbatches: int = 1,
     action_seconds: float = 0.0,
@@ -212,20 +282,22 @@ def search(
     network: Network | None = None,
     contention: float = 1.0,
     max_splits: int = DEFAULT_MAX_SPLITS,
+    names: Sequence[str] | None = None,
 ) -> list[Candidate]:
     """Every configuration that fits, ranked best first (module docstring).
 
     Args:
         costs: the profile: one micro-batch of the mini-batch split into ``profile_microbatches``.
-        workers: devices of one pipeline, one stage each.
+        workers: devices of one pipeline.
         memory_limit: bytes per device (``None``: no limit).
-        allow_delayed: also search the non-flushing families (delayed weights).
-        microbatches, recompute, families: the values searched (``families``: default the flushing
-            ones, and the delayed ones when allowed).
+        rule: the update rules allowed (:func:`searched_families`); ``families`` narrows the families.
+        microbatches: the micro-batch counts searched.
+        recompute: ``True`` every stage recomputes, ``False`` none, ``None`` each as it needs to fit.
         partitioner: the split tried when there are more than ``max_splits`` (with its neighbours).
         action_seconds: fixed seconds per forward and per backward of a micro-batch.
         extra_copies, network, contention: the memory model's optimizer copies, the network of
             :func:`~lightning_pipe.partition.evaluate` and the simulator's contention.
+        names: the layers' names, kept in each candidate's stage plan.
 
     Raises:
         PlanningError: when nothing fits ``memory_limit``, naming the smallest limit that would
@@ -234,68 +306,69 @@ def search(
     check_whole("workers", workers, 1)
     check_whole("profile_microbatches", profile_microbatches, 1)
     check_positive("memory_limit", memory_limit, "bytes", optional=True)
+    if recompute not in (None, True, False):
+        raise PlanningError(f"recompute must be True, False or None (each stage as it needs), got {recompute!r}")
     if not math.isfinite(action_seconds) or action_seconds < 0:
         raise PlanningError(f"action_seconds must be a finite number >= 0, got {action_seconds!r}")
     if workers > len(costs):
         raise PlanningError(f"{workers} workers but {len(costs)} layers: a stage holds at least one layer")
-    chosen = _families(families, allow_delayed)
+    chosen = searched_families(rule, families)
     network = network or Network()
-    every = _all_cuts(len(costs), workers) if math.comb(len(costs) - 1, workers - 1) <= max_splits else None
+    known = None if names is None else tuple(names)
     found: list[Candidate] = []
     smallest = math.inf
     for m in dict.fromkeys(microbatches):
         check_whole("every microbatches entry", m, 1)
         scaled = costs.scaled(profile_microbatches / m)
-        for family in chosen:
-            graph = _graph(family, workers, m)
-            if graph is None:
-                continue
-            for again in dict.fromkeys(recompute):
-                memory = memory_model(family, m, extra_copies, recompute=bool(again))
-                cuts = every if every is not None else _near_cuts(scaled, workers, memory, network, partitioner)
-                for cut in cuts:
-                    plan = evaluate(
-                        scaled,
-                        _groups(cut, len(costs)),
-                        partitioner="auto",
-                        devices=workers,
-                        network=network,
-                        memory=memory,
+        for family, family_rule in chosen:
+            options = ScheduleOptions(family, m, rule=family_rule).on_workers(workers)
+            models = memory_model(family, m, extra_copies), memory_model(family, m, extra_copies, recompute=True)
+            stages = options.stages_for(workers)
+            for groups, replicas in _splits(scaled, family, stages, network, partitioner, max_splits):
+                bounds = tuple((group[0], group[-1]) for group in groups)
+                shape = StagePlan(bounds, replicas=replicas)
+                try:
+                    schedule = schedule_of(shape, options, m)(STEPS)
+                except PlanningError:  # the family cannot run m micro-batches on these stages
+                    continue
+                owned = _owned(schedule)
+                plain, again = (
+                    evaluate(scaled, groups, replicas, partitioner="auto", devices=workers, network=network, memory=mm)
+                    for mm in models
+                )
+                flags = _recomputing(plain, owned, memory_limit, recompute)
+                plan = replace(_mixed(plain, again, flags), memory_limit=memory_limit)
+                per_worker = tuple(_worker_bytes(plan, mine) for mine in owned)
+                least = [min(_worker_bytes(plain, mine), _worker_bytes(again, mine)) for mine in owned]
+                smallest = min(smallest, max(per_worker) if recompute is not None else max(least))
+                if memory_limit is not None and max(per_worker) > memory_limit:
+                    continue
+                stage_plan = StagePlan(bounds, plan, scaled, replicas, known)
+                simulation = predict(stage_plan, options, m, contention, flags, action_seconds)
+                assert simulation is not None
+                found.append(
+                    Candidate(
+                        schedule=options,
+                        recompute=flags,
+                        stage_plan=stage_plan,
+                        step_seconds=simulation.steady_step,
+                        bubble_fraction=simulation.bubble_fraction,
+                        memory_bytes=per_worker,
                         memory_limit=memory_limit,
                     )
-                    smallest = min(smallest, plan.peak_memory_bytes)
-                    if memory_limit is not None and plan.peak_memory_bytes > memory_limit:
-                        continue
-                    simulation = simulate(
-                        graph.schedule, _stage_costs(plan, bool(again), action_seconds, contention), graph, True
-                    )
-                    found.append(
-                        Candidate(
-                            family=family,
-                            microbatches=m,
-                            recompute=bool(again),
-                            bounds=tuple((s.layers[0], s.layers[-1]) for s in plan.stages),
-                            replicas=tuple(s.replicas for s in plan.stages),
-                            step_seconds=simulation.steady_step,
-                            bubble_fraction=simulation.bubble_fraction,
-                            memory_bytes=tuple(s.memory_bytes for s in plan.stages),
-                            memory_limit=memory_limit,
-                            plan=plan,
-                        )
-                    )
+                )
     if not found:
+        listed = ", ".join(family for family, _ in chosen)
         if math.isinf(smallest):
-            raise PlanningError(
-                f"none of {', '.join(chosen)} runs {workers} stages with {list(microbatches)} micro-batches"
-            )
+            raise PlanningError(f"none of {listed} runs {workers} workers with {list(microbatches)} micro-batches")
         need = math.ceil(smallest)
         raise PlanningError(
-            f"no configuration of {', '.join(chosen)} with {list(microbatches)} micro-batches fits "
+            f"no configuration of {listed} with {list(microbatches)} micro-batches fits "
             f"{format_bytes(memory_limit)} per device; the smallest limit that fits is {format_bytes(need)} "
             f"(memory_limit={need})"
         )
-    order = {family: index for index, family in enumerate(chosen)}
-    found.sort(key=lambda c: (c.step_seconds, c.peak_memory_bytes, order[c.family], c.microbatches, c.recompute))
+    order = {family: index for index, (family, _) in enumerate(chosen)}
+    found.sort(key=lambda c: (c.step_seconds, c.peak_memory_bytes, order[c.family], c.microbatches, sum(c.recompute)))
     return [replace(c, why=_why(c, found)) for c in found]
 
 
@@ -327,13 +400,15 @@ def ranking_table(candidates: Sequence[Candidate], top: int = 5) -> str:
     if not candidates:
         return "no candidate"
     rows = [
-        "| # | schedule | m | recompute | stages (layers) | step | bubble | peak memory/device |",
-        "|---|---|---|---|---|---|---|---|",
+        "| # | schedule | rule | m | recompute | stages (layers ×replicas) | step | bubble | peak memory/device |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for rank, c in enumerate(candidates[:top], 1):
-        stages = ", ".join(f"{a}-{b}" for a, b in c.bounds)
+        stages = ", ".join(
+            f"{a}-{b}" + (f"×{r}" if r > 1 else "") for (a, b), r in zip(c.bounds, c.replicas, strict=True)
+        )
         rows.append(
-            f"| {rank} | {c.family} | {c.microbatches} | {'yes' if c.recompute else 'no'} | {stages} | "
+            f"| {rank} | {c.family} | {c.rule} | {c.microbatches} | {c.recomputed} | {stages} | "
             f"{format_seconds(c.step_seconds)} | {c.bubble_fraction:.0%} | {format_bytes(c.peak_memory_bytes)} |"
         )
     rows.append(f"{candidates[0].label} wins: {candidates[0].why}")

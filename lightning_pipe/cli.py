@@ -126,14 +126,16 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--auto",
         action="store_true",
-        help="rank every split x schedule (gpipe, 1f1b, zb_h1) x micro-batches (2, 4, 8) x recomputation by "
-        "predicted time per mini-batch within --memory-limit, as schedule='auto' chooses; the profile is one "
-        "micro-batch of a mini-batch split into --microbatches (default: the devices)",
+        help="rank every split x schedule (gpipe, 1f1b, zb_h1, interleaved, 1f1b_rr, ddp) x micro-batches "
+        "(2, 4, 8) x per-stage recomputation by predicted time per mini-batch within --memory-limit, as "
+        "schedule='auto' chooses; the profile is one micro-batch of a mini-batch split into --microbatches "
+        "(default: the devices)",
     )
     parser.add_argument(
-        "--allow-delayed",
-        action="store_true",
-        help="with --auto, also rank pipedream, 2bw and cdp, whose updates use delayed weights",
+        "--rule",
+        default=None,
+        help="with --auto, the update rules allowed: sync (default: the flushing schedules), 'delayed' (also "
+        "pipedream, 2bw and cdp, each with its own rule) or one delayed rule (2bw, stash, vertical, cdp_v1, cdp_v2)",
     )
     parser.add_argument("--top", type=_positive_int, default=5, help="with --auto, the candidates shown (default: 5)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -214,8 +216,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         save_profile(costs, args.save_profile)
     if args.auto:
         return _run_auto(args, costs)
-    if args.allow_delayed:
-        raise PlanningError("--allow-delayed widens --auto's search: give --auto too")
+    if args.rule is not None:
+        raise PlanningError("--rule chooses the rules --auto's search may pick: give --auto too")
     memory = MemoryModel(
         schedule=args.schedule,
         microbatches=args.microbatches or args.devices,
@@ -250,14 +252,15 @@ def _run_auto(args: argparse.Namespace, costs: ChainCosts) -> int:
         costs,
         args.devices,
         memory_limit=args.memory_limit,
-        allow_delayed=args.allow_delayed,
+        rule=args.rule,
         profile_microbatches=args.microbatches or args.devices,
         extra_copies=EXTRA_COPIES[args.optimizer],
         network=Network(args.bandwidth),
     )
     if args.json:
-        fields = ("family", "microbatches", "recompute", "bounds", "step_seconds", "bubble_fraction", "memory_bytes")
-        ranked = [{name: getattr(c, name) for name in fields} | {"why": c.why} for c in candidates[: args.top]]
+        fields = ("family", "rule", "microbatches", "recompute", "bounds", "replicas", "step_seconds")
+        fields += ("bubble_fraction", "memory_bytes", "why")
+        ranked = [{name: getattr(c, name) for name in fields} for c in candidates[: args.top]]
         print(json.dumps({"profile": costs.name, "devices": args.devices, "candidates": ranked}, indent=1))
     else:
         print(ranking_table(candidates, top=args.top))

@@ -405,14 +405,24 @@ def schedule_of(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: 
 
 
 def predict(
-    stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: int, contention: float = 1.0
+    stage_plan: StagePlan,
+    schedule: ScheduleOptions,
+    microbatches: int,
+    contention: float = 1.0,
+    recompute: bool | Sequence[bool] = False,
+    action_seconds: float = 0.0,
 ) -> Simulation | None:
     """The schedule simulated with the plan's measured costs (``None`` without a profile), on devices
-    sharing one machine by ``contention``."""
+    sharing one machine by ``contention``; a stage recomputing (``recompute``: all, or per stage) runs its
+    forward again in its backward (Huang et al. 2019, §2.3), and every forward and backward costs
+    ``action_seconds`` more (the fixed cost of a micro-batch that the profile's per-row costs leave out)."""
     if stage_plan.plan is None:
         return None
     costs = StageCosts.from_plan(stage_plan.plan.to_dict(), replicated=stage_plan.replicas is not None)
-    costs = replace(costs, contention=contention)
+    again = [recompute] * len(costs.forward) if isinstance(recompute, bool) else list(recompute)
+    forward = [f + action_seconds for f in costs.forward]
+    backward = [b + action_seconds + (f if r else 0.0) for f, b, r in zip(forward, costs.backward, again, strict=True)]
+    costs = replace(costs, forward=forward, backward=backward, contention=contention)
     return simulate(schedule_of(stage_plan, schedule, microbatches)(PREDICTED_STEPS), costs, early_gradients=True)
 
 

@@ -1,6 +1,7 @@
 """The search behind ``schedule="auto"`` (lightning_pipe/auto.py) ranks as a brute force over the same
-space does, with the same simulator and memory model; it keeps within the memory limit, names a limit
-that works when nothing fits, and searches the delayed-weight families only when allowed."""
+space does, with the strategy's own prediction and memory model; it keeps within the memory limit,
+recomputes exactly the stages that need it, names a limit that works when nothing fits, and searches
+the delayed-weight families only when the rule allows them."""
 
 from __future__ import annotations
 
@@ -12,21 +13,32 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_pipe.auto import DELAYED_FAMILIES, FLUSHING_FAMILIES, STEPS, Candidate, ranking_table, search
+from lightning_pipe.auto import (
+    ANY_RULE,
+    DELAYED_FAMILIES,
+    FLUSHING_FAMILIES,
+    STEPS,
+    Candidate,
+    ranking_table,
+    search,
+    searched_families,
+)
 from lightning_pipe.cost.memory import EXTRA_COPIES, MemoryModel
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import PlanRequest, evaluate, partition
-from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, StageCosts, make_schedule, memory_schedule, simulate
+from lightning_pipe.planning import StagePlan, memory_model, predict
+from lightning_pipe.schedule import COMPUTE
+from lightning_pipe.schedule.options import ScheduleOptions
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WORKERS = 2
-DELAYED = set(NON_FLUSHING_FAMILIES)
+DELAYED = set(DELAYED_FAMILIES)
 
 
 @st.composite
 def chains(draw: st.DrawFn) -> ChainCosts:
-    n = draw(st.integers(3, 6))
+    n = draw(st.integers(3, 5))
     positive = st.lists(st.integers(1, 9).map(float), min_size=n, max_size=n)
     sizes = st.lists(st.integers(0, 9).map(float), min_size=n, max_size=n)
     return ChainCosts.from_lists(
@@ -36,50 +48,66 @@ def chains(draw: st.DrawFn) -> ChainCosts:
 
 @st.composite
 def spaces(draw: st.DrawFn) -> dict[str, object]:
-    """A small search space: the micro-batch counts, recomputation and whether delays are allowed."""
+    """A small search space: the micro-batch counts, recomputation and the rules allowed."""
     return {
         "microbatches": tuple(draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=2, unique=True))),
-        "recompute": tuple(draw(st.lists(st.booleans(), min_size=1, max_size=2, unique=True))),
-        "allow_delayed": draw(st.booleans()),
+        "recompute": draw(st.sampled_from([None, True, False])),
+        "rule": draw(st.sampled_from([None, "sync", ANY_RULE, "2bw", "stash"])),
     }
 
 
+def _layouts(costs: ChainCosts, family: str, stages: int) -> list[tuple[list[list[int]], tuple[int, ...] | None]]:
+    """Every contiguous split into ``stages``; for ``ddp`` the time partitioner's (its split does not
+    change its time), for ``1f1b_rr`` PipeDream's replicated plan when it replicates."""
+    n = len(costs)
+    if family == "1f1b_rr":
+        plan = partition(PlanRequest(costs, devices=stages, straight=False), "pipedream")
+        replicas = tuple(s.replicas for s in plan.stages)
+        return [([list(s.layers) for s in plan.stages], replicas)] if max(replicas) > 1 else []
+    if stages > n:
+        return []
+    if family == "ddp":
+        plan = partition(PlanRequest(costs, devices=stages, straight=True), "time")
+        if len(plan.stages) == stages:
+            return [([list(s.layers) for s in plan.stages], None)]
+    edges = [[0, *cut, n] for cut in itertools.combinations(range(1, n), stages - 1)]
+    return [([list(range(a, b)) for a, b in itertools.pairwise(e)], None) for e in edges]
+
+
 def _brute_force(costs: ChainCosts, limit: float | None, space: dict[str, object]) -> tuple[float, float]:
-    """The least predicted step time over every (family, m, recompute, contiguous split) that fits
-    ``limit``, priced directly (the simulator on each stage's sums, the memory model through
-    ``evaluate``); and the least peak memory of any of them (fitting or not)."""
-    families = FLUSHING_FAMILIES + (DELAYED_FAMILIES if space["allow_delayed"] else ())
+    """The least predicted step time over every (family, m, split, recomputing stages) that fits
+    ``limit``: each stage's memory by ``evaluate``, summed over the stages a worker computes, and the
+    strategy's prediction; with ``recompute=None`` every assignment of recomputation to stages is
+    tried. Also the least peak memory of any of them (fitting or not)."""
     best, least = math.inf, math.inf
-    for family, m, again in itertools.product(families, space["microbatches"], space["recompute"]):
-        try:
-            schedule = make_schedule(family, WORKERS, m, STEPS)
-        except PlanningError:
-            continue
+    for (family, rule), m in itertools.product(searched_families(space["rule"]), space["microbatches"]):
+        options = ScheduleOptions(family, m, rule=rule).on_workers(WORKERS)
         scaled = costs.scaled(1 / m)
-        memory = MemoryModel(
-            memory_schedule(family),
-            m,
-            EXTRA_COPIES["momentum"],
-            split_backward=family not in DELAYED,
-            accumulation=True,
-            recompute=again,
-        )
-        for cut in range(1, len(costs)):
-            groups = [list(range(cut)), list(range(cut, len(costs)))]
-            plan = evaluate(scaled, groups, partitioner="brute", devices=WORKERS, memory=memory)
-            least = min(least, plan.peak_memory_bytes)
-            if limit is not None and plan.peak_memory_bytes > limit:
+        models = [memory_model(family, m, EXTRA_COPIES["momentum"], recompute=flag) for flag in (False, True)]
+        for groups, replicas in _layouts(scaled, family, options.stages_for(WORKERS)):
+            bounds = tuple((g[0], g[-1]) for g in groups)
+            extra = {} if replicas is None else {"stage_replicas": list(replicas)}
+            try:
+                schedule = options.make(len(groups), m, **extra)(STEPS)
+            except PlanningError:
                 continue
-            forward = [s.forward_seconds for s in plan.stages]
-            backward = [s.backward_seconds + (s.forward_seconds if again else 0.0) for s in plan.stages]
-            stage_costs = StageCosts(
-                forward=forward,
-                backward=backward,
-                activation_bytes=[s.output_bytes for s in plan.stages],
-                saved_bytes=[s.saved_bytes for s in plan.stages],
-                weight_bytes=[s.param_bytes for s in plan.stages],
+            owned = [{a.stage for a in order if a.kind in COMPUTE} for order in schedule.orders]
+            plain, again = (
+                evaluate(scaled, groups, replicas, partitioner="brute", devices=WORKERS, memory=model)
+                for model in models
             )
-            best = min(best, simulate(schedule, stage_costs, early_gradients=True).steady_step)
+            recompute = space["recompute"]
+            patterns = (
+                itertools.product((False, True), repeat=len(groups)) if recompute is None else [(recompute,) * len(groups)]
+            )
+            for pattern in patterns:
+                stage_bytes = [(a if r else p).memory_bytes for p, a, r in zip(plain.stages, again.stages, pattern)]
+                peak = max(sum(stage_bytes[s] for s in mine) for mine in owned)
+                least = min(least, peak)
+                if limit is not None and peak > limit:
+                    continue
+                stage_plan = StagePlan(bounds, plain, scaled, replicas)
+                best = min(best, predict(stage_plan, options, m, recompute=pattern).steady_step)
     return best, least
 
 
@@ -87,19 +115,20 @@ def _search(costs: ChainCosts, limit: float | None, space: dict[str, object]) ->
     return search(costs, WORKERS, memory_limit=limit, **space)  # type: ignore[arg-type]
 
 
-def _check_ranked(found: list[Candidate], layers: int, limit: float | None, allow_delayed: bool) -> None:
-    """Sorted by step time, within the limit, no delayed family unless allowed, one contiguous stage
-    per worker covering every layer."""
+def _check_ranked(found: list[Candidate], layers: int, limit: float | None, rule: str | None) -> None:
+    """Sorted by step time, within the limit, no delayed family unless the rule allows it, contiguous
+    stages covering every layer, every worker busy."""
     assert found
     assert [c.step_seconds for c in found] == sorted(c.step_seconds for c in found)
     for c in found:
         assert limit is None or c.peak_memory_bytes <= limit
-        assert allow_delayed or c.family not in DELAYED
-        assert c.bounds[0][0] == 0 and c.bounds[-1][1] == layers - 1 and c.replicas == (1,) * WORKERS
+        assert rule not in (None, "sync") or c.family not in DELAYED
+        assert c.rule == "sync" or rule in (ANY_RULE, c.rule)
+        assert c.bounds[0][0] == 0 and c.bounds[-1][1] == layers - 1 and len(c.memory_bytes) == WORKERS
         assert all(a[0] <= a[1] and a[1] + 1 == b[0] for a, b in itertools.pairwise(c.bounds))
-        # no schedule computes a mini-batch faster than its slowest stage computes its share
-        slowest = max(s.compute_seconds + (s.forward_seconds if c.recompute else 0.0) for s in c.plan.stages)
-        assert c.step_seconds >= c.microbatches * slowest * (1 - 1e-9)
+        # no schedule computes a mini-batch faster than the workers share its compute
+        work = sum(s.compute_seconds + (s.forward_seconds if r else 0.0) for s, r in zip(c.plan.stages, c.recompute))
+        assert c.step_seconds >= c.microbatches * work / WORKERS * (1 - 1e-9)
 
 
 @SETTINGS
@@ -107,9 +136,8 @@ def _check_ranked(found: list[Candidate], layers: int, limit: float | None, allo
 def test_the_winner_is_the_brute_force_best_and_the_list_is_sorted(costs: ChainCosts, space: dict[str, object]) -> None:
     best, _ = _brute_force(costs, None, space)
     found = _search(costs, None, space)
-    _check_ranked(found, len(costs), None, bool(space["allow_delayed"]))
-    assert found[0].step_seconds <= best * (1 + 1e-9) + 1e-12
-    assert found[0].step_seconds >= best * (1 - 1e-9) - 1e-12
+    _check_ranked(found, len(costs), None, space["rule"])  # type: ignore[arg-type]
+    assert math.isclose(found[0].step_seconds, best, rel_tol=1e-9, abs_tol=1e-12)
 
 
 @SETTINGS
@@ -124,10 +152,10 @@ def test_memory_limits_are_kept_and_a_refusal_names_a_limit_that_works(
         named = float(re.search(r"memory_limit=(\d+)", str(refused.value)).group(1))
         assert least <= named < least + 1
         found = _search(costs, named, space)
-        _check_ranked(found, len(costs), named, bool(space["allow_delayed"]))
+        _check_ranked(found, len(costs), named, space["rule"])  # type: ignore[arg-type]
         return
     found = _search(costs, limit, space)
-    _check_ranked(found, len(costs), limit, bool(space["allow_delayed"]))
+    _check_ranked(found, len(costs), limit, space["rule"])  # type: ignore[arg-type]
     assert math.isclose(found[0].step_seconds, best, rel_tol=1e-9, abs_tol=1e-12)
 
 
@@ -135,41 +163,57 @@ def test_delayed_families_only_when_allowed() -> None:
     costs = ChainCosts.from_lists([1.0, 2.0, 3.0, 1.0], [2.0, 4.0, 6.0, 2.0], activation=[1.0] * 4, params=[4.0] * 4)
     strict = search(costs, 2)
     assert {c.family for c in strict} <= set(FLUSHING_FAMILIES)
-    assert {"gpipe", "1f1b"} <= {c.family for c in strict}
-    delayed = search(costs, 2, allow_delayed=True)
-    assert {c.family for c in delayed} & DELAYED
-    with pytest.raises(PlanningError, match="allow_delayed=True"):
+    assert {"gpipe", "1f1b", "zb_h1", "interleaved", "ddp"} <= {c.family for c in strict}
+    assert {c.rule for c in strict} == {"sync"}
+    delayed = search(costs, 2, rule=ANY_RULE)
+    assert {c.family for c in delayed} >= DELAYED
+    assert {(c.family, c.rule) for c in search(costs, 2, rule="stash") if c.family in DELAYED} == {
+        ("pipedream", "stash"),
+        ("2bw", "stash"),
+    }
+    with pytest.raises(PlanningError, match="rule='delayed'"):
         search(costs, 2, families=["1f1b", "2bw"])
-    assert {c.family for c in search(costs, 2, families=["2bw"], allow_delayed=True)} == {"2bw"}
+    with pytest.raises(PlanningError, match="no update rule"):
+        search(costs, 2, rule="fast")
+    assert {c.family for c in search(costs, 2, families=["2bw"], rule=ANY_RULE)} == {"2bw"}
 
 
-def test_recomputation_trades_time_for_memory() -> None:
+def test_recomputation_trades_time_for_memory_stage_by_stage() -> None:
     """Recomputing keeps each stage's input instead of its activations (GPipe §2.3) and runs the
-    forward again: under a limit only a recomputing configuration fits, and it is slower."""
+    forward again: under a limit only a recomputing configuration fits, and it is slower; a limit only
+    1F1B's first stage exceeds (it keeps the most micro-batches in flight) recomputes only there."""
     costs = ChainCosts.from_lists([1.0] * 4, [2.0] * 4, activation=[1.0] * 4, saved=[100.0] * 4)
-    free = search(costs, 2, microbatches=(4,), families=["gpipe"])
+    split = ((0, 1), (2, 3))
     kept, again = (
-        next(c for c in free if c.recompute is flag and c.bounds == ((0, 1), (2, 3))) for flag in (False, True)
+        next(c for c in search(costs, 2, microbatches=(4,), families=["1f1b"], recompute=flag) if c.bounds == split)
+        for flag in (False, True)
     )
+    assert again.recompute == (True, True) and kept.recompute == (False, False)
     assert again.peak_memory_bytes < kept.peak_memory_bytes
     assert again.step_seconds > kept.step_seconds
-    tight = search(costs, 2, microbatches=(4,), families=["gpipe"], memory_limit=again.peak_memory_bytes)
-    assert all(c.recompute for c in tight)
+    tight = search(costs, 2, microbatches=(4,), families=["1f1b"], memory_limit=again.peak_memory_bytes)
+    assert all(any(c.recompute) for c in tight)
+    first_only = max(again.memory_bytes[0], kept.memory_bytes[1])
+    assert kept.memory_bytes[0] > first_only
+    mixed = search(costs, 2, microbatches=(4,), families=["1f1b"], memory_limit=first_only)
+    chosen = next(c for c in mixed if c.bounds == split)
+    assert chosen.recompute == (True, False) and chosen.recomputed == "0"
+    assert kept.step_seconds < chosen.step_seconds < again.step_seconds
 
 
 def test_a_fixed_cost_per_micro_batch_favours_fewer() -> None:
     """The mini-batch is fixed: more micro-batches shrink GPipe's bubble when they cost nothing more
     than their rows, and lose when each action has a fixed cost."""
     costs = ChainCosts.from_lists([1.0, 1.0], [2.0, 2.0])
-    free = search(costs, 2, microbatches=(2, 8), families=["gpipe"], recompute=(False,))
+    free = search(costs, 2, microbatches=(2, 8), families=["gpipe"], recompute=False)
     assert free[0].microbatches == 8 and free[0].bubble_fraction < free[-1].bubble_fraction
-    fixed = search(costs, 2, microbatches=(2, 8), families=["gpipe"], recompute=(False,), action_seconds=1.0)
+    fixed = search(costs, 2, microbatches=(2, 8), families=["gpipe"], recompute=False, action_seconds=1.0)
     assert fixed[0].microbatches == 2
 
 
 def test_beyond_max_splits_the_partitioners_split_and_its_neighbours() -> None:
     costs = ChainCosts.from_lists([1.0, 5.0, 1.0, 1.0, 1.0, 5.0], [1.0] * 6)
-    found = search(costs, 2, max_splits=0, microbatches=(4,), recompute=(False,))
+    found = search(costs, 2, max_splits=0, microbatches=(4,), families=["1f1b"])
     cuts = {c.bounds[1][0] for c in found}
     seed = partition(PlanRequest(costs, devices=2, straight=True), "time").stages[1].layers[0]
     assert cuts == {seed - 1, seed, seed + 1}

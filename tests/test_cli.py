@@ -293,13 +293,15 @@ def test_plan_auto_prints_the_searchs_ranking(pipedream_profiles: Path, capsys: 
     costs, free = load_profile(profile), Network(float("inf"))
     expected = search(costs, 2, profile_microbatches=2, network=free)
     got = [(c["family"], c["microbatches"], c["recompute"], c["bounds"]) for c in result["candidates"]]
-    assert got == [(c.family, c.microbatches, c.recompute, [list(b) for b in c.bounds]) for c in expected[:20]]
+    assert got == [
+        (c.family, c.microbatches, list(c.recompute), [list(b) for b in c.bounds]) for c in expected[:20]
+    ]
     assert [c["step_seconds"] for c in result["candidates"]] == [c.step_seconds for c in expected[:20]]
-    assert {c["family"] for c in result["candidates"]} <= {"gpipe", "1f1b", "zb_h1"}
-    assert main([*argv, "--allow-delayed"]) == 0
+    assert {c["rule"] for c in result["candidates"]} == {"sync"}
+    assert main([*argv, "--rule", "delayed"]) == 0
     table = capsys.readouterr().out
-    delayed = search(costs, 2, allow_delayed=True, profile_microbatches=2, network=free)
+    delayed = search(costs, 2, rule="delayed", profile_microbatches=2, network=free)
     assert f"{delayed[0].label} wins: {delayed[0].why}" in table
     assert table.count("\n| ") == 20  # one row per candidate
-    assert main(["plan", "--profile", profile, "--devices", "2", "--allow-delayed"]) == 2
-    assert "--allow-delayed widens --auto's search: give --auto too" in capsys.readouterr().err
+    assert main(["plan", "--profile", profile, "--devices", "2", "--rule", "2bw"]) == 2
+    assert "--rule chooses the rules --auto's search may pick: give --auto too" in capsys.readouterr().err
