@@ -96,12 +96,11 @@ def _brute_force(costs: ChainCosts, limit: float | None, space: dict[str, object
                 evaluate(scaled, groups, replicas, partitioner="brute", devices=WORKERS, memory=model)
                 for model in models
             )
-            recompute = space["recompute"]
-            patterns = (
-                itertools.product((False, True), repeat=len(groups)) if recompute is None else [(recompute,) * len(groups)]
-            )
+            flag, count = space["recompute"], len(groups)
+            patterns = itertools.product((False, True), repeat=count) if flag is None else [(flag,) * count]
             for pattern in patterns:
-                stage_bytes = [(a if r else p).memory_bytes for p, a, r in zip(plain.stages, again.stages, pattern)]
+                chosen = zip(plain.stages, again.stages, pattern, strict=True)
+                stage_bytes = [(a if r else p).memory_bytes for p, a, r in chosen]
                 peak = max(sum(stage_bytes[s] for s in mine) for mine in owned)
                 least = min(least, peak)
                 if limit is not None and peak > limit:
@@ -127,7 +126,8 @@ def _check_ranked(found: list[Candidate], layers: int, limit: float | None, rule
         assert c.bounds[0][0] == 0 and c.bounds[-1][1] == layers - 1 and len(c.memory_bytes) == WORKERS
         assert all(a[0] <= a[1] and a[1] + 1 == b[0] for a, b in itertools.pairwise(c.bounds))
         # no schedule computes a mini-batch faster than the workers share its compute
-        work = sum(s.compute_seconds + (s.forward_seconds if r else 0.0) for s, r in zip(c.plan.stages, c.recompute))
+        again = zip(c.plan.stages, c.recompute, strict=True)
+        work = sum(s.compute_seconds + (s.forward_seconds if r else 0.0) for s, r in again)
         assert c.step_seconds >= c.microbatches * work / WORKERS * (1 - 1e-9)
 
 

@@ -293,9 +293,7 @@ def test_plan_auto_prints_the_searchs_ranking(pipedream_profiles: Path, capsys: 
     costs, free = load_profile(profile), Network(float("inf"))
     expected = search(costs, 2, profile_microbatches=2, network=free)
     got = [(c["family"], c["microbatches"], c["recompute"], c["bounds"]) for c in result["candidates"]]
-    assert got == [
-        (c.family, c.microbatches, list(c.recompute), [list(b) for b in c.bounds]) for c in expected[:20]
-    ]
+    assert got == [(c.family, c.microbatches, list(c.recompute), [list(b) for b in c.bounds]) for c in expected[:20]]
     assert [c["step_seconds"] for c in result["candidates"]] == [c.step_seconds for c in expected[:20]]
     assert {c["rule"] for c in result["candidates"]} == {"sync"}
     assert main([*argv, "--rule", "delayed"]) == 0
