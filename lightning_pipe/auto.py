@@ -276,7 +276,7 @@ def search(
     microbatches: Sequence[int] = (2, 4, 8),
     recompute: bool | None = None,
     partitioner: str = "time",
-    profile_microbatches: int = 1,
+    profile_microbatches: float = 1,
     action_seconds: float = 0.0,
     extra_copies: float = EXTRA_COPIES["momentum"],
     network: Network | None = None,
@@ -304,7 +304,7 @@ def search(
             (``memory_limit=<bytes>``), or when no family can run the micro-batch counts given.
     """
     check_whole("workers", workers, 1)
-    check_whole("profile_microbatches", profile_microbatches, 1)
+    check_positive("profile_microbatches", profile_microbatches)
     check_positive("memory_limit", memory_limit, "bytes", optional=True)
     if recompute not in (None, True, False):
         raise PlanningError(f"recompute must be True, False or None (each stage as it needs), got {recompute!r}")

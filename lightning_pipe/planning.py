@@ -54,6 +54,7 @@ __all__ = [
     "optimizer_copies",
     "plan_stages",
     "predict",
+    "profile_costs",
     "schedule_of",
     "setup_line",
     "setup_report",
@@ -250,12 +251,7 @@ def plan_stages(
         return StagePlan(_bounds_from_balance(options.balance, len(layers), stages), replicas=replicas, names=known)
     if options.plan is not None:
         return _plan_file(options.plan, len(layers), known, workers, replicate)
-    if options.profile is not None:
-        costs = load_profile(options.profile)
-        _check_same_model(options.profile, "profile", len(costs), given_names(costs), len(layers), names)
-    else:
-        with timed(seconds, "profile"):
-            costs = _profile(layers, sample, device, options, names)
+    costs = profile_costs(layers, sample, options, device, names, seconds)
     request = PlanRequest(
         costs,
         devices=workers,
@@ -301,6 +297,25 @@ def every_worker_a_stage(request: PlanRequest, plan: Plan, seconds: Sequence[flo
         spans[index : index + 1] = [(first, cut), (cut + 1, last)]
     note = f"{len(plan.stages)} stages were as fast; split to one per worker"
     return request.plan_spans(plan.partitioner, [(first, last, 1) for first, last in spans], [*plan.notes, note])
+
+
+def profile_costs(
+    layers: Sequence[nn.Module],
+    sample: Any,
+    options: PlanOptions,
+    device: torch.device,
+    names: Sequence[str] | None = None,
+    seconds: dict[str, float] | None = None,
+) -> ChainCosts:
+    """The profile a plan is made from: ``options.profile``'s file (checked against the layers), or
+    the layers profiled on ``device`` with ``sample``, one micro-batch (kept from run to run in
+    ``options.cache``); the time profiling takes is added to ``seconds['profile']``."""
+    if options.profile is not None:
+        costs = load_profile(options.profile)
+        _check_same_model(options.profile, "profile", len(costs), given_names(costs), len(layers), names)
+        return costs
+    with timed(seconds, "profile"):
+        return _profile(layers, sample, device, options, names)
 
 
 def _profile(

@@ -180,6 +180,19 @@ class ChainCosts:
         )
         return replace(self, layers=layers, boundary_bytes=tuple(b * factor for b in self.boundary_bytes))
 
+    def slowed(self, factor: float) -> ChainCosts:
+        """The costs with every time ``factor`` times as long and nothing else changed (a profile
+        corrected by the rate a run measured)."""
+        if not math.isfinite(factor) or factor <= 0:
+            raise PlanningError(f"a time factor must be a finite number > 0, got {factor!r}")
+        layers = tuple(
+            replace(
+                layer, forward_seconds=layer.forward_seconds * factor, backward_seconds=layer.backward_seconds * factor
+            )
+            for layer in self.layers
+        )
+        return replace(self, layers=layers)
+
     def column(self, key: str) -> list[float]:
         """One per-layer quantity as a list: ``seconds``, ``param_bytes``, ``flops``, ..."""
         if key == "flops" and any(layer.flops is None for layer in self.layers):

@@ -33,16 +33,22 @@ HOW_TO_GET_IT = (
 _GUARD = "_lightning_pipe_guard"  # the module's attribute holding the guard's hook handle
 
 
-def fill(roots: Iterable[nn.Module], module: nn.Module, full: Mapping[str, Tensor]) -> None:
-    """Give every meta tensor of ``module`` (and of the modules under ``roots`` sharing it, ties kept)
-    its value in the full state dict ``full``, on the device of the module's other tensors."""
+def fill(
+    roots: Iterable[nn.Module],
+    module: nn.Module,
+    full: Mapping[str, Tensor],
+    optimizers: Iterable[torch.optim.Optimizer] = (),
+) -> None:
+    """Give every meta tensor of ``module`` (and of the modules under ``roots`` sharing it, ties kept,
+    and of ``optimizers``' parameter groups) its value in the full state dict ``full``, on the device
+    of the module's other tensors."""
     held = module.state_dict(keep_vars=True)
     device = next((t.device for t in held.values() if not t.is_meta), torch.device("cpu"))
     real: dict[int, Tensor] = {}
     for name, tensor in held.items():
         if tensor.is_meta and id(tensor) not in real:
             real[id(tensor)] = as_parameter_like(tensor, full[name].detach().to(device).clone())
-    replace(roots, real, ())
+    replace(roots, real, optimizers)
 
 
 def guard(module: nn.Module) -> None:

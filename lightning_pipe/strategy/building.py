@@ -41,6 +41,7 @@ from lightning_pipe.runtime.shared_memory_sizes import shared_memory_capacity
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.ir import COMPUTE, Schedule
 from lightning_pipe.schedule.simulation import Simulation
+from lightning_pipe.strategy.choosing import Chosen
 from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Call, PipelineModel, pipeline_model
 from lightning_pipe.strategy.differences import differences
@@ -148,8 +149,8 @@ class PipelineBuilding:
         """Which stages recompute their forward in the backward: every one with ``recompute=True``,
         else those holding a block the model asks to checkpoint (:mod:`.recomputation`), said at a new
         plan's set-up."""
-        if self.recompute:
-            return True
+        if self.recompute:  # True, or the stages the search chose (.choosing)
+            return self.recompute
         blocks = checkpointed_blocks(module)
         if not blocks:
             return False
@@ -301,30 +302,42 @@ class PipelineBuilding:
         plan or the error, print the plan and the prediction. A later ``validate``/``test``/``predict``
         (or ``fit``) of a module with as many layers keeps the plan."""
         memory = memory_model(self.schedule_options.family, self.microbatches, optimizer_copies(optimizer))
-        stage_plan: StagePlan | PlanningError | None = None
+        planned: tuple[StagePlan, Chosen | None] | PlanningError | None = None
         if self.global_rank == 0:
             try:
                 if not meta:  # a model on the meta device has no values to compare
                     with timed(self.setup_seconds, "verify"):
                         self._verify(model, first)
-                stage_plan = plan_stages(
-                    model.layers,
-                    model.inputs(first),
-                    self.stages,
-                    self._within_limit(self._plan_options(len(model.layers))),
-                    memory,
-                    torch.device("meta") if meta else self.root_device,
-                    self._replicated,
-                    names=model.names,
-                    seconds=self.setup_seconds,
-                )
+                if self._auto is not None:  # schedule="auto": the search's winner (.choosing)
+                    planned = self._choose(model, first, optimizer, batch_rows, meta)
+                else:
+                    planned = (
+                        plan_stages(
+                            model.layers,
+                            model.inputs(first),
+                            self.stages,
+                            self._within_limit(self._plan_options(len(model.layers))),
+                            memory,
+                            torch.device("meta") if meta else self.root_device,
+                            self._replicated,
+                            names=model.names,
+                            seconds=self.setup_seconds,
+                        ),
+                        None,
+                    )
             except PlanningError as error:
-                stage_plan = error
-        stage_plan = self.broadcast(stage_plan)
-        if isinstance(stage_plan, PlanningError):
-            raise stage_plan
+                planned = error
+        planned = self.broadcast(planned)
+        if isinstance(planned, PlanningError):
+            raise planned
+        assert planned is not None
+        stage_plan, chosen = planned
+        if chosen is not None:
+            self._run_chosen(chosen)
         if self.global_rank == 0:
-            self._prediction = predict(stage_plan, self.options, self.microbatches, self.plan_options.contention)
+            self._prediction = predict(
+                stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
+            )
             self.differences = differences(
                 self.lightning_module,
                 stage_plan.modules(model.layers),

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -75,6 +76,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 
+from lightning_pipe.auto import Candidate
 from lightning_pipe.capture.compiled import (
     CompileSettings,
     compiled_settings,
@@ -83,6 +85,7 @@ from lightning_pipe.capture.compiled import (
     settings_of,
 )
 from lightning_pipe.cost.profile_cache import profile_directory
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.planning import (
     DEFAULT_TOLERANCE,
@@ -95,13 +98,13 @@ from lightning_pipe.runtime.allocator import release_freed_memory
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.loss_scaling import refuse_without_flush
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES, SUGGESTED_FLUSHING
-from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.after_fit import fill, guard, lift_guard
 from lightning_pipe.strategy.arguments import check_backend, check_flags, check_port, check_timeout, parse_option
 from lightning_pipe.strategy.atomic import write_file
 from lightning_pipe.strategy.building import PipelineBuilding
 from lightning_pipe.strategy.checkpointing import CheckpointHooks
+from lightning_pipe.strategy.choosing import AutoOptions, PipelineChoosing
 from lightning_pipe.strategy.collectives import Collectives, close_process_groups
 from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
@@ -128,6 +131,7 @@ _SYNC_DIST_ADVICE = r"It is recommended to use `self.log\(.*sync_dist=True"
 _REGISTERED = {
     "pipe": ("1f1b", "popen"),
     "pipe_spawn": ("1f1b", "spawn"),
+    "pipe_auto": ("auto", "popen"),
     "pipe_gpipe": ("gpipe", "popen"),
     "pipe_1f1b": ("1f1b", "popen"),
     "pipe_zb": ("zb_h1", "popen"),
@@ -144,19 +148,32 @@ _REGISTERED = {
 
 
 class PipelineStrategy(
-    TopologyHooks, PipelineBuilding, TrainingHooks, EvaluationHooks, CheckpointHooks, Collectives, ParallelStrategy
+    TopologyHooks,
+    PipelineBuilding,
+    PipelineChoosing,
+    TrainingHooks,
+    EvaluationHooks,
+    CheckpointHooks,
+    Collectives,
+    ParallelStrategy,
 ):
     """Pipeline-parallel training: the model's layers split into stages, one per device, run by a
     schedule of any family with its update rule.
 
     Args:
         schedule: the schedule family (``gpipe``, ``1f1b``, ``interleaved``, ``zb_h1``, ``pipedream``,
-            ``2bw``, ``cdp``, ...; see ``lightning_pipe.schedule.FAMILIES``). The flushing families
+            ``2bw``, ``cdp``, ...; see ``lightning_pipe.schedule.FAMILIES``), or ``auto``: on the first
+            batch the strategy prices every split × family × micro-batch count × per-stage
+            recomputation × replication the options leave open under ``memory_limit``, prints the
+            best five and why the winner won, and runs it (:mod:`.choosing`); the update rule is
+            never changed silently: ``rule=None`` keeps to the flushing families (sync),
+            ``rule="delayed"`` allows every family with its own rule. The flushing families
             run ``Trainer(accumulate_grad_batches=k)`` as Lightning does (``k`` steps, one update);
             the non-flushing ones (``pipedream``, ``2bw``, ``cdp``) refuse it: their steps overlap and
             their update rules apply each step's gradient, so batches ``k`` times larger with ``k``
             times the micro-batches give the gradient per update instead.
-        microbatches: micro-batches per batch (default: the number of stages).
+        microbatches: micro-batches per batch (default: the number of stages); ``"auto"`` or a list of
+            counts: the search chooses among them (2, 4 and 8 by default with ``schedule="auto"``).
         rule, slack, virtual_stages, form, period, k: the schedule's options
             (:class:`~lightning_pipe.schedule.options.ScheduleOptions`).
         groups: ``G`` of ``lpp`` and ``fslpp`` (Rahimi 2025): the devices form ``G`` groups of
@@ -169,7 +186,8 @@ class PipelineStrategy(
         contention: for the printed prediction, how many times slower a stage computes while every
             device computes (processes sharing one machine's cores and memory bandwidth: measure it
             with ``bench/runtime_speed.py``); default 1, devices that share nothing.
-        recompute: recompute activations in the backward instead of keeping them.
+        recompute: recompute activations in the backward instead of keeping them; ``"auto"`` (the
+            default with ``schedule="auto"``): the stages that need it to fit ``memory_limit`` do.
         profile: a saved profile to plan with instead of profiling.
         plan: a saved plan (``lightning-pipe plan --json``) to run as is.
         balance: layers per stage, instead of planning.
@@ -218,7 +236,7 @@ class PipelineStrategy(
     def __init__(
         self,
         schedule: str = "1f1b",
-        microbatches: int | None = None,
+        microbatches: int | Literal["auto"] | list[int] | None = None,
         *,
         rule: str | None = None,
         slack: int = 0,
@@ -231,7 +249,7 @@ class PipelineStrategy(
         memory_limit: float | str | None = None,
         bandwidth: float | str | None = None,
         contention: float = 1.0,
-        recompute: bool = False,
+        recompute: bool | Literal["auto"] | None = None,
         profile: str | None = None,
         plan: str | None = None,
         balance: list[int] | None = None,
@@ -263,10 +281,9 @@ class PipelineStrategy(
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.schedule_options = ScheduleOptions(
-            family=schedule,
-            microbatches=microbatches,
-            rule=rule,
+        self._auto, start = AutoOptions.of(schedule, microbatches, rule, recompute)
+        self.schedule_options = dataclasses.replace(
+            start,
             slack=slack,
             virtual_stages=virtual_stages,
             form=form,
@@ -295,11 +312,14 @@ class PipelineStrategy(
         self._stages_option, self._data_parallel_option = stages, data_parallel
         if start_method not in ("popen", "spawn"):
             raise PlanningError(f"start_method must be 'popen' or 'spawn'; got {start_method!r}")
-        check_flags(recompute=recompute, keep_plan=keep_plan, pin_cpus=pin_cpus, gather_after_fit=gather_after_fit)
+        check_flags(keep_plan=keep_plan, pin_cpus=pin_cpus, gather_after_fit=gather_after_fit)
         check_timeout(timeout)
         check_backend(process_group_backend)
         check_port()
-        self.recompute = recompute
+        self.recompute: bool | list[bool] = recompute is True  # "auto": as the search chooses (.choosing)
+        self.candidates: list[Candidate] = []  # rank 0, schedule="auto": the configurations priced, best first
+        self._searched: tuple[ChainCosts, dict[str, Any]] | None = None  # rank 0: the profile and search arguments
+        self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.choosing)
         self.keep_plan = keep_plan
         if state_dict_type not in ("full", "sharded"):
             raise PlanningError(f"state_dict_type must be 'full' or 'sharded'; got {state_dict_type!r}")
@@ -472,6 +492,10 @@ class PipelineStrategy(
                 "backward and the update of every stage itself"
             )
         accumulate, family = trainer.accumulate_grad_batches, self.schedule_options.family
+        precision = str(trainer.precision)
+        if self._auto is not None and (accumulate != 1 or precision == "16-mixed"):
+            reason = f"accumulate_grad_batches={accumulate}" if accumulate != 1 else "precision='16-mixed'"
+            self._auto = self._auto.flushing_only(reason)
         if accumulate != 1 and family in NON_FLUSHING_FAMILIES:
             raise PlanningError(
                 f"accumulate_grad_batches={accumulate} with a non-flushing schedule ({family!r}): "
@@ -485,7 +509,6 @@ class PipelineStrategy(
                 "configure_gradient_clipping is overridden: the pipeline clips inside each stage's update; set "
                 "Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm'|'value') instead"
             )
-        precision = str(trainer.precision)
         if precision not in ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed"):
             raise PlanningError(
                 f"precision={precision!r} is not supported by the pipeline: use '32-true', 'bf16-mixed', "
@@ -550,7 +573,11 @@ class PipelineStrategy(
             strategy_registry.register(
                 name,
                 cls,
-                description=f"{FAMILIES[family]}: the {family} schedule, start method {start_method}",
+                description=(
+                    f"{FAMILIES[family]}: the {family} schedule, start method {start_method}"
+                    if family in FAMILIES
+                    else f"the pipeline chosen on the first batch (schedule='auto'), start method {start_method}"
+                ),
                 schedule=family,
                 start_method=start_method,
             )

@@ -1,0 +1,150 @@
+"""``PipelineStrategy(schedule="auto")``: the strategy chooses its pipeline with the search, runs it as
+if given, keeps within the memory limit, and a switch after calibration carries the weights and the
+optimizer state exactly (a synchronous run that switches ends as plain Lightning)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.auto import FLUSHING_FAMILIES
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime import run_local
+from lightning_pipe.schedule import StageCosts
+from lightning_pipe.strategy.choosing import CALIBRATE_AFTER, DEFAULT_MICROBATCHES, AutoOptions, Chosen, calibration
+from tests.lightning_cases import Chain, final_state, loader, plain_fit, trainer
+
+BATCHES = CALIBRATE_AFTER + 4  # four steps after the calibration
+
+
+class _Switching(PipelineStrategy):
+    """Switches at the calibration to the best two-stage 1F1B or GPipe configuration whose split
+    differs from the running one's, whatever the prediction says."""
+
+    def _better(self, in_run: StageCosts) -> Any:
+        super()._better(in_run)
+        self.before = self.stage_plan.bounds
+        other = next(
+            c
+            for c in self.candidates
+            if c.family in ("1f1b", "gpipe") and len(c.bounds) == 2 and c.bounds != self.stage_plan.bounds
+        )
+        return other.stage_plan, Chosen.of(other, self.schedule_options)
+
+
+def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    import os
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    found = []
+    for case in cases:
+        model = Chain()
+        kind = _Switching if case.get("switch") else PipelineStrategy
+        strategy = kind(schedule="auto", profile_cache=False, **case.get("strategy", {}))
+        run = trainer(Path(root) / case["name"], strategy, 2)
+        run.fit(model, loader(BATCHES))
+        found.append(
+            {
+                "final": final_state(run, model),
+                "family": strategy.schedule_options.family,
+                "rule": strategy.schedule_options.rule,
+                "microbatches": strategy.microbatches,
+                "bounds": strategy.stage_plan.bounds,
+                "before": getattr(strategy, "before", None),
+                "predicted_memory": strategy.predicted_memory,
+                "ranked": [(c.step_seconds, c.family, c.peak_memory_bytes) for c in strategy.candidates],
+            }
+        )
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(tmp_path: Path) -> None:
+    """Three runs on 2 processes: ``schedule="auto"`` (a flushing family, the ranking sorted, the
+    result plain Lightning's); the same within a memory limit that the whole model does not fit (a
+    two-stage pipeline within it); and a run made to switch after calibration to another split and
+    schedule: it ends with plain Lightning's parameters too (weights and momentum carried by name)."""
+    limit = 2600
+    cases = [
+        {"name": "auto"},
+        {"name": "limit", "strategy": {"memory_limit": limit, "shared_memory_bytes": 0}},
+        {"name": "switch", "switch": True, "strategy": {"microbatches": [2]}},
+    ]
+    results = run_local(_worker, 2, str(tmp_path), cases, timeout=240)
+    expected = plain_fit(tmp_path / "plain", {"batches": BATCHES})["final"]
+    for index, case in enumerate(cases):
+        for rank in range(2):
+            got = results[rank][index]
+            for name, value in expected.items():
+                assert torch.allclose(got["final"][name], value, atol=1e-5, rtol=0), (case["name"], name)
+        chosen = results[0][index]
+        assert chosen["family"] in FLUSHING_FAMILIES and chosen["rule"] is None
+        assert [r[1:] for r in results[1][index]["ranked"]] == []  # only rank 0 searches
+    ranked = results[0][0]["ranked"]
+    assert ranked and [r[0] for r in ranked] == sorted(r[0] for r in ranked)
+    assert results[0][0]["microbatches"] in DEFAULT_MICROBATCHES
+    within = results[0][1]
+    assert within["family"] not in ("ddp", "1f1b_rr") and len(within["bounds"]) == 2
+    assert all(r["predicted_memory"] <= limit for r in (results[0][1], results[1][1]))
+    assert all(peak <= limit for _, _, peak in within["ranked"])
+    switched = results[0][2]
+    assert switched["family"] in ("1f1b", "gpipe") and switched["microbatches"] == 2
+    assert len(switched["bounds"]) == 2 and switched["before"] not in (None, switched["bounds"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(1e-4, 1.0), min_size=2, max_size=8, unique=True),
+    st.floats(0.1, 10.0),
+    st.floats(0.0, 0.1),
+)
+def test_calibration_recovers_scale_and_fixed_cost(profiled: list[float], scale: float, fixed: float) -> None:
+    """Measured costs that are exactly ``scale × profile + fixed`` give back both (least squares)."""
+    if max(profiled) - min(profiled) < 1e-3:
+        return
+    got_scale, got_fixed = calibration(profiled, [scale * x + fixed for x in profiled])
+    assert math.isclose(got_scale, scale, rel_tol=1e-6)
+    assert math.isclose(got_fixed, fixed, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def test_calibration_without_spread_or_with_a_negative_intercept_goes_through_zero() -> None:
+    assert calibration([1.0, 1.0], [3.0, 3.0]) == (3.0, 0.0)
+    scale, fixed = calibration([1.0, 2.0], [1.0, 4.0])  # the line through them crosses below zero
+    assert fixed == 0.0 and math.isclose(scale, 9.0 / 5.0)
+    with pytest.raises(PlanningError, match="as many measured values"):
+        calibration([1.0], [])
+
+
+def test_auto_options_search_what_is_left_open_and_refuse_bad_values() -> None:
+    auto, start = AutoOptions.of("auto", None, None, None)
+    assert auto is not None and auto.families is None and auto.rule is None and auto.recompute is None
+    assert auto.microbatches == DEFAULT_MICROBATCHES and start.family == "1f1b"
+    fixed, start = AutoOptions.of("2bw", "auto", None, False)
+    assert fixed is not None and fixed.families == ("2bw",) and fixed.rule == "delayed" and fixed.recompute is False
+    assert start.family == "2bw"
+    counts, _ = AutoOptions.of("1f1b", [4, 2, 4], None, "auto")
+    assert counts is not None and counts.microbatches == (4, 2) and counts.recompute is None
+    assert AutoOptions.of("1f1b", 4, None, True)[0] is None
+    with pytest.raises(PlanningError, match="'kperiodic' is not searched"):
+        AutoOptions.of("kperiodic", "auto", None, None)
+    with pytest.raises(PlanningError, match="no update rule"):
+        AutoOptions.of("auto", None, "fastest", None)
+    with pytest.raises(PlanningError, match="recompute must be True, False or 'auto'"):
+        AutoOptions.of("auto", None, None, "yes")
+    with pytest.raises(PlanningError, match="a whole number, a list of them or 'auto'"):
+        AutoOptions.of("auto", "many", None, None)
+    delayed, _ = AutoOptions.of("auto", None, "delayed", None)
+    assert delayed is not None and delayed.flushing_only("accumulate_grad_batches=2").rule is None
+    only_2bw, _ = AutoOptions.of("2bw", "auto", None, None)
+    with pytest.raises(PlanningError, match="2bw cannot run with accumulate_grad_batches=2"):
+        only_2bw.flushing_only("accumulate_grad_batches=2")
+    with pytest.raises(PlanningError, match="recompute must be"):
+        PipelineStrategy(schedule="auto", recompute=1)
+    assert PipelineStrategy(schedule="auto").schedule_options.family == "1f1b"
