@@ -91,7 +91,7 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     assert ranked and [r[0] for r in ranked] == sorted(r[0] for r in ranked)
     assert results[0][0]["microbatches"] in DEFAULT_MICROBATCHES
     within = results[0][1]
-    assert within["family"] not in ("ddp", "1f1b_rr") and len(within["bounds"]) == 2
+    assert within["family"] not in ("ddp", "1f1b_rr")  # each worker would hold the whole model
     assert all(r["predicted_memory"] <= limit for r in (results[0][1], results[1][1]))
     assert all(peak <= limit for _, _, peak in within["ranked"])
     switched = results[0][2]
