@@ -127,7 +127,7 @@ def test_auto_options_search_what_is_left_open_and_refuse_bad_values() -> None:
     assert auto is not None and auto.families is None and auto.rule is None and auto.recompute is None
     assert auto.microbatches == DEFAULT_MICROBATCHES and start.family == "1f1b"
     fixed, start = AutoOptions.of("2bw", "auto", None, False)
-    assert fixed is not None and fixed.families == ("2bw",) and fixed.rule == "delayed" and fixed.recompute is False
+    assert fixed is not None and fixed.families == ("2bw",) and fixed.rule == "2bw" and fixed.recompute is False
     assert start.family == "2bw"
     counts, _ = AutoOptions.of("1f1b", [4, 2, 4], None, "auto")
     assert counts is not None and counts.microbatches == (4, 2) and counts.recompute is None
@@ -136,6 +136,8 @@ def test_auto_options_search_what_is_left_open_and_refuse_bad_values() -> None:
         AutoOptions.of("kperiodic", "auto", None, None)
     with pytest.raises(PlanningError, match="no update rule"):
         AutoOptions.of("auto", None, "fastest", None)
+    with pytest.raises(PlanningError, match="rule='delayed' lets schedule='auto' choose"):
+        AutoOptions.of("1f1b", None, "delayed", None)
     with pytest.raises(PlanningError, match="recompute must be True, False or 'auto'"):
         AutoOptions.of("auto", None, None, "yes")
     with pytest.raises(PlanningError, match="a whole number, a list of them or 'auto'"):

@@ -94,6 +94,23 @@ def test_update_rule_picks_a_schedule_that_runs_it_unless_one_is_given() -> None
     assert (cfg.schedule.family.value, cfg.update_rule.name) == ("1f1b", None)
 
 
+def test_schedule_auto_leaves_the_choice_to_the_search() -> None:
+    """``schedule=auto``: the family, micro-batches and recomputation are searched, the update rule
+    kept to sync unless ``update_rule=delayed`` (or one delayed rule) allows more; a family given with
+    ``schedule.microbatches=auto`` searches its micro-batch counts only."""
+    auto = build.strategy(_compose("schedule=auto"), multirun=False)
+    assert auto._auto is not None and auto._auto.families is None and auto._auto.rule is None
+    assert auto._auto.recompute is None
+    delayed = _compose("schedule=auto", "update_rule=delayed")
+    build.check(delayed)
+    assert build.strategy(delayed, multirun=False)._auto.rule == "delayed"
+    counts = _compose("schedule=2bw", "schedule.microbatches=auto", "memory.recompute=false")
+    build.check(counts)
+    searched = build.strategy(counts, multirun=False)._auto
+    assert searched.families == ("2bw",) and searched.recompute is False
+    assert build.strategy(_compose("schedule.microbatches=4"), multirun=False)._auto is None
+
+
 @pytest.mark.parametrize(
     ("override", "error", "pattern"),
     [
@@ -125,6 +142,9 @@ def test_bad_values_fail_at_compose_time(override: str, error: type[Exception], 
         (["pipeline.bandwidth=fast"], r"pipeline.bandwidth='fast' is not understood .* 10Gbit/s"),
         (["pipeline.shared_memory=lots"], r"pipeline.shared_memory='lots' is not understood .* 0 \(gloo only\)"),
         (["update_rule=cdp_v2", "schedule=gpipe"], r"schedule=gpipe update_rule=cdp_v2: gpipe runs the 'sync'"),
+        (["schedule.microbatches=lots"], r"microbatches must be a whole number, a list of them or 'auto'"),
+        (["memory.recompute=maybe"], r"recompute must be True, False or 'auto'"),
+        (["schedule=kperiodic", "schedule.microbatches=auto"], r"'kperiodic' is not searched"),
         (["pipeline.timeout_minutes=-1"], r"^pipeline.timeout_minutes must be a number of minutes > 0; got -1.0$"),
         (["min_test_accuracy=95"], r"^min_test_accuracy must be a fraction in \[0, 1\] \(or null: no floor\); got 95"),
         (["ckpt_path=gone.ckpt"], r"^ckpt_path='gone.ckpt' does not exist \(relative paths are from .*\): give a"),

@@ -53,7 +53,7 @@ from lightning_pipe.cost.network import Network
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.planning import StagePlan, optimizer_copies, predict, profile_costs
 from lightning_pipe.runtime.batches import rows_of
-from lightning_pipe.schedule import StageCosts
+from lightning_pipe.schedule import StageCosts, rules_of
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.after_fit import fill
 from lightning_pipe.util.units import format_seconds
@@ -130,6 +130,11 @@ class AutoOptions:
             )
         searching = schedule == AUTO or counts is not None or recompute == AUTO
         fixed = microbatches if isinstance(microbatches, int) and not isinstance(microbatches, bool) else None
+        if rule == ANY_RULE and schedule != AUTO:
+            raise PlanningError(
+                f"rule={ANY_RULE!r} lets schedule='auto' choose any family with its own rule; with schedule="
+                f"{schedule!r} give one of its rules, or None (its own)"
+            )
         if not searching:
             return None, ScheduleOptions(family=schedule, microbatches=fixed, rule=rule)
         searched = FLUSHING_FAMILIES + DELAYED_FAMILIES
@@ -142,7 +147,7 @@ class AutoOptions:
             searched_rule: str | None = rule
             start = ScheduleOptions(family="1f1b", microbatches=fixed)
         else:
-            searched_rule = rule if schedule == AUTO else (rule or ANY_RULE)
+            searched_rule = rule if schedule == AUTO else (rule or rules_of(schedule)[0])
             start = ScheduleOptions(family="1f1b" if schedule == AUTO else schedule, microbatches=fixed, rule=rule)
         auto = cls(
             families=None if schedule == AUTO else (schedule,),

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_pipe.errors import PlanningError, check_positive
 from lightning_pipe.schedule import check_rule
 from lightning_pipe.strategy import PipelineStrategy
+from lightning_pipe.strategy.choosing import AUTO, AutoOptions
 from lightning_pipe.util.units import parse_bandwidth, parse_bytes
 
 __all__ = ["check", "data_module", "logger_list", "model", "strategy", "trainer"]
@@ -53,7 +54,9 @@ def check(cfg: DictConfig) -> None:
     family = _plain(cfg.schedule.family)
     rule = _plain(cfg.update_rule.name)
     try:
-        check_rule(family, rule)
+        AutoOptions.of(family, _plain(cfg.schedule.microbatches), rule, _plain(cfg.memory.recompute))
+        if family != AUTO:
+            check_rule(family, rule)
     except PlanningError as error:
         raise PlanningError(f"schedule={family} update_rule={rule}: {error}") from None
     check_positive("pipeline.timeout_minutes", cfg.pipeline.timeout_minutes, "minutes")
@@ -107,7 +110,7 @@ def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:
         start = "spawn" if multirun and not external else "popen"
     return PipelineStrategy(
         schedule=_plain(schedule.family),
-        microbatches=schedule.microbatches,
+        microbatches=_plain(schedule.microbatches),
         rule=_plain(cfg.update_rule.name),
         slack=schedule.slack,
         virtual_stages=schedule.virtual_stages,
@@ -117,7 +120,7 @@ def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:
         groups=schedule.groups,
         partitioner=_plain(cfg.partitioner.name),
         memory_limit=cfg.memory.limit,
-        recompute=cfg.memory.recompute,
+        recompute=_plain(cfg.memory.recompute),
         bandwidth=pipe.bandwidth,
         contention=pipe.contention,
         profile=pipe.profile,

@@ -20,8 +20,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from lightning_pipe.auto import ANY_RULE
 from lightning_pipe.partition import PARTITIONERS
 from lightning_pipe.schedule import FAMILIES, RULES
+from lightning_pipe.strategy.choosing import AUTO
 from lightning_pipe.zoo.models import MODEL_NAMES
 
 __all__ = [
@@ -42,8 +44,8 @@ def _names(kind: str, names: Any) -> type[Enum]:
     return Enum(kind, {name: name for name in names})  # type: ignore[return-value]
 
 
-Family = _names("Family", FAMILIES)
-Rule = _names("Rule", RULES)
+Family = _names("Family", (*FAMILIES, AUTO))
+Rule = _names("Rule", (*RULES, ANY_RULE))
 Partitioner = _names("Partitioner", PARTITIONERS)
 Model = _names("Model", ("mlp", *MODEL_NAMES))
 Optimizer = _names("Optimizer", ("sgd", "adamw"))
@@ -63,7 +65,8 @@ class ScheduleConfig:
     """The schedule family and its options (``lightning-pipe simulate``'s)."""
 
     family: Family = Family["1f1b"]
-    microbatches: int | None = None  # default: the number of stages
+    # a count, 'auto' (searched, as with family=auto) or null: the number of stages (searched with family=auto)
+    microbatches: Any = None
     slack: int = 0
     virtual_stages: int = 2
     form: str = "pipeline"
@@ -84,7 +87,7 @@ class MemoryConfig:
     """Per-device memory limit the partitioner plans under, and activation recomputation."""
 
     limit: str | None = None  # bytes, or a size such as 8GB, 512MiB
-    recompute: bool = False
+    recompute: Any = None  # true, false, 'auto' (the stages that need it to fit); null: 'auto' with schedule=auto
 
 
 @dataclass
