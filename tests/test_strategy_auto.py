@@ -5,6 +5,7 @@ optimizer state exactly (a synchronous run that switches ends as plain Lightning
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,17 @@ from lightning_pipe.auto import FLUSHING_FAMILIES
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts
-from lightning_pipe.strategy.choosing import CALIBRATE_AFTER, DEFAULT_MICROBATCHES, AutoOptions, Chosen, calibration
+from lightning_pipe.strategy.choosing import (
+    CALIBRATE_AFTER,
+    DEFAULT_MICROBATCHES,
+    PIN_STEPS,
+    AutoOptions,
+    Chosen,
+    calibration,
+)
 from tests.lightning_cases import Chain, final_state, loader, plain_fit, trainer
 
-BATCHES = CALIBRATE_AFTER + 4  # four steps after the calibration
+BATCHES = CALIBRATE_AFTER + PIN_STEPS + 4  # four steps after the pinning trial and the calibration
 
 
 class _Switching(PipelineStrategy):
@@ -40,8 +48,6 @@ class _Switching(PipelineStrategy):
 
 
 def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    import os
-
     os.environ["LOCAL_RANK"] = str(rank)
     found = []
     for case in cases:
@@ -60,6 +66,8 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
                 "before": getattr(strategy, "before", None),
                 "predicted_memory": strategy.predicted_memory,
                 "ranked": [(c.step_seconds, c.family, c.peak_memory_bytes) for c in strategy.candidates],
+                "pinned": None if strategy._pin_trial is None else strategy._pin_trial.pinned,
+                "cores": sorted(os.sched_getaffinity(0)),
             }
         )
     return found
@@ -70,12 +78,14 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     """Three runs on 2 processes: ``schedule="auto"`` (a flushing family, the ranking sorted, the
     result plain Lightning's); the same within a memory limit that the whole model does not fit (a
     two-stage pipeline within it); and a run made to switch after calibration to another split and
-    schedule: it ends with plain Lightning's parameters too (weights and momentum carried by name)."""
+    schedule: it ends with plain Lightning's parameters too (weights and momentum carried by name);
+    and ``pin_cpus="auto"``, whose trial leaves every rank pinned or every rank unpinned."""
     limit = 2600
     cases = [
         {"name": "auto"},
         {"name": "limit", "strategy": {"memory_limit": limit, "shared_memory_bytes": 0}},
         {"name": "switch", "switch": True, "strategy": {"microbatches": [2]}},
+        {"name": "pin", "strategy": {"pin_cpus": "auto"}},
     ]
     results = run_local(_worker, 2, str(tmp_path), cases, timeout=240)
     expected = plain_fit(tmp_path / "plain", {"batches": BATCHES})["final"]
@@ -97,6 +107,12 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     switched = results[0][2]
     assert switched["family"] in ("1f1b", "gpipe") and switched["microbatches"] == 2
     assert len(switched["bounds"]) == 2 and switched["before"] not in (None, switched["bounds"])
+    pinned = {results[rank][3]["pinned"] for rank in range(2)}
+    assert len(pinned) == 1 and pinned <= {True, False}  # rank 0's measurement decides for all
+    every = sorted(os.sched_getaffinity(0))
+    for rank in range(2):
+        cores = results[rank][3]["cores"]
+        assert (cores != every) if pinned == {True} else (cores == every)
 
 
 @settings(max_examples=60, deadline=None)

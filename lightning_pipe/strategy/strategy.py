@@ -104,7 +104,7 @@ from lightning_pipe.strategy.arguments import check_backend, check_flags, check_
 from lightning_pipe.strategy.atomic import write_file
 from lightning_pipe.strategy.building import PipelineBuilding
 from lightning_pipe.strategy.checkpointing import CheckpointHooks
-from lightning_pipe.strategy.choosing import AutoOptions, PipelineChoosing
+from lightning_pipe.strategy.choosing import AUTO, AutoOptions, PinTrial, PipelineChoosing
 from lightning_pipe.strategy.collectives import Collectives, close_process_groups
 from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
@@ -213,7 +213,8 @@ class PipelineStrategy(
         start_method: ``popen`` (re-run the script, as ``ddp``) or ``spawn`` (notebooks, Hydra multirun).
         pin_cpus: keep each process's threads on cores of its own (Linux; CPU training with one process
             per core or per group of cores: 2BW and CDP ran 1.14-1.18x faster on 2 cores,
-            ``bench/pinning.py``); data-loader workers inherit the placement.
+            ``bench/pinning.py``); data-loader workers inherit the placement. ``"auto"``: try it
+            after the first steps and keep it only if the steps ran faster (:mod:`.choosing`).
         shared_memory_bytes: CPU training: messages between processes on one host go through ring
             buffers of this many bytes per direction in ``/dev/shm`` instead of gloo's sockets
             (default 64 MiB; 0: gloo only; a message that finds the ring full goes by gloo);
@@ -262,7 +263,7 @@ class PipelineStrategy(
         stages: int | None = None,
         data_parallel: int | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
-        pin_cpus: bool = False,
+        pin_cpus: bool | Literal["auto"] = False,
         shared_memory_bytes: int | None = None,
         release_memory: bool | None = None,
         gather_after_fit: bool = False,
@@ -312,7 +313,9 @@ class PipelineStrategy(
         self._stages_option, self._data_parallel_option = stages, data_parallel
         if start_method not in ("popen", "spawn"):
             raise PlanningError(f"start_method must be 'popen' or 'spawn'; got {start_method!r}")
-        check_flags(keep_plan=keep_plan, pin_cpus=pin_cpus, gather_after_fit=gather_after_fit)
+        check_flags(keep_plan=keep_plan, gather_after_fit=gather_after_fit)
+        if not (isinstance(pin_cpus, bool) or pin_cpus == AUTO):
+            raise PlanningError(f"pin_cpus must be True, False or 'auto' (tried in the first steps); got {pin_cpus!r}")
         check_timeout(timeout)
         check_backend(process_group_backend)
         check_port()
@@ -320,6 +323,7 @@ class PipelineStrategy(
         self.candidates: list[Candidate] = []  # rank 0, schedule="auto": the configurations priced, best first
         self._searched: tuple[ChainCosts, dict[str, Any]] | None = None  # rank 0: the profile and search arguments
         self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.choosing)
+        self._pin_trial: PinTrial | None = None  # pin_cpus="auto" on the CPU: pinning tried (.choosing)
         self.keep_plan = keep_plan
         if state_dict_type not in ("full", "sharded"):
             raise PlanningError(f"state_dict_type must be 'full' or 'sharded'; got {state_dict_type!r}")
@@ -430,8 +434,9 @@ class PipelineStrategy(
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         atexit.unregister(close_process_groups)  # registered once per process, however many fits
         atexit.register(close_process_groups)
-        if self.pin_cpus:
+        if self.pin_cpus is True:
             pin_threads(self.local_rank, self.num_processes)
+        self._pin_trial = PinTrial.of(self.pin_cpus, self.root_device)
         self._release_freed_memory()
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)

@@ -103,7 +103,7 @@ class PipelineConfig:
     profile_cache: bool = True  # keep the measured profile for the next run ($LIGHTNING_PIPE_CACHE, ~/.cache)
     balance: list[int] | None = None  # layers per stage, instead of planning
     start_method: StartMethod = StartMethod["auto"]  # auto: popen for a run, spawn under multirun
-    pin_cpus: bool = False  # each process's threads on cores of its own (Linux, CPU training)
+    pin_cpus: Any = False  # true: each process's threads on cores of its own (Linux, CPU); 'auto': kept if faster
     shared_memory: str = "64MiB"  # CPU: ring per direction between processes of one host (0: gloo only)
     release_memory: bool | None = None  # CPU: freed blocks >= 4 MiB back to the system (null: with memory.limit)
     timeout_minutes: float = 30.0
