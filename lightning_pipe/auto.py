@@ -15,9 +15,12 @@ The space and its assumptions, all of them the simulator's or stated here:
   mini-batch split into ``profile_microbatches`` (1: the whole mini-batch); ``m`` micro-batches are
   priced as the profile scaled by ``profile_microbatches / m`` (:meth:`ChainCosts.scaled
   <lightning_pipe.cost.records.ChainCosts.scaled>`: times and activations grow with the rows,
-  parameters do not), plus ``action_seconds`` per forward and per backward, the fixed cost of a
-  micro-batch that linear scaling leaves out. Every candidate computes the same samples per step, so
-  their step times compare fairly whatever their ``m``, and none changes the global batch.
+  parameters do not); given a second profile on a smaller micro-batch (``small``), each layer's
+  times follow the line through the two in the rows instead, which keeps what a layer costs
+  whatever its rows (small micro-batches are dominated by it on a CPU); plus ``action_seconds`` per
+  forward and per backward, the runtime's own fixed cost per action. Every candidate computes the
+  same samples per step, so their step times compare fairly whatever their ``m``, and none changes
+  the global batch.
 - **Families and rules** (:func:`searched_families`): the flushing families run ``sync`` — GPipe
   (Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 2021), ZB-H1 (Qi et al. 2024), the
   interleaved 1F1B of Megatron-LM (Narayanan et al. 2021 §2.2, two stages per worker), PipeDream's
@@ -237,6 +240,33 @@ def _splits(
     return [(_groups(cut, layers), None) for cut in sorted(found)]
 
 
+def _priced(costs: ChainCosts, parts: float, small: tuple[ChainCosts, float] | None, m: int) -> ChainCosts:
+    """The profile of one of ``m`` micro-batches of the mini-batch: ``costs`` (one of ``parts``)
+    scaled; with ``small`` (the same layers profiled on one of ``small_parts``), each layer's times
+    follow the line through both profiles in the rows, so that what a layer costs whatever its rows
+    (the call, the kernel launches) is not scaled away."""
+    scaled = costs.scaled(parts / m)
+    if small is None:
+        return scaled
+    few, few_parts = small
+    if len(few) != len(costs):
+        raise PlanningError(f"the second profile has {len(few)} layers, the first {len(costs)}")
+    x, x_small, x_large = 1 / m, 1 / few_parts, 1 / parts
+
+    def line(large: float, little: float) -> float:
+        return max(little + (large - little) * (x - x_small) / (x_large - x_small), 0.0)
+
+    layers = tuple(
+        replace(
+            layer,
+            forward_seconds=line(big.forward_seconds, tiny.forward_seconds),
+            backward_seconds=line(big.backward_seconds, tiny.backward_seconds),
+        )
+        for layer, big, tiny in zip(scaled.layers, costs.layers, few.layers, strict=True)
+    )
+    return replace(scaled, layers=layers)
+
+
 def _owned(schedule: Schedule) -> list[set[int]]:
     """The stages each worker computes."""
     return [{a.stage for a in order if a.kind in COMPUTE} for order in schedule.orders]
@@ -277,6 +307,7 @@ def search(
     recompute: bool | None = None,
     partitioner: str = "time",
     profile_microbatches: float = 1,
+    small: tuple[ChainCosts, float] | None = None,
     action_seconds: float = 0.0,
     extra_copies: float = EXTRA_COPIES["momentum"],
     network: Network | None = None,
@@ -288,6 +319,8 @@ def search(
 
     Args:
         costs: the profile: one micro-batch of the mini-batch split into ``profile_microbatches``.
+        small: the same layers profiled on a smaller micro-batch, and its count per mini-batch: the
+            layers' times are then a line in the rows through both profiles (module docstring).
         workers: devices of one pipeline.
         memory_limit: bytes per device (``None``: no limit).
         rule: the update rules allowed (:func:`searched_families`); ``families`` narrows the families.
@@ -319,7 +352,7 @@ def search(
     smallest = math.inf
     for m in dict.fromkeys(microbatches):
         check_whole("every microbatches entry", m, 1)
-        scaled = costs.scaled(profile_microbatches / m)
+        scaled = _priced(costs, profile_microbatches, small, m)
         for family, family_rule in chosen:
             options = ScheduleOptions(family, m, rule=family_rule).on_workers(workers)
             models = memory_model(family, m, extra_copies), memory_model(family, m, extra_copies, recompute=True)

@@ -100,18 +100,19 @@ def gathered_stage_costs(
     world: int,
     stages: int,
     since_step: int = 0,
+    to_next: bool = False,
     **network: object,
 ) -> StageCosts:
     """:func:`stage_costs` of a pipeline's run: each rank's :func:`measured_seconds` of its
-    ``timeline`` and the gradient bytes of the stages it holds (``weights``: stage -> its
-    :class:`~lightning_pipe.runtime.weights.StageWeights`), gathered over ``group`` (of ``world``
-    ranks). A collective."""
+    ``timeline`` (with ``to_next``, each action until the next) and the gradient bytes of the stages
+    it holds (``weights``: stage -> its :class:`~lightning_pipe.runtime.weights.StageWeights`),
+    gathered over ``group`` (of ``world`` ranks). A collective."""
     gradients = {
         stage: float(sum(p.numel() * p.element_size() for p in held.params if p.requires_grad))
         for stage, held in weights.items()
     }
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (measured_seconds(timeline, since_step), gradients), group=group)
+    dist.all_gather_object(gathered, (measured_seconds(timeline, since_step, to_next), gradients), group=group)
     sizes = {stage: size for _, theirs in gathered for stage, size in theirs.items()}
     gradient_bytes = [sizes.get(stage, 0.0) for stage in range(stages)]
     return stage_costs([totals for totals, _ in gathered], stages, gradient_bytes, **network)

@@ -438,14 +438,18 @@ class PipelineExecutor:
         for norms in self.norms.values():
             norms.close()
 
-    def measured_costs(self, since_step: int = 0, **network: object) -> StageCosts:
+    def measured_costs(self, since_step: int = 0, to_next: bool = False, **network: object) -> StageCosts:
         """Every stage's mean forward, backward (and halves) and update seconds as this pipeline ran
         them, waits for messages excluded, over the steps ``>= since_step`` the timelines still hold
         (:mod:`lightning_pipe.runtime.calibration`): costs to simulate any other schedule with.
         ``network`` sets the other fields of :class:`StageCosts` (``bandwidth``, ``latency``,
-        ``overhead``, ``activation_bytes``, ...). A collective: every rank must call it."""
+        ``overhead``, ``activation_bytes``, ...); ``to_next``: an action lasts until the worker's next one
+        starts (:func:`~lightning_pipe.runtime.calibration.measured_seconds`). A collective: every rank
+        must call it."""
         timeline, stages = self.timeline, self.schedule.stages
-        return gathered_stage_costs(timeline, self.weights, self.group, self.world, stages, since_step, **network)
+        return gathered_stage_costs(
+            timeline, self.weights, self.group, self.world, stages, since_step, to_next, **network
+        )
 
     def state_dict(self, weights: bool = True) -> dict[str, object]:
         """Versions kept and gradients accumulated of this worker's stages, and (``weights``) their

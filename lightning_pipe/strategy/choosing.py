@@ -62,10 +62,11 @@ from lightning_pipe.cost.network import Network
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.planning import StagePlan, optimizer_copies, predict, profile_costs
 from lightning_pipe.runtime.affinity import pin_threads, place_threads
-from lightning_pipe.runtime.batches import rows_of
+from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.schedule import StageCosts, rules_of
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.after_fit import fill
+from lightning_pipe.util.nested import flatten, unflatten
 from lightning_pipe.util.units import format_seconds
 
 if TYPE_CHECKING:
@@ -249,22 +250,28 @@ class PipelineChoosing:
                 f"the batch has {batch_rows} rows, fewer than any micro-batch count searched "
                 f"({list(self._auto.microbatches)}): use larger batches or smaller counts (microbatches=[...])"
             )
+        parts = batch_rows / rows_of(sample)
+        small = None
+        finer = round(max(counts) / parts)  # the smallest micro-batch searched is profiled too (no file given)
+        if finer > 1 and options.profile is None and rows_of(sample) >= finer:
+            fewer = _first_part(sample, finer)
+            few = profile_costs(model.layers, fewer, options, device, model.names, self.setup_seconds)
+            small = (few, batch_rows / rows_of(fewer))
         start = time.perf_counter()
-        self._searched = (
-            costs,
-            {
-                "memory_limit": options.memory_limit,
-                "rule": self._auto.rule,
-                "families": self._auto.families,
-                "microbatches": counts,
-                "recompute": self._auto.recompute,
-                "partitioner": options.partitioner,
-                "profile_microbatches": batch_rows / rows_of(sample),
-                "extra_copies": optimizer_copies(optimizer),
-                "network": Network(options.bandwidth),
-                "names": model.names,
-            },
-        )
+        arguments = {
+            "small": small,
+            "memory_limit": options.memory_limit,
+            "rule": self._auto.rule,
+            "families": self._auto.families,
+            "microbatches": counts,
+            "recompute": self._auto.recompute,
+            "partitioner": options.partitioner,
+            "profile_microbatches": parts,
+            "extra_copies": optimizer_copies(optimizer),
+            "network": Network(options.bandwidth),
+            "names": model.names,
+        }
+        self._searched = costs, arguments
         ranked = search(costs, self.workers, contention=options.contention, **self._searched[1])
         self.candidates = ranked
         rank_zero_info(
@@ -295,7 +302,7 @@ class PipelineChoosing:
             return
         self._calibrated = True
         since = trial.start + 1 if trial is not None and trial.pinned and trial.start is not None else WARM_UP
-        in_run = executor.measured_costs(since_step=since)
+        in_run = executor.measured_costs(since_step=since, to_next=True)  # the executor's own time included
         decision: tuple[StagePlan, Chosen] | None = None
         if self.global_rank == 0:
             decision = self._better(in_run)
@@ -314,13 +321,23 @@ class PipelineChoosing:
         ]
         scale, fixed = calibration(profiled, [*in_run.forward, *in_run.backward])
         costs, arguments = self._searched
+        small = arguments["small"]
+        arguments = {**arguments, "small": None if small is None else (small[0].slowed(scale), small[1])}
         ranked = search(costs.slowed(scale), self.workers, action_seconds=fixed, **arguments)
         running = next((c for c in ranked if self._runs(c)), None)
         fit = f"in-run costs = {scale:.2f} x the profile + {format_seconds(fixed)} per forward and backward"
-        if running is None or ranked[0].step_seconds > running.step_seconds * (1 - SWITCH_GAIN):
-            rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: {fit}; keeping the configuration running")
+        if running is None:
+            rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: {fit}; the running configuration is not priced")
             return None
-        gain = 1 - ranked[0].step_seconds / running.step_seconds
+        # what a step takes beyond the simulated actions (the strategy's own work per step) is added to
+        # every candidate alike: it does not change their order, only how much a switch gains
+        beyond = max(statistics.median(self._step_seconds[WARM_UP:]) - running.step_seconds, 0.0)
+        if ranked[0].step_seconds + beyond > (running.step_seconds + beyond) * (1 - SWITCH_GAIN):
+            rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: {fit}; keeping the configuration running")
+            self.calibrated_step_seconds = running.step_seconds
+            return None
+        self.calibrated_step_seconds = ranked[0].step_seconds
+        gain = 1 - (ranked[0].step_seconds + beyond) / (running.step_seconds + beyond)
         rank_zero_info(
             f"Calibration after {CALIBRATE_AFTER} steps: {fit}; {ranked[0].label} is predicted {gain:.0%} faster than "
             f"{running.label} (the running one): switching to it\n{ranking_table(ranked, SHOWN)}"
@@ -382,3 +399,9 @@ class PipelineChoosing:
             f"pin_cpus='auto': steps took {format_seconds(pinned)} pinned, {format_seconds(trial.unpinned)} "
             f"unpinned (medians): {'pinned' if trial.pinned else 'unpinned'} from here on"
         )
+
+
+def _first_part(sample: Any, parts: int) -> Any:
+    """The first of ``parts`` micro-batches of ``sample``'s tensors (as the executor cuts them)."""
+    skeleton, found = flatten(sample)
+    return unflatten(skeleton, list(split_batch(tuple(found), parts)[0]))

@@ -323,6 +323,7 @@ class PipelineStrategy(
         self.candidates: list[Candidate] = []  # rank 0, schedule="auto": the configurations priced, best first
         self._searched: tuple[ChainCosts, dict[str, Any]] | None = None  # rank 0: the profile and search arguments
         self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.choosing)
+        self.calibrated_step_seconds: float | None = None  # rank 0: the running one's, by the in-run costs
         self._pin_trial: PinTrial | None = None  # pin_cpus="auto" on the CPU: pinning tried (.choosing)
         self.keep_plan = keep_plan
         if state_dict_type not in ("full", "sharded"):

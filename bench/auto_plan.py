@@ -1,0 +1,321 @@
+"""How good is ``schedule="auto"``'s pick? Every configuration of a grid measured through the Trainer,
+and the pick in the same rounds.
+
+    python bench/auto_plan.py                                  # every model, 2 rounds (about an hour)
+    python bench/auto_plan.py --models mlp --rounds 1          # one model, one round
+    python bench/auto_plan.py --families 1f1b 2bw --microbatches 2 4 --no-pinning
+
+For each model of the zoo, on 2 CPU processes (gloo), the same LightningModule is trained once per
+configuration of the grid — schedule family × micro-batches ``m`` × pinning — with
+``PipelineStrategy(family, microbatches=m, pin_cpus=...)``, and once with ``PipelineStrategy("auto",
+rule="delayed", pin_cpus="auto")``: the pick (every family may be chosen, each with its own rule; the
+pinning tried during the run). Each training runs ``--warmup`` steps (enough for the pick's pinning
+trial and calibration, :mod:`lightning_pipe.strategy.choosing`) and ``--steps`` timed ones (the wall
+time between rank 0's ``on_train_batch_end`` calls; a non-flushing schedule's last batch drains and
+is left out). ``--rounds`` rounds each run every configuration and the pick one after the other in the
+same pair of processes, so a round's figures share one state of the machine.
+
+Models (batches of ``rows`` samples):
+
+- ``resnet18``: torchvision's ResNet-18 (``num_classes=10``) on 3x32x32 images, as its documentation
+  builds it; 32 rows;
+- ``resnet18_chain``: the CIFAR ResNet-18 chain of the zoo (``build_chain("resnet18")``); 32 rows;
+- ``transformer``: a 6-block ``nn.TransformerEncoder`` language model (128 wide, 4 heads, causal
+  mask), 64 tokens; 8 rows;
+- ``gpt2``: ``transformers``' ``GPT2LMHeadModel`` (6 blocks, 128 wide, 4 heads), its loss
+  ``self(input_ids, labels=input_ids).loss``, 64 tokens; 8 rows (left out without ``transformers``);
+- ``mlp``: the zoo's MLP chain (3x32x32 inputs, 128 wide); 64 rows.
+
+Columns: ``samples/s`` (rows per step over the median step, the median over the rounds), ``of best``
+(over the best configuration's, in the same round: the median over the rounds), and the prediction's
+error: the step the strategy printed at set-up (the profile simulated) against the measured one; for
+the pick, also the step its calibration predicts (the in-run costs). The summary gives, per model, the
+pick's samples/s as a fraction of the best measured configuration's: the figure of merit (goal 0.95).
+Absolute figures are this machine's (both processes share its cores); the fractions carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/user_modules.py: the transformers
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.runtime import run_local
+from lightning_pipe.runtime.affinity import place_threads
+from lightning_pipe.strategy.choosing import CALIBRATE_AFTER, PIN_STEPS
+from lightning_pipe.zoo.models import build_chain
+
+FAMILIES = ("gpipe", "1f1b", "zb_h1", "interleaved", "ddp", "2bw", "cdp")
+PICK = "auto"
+
+
+class Classifier(L.LightningModule):
+    """Cross-entropy on 10 classes of 3x32x32 images; SGD with momentum."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+@dataclass(frozen=True)
+class Model:
+    """A zoo entry: the module, its batches' rows and one batch's tensors."""
+
+    build: Callable[[], L.LightningModule]
+    rows: int
+    data: Callable[[int], tuple[torch.Tensor, ...]]
+
+
+def _images(samples: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(samples, 3, 32, 32, generator=generator), torch.randint(10, (samples,), generator=generator)
+
+
+def _tokens(samples: int) -> tuple[torch.Tensor, ...]:
+    tokens = torch.randint(0, 1024, (samples, 65), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _resnet18() -> L.LightningModule:
+    from torchvision.models import resnet18
+
+    torch.manual_seed(0)
+    return Classifier(resnet18(num_classes=10))
+
+
+def _chain(name: str) -> Callable[[], L.LightningModule]:
+    def build() -> L.LightningModule:
+        torch.manual_seed(0)
+        return Classifier(build_chain(name, num_classes=10, input_shape=(3, 32, 32)))
+
+    return build
+
+
+def _transformer() -> L.LightningModule:
+    from tests.user_modules import EncoderLM
+
+    torch.manual_seed(0)
+    return EncoderLM(layers=6, width=128, heads=4, dropout=0.0)
+
+
+def _gpt2() -> L.LightningModule:
+    from tests.user_modules import HuggingFaceGPT2
+
+    torch.manual_seed(0)
+    return HuggingFaceGPT2(n_layer=6, n_embd=128, n_head=4)
+
+
+def _input_ids(samples: int) -> tuple[torch.Tensor, ...]:
+    return (_tokens(samples)[0],)
+
+
+MODELS: dict[str, Model] = {
+    "resnet18": Model(_resnet18, 32, _images),
+    "resnet18_chain": Model(_chain("resnet18"), 32, _images),
+    "transformer": Model(_transformer, 8, _tokens),
+    "gpt2": Model(_gpt2, 8, _input_ids),
+    "mlp": Model(_chain("mlp"), 64, _images),
+}
+
+
+class StepTimes(L.Callback):
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def _quiet() -> None:
+    """Lightning's and the strategy's set-up messages off (the table is the output)."""
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_pipe"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warmup: int) -> list[dict[str, Any]]:
+    """Worker: one training per configuration, one after the other in this pair of processes; rank 0's
+    timed steps, the printed prediction, the calibrated one and the configuration that ran."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    _quiet()
+    cores = set(os.sched_getaffinity(0))
+    entry = MODELS[model]
+    samples = entry.rows * (warmup + steps + 1)
+    data = TensorDataset(*entry.data(samples))
+    found = []
+    for config in configs:
+        strategy = PipelineStrategy(**config, start_method="popen")
+        timer = StepTimes()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_epochs=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            callbacks=[timer],
+            default_root_dir=tempfile.mkdtemp(prefix="auto_plan_"),
+        )
+        trainer.fit(entry.build(), DataLoader(data, batch_size=entry.rows, drop_last=True))
+        place_threads(cores)  # a pinned training leaves its threads pinned: the next one starts as users do
+        timed = timer.ends[warmup:-1]  # the last batch drains a non-flushing schedule: left out
+        intervals = [b - a for a, b in zip(timed, timed[1:], strict=False)]
+        prediction = strategy.prediction
+        trial = strategy._pin_trial
+        found.append(
+            {
+                "step": statistics.median(intervals),
+                "predicted": None if prediction is None else prediction.steady_step,
+                "calibrated": strategy.calibrated_step_seconds,
+                "ran": _label(strategy, trial.pinned if trial is not None else config.get("pin_cpus", False)),
+            }
+        )
+    return found
+
+
+def _label(strategy: PipelineStrategy, pinned: object) -> str:
+    """``2bw m=4 pinned``: the configuration that ran (for the pick: the one it chose)."""
+    options = strategy.schedule_options
+    recompute = strategy.recompute
+    again = "" if recompute is False else f" recompute {recompute}"
+    return f"{options.family} m={strategy.microbatches}{again}{' pinned' if pinned else ''}"
+
+
+def _configs(families: list[str], counts: list[int], pinning: bool) -> list[tuple[str, dict[str, Any]]]:
+    """The grid's configurations and the pick, by name."""
+    grid = [
+        (f"{family} m={m}{' pinned' if pin else ''}", {"schedule": family, "microbatches": m, "pin_cpus": pin})
+        for family in families
+        for m in counts
+        for pin in ((False, True) if pinning else (False,))
+    ]
+    return [*grid, (PICK, {"schedule": "auto", "rule": "delayed", "pin_cpus": "auto" if pinning else False})]
+
+
+def _error(predicted: float | None, measured: float) -> float | None:
+    return None if predicted is None else predicted / measured - 1
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.0%}"
+
+
+def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Every configuration of ``model`` over the rounds; the rows of its table and its summary."""
+    configs = _configs(args.families, args.microbatches, not args.no_pinning)
+    rows = MODELS[model].rows
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for index in range(args.rounds):
+        order = configs[index % len(configs) :] + configs[: index % len(configs)]  # rotated: no fixed neighbours
+        results = run_local(_fits, 2, model, [c for _, c in order], args.steps, args.warmup, timeout=args.timeout)[0]
+        rounds.append({name: result for (name, _), result in zip(order, results, strict=True)})
+    table = []
+    for name, _ in configs:
+        steps = [r[name]["step"] for r in rounds]
+        best = [min(r[n]["step"] for n, _ in configs) for r in rounds]
+        of_best = statistics.median(b / s for b, s in zip(best, steps, strict=True))
+        step = statistics.median(steps)
+        predicted = [r[name]["predicted"] for r in rounds if r[name]["predicted"] is not None]
+        calibrated = [r[name]["calibrated"] for r in rounds if r[name]["calibrated"] is not None]
+        table.append(
+            {
+                "configuration": name,
+                "ran": rounds[-1][name]["ran"],
+                "samples_per_second": rows / step,
+                "of_best": of_best,
+                "measured_step": step,
+                "predicted_step": statistics.median(predicted) if predicted else None,
+                "error": _error(statistics.median(predicted), step) if predicted else None,
+                "calibrated_error": _error(statistics.median(calibrated), step) if calibrated else None,
+            }
+        )
+    return {"model": model, "rows": rows, "rounds": args.rounds, "table": table}
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(f"\n### {result['model']} ({result['rows']} rows per batch, {result['rounds']} round(s))\n")
+    print("| configuration | ran | samples/s | of best | step | predicted | error | calibrated error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in sorted(result["table"], key=lambda r: -r["samples_per_second"]):
+        predicted = "-" if row["predicted_step"] is None else f"{row['predicted_step'] * 1e3:.1f} ms"
+        print(
+            f"| {row['configuration']} | {row['ran']} | {row['samples_per_second']:.1f} | {row['of_best']:.2f} | "
+            f"{row['measured_step'] * 1e3:.1f} ms | {predicted} | {_percent(row['error'])} | "
+            f"{_percent(row['calibrated_error'])} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES))
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--no-pinning", action="store_true", help="the grid and the pick unpinned only")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per training")
+    parser.add_argument("--warmup", type=int, default=CALIBRATE_AFTER + PIN_STEPS + 2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per round of one model")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("LIGHTNING_PIPE_CACHE", tempfile.mkdtemp(prefix="auto_plan_profiles_"))  # fresh profiles
+    results = []
+    for model in args.models:
+        if model == "gpt2":
+            try:
+                import transformers  # noqa: F401
+            except ImportError:
+                print("gpt2 left out: transformers is not installed")
+                continue
+        start = time.perf_counter()
+        result = measure(model, args)
+        result["seconds"] = time.perf_counter() - start
+        results.append(result)
+        _print(result)
+    print("\n| model | best configuration | its samples/s | pick (as it ran) | pick samples/s | pick / best |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for result in results:
+        rows = {row["configuration"]: row for row in result["table"]}
+        best = max(result["table"], key=lambda r: r["samples_per_second"] if r["configuration"] != PICK else 0)
+        pick = rows[PICK]
+        print(
+            f"| {result['model']} | {best['configuration']} | {best['samples_per_second']:.1f} | {pick['ran']} | "
+            f"{pick['samples_per_second']:.1f} | {pick['samples_per_second'] / best['samples_per_second']:.2f} |"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
