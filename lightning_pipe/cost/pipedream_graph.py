@@ -1,4 +1,4 @@
-"""Read PipeDream's profile format (``graph.txt``) as a chain of layers.
+"""Read PipeDream's profile format (``graph.txt``) as a DAG of layers, or as a chain of layers.
 
 PipeDream's profiler (Narayanan et al. 2019, github.com/msr-fiddle/pipedream, MIT licence) writes
 one line per node (shown folded here) and one per edge::
@@ -11,24 +11,28 @@ Times are milliseconds for one mini-batch of the profiled size, sizes are bytes;
 may be a list ``[a; b; c]`` for a node with several outputs. ``Input`` nodes only carry the data
 loading time, which PipeDream's optimizer zeroes out, so they are dropped here.
 
-A DAG (ResNet, Inception, GNMT) is laid out in a topological order (Kahn's algorithm, ties by node
-number so the order is stable), and the bytes crossing a cut after position ``i`` count every node
-before the cut that feeds a node after it, skip connections included. The result's notes say so.
-PipeDream records no saved-for-backward bytes, so ``saved_bytes`` is taken to be the output size,
-as PipeDream's own memory estimate does.
+:func:`parse_pipedream_dag` keeps the graph (:class:`LayerDag`: the layers in node-number order and
+the edges between them), which the antichain partitioner splits
+(:mod:`lightning_pipe.partition.antichain`). :func:`parse_pipedream_graph` lays it out as a chain in a
+topological order (Kahn's algorithm, ties by node number so the order is stable), and the bytes
+crossing a cut after position ``i`` count every node before the cut that feeds a node after it,
+skip connections included. The result's notes say so. PipeDream records no saved-for-backward
+bytes, so ``saved_bytes`` is taken to be the output size, as PipeDream's own memory estimate does.
 """
 
 from __future__ import annotations
 
 import heapq
+import operator
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
 
-__all__ = ["parse_pipedream_graph"]
+__all__ = ["LayerDag", "load_pipedream_dag", "parse_pipedream_dag", "parse_pipedream_graph"]
 
 _NODE = re.compile(r"^(?P<id>\S+) -- (?P<desc>.*) -- (?P<fields>forward_compute_time=.*)$")
 _EDGE = re.compile(r"^\s*(?P<src>\S+) -- (?P<dst>\S+)\s*$")
@@ -73,35 +77,115 @@ def _parse_node(match: re.Match[str], where: str) -> _Node:
     )
 
 
-def _order_key(node_id: str) -> tuple[int, str]:
-    digits = re.sub(r"\D", "", node_id)
-    return (int(digits) if digits else 0, node_id)
+@dataclass(frozen=True)
+class LayerDag:
+    """Layers and the edges between them: a branching model before it is laid out as a chain.
+
+    Attributes:
+        layers: the nodes' costs, as in a chain (``activation_bytes``: the output every consumer receives).
+        edges: ``(producer, consumer)`` pairs of indices into ``layers``.
+        name, notes, meta: as in :class:`ChainCosts`, which :meth:`chain` passes them on to.
+        order: a topological order (Kahn's algorithm, the lowest index first among ready nodes);
+            computed, and the graph refused if it has a cycle.
+    """
+
+    layers: tuple[LayerCost, ...]
+    edges: tuple[tuple[int, int], ...] = ()
+    name: str = ""
+    notes: tuple[str, ...] = ()
+    meta: dict[str, object] = field(default_factory=dict, compare=False)
+    order: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        what = self.name or "the graph"
+        if not self.layers:
+            raise PlanningError(f"{what} has no layers: nothing to partition (give at least one node)")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "notes", tuple(self.notes))
+        try:
+            edges = tuple(dict.fromkeys((operator.index(src), operator.index(dst)) for src, dst in self.edges))
+        except (TypeError, ValueError):
+            raise PlanningError(
+                f"{what}: edges must be (producer, consumer) pairs of integer indices into the layers, "
+                f"got {self.edges!r}"
+            ) from None
+        for src, dst in edges:
+            if not (0 <= src < len(self.layers) and 0 <= dst < len(self.layers)):
+                raise PlanningError(
+                    f"{what}: edge {src} -> {dst} names a layer outside 0..{len(self.layers) - 1}: "
+                    "edges are pairs of indices into the layers"
+                )
+        object.__setattr__(self, "edges", edges)
+        object.__setattr__(self, "order", self._kahn())
+
+    def _kahn(self) -> tuple[int, ...]:
+        waiting = [0] * len(self.layers)
+        consumers: list[list[int]] = [[] for _ in self.layers]
+        for src, dst in self.edges:
+            consumers[src].append(dst)
+            waiting[dst] += 1
+        ready = [node for node, count in enumerate(waiting) if count == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            node = heapq.heappop(ready)
+            order.append(node)
+            for nxt in consumers[node]:
+                waiting[nxt] -= 1
+                if waiting[nxt] == 0:
+                    heapq.heappush(ready, nxt)
+        if len(order) != len(self.layers):
+            stuck = [self.layers[node].name for node, count in enumerate(waiting) if count > 0]
+            raise PlanningError(
+                f"{self.name or 'the graph'} has a cycle through {', '.join(stuck[:5])}: a layer graph must be "
+                "acyclic (every edge from a producer to a later consumer)"
+            )
+        return tuple(order)
+
+    def chain(self, order: Sequence[int] | None = None) -> ChainCosts:
+        """The layers laid out in ``order`` (default :attr:`order`), any topological order of the graph.
+
+        The bytes crossing the cut after position ``i`` count every layer up to ``i`` that feeds a layer
+        after it, skip connections included.
+        """
+        order = self.order if order is None else tuple(order)
+        position = {node: i for i, node in enumerate(order)}
+        if sorted(position) != list(range(len(self.layers))) or len(order) != len(self.layers):
+            raise PlanningError(
+                f"{self.name or 'the graph'}: an order must list each of the {len(self.layers)} layers once, "
+                f"got {list(order)}"
+            )
+        last_use = list(range(len(order)))
+        for src, dst in self.edges:
+            if position[dst] < position[src]:
+                raise PlanningError(
+                    f"{self.name or 'the graph'}: the order puts layer {dst} before its producer {src}: "
+                    "give a topological order (every producer before its consumers), e.g. the graph's own .order"
+                )
+            last_use[position[src]] = max(last_use[position[src]], position[dst])
+        crossing = [0.0] * (len(order) - 1)
+        for i, node in enumerate(order):
+            for cut in range(i, last_use[i]):
+                crossing[cut] += self.layers[node].activation_bytes
+        notes = list(self.notes)
+        consecutive = sum(1 for src, dst in self.edges if position[dst] == position[src] + 1)
+        if consecutive != len(self.edges) or consecutive != len(order) - 1:
+            notes.append(
+                f"the profile is a DAG ({len(order)} nodes, {len(self.edges)} edges): laid out as a chain in "
+                "topological order; bytes crossing each cut include skip connections"
+            )
+        return ChainCosts(
+            layers=tuple(self.layers[node] for node in order),
+            boundary_bytes=tuple(crossing),
+            name=self.name,
+            notes=tuple(notes),
+            meta=dict(self.meta),
+        )
 
 
-def _topological(nodes: dict[str, _Node], edges: list[tuple[str, str]], source: str) -> list[str]:
-    indegree = dict.fromkeys(nodes, 0)
-    successors: dict[str, list[str]] = {node: [] for node in nodes}
-    for src, dst in edges:
-        successors[src].append(dst)
-        indegree[dst] += 1
-    ready = [(_order_key(node), node) for node, degree in indegree.items() if degree == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, node = heapq.heappop(ready)
-        order.append(node)
-        for nxt in successors[node]:
-            indegree[nxt] -= 1
-            if indegree[nxt] == 0:
-                heapq.heappush(ready, (_order_key(nxt), nxt))
-    if len(order) != len(nodes):
-        stuck = sorted(node for node, degree in indegree.items() if degree > 0)
-        raise PlanningError(f"{source}: the graph has a cycle through {', '.join(stuck[:5])}")
-    return order
-
-
-def parse_pipedream_graph(text: str, source: str = "graph.txt", name: str | None = None) -> ChainCosts:
-    """Parse the text of a PipeDream ``graph.txt`` into a chain (see the module docstring)."""
+def parse_pipedream_dag(text: str, source: str = "graph.txt", name: str | None = None) -> LayerDag:
+    """Parse the text of a PipeDream ``graph.txt`` into a :class:`LayerDag` (see the module docstring):
+    its layers in node-number order, ``Input`` nodes dropped."""
     nodes: dict[str, _Node] = {}
     edges: list[tuple[str, str]] = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -123,55 +207,44 @@ def parse_pipedream_graph(text: str, source: str = "graph.txt", name: str | None
             if end not in nodes:
                 raise PlanningError(f"{source}: edge {src} -- {dst} names unknown node {end}")
     inputs = {node.id for node in nodes.values() if node.desc.startswith("Input")}
-    kept = {node_id: node for node_id, node in nodes.items() if node_id not in inputs}
+    kept = sorted((node_id for node_id in nodes if node_id not in inputs), key=_order_key)
     if not kept:
         raise PlanningError(f"{source}: no layers (only Input nodes or an empty file)")
-    kept_edges = [(src, dst) for src, dst in edges if src in kept and dst in kept]
-    order = _topological(kept, kept_edges, source)
-    return _as_chain(kept, kept_edges, order, source, name, dropped=len(inputs))
-
-
-def _as_chain(
-    nodes: dict[str, _Node],
-    edges: list[tuple[str, str]],
-    order: list[str],
-    source: str,
-    name: str | None,
-    dropped: int,
-) -> ChainCosts:
-    position = {node: i for i, node in enumerate(order)}
-    last_use = {node: position[node] for node in order}
-    for src, dst in edges:
-        last_use[src] = max(last_use[src], position[dst])
-    crossing = [0.0] * (len(order) - 1)
-    for node in order:
-        for cut in range(position[node], last_use[node]):
-            crossing[cut] += nodes[node].activation
-    layers = tuple(
-        LayerCost(
-            name=f"{node}:{nodes[node].desc}",
-            forward_seconds=nodes[node].forward_ms / 1e3,
-            backward_seconds=nodes[node].backward_ms / 1e3,
-            activation_bytes=nodes[node].activation,
-            saved_bytes=nodes[node].activation,
-            param_bytes=nodes[node].params,
-        )
-        for node in order
-    )
-    chain_edges = sum(1 for src, dst in edges if position[dst] == position[src] + 1)
+    index = {node_id: i for i, node_id in enumerate(kept)}
     notes = [f"loaded PipeDream profile {source}: times converted from ms to s"]
-    if dropped:
-        notes.append(f"dropped {dropped} Input node(s) (data loading time, zeroed by PipeDream's optimizer)")
-    if chain_edges != len(edges) or chain_edges != len(order) - 1:
-        notes.append(
-            f"the profile is a DAG ({len(order)} nodes, {len(edges)} edges): laid out as a chain in topological "
-            "order; bytes crossing each cut include skip connections"
-        )
+    if inputs:
+        notes.append(f"dropped {len(inputs)} Input node(s) (data loading time, zeroed by PipeDream's optimizer)")
     notes.append("saved_bytes taken as the output activation size (PipeDream records no saved tensors)")
-    return ChainCosts(
-        layers=layers,
-        boundary_bytes=tuple(crossing),
+    return LayerDag(
+        layers=tuple(_layer(nodes[node_id]) for node_id in kept),
+        edges=tuple((index[src], index[dst]) for src, dst in edges if src in index and dst in index),
         name=name or Path(source).parent.name or source,
         notes=tuple(notes),
         meta={"source": source, "format": "pipedream"},
+    )
+
+
+def load_pipedream_dag(path: str | Path) -> LayerDag:
+    """:func:`parse_pipedream_dag` of the file at ``path``."""
+    return parse_pipedream_dag(Path(path).read_text(), source=str(path))
+
+
+def parse_pipedream_graph(text: str, source: str = "graph.txt", name: str | None = None) -> ChainCosts:
+    """Parse the text of a PipeDream ``graph.txt`` into a chain (see the module docstring)."""
+    return parse_pipedream_dag(text, source, name).chain()
+
+
+def _order_key(node_id: str) -> tuple[int, str]:
+    digits = re.sub(r"\D", "", node_id)
+    return (int(digits) if digits else 0, node_id)
+
+
+def _layer(node: _Node) -> LayerCost:
+    return LayerCost(
+        name=f"{node.id}:{node.desc}",
+        forward_seconds=node.forward_ms / 1e3,
+        backward_seconds=node.backward_ms / 1e3,
+        activation_bytes=node.activation,
+        saved_bytes=node.activation,
+        param_bytes=node.params,
     )

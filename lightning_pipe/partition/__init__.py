@@ -2,7 +2,9 @@
 
 Every partitioner takes a :class:`PlanRequest` (costs, devices, optional memory limit, schedule
 memory model, network) and returns a :class:`Plan` evaluated by one common definition
-(:func:`evaluate`). Use :func:`partition` with a name from :data:`PARTITIONERS`.
+(:func:`evaluate`). Use :func:`partition` with a name from :data:`PARTITIONERS`. A branching graph
+(:class:`~lightning_pipe.cost.pipedream_graph.LayerDag`) is split over its antichains by
+:func:`lightning_pipe.partition.antichain.antichain_plan`, outside the registry (its docstring says why).
 """
 
 from __future__ import annotations
