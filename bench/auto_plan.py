@@ -37,6 +37,7 @@ Absolute figures are this machine's (both processes share its cores); the fracti
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -191,7 +192,7 @@ def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warm
         trainer.fit(entry.build(), DataLoader(data, batch_size=entry.rows, drop_last=True))
         place_threads(cores)  # a pinned training leaves its threads pinned: the next one starts as users do
         timed = timer.ends[warmup:-1]  # the last batch drains a non-flushing schedule: left out
-        intervals = [b - a for a, b in zip(timed, timed[1:], strict=False)]
+        intervals = [b - a for a, b in itertools.pairwise(timed)]
         prediction = strategy.prediction
         trial = strategy._pin_trial
         found.append(
