@@ -29,7 +29,8 @@ Models (batches of ``rows`` samples):
 Columns: ``samples/s`` (rows per step over the median step, the median over the rounds), ``of best``
 (over the best configuration's, in the same round: the median over the rounds), and the prediction's
 error: the step the strategy printed at set-up (the profile simulated) against the measured one; for
-the pick, also the step its calibration predicts (the in-run costs). The summary gives, per model, the
+every configuration, also the step the pick's calibration predicts for it (the pick's in-run costs:
+``calibrated error``, where the pick priced the same split). The summary gives, per model, the
 pick's samples/s as a fraction of the best measured configuration's: the figure of merit (goal 0.95).
 Absolute figures are this machine's (both processes share its cores); the fractions carry over.
 """
@@ -195,12 +196,16 @@ def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warm
         intervals = [b - a for a, b in itertools.pairwise(timed)]
         prediction = strategy.prediction
         trial = strategy._pin_trial
+        calibration = strategy.calibration
+        priced = [] if calibration is None else strategy.candidates
         found.append(
             {
                 "step": statistics.median(intervals),
                 "predicted": None if prediction is None else prediction.steady_step,
                 "calibrated": strategy.calibrated_step_seconds,
                 "ran": _label(strategy, trial.pinned if trial is not None else config.get("pin_cpus", False)),
+                "key": (strategy.schedule_options.family, strategy.microbatches, strategy.stage_plan.bounds),
+                "priced": {(c.family, c.microbatches, c.bounds): calibration.seconds(c) for c in priced},
             }
         )
     return found
@@ -250,6 +255,9 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
         step = statistics.median(steps)
         predicted = [r[name]["predicted"] for r in rounds if r[name]["predicted"] is not None]
         calibrated = [r[name]["calibrated"] for r in rounds if r[name]["calibrated"] is not None]
+        if name != PICK:  # as the pick's calibration prices this configuration (its split, when priced)
+            priced = [r[PICK]["priced"].get(r[name]["key"]) for r in rounds]
+            calibrated = [seconds for seconds in priced if seconds is not None]
         table.append(
             {
                 "configuration": name,

@@ -36,8 +36,8 @@ class _Switching(PipelineStrategy):
     """Switches at the calibration to the best two-stage 1F1B or GPipe configuration whose split
     differs from the running one's, whatever the prediction says."""
 
-    def _better(self, in_run: StageCosts) -> Any:
-        super()._better(in_run)
+    def _better(self, in_run: StageCosts, since: int) -> Any:
+        super()._better(in_run, since)
         self.before = self.stage_plan.bounds
         other = next(
             c

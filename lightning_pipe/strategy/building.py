@@ -303,6 +303,8 @@ class PipelineBuilding:
         (or ``fit``) of a module with as many layers keeps the plan."""
         memory = memory_model(self.schedule_options.family, self.microbatches, optimizer_copies(optimizer))
         planned: tuple[StagePlan, Chosen | None] | PlanningError | None = None
+        if self._auto is not None:
+            self._measure_links()  # every rank: a collective
         if self.global_rank == 0:
             try:
                 if not meta:  # a model on the meta device has no values to compare

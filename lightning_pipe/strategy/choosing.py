@@ -38,6 +38,7 @@ that switches ends with the parameters of the run that did not (``tests/test_str
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import statistics
@@ -63,11 +64,12 @@ from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.planning import StagePlan, optimizer_copies, predict, profile_costs
 from lightning_pipe.runtime.affinity import pin_threads, place_threads
 from lightning_pipe.runtime.batches import rows_of, split_batch
+from lightning_pipe.runtime.link_speed import allreduce_bandwidth
 from lightning_pipe.schedule import StageCosts, rules_of
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.after_fit import fill
 from lightning_pipe.util.nested import flatten, unflatten
-from lightning_pipe.util.units import format_seconds
+from lightning_pipe.util.units import format_bandwidth, format_seconds
 
 if TYPE_CHECKING:
     from lightning_pipe.strategy.contract import Call, PipelineModel
@@ -79,6 +81,7 @@ __all__ = [
     "PIN_STEPS",
     "SWITCH_GAIN",
     "AutoOptions",
+    "Calibration",
     "Chosen",
     "PinTrial",
     "PipelineChoosing",
@@ -96,8 +99,31 @@ WARM_UP = 2
 """Steps left out of the in-run costs."""
 SWITCH_GAIN = 0.05
 """How much faster (predicted) another configuration must be for the strategy to switch to it."""
-PIN_STEPS = 4
-"""Steps run pinned in the pinning trial (the first left out)."""
+PIN_STEPS = 5
+"""Steps run pinned in the pinning trial (the first left out; the last's time is not known yet)."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the first steps measured beyond the profile: each action is ``scale`` × its profiled
+    seconds + ``fixed`` (:func:`calibration`, the executor's own time between actions included), and
+    each training step takes ``per_step`` beyond its simulated actions (Lightning's loop, the
+    strategy's log relay: what a simulation of the actions leaves out), whatever the configuration."""
+
+    scale: float
+    fixed: float
+    per_step: float
+
+    def seconds(self, candidate: Candidate) -> float:
+        """``candidate``'s predicted seconds per training step: its ``step_seconds`` (priced with
+        the calibrated costs) and the work beyond its actions."""
+        return candidate.step_seconds + self.per_step
+
+    def __str__(self) -> str:
+        return (
+            f"in-run actions = {self.scale:.2f} x the profile + {format_seconds(self.fixed)}, each step "
+            f"{format_seconds(self.per_step)} beyond them"
+        )
 
 
 @dataclass
@@ -280,6 +306,16 @@ class PipelineChoosing:
         )
         return ranked[0].stage_plan, Chosen.of(ranked[0], self.schedule_options)
 
+    def _measure_links(self) -> None:
+        """Every rank, unless a bandwidth was given: the all-reduce bandwidth among the ranks
+        (:func:`~lightning_pipe.runtime.link_speed.allreduce_bandwidth`) becomes the one planned with."""
+        if not self._links_measured:
+            return
+        measured = allreduce_bandwidth(self.root_device)
+        self.plan_options = dataclasses.replace(self.plan_options, bandwidth=measured)
+        if math.isfinite(measured):
+            rank_zero_info(f"Links between the ranks: {format_bandwidth(measured)} (an all-reduce, measured)")
+
     def _run_chosen(self, chosen: Chosen) -> None:
         """Every rank: the winner's options become the strategy's (the topology follows them)."""
         self.schedule_options = chosen.schedule
@@ -305,14 +341,14 @@ class PipelineChoosing:
         in_run = executor.measured_costs(since_step=since, to_next=True)  # the executor's own time included
         decision: tuple[StagePlan, Chosen] | None = None
         if self.global_rank == 0:
-            decision = self._better(in_run)
+            decision = self._better(in_run, since)
         decision = self.broadcast(decision)
         if decision is not None:
             self._switch(*decision)
 
-    def _better(self, in_run: StageCosts) -> tuple[StagePlan, Chosen] | None:
-        """Rank 0: the configuration to switch to, by the candidates priced again with the in-run
-        costs (said either way), or ``None``."""
+    def _better(self, in_run: StageCosts, since: int) -> tuple[StagePlan, Chosen] | None:
+        """Rank 0: the configuration to switch to, by the candidates priced again with what steps
+        ``since`` on measured (said either way), or ``None``."""
         assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
         stages = self.stage_plan.plan.stages
         flags = self.recompute if isinstance(self.recompute, list) else [self.recompute] * len(stages)
@@ -325,25 +361,25 @@ class PipelineChoosing:
         arguments = {**arguments, "small": None if small is None else (small[0].slowed(scale), small[1])}
         ranked = search(costs.slowed(scale), self.workers, action_seconds=fixed, **arguments)
         running = next((c for c in ranked if self._runs(c)), None)
-        fit = f"in-run costs = {scale:.2f} x the profile + {format_seconds(fixed)} per forward and backward"
         if running is None:
-            rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: {fit}; the running configuration is not priced")
+            rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: the running configuration is not priced")
             return None
-        # what a step takes beyond the simulated actions (the strategy's own work per step) is added to
-        # every candidate alike: it does not change their order, only how much a switch gains
-        beyond = max(statistics.median(self._step_seconds[WARM_UP:]) - running.step_seconds, 0.0)
-        if ranked[0].step_seconds + beyond > (running.step_seconds + beyond) * (1 - SWITCH_GAIN):
-            rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: {fit}; keeping the configuration running")
-            self.calibrated_step_seconds = running.step_seconds
+        intervals = [b - a for a, b in itertools.pairwise(self._step_starts)][since:]
+        found = Calibration(scale, fixed, max(statistics.median(intervals) - running.step_seconds, 0.0))
+        self.calibration, self.candidates = found, ranked
+        winner = min(ranked, key=found.seconds)
+        predicted = found.seconds(running)
+        if found.seconds(winner) > predicted * (1 - SWITCH_GAIN):
+            rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: {found}; keeping {running.label}")
+            self.calibrated_step_seconds = predicted
             return None
-        self.calibrated_step_seconds = ranked[0].step_seconds
-        gain = 1 - (ranked[0].step_seconds + beyond) / (running.step_seconds + beyond)
+        self.calibrated_step_seconds = found.seconds(winner)
         rank_zero_info(
-            f"Calibration after {CALIBRATE_AFTER} steps: {fit}; {ranked[0].label} is predicted {gain:.0%} faster than "
-            f"{running.label} (the running one): switching to it\n{ranking_table(ranked, SHOWN)}"
+            f"Calibration after {CALIBRATE_AFTER} steps: {found}; {winner.label} is predicted "
+            f"{1 - found.seconds(winner) / predicted:.0%} faster than {running.label} (running): switching to it\n"
+            f"{ranking_table(sorted(ranked, key=found.seconds), SHOWN)}"
         )
-        self.candidates = ranked
-        return ranked[0].stage_plan, Chosen.of(ranked[0], self.schedule_options)
+        return winner.stage_plan, Chosen.of(winner, self.schedule_options)
 
     def _runs(self, candidate: Candidate) -> bool:
         """Whether ``candidate`` is the configuration running."""
@@ -374,7 +410,7 @@ class PipelineChoosing:
         self.load_optimizer_state_dict({"optimizer_states": [state]})
         self._run_chosen(chosen)
         self.stage_plan = stage_plan
-        self._step_seconds = []
+        self._step_seconds, self._step_starts = [], []
         if self.global_rank == 0:
             self._prediction = predict(
                 stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
@@ -383,14 +419,15 @@ class PipelineChoosing:
     def _try_pinning(self, trial: PinTrial, step: int) -> None:
         """The pinning trial (every rank; rank 0's step times decide): pin after the unpinned steps,
         and after :data:`PIN_STEPS` pinned ones keep the faster placement."""
+        intervals = [b - a for a, b in itertools.pairwise(self._step_starts)]
         if trial.start is None:
-            trial.unpinned = self.broadcast(statistics.median(self._step_seconds[WARM_UP:]))
+            trial.unpinned = self.broadcast(statistics.median(intervals[WARM_UP:]))
             pin_threads(self.local_rank, self.num_processes)
             trial.start = step
             return
         if step < trial.start + PIN_STEPS:
             return
-        pinned = self.broadcast(statistics.median(self._step_seconds[trial.start + 1 :]))
+        pinned = self.broadcast(statistics.median(intervals[trial.start + 1 :]))
         assert trial.unpinned is not None
         trial.pinned = pinned < trial.unpinned
         if not trial.pinned:

@@ -104,7 +104,7 @@ from lightning_pipe.strategy.arguments import check_backend, check_flags, check_
 from lightning_pipe.strategy.atomic import write_file
 from lightning_pipe.strategy.building import PipelineBuilding
 from lightning_pipe.strategy.checkpointing import CheckpointHooks
-from lightning_pipe.strategy.choosing import AUTO, AutoOptions, PinTrial, PipelineChoosing
+from lightning_pipe.strategy.choosing import AUTO, AutoOptions, Calibration, PinTrial, PipelineChoosing
 from lightning_pipe.strategy.collectives import Collectives, close_process_groups
 from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
@@ -182,7 +182,8 @@ class PipelineStrategy(
         partitioner: how layers are split (``time`` by default: measured forward + backward).
         memory_limit: bytes per device (a number or a string such as ``"8GB"``); the partitioner plans
             within it and refuses what cannot fit.
-        bandwidth: between devices (``"10GB/s"``), for planning; default free.
+        bandwidth: between devices (``"10GB/s"``), for planning; default free, or with
+            ``schedule="auto"`` measured by an all-reduce among the ranks.
         contention: for the printed prediction, how many times slower a stage computes while every
             device computes (processes sharing one machine's cores and memory bandwidth: measure it
             with ``bench/runtime_speed.py``); default 1, devices that share nothing.
@@ -322,8 +323,10 @@ class PipelineStrategy(
         self.recompute: bool | list[bool] = recompute is True  # "auto": as the search chooses (.choosing)
         self.candidates: list[Candidate] = []  # rank 0, schedule="auto": the configurations priced, best first
         self._searched: tuple[ChainCosts, dict[str, Any]] | None = None  # rank 0: the profile and search arguments
+        self._links_measured = bandwidth is None  # schedule="auto": measured before planning (.choosing)
         self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.choosing)
         self.calibrated_step_seconds: float | None = None  # rank 0: the running one's, by the in-run costs
+        self.calibration: Calibration | None = None  # rank 0: what the first steps measured (.choosing)
         self._pin_trial: PinTrial | None = None  # pin_cpus="auto" on the CPU: pinning tried (.choosing)
         self.keep_plan = keep_plan
         if state_dict_type not in ("full", "sharded"):
@@ -365,7 +368,8 @@ class PipelineStrategy(
         self._prediction: Simulation | None = None
         self.predicted_memory: float | None = None  # this rank's: its stages' (the plan's) and its rings
         self.ring_bytes = 0  # this rank's shared-memory rings (resident from the start: part of predicted_memory)
-        self._step_seconds: list[float] = []
+        self._step_seconds: list[float] = []  # each training step's executor.step, in seconds
+        self._step_starts: list[float] = []  # when each training step began (time.perf_counter)
         # the last set-up's seconds by phase on this rank (printed by rank 0): capture, verify, profile, plan (rank
         # 0's partition and prediction; elsewhere the wait for them), executor (the rest) and their total
         self.setup_seconds: dict[str, float] = {}

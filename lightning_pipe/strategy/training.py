@@ -47,6 +47,7 @@ class TrainingHooks:
         divides the loss (not the losses logged and returned: Lightning divides the returned one itself)."""
         module = self.lightning_module
         args = (*args, *kwargs.values())
+        self._step_starts.append(time.perf_counter())
         with self.precision_plugin.train_step_context():
             # every rank runs the step's code before forward, once: what it changes in the modules
             # (a gate's scale, a temperature) is then in place on every stage before any computes

@@ -7,7 +7,7 @@ import re
 
 from lightning_pipe.errors import PlanningError
 
-__all__ = ["format_bytes", "format_seconds", "parse_bandwidth", "parse_bytes"]
+__all__ = ["format_bandwidth", "format_bytes", "format_seconds", "parse_bandwidth", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -60,6 +60,11 @@ def format_bytes(size: float) -> str:
         if size >= scale:
             return f"{size / scale:.3g} {unit}"
     return f"{size:.0f} B"
+
+
+def format_bandwidth(bytes_per_second: float) -> str:
+    """``1.5 GiB/s``; ``free`` for an infinite bandwidth."""
+    return "free" if math.isinf(bytes_per_second) else f"{format_bytes(bytes_per_second)}/s"
 
 
 def format_seconds(seconds: float) -> str:
