@@ -405,6 +405,10 @@ def search(
     return [replace(c, why=_why(c, found)) for c in found]
 
 
+TIE = 0.005
+"""Step times this close are a tie, which the ranking breaks by peak memory."""
+
+
 def _faster(best: Candidate, other: Candidate) -> str:
     """``12% less time per step than gpipe m=8``."""
     saved = 1 - best.step_seconds / other.step_seconds if other.step_seconds > 0 else 0.0
@@ -412,8 +416,8 @@ def _faster(best: Candidate, other: Candidate) -> str:
 
 
 def _why(candidate: Candidate, ranked: Sequence[Candidate]) -> str:
-    """Its place in ``ranked``: the winner against the best other configuration, any other against
-    the winner; and its memory against the limit."""
+    """Its place in ``ranked``: the winner against the best configuration of another family, any
+    other against the winner; and its memory against the limit."""
     winner = ranked[0]
     fits = format_bytes(candidate.peak_memory_bytes) + (
         "" if candidate.memory_limit is None else f" of {format_bytes(candidate.memory_limit)}"
@@ -421,9 +425,15 @@ def _why(candidate: Candidate, ranked: Sequence[Candidate]) -> str:
     if candidate is not winner:
         slower = candidate.step_seconds / winner.step_seconds - 1 if winner.step_seconds > 0 else 0.0
         return f"{slower:.0%} slower than {winner.label}; peak {fits}"
-    other = next((c for c in ranked if c.label != winner.label), None)
+    other = next((c for c in ranked if c.family != winner.family), None)
+    other = other or next((c for c in ranked if c.label != winner.label), None)
     if other is None:
         return f"the only configuration; peak {fits}"
+    if other.step_seconds <= winner.step_seconds * (1 + TIE):
+        return (
+            f"as fast as {other.label} (within {TIE:.1%}) with {format_bytes(winner.peak_memory_bytes)} at peak "
+            f"against {format_bytes(other.peak_memory_bytes)}, fits {fits}"
+        )
     return f"{_faster(winner, other)} (bubble {winner.bubble_fraction:.0%} vs {other.bubble_fraction:.0%}), fits {fits}"
 
 

@@ -221,13 +221,18 @@ def test_beyond_max_splits_the_partitioners_split_and_its_neighbours() -> None:
 
 def test_the_table_shows_the_best_and_says_why() -> None:
     costs = ChainCosts.from_lists([1.0, 2.0, 3.0, 1.0], [2.0, 4.0, 6.0, 2.0], activation=[1.0] * 4, params=[4.0] * 4)
-    found = search(costs, 2, memory_limit=1e6)
+    found = search(costs, 2, memory_limit=1e6, families=["gpipe", "1f1b"])
     table = ranking_table(found, top=3)
     lines = table.splitlines()
-    assert len(lines) == 2 + 3 + 1 and lines[0].startswith("| # | schedule")
-    assert lines[-1].startswith(f"{found[0].label} wins: ") and "less time per step than" in lines[-1]
+    assert len(lines) == 2 + 3 + 1 and lines[0].startswith("| # | schedule | rule")
+    assert lines[-1].startswith(f"{found[0].label} wins: ") and "less time per step than gpipe" in lines[-1]
     assert "of 977 KiB" in lines[-1]
     assert found[1].why.endswith("977 KiB") and "slower than" in found[1].why
+    # replicas tie on time (free links): the one with less memory wins, and says so
+    tied = search(costs, 2, memory_limit=1e6, families=["ddp", "1f1b_rr"], microbatches=(8,))
+    assert tied[0].step_seconds == pytest.approx(tied[1].step_seconds, rel=0.005)
+    assert tied[0].why.startswith(f"as fast as {tied[1].label} (within 0.5%) with ")
+    assert tied[0].peak_memory_bytes <= tied[1].peak_memory_bytes
 
 
 def test_memory_model_recomputes_and_the_fast_partitioners_refuse_it() -> None:
