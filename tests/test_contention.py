@@ -23,8 +23,8 @@ def _measured(rank: int) -> tuple[float, float]:
 @pytest.mark.timeout(120)
 def test_two_processes_agree_on_one_finite_factor_quickly() -> None:
     """2 gloo processes of one thread on the CPU: a finite factor >= 1, the same on both ranks, each
-    measuring for under 0.5 s. (Measured here: 1.00-1.12 on the quiet machine, 2.1-2.4 while another
-    process kept one of its 2 processors busy.)"""
+    measuring for under 0.5 s. (Measured here, ``bench/estimates.py``: 1.00-1.01 on the quiet machine,
+    1.46-3.36 while other work kept one or both of its 2 processors busy.)"""
     results = run_local(_measured, 2, timeout=60)
     factors = {factor for factor, _ in results}
     assert len(factors) == 1

@@ -30,9 +30,11 @@ A model on the meta device (built with ``init_module(empty_init=True)``, not yet
 shapes but no values: it is profiled for everything but time, which is estimated from its FLOPs
 (forward and backward apart) at the rate a square matmul of the model's dtype reaches on the device
 that will run it (``rate_device``; :func:`~lightning_pipe.cost.flop_rate.flop_rate`), so the
-``time`` partitioner balances FLOPs there and the prediction is in that device's seconds. On 2 CPU
-cores an MLP of 1024-wide layers profiled this way is 0.8-0.9x its real profile's time
-(``tests/test_profiler.py``); layers without counted FLOPs (element-wise ones) estimate at 0.
+``time`` partitioner balances FLOPs there and the prediction is in that device's seconds. On one
+thread of this package's 2-processor machine an MLP of 1024-wide layers at 128 rows profiled this way
+is 0.6-1.0x its real profile's time (``tests/test_flop_rate.py``, ``bench/estimates.py``), one of
+4096-wide layers at 16 rows 0.2-0.3x (its thin products are bound by memory, not by the matmul's
+rate); layers without counted FLOPs (element-wise ones) estimate at 0.
 
 Every run feeds the layer a fresh ``clone()`` of its input, so in-place layers (``ReLU(inplace=True)``)
 work and never corrupt the input of later runs. Inputs of layers after the first require grad when
