@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_pipe.capture import CapturedForward
 from lightning_pipe.capture.describe import describe
+from lightning_pipe.cost.machine_load import LOADED
 from lightning_pipe.cost.memory import EXTRA_COPIES, MemoryModel
 from lightning_pipe.cost.network import Network
 from lightning_pipe.cost.profile_cache import cached_profile, profile_key
@@ -322,7 +323,8 @@ def _profile(
     layers: Sequence[nn.Module], sample: Any, device: torch.device, options: PlanOptions, names: Sequence[str] | None
 ) -> ChainCosts:
     """The layers' profile: measured, or the one measured before for the same layers, micro-batch and
-    device (``options.cache``; a meta-device model's profile is computed, not measured: not kept)."""
+    device (``options.cache``; a meta-device model's profile is computed from its FLOPs at the
+    current accelerator's measured rate, else the CPU's: not kept)."""
 
     def measure() -> ChainCosts:
         return profile_layers(list(layers), sample, device=device, repeats=options.repeats, layer_names=names)
@@ -332,9 +334,16 @@ def _profile(
     key = profile_key(layers, names, sample, device, options.repeats)
     costs, path, reused = cached_profile(options.cache, key, measure, len(layers))
     if reused:
+        load = costs.meta.get("load")
+        loaded = (
+            f" It was measured while other processes kept {load:.0%} of the processors busy, and the machine is no "
+            "quieter now: it is measured anew once it is."
+            if isinstance(load, int | float) and load >= LOADED
+            else ""
+        )
         rank_zero_info(
             f"Profile of these {len(layers)} layers on this device reused from {path}: planned as the run that "
-            "measured it (profile_cache=False, or deleting the file, measures anew)"
+            f"measured it (profile_cache=False, or deleting the file, measures anew).{loaded}"
         )
     return costs
 

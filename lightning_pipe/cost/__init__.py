@@ -1,8 +1,10 @@
 """What a model costs, layer by layer: the planner's input.
 
 The profiler measures each captured layer on the device (:mod:`.profiler`, the bytes autograd keeps
-for the backward from :mod:`.saved_bytes`) into cost records (:mod:`.records`), which profile files
-save and load (:mod:`.profile_file`, PipeDream's ``graph.txt`` through :mod:`.pipedream_graph`). The
+for the backward from :mod:`.saved_bytes`; a meta-device model's times from its FLOPs at the matmul
+rate of :mod:`.flop_rate`) into cost records (:mod:`.records`), which profile files save and load
+(:mod:`.profile_file`, PipeDream's ``graph.txt`` through :mod:`.pipedream_graph`) and runs keep
+(:mod:`.profile_cache`, with the load of :mod:`.machine_load` they were measured under). The
 memory model of a stage under a schedule (:mod:`.memory`) and the network between devices
 (:mod:`.network`) complete what a partitioner weighs.
 """

@@ -28,8 +28,13 @@ model, and measured for:
 
 A model on the meta device (built with ``init_module(empty_init=True)``, not yet materialised) has
 shapes but no values: it is profiled for everything but time, which is estimated from its FLOPs
-(forward and backward apart) at :data:`ESTIMATED_FLOPS_PER_SECOND`, so the ``time`` partitioner
-balances FLOPs there.
+(forward and backward apart) at the rate a square matmul of the model's dtype reaches on the device
+that will run it (``rate_device``; :func:`~lightning_pipe.cost.flop_rate.flop_rate`), so the
+``time`` partitioner balances FLOPs there and the prediction is in that device's seconds. On one
+thread of this package's 2-processor machine an MLP of 1024-wide layers at 128 rows profiled this way
+is 0.6-1.0x its real profile's time (``tests/test_flop_rate.py``, ``bench/estimates.py``), one of
+4096-wide layers at 16 rows 0.2-0.3x (its thin products are bound by memory, not by the matmul's
+rate); layers without counted FLOPs (element-wise ones) estimate at 0.
 
 Every run feeds the layer a fresh ``clone()`` of its input, so in-place layers (``ReLU(inplace=True)``)
 work and never corrupt the input of later runs. Inputs of layers after the first require grad when
@@ -52,15 +57,14 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_pipe.cost.flop_rate import flop_rate, synchronize
 from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.cost.saved_bytes import saved_bytes
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.util.nested import map_tensors, nbytes, tensors
 
-__all__ = ["ESTIMATED_FLOPS_PER_SECOND", "given_names", "profile_layers"]
-
-ESTIMATED_FLOPS_PER_SECOND = 1e12  # a layer on the meta device: its time is its FLOPs at this rate
+__all__ = ["given_names", "profile_layers"]
 
 
 def profile_layers(
@@ -73,6 +77,7 @@ def profile_layers(
     count_flops: bool = True,
     name: str | None = None,
     layer_names: Sequence[str] | None = None,
+    rate_device: str | torch.device | None = None,
 ) -> ChainCosts:
     """Measure every layer of a chain for one micro-batch.
 
@@ -88,10 +93,14 @@ def profile_layers(
         name: name of the profile; default: the model's class name.
         layer_names: a name per layer for the profile (default: the layers' class names); layer
             ``i`` of the profile is then named ``i:name`` (:func:`given_names` reads them back).
+        rate_device: for a model on the meta device, the device that will run it, whose measured
+            FLOP rate turns the layers' FLOPs into seconds (``meta.flops_per_second`` of the profile);
+            default: the current accelerator where there is one, else the CPU. Not used otherwise.
 
     Raises:
         PlanningError: the model is not a non-empty chain, the sample holds no tensor, the counts
-            are invalid, the device is unusable, or a layer fails on the input it receives.
+            are invalid, the device or the rate device is unusable, or a layer fails on the input it
+            receives.
     """
     named = _named_layers(model)
     if layer_names is not None:
@@ -102,12 +111,18 @@ def profile_layers(
         raise PlanningError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     target = _resolve_device(device, named)
     batch_size = _batch_size(sample)
+    meta: dict[str, object] = {}
+    rate = None
+    if target.type == "meta":
+        runs_on = _rate_device(rate_device, named)
+        rate = flop_rate(runs_on, _compute_dtype(named, sample))
+        meta = {"flops_per_second": rate, "rate_device": str(runs_on)}
     costs = []
     with _profiling_session(model, [layer for _, layer in named], target):
         first = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
         x = first
         for index, (label, layer) in enumerate(named):
-            cost, x = _profile_layer(label, layer, _layer_input(x, index), target, warmup, count_flops)
+            cost, x = _profile_layer(label, layer, _layer_input(x, index), target, warmup, count_flops, rate)
             costs.append(cost)
         times = [[(cost.forward_seconds, cost.backward_seconds)] for cost in costs]
         for _ in range(0 if target.type == "meta" else repeats - 1):  # the other passes: timing only
@@ -130,6 +145,7 @@ def profile_layers(
         "warmup": warmup,
         "repeats": repeats,
         "torch": torch.__version__,
+        **meta,
     }
     return ChainCosts(layers=tuple(costs), name=name or _default_name(model), meta=meta)
 
@@ -186,6 +202,30 @@ def _resolve_device(device: str | torch.device | None, named: list[tuple[str, nn
     return target
 
 
+def _rate_device(rate_device: str | torch.device | None, named: list[tuple[str, nn.Module]]) -> torch.device:
+    """The device whose FLOP rate times a meta-device model: ``rate_device`` checked, or the current
+    accelerator, else the CPU."""
+    if rate_device is None:
+        return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
+    try:
+        runs_on = _resolve_device(rate_device, named)
+    except PlanningError as error:
+        raise PlanningError(f"rate_device: {error}") from None
+    if runs_on.type == "meta":
+        raise PlanningError(
+            "rate_device='meta': the meta device computes nothing; give the device the layers will run on "
+            "('cpu', 'cuda'), whose FLOP rate times them"
+        )
+    return runs_on
+
+
+def _compute_dtype(named: list[tuple[str, nn.Module]], sample: Any) -> torch.dtype:
+    """The dtype the layers compute in: their first floating point parameter's, else the sample's
+    first floating point tensor's, else torch's default."""
+    candidates = [*(p for _, layer in named for p in layer.parameters()), *tensors(sample)]
+    return next((t.dtype for t in candidates if t.is_floating_point()), torch.get_default_dtype())
+
+
 def _batch_size(sample: Any) -> int | None:
     """First dimension of the first tensor of the sample (None for a 0-d tensor)."""
     first = next(iter(tensors(sample)), None)
@@ -195,12 +235,6 @@ def _batch_size(sample: Any) -> int | None:
             "tensor or a tuple/list/dict of tensors"
         )
     return first.shape[0] if first.dim() > 0 else None
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for queued kernels so that the clock measures them (no-op on the CPU and the meta device)."""
-    if device.type not in ("cpu", "meta"):
-        torch.accelerator.synchronize(device)
 
 
 @contextmanager
@@ -255,22 +289,22 @@ def _layer_input(x: Any, index: int) -> Any:
 
 
 def _profile_layer(
-    label: str, layer: nn.Module, leaf: Any, device: torch.device, warmup: int, count_flops: bool
+    label: str, layer: nn.Module, leaf: Any, device: torch.device, warmup: int, count_flops: bool, rate: float | None
 ) -> tuple[LayerCost, Any]:
     """Cost of one layer on its input ``leaf`` (its time: the first timed run, after ``warmup``; on
-    the meta device, from its FLOPs), and the layer's detached output."""
-    meta = device.type == "meta"  # nothing to time: the FLOPs, forward and backward apart, give the time
-    forward = FlopCounterMode(display=False) if count_flops or meta else None
-    backward = FlopCounterMode(display=False) if count_flops or meta else None
+    the meta device, its FLOPs at ``rate`` a second), and the layer's detached output."""
+    estimated = rate is not None  # the meta device: nothing to time, the FLOPs (forward and backward apart) give it
+    forward = FlopCounterMode(display=False) if count_flops or estimated else None
+    backward = FlopCounterMode(display=False) if count_flops or estimated else None
     with forward or nullcontext():
         saved, output = _forward_saving(label, layer, leaf)
     with backward or nullcontext():
         kept = _split_backward(layer, leaf, output)
     _clear_grads(leaf)
-    if meta:
+    if rate is not None:
         assert forward is not None and backward is not None
-        forward_seconds = forward.get_total_flops() / ESTIMATED_FLOPS_PER_SECOND
-        backward_seconds = backward.get_total_flops() / ESTIMATED_FLOPS_PER_SECOND
+        forward_seconds = forward.get_total_flops() / rate
+        backward_seconds = backward.get_total_flops() / rate
     else:
         for _ in range(warmup):
             _timed_run(layer, leaf, device)
@@ -324,10 +358,10 @@ def _timed_run(layer: nn.Module, leaf: Any, device: torch.device) -> tuple[float
     """One forward and backward of the layer on a copy of ``leaf``: their seconds, and the detached
     output."""
     inputs = map_tensors(torch.Tensor.clone, leaf)
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     output = layer(inputs)
-    _synchronize(device)
+    synchronize(device)
     forward = time.perf_counter() - start
     backward = _timed_backward(output, device)
     _clear_grads(leaf)
@@ -358,8 +392,8 @@ def _timed_backward(output: Any, device: torch.device) -> float:
     if not outputs:
         return 0.0
     grads = [torch.randn_like(t) for t in outputs]
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     torch.autograd.backward(outputs, grads)
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - start
