@@ -233,6 +233,7 @@ def plan_stages(
     replicate: bool = False,
     names: Sequence[str] | None = None,
     seconds: dict[str, float] | None = None,
+    runs_on: torch.device | None = None,
 ) -> StagePlan:
     """Split ``layers`` (named ``names``) into straight stages, one per worker, or — with
     ``replicate`` (``1f1b_rr``) — into stages replicated over ``workers`` workers (see the module
@@ -252,7 +253,7 @@ def plan_stages(
         return StagePlan(_bounds_from_balance(options.balance, len(layers), stages), replicas=replicas, names=known)
     if options.plan is not None:
         return _plan_file(options.plan, len(layers), known, workers, replicate)
-    costs = profile_costs(layers, sample, options, device, names, seconds)
+    costs = profile_costs(layers, sample, options, device, names, seconds, runs_on)
     request = PlanRequest(
         costs,
         devices=workers,
@@ -307,27 +308,37 @@ def profile_costs(
     device: torch.device,
     names: Sequence[str] | None = None,
     seconds: dict[str, float] | None = None,
+    runs_on: torch.device | None = None,
 ) -> ChainCosts:
     """The profile a plan is made from: ``options.profile``'s file (checked against the layers), or
     the layers profiled on ``device`` with ``sample``, one micro-batch (kept from run to run in
-    ``options.cache``); the time profiling takes is added to ``seconds['profile']``."""
+    ``options.cache``); the time profiling takes is added to ``seconds['profile']``. A model on the
+    meta device is timed from its FLOPs at the measured rate of ``runs_on``, the device that will
+    train it (default: the current accelerator, else the CPU)."""
     if options.profile is not None:
         costs = load_profile(options.profile)
         _check_same_model(options.profile, "profile", len(costs), given_names(costs), len(layers), names)
         return costs
     with timed(seconds, "profile"):
-        return _profile(layers, sample, device, options, names)
+        return _profile(layers, sample, device, options, names, runs_on)
 
 
 def _profile(
-    layers: Sequence[nn.Module], sample: Any, device: torch.device, options: PlanOptions, names: Sequence[str] | None
+    layers: Sequence[nn.Module],
+    sample: Any,
+    device: torch.device,
+    options: PlanOptions,
+    names: Sequence[str] | None,
+    runs_on: torch.device | None = None,
 ) -> ChainCosts:
     """The layers' profile: measured, or the one measured before for the same layers, micro-batch and
     device (``options.cache``; a meta-device model's profile is computed from its FLOPs at the
     current accelerator's measured rate, else the CPU's: not kept)."""
 
     def measure() -> ChainCosts:
-        return profile_layers(list(layers), sample, device=device, repeats=options.repeats, layer_names=names)
+        return profile_layers(
+            list(layers), sample, device=device, repeats=options.repeats, layer_names=names, rate_device=runs_on
+        )
 
     if options.cache is None or device.type == "meta":
         return measure()

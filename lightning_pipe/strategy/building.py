@@ -304,7 +304,7 @@ class PipelineBuilding:
         memory = memory_model(self.schedule_options.family, self.microbatches, optimizer_copies(optimizer))
         planned: tuple[StagePlan, Chosen | None] | PlanningError | None = None
         if self._auto is not None:
-            self._measure_links()  # every rank: a collective
+            self._measure_machine()  # every rank: collectives
         if self.global_rank == 0:
             try:
                 if not meta:  # a model on the meta device has no values to compare
@@ -324,6 +324,7 @@ class PipelineBuilding:
                             self._replicated,
                             names=model.names,
                             seconds=self.setup_seconds,
+                            runs_on=self.root_device,
                         ),
                         None,
                     )

@@ -60,10 +60,12 @@ from lightning_pipe.auto import (
     searched_families,
 )
 from lightning_pipe.cost.network import Network
+from lightning_pipe.cost.profile_cache import forget_profile, profile_disagrees
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.planning import StagePlan, optimizer_copies, predict, profile_costs
 from lightning_pipe.runtime.affinity import pin_threads, place_threads
 from lightning_pipe.runtime.batches import rows_of, split_batch
+from lightning_pipe.runtime.contention import measure_contention
 from lightning_pipe.runtime.link_speed import allreduce_bandwidth
 from lightning_pipe.schedule import StageCosts, rules_of
 from lightning_pipe.schedule.options import ScheduleOptions
@@ -269,7 +271,7 @@ class PipelineChoosing:
         options = self._within_limit(self.plan_options)
         sample = model.inputs(first)
         device = torch.device("meta") if meta else self.root_device
-        costs = profile_costs(model.layers, sample, options, device, model.names, self.setup_seconds)
+        costs = profile_costs(model.layers, sample, options, device, model.names, self.setup_seconds, self.root_device)
         counts = [m for m in self._auto.microbatches if m <= batch_rows]
         if not counts:
             raise PlanningError(
@@ -281,7 +283,7 @@ class PipelineChoosing:
         finer = round(max(counts) / parts)  # the smallest micro-batch searched is profiled too (no file given)
         if finer > 1 and options.profile is None and rows_of(sample) >= finer:
             fewer = _first_part(sample, finer)
-            few = profile_costs(model.layers, fewer, options, device, model.names, self.setup_seconds)
+            few = profile_costs(model.layers, fewer, options, device, model.names, self.setup_seconds, self.root_device)
             small = (few, batch_rows / rows_of(fewer))
         start = time.perf_counter()
         arguments = {
@@ -306,15 +308,22 @@ class PipelineChoosing:
         )
         return ranked[0].stage_plan, Chosen.of(ranked[0], self.schedule_options)
 
-    def _measure_links(self) -> None:
-        """Every rank, unless a bandwidth was given: the all-reduce bandwidth among the ranks
-        (:func:`~lightning_pipe.runtime.link_speed.allreduce_bandwidth`) becomes the one planned with."""
-        if not self._links_measured:
+    def _measure_machine(self) -> None:
+        """Every rank, for what was not given: the all-reduce bandwidth among the ranks
+        (:func:`~lightning_pipe.runtime.link_speed.allreduce_bandwidth`) and how much slower the ranks
+        compute all at once than alone (:func:`~lightning_pipe.runtime.contention.measure_contention`)
+        become the ones planned with."""
+        measured: dict[str, float] = {}
+        if self._links_measured:
+            measured["bandwidth"] = allreduce_bandwidth(self.root_device)
+        if self._contention_measured:
+            measured["contention"] = measure_contention(self._objects, self.root_device)
+        if not measured:
             return
-        measured = allreduce_bandwidth(self.root_device)
-        self.plan_options = dataclasses.replace(self.plan_options, bandwidth=measured)
-        if math.isfinite(measured):
-            rank_zero_info(f"Links between the ranks: {format_bandwidth(measured)} (an all-reduce, measured)")
+        self.plan_options = dataclasses.replace(self.plan_options, **measured)
+        said = [f"links {format_bandwidth(measured['bandwidth'])} (an all-reduce)"] if "bandwidth" in measured else []
+        said += [f"contention {measured['contention']:.2f}"] if "contention" in measured else []
+        rank_zero_info(f"Measured among the ranks: {', '.join(said)}")
 
     def _run_chosen(self, chosen: Chosen) -> None:
         """Every rank: the winner's options become the strategy's (the topology follows them)."""
@@ -339,8 +348,10 @@ class PipelineChoosing:
         self._calibrated = True
         since = trial.start + 1 if trial is not None and trial.pinned and trial.start is not None else WARM_UP
         in_run = executor.measured_costs(since_step=since, to_next=True)  # the executor's own time included
+        compute = executor.measured_costs(since_step=since)  # the actions alone, for the kept profile's check
         decision: tuple[StagePlan, Chosen] | None = None
         if self.global_rank == 0:
+            self._check_kept_profile(compute)
             decision = self._better(in_run, since)
         decision = self.broadcast(decision)
         if decision is not None:
@@ -350,12 +361,7 @@ class PipelineChoosing:
         """Rank 0: the configuration to switch to, by the candidates priced again with what steps
         ``since`` on measured (said either way), or ``None``."""
         assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
-        stages = self.stage_plan.plan.stages
-        flags = self.recompute if isinstance(self.recompute, list) else [self.recompute] * len(stages)
-        profiled = [s.forward_seconds for s in stages] + [
-            s.backward_seconds + (s.forward_seconds if again else 0.0) for s, again in zip(stages, flags, strict=True)
-        ]
-        scale, fixed = calibration(profiled, [*in_run.forward, *in_run.backward])
+        scale, fixed = calibration(self._profiled(self.stage_plan), [*in_run.forward, *in_run.backward])
         costs, arguments = self._searched
         small = arguments["small"]
         arguments = {**arguments, "small": None if small is None else (small[0].slowed(scale), small[1])}
@@ -380,6 +386,36 @@ class PipelineChoosing:
             f"{ranking_table(sorted(ranked, key=found.seconds), SHOWN)}"
         )
         return winner.stage_plan, Chosen.of(winner, self.schedule_options)
+
+    def _check_kept_profile(self, compute: StageCosts) -> None:
+        """Rank 0: mark the kept profiles stale (:func:`~lightning_pipe.cost.profile_cache.forget_profile`)
+        when the rate of this run's actions, with the contention it measured taken out, is more than
+        15% off the profile's (:func:`~lightning_pipe.cost.profile_cache.profile_disagrees`): a profile
+        taken on a busier or other machine. What an action costs whatever its rows (the runtime's
+        own work) is fitted apart, since profiling again would not change it."""
+        assert self.stage_plan is not None and self._searched is not None
+        profiled = self._profiled(self.stage_plan)
+        contention = self.plan_options.contention
+        measured = [seconds / contention for seconds in [*compute.forward, *compute.backward]]
+        rate, _ = calibration(profiled, measured)
+        if not profile_disagrees(profiled, [rate * seconds for seconds in profiled]):
+            return
+        small = self._searched[1]["small"]
+        reason = f"a run measured its layers {rate:.2f}x as long as this profile"
+        marked = [forget_profile(costs, reason) for costs in (self._searched[0], small and small[0]) if costs]
+        for path in filter(None, marked):
+            rank_zero_info(f"Kept profile {path}: {reason}; the next run measures it anew")
+
+    def _profiled(self, stage_plan: StagePlan) -> list[float]:
+        """Each stage's profiled forward seconds, then backward (with the forward again where it
+        recomputes), as the run's costs list them."""
+        assert stage_plan.plan is not None
+        stages = stage_plan.plan.stages
+        flags = self.recompute if isinstance(self.recompute, list) else [self.recompute] * len(stages)
+        again = zip(stages, flags, strict=True)
+        return [s.forward_seconds for s in stages] + [
+            s.backward_seconds + (s.forward_seconds if r else 0.0) for s, r in again
+        ]
 
     def _runs(self, candidate: Candidate) -> bool:
         """Whether ``candidate`` is the configuration running."""

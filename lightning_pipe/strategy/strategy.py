@@ -185,8 +185,9 @@ class PipelineStrategy(
         bandwidth: between devices (``"10GB/s"``), for planning; default free, or with
             ``schedule="auto"`` measured by an all-reduce among the ranks.
         contention: for the printed prediction, how many times slower a stage computes while every
-            device computes (processes sharing one machine's cores and memory bandwidth: measure it
-            with ``bench/runtime_speed.py``); default 1, devices that share nothing.
+            device computes (processes sharing one machine's cores and memory bandwidth); default 1,
+            devices that share nothing, or with ``schedule="auto"`` measured
+            (:func:`~lightning_pipe.runtime.contention.measure_contention`).
         recompute: recompute activations in the backward instead of keeping them; ``"auto"`` (the
             default with ``schedule="auto"``): the stages that need it to fit ``memory_limit`` do.
         profile: a saved profile to plan with instead of profiling.
@@ -250,7 +251,7 @@ class PipelineStrategy(
         partitioner: str = "time",
         memory_limit: float | str | None = None,
         bandwidth: float | str | None = None,
-        contention: float = 1.0,
+        contention: float | None = None,
         recompute: bool | Literal["auto"] | None = None,
         profile: str | None = None,
         plan: str | None = None,
@@ -297,7 +298,7 @@ class PipelineStrategy(
             partitioner=partitioner,
             memory_limit=None if memory_limit is None else parse_option("memory_limit", memory_limit, parse_bytes),
             bandwidth=float("inf") if bandwidth is None else parse_option("bandwidth", bandwidth, parse_bandwidth),
-            contention=contention,
+            contention=1.0 if contention is None else contention,
             profile=profile,
             plan=plan,
             balance=balance,
@@ -323,7 +324,8 @@ class PipelineStrategy(
         self.recompute: bool | list[bool] = recompute is True  # "auto": as the search chooses (.choosing)
         self.candidates: list[Candidate] = []  # rank 0, schedule="auto": the configurations priced, best first
         self._searched: tuple[ChainCosts, dict[str, Any]] | None = None  # rank 0: the profile and search arguments
-        self._links_measured = bandwidth is None  # schedule="auto": measured before planning (.choosing)
+        # schedule="auto": what was not given is measured before planning (.choosing)
+        self._links_measured, self._contention_measured = bandwidth is None, contention is None
         self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.choosing)
         self.calibrated_step_seconds: float | None = None  # rank 0: the running one's, by the in-run costs
         self.calibration: Calibration | None = None  # rank 0: what the first steps measured (.choosing)

@@ -97,7 +97,7 @@ class PipelineConfig:
     stages: int | None = None  # default: every device of a pipeline copy
     data_parallel: int | None = None  # copies of the pipeline (devices = workers x copies)
     bandwidth: str | None = None  # between stages, e.g. 10Gbit/s (default: free transfers)
-    contention: float = 1.0  # for the prediction: slowdown of a stage while every process computes (one machine)
+    contention: float | None = None  # slowdown of a stage while every process computes (null: 1; measured if auto)
     profile: str | None = None  # a saved profile to plan from (lightning-pipe profile)
     plan: str | None = None  # a saved plan to run (lightning-pipe plan)
     profile_cache: bool = True  # keep the measured profile for the next run ($LIGHTNING_PIPE_CACHE, ~/.cache)
