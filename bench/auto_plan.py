@@ -161,7 +161,7 @@ class StepTimes(L.Callback):
 def _quiet() -> None:
     """Lightning's and the strategy's set-up messages off (the table is the output)."""
     warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_pipe"):
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
@@ -194,14 +194,13 @@ def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warm
         place_threads(cores)  # a pinned training leaves its threads pinned: the next one starts as users do
         timed = timer.ends[warmup:-1]  # the last batch drains a non-flushing schedule: left out
         intervals = [b - a for a, b in itertools.pairwise(timed)]
-        prediction = strategy.prediction
         trial = strategy._pin_trial
         calibration = strategy.calibration
         priced = [] if calibration is None else strategy.candidates
         found.append(
             {
                 "step": statistics.median(intervals),
-                "predicted": None if prediction is None else prediction.steady_step,
+                "predicted": strategy.planned_step_seconds,
                 "calibrated": strategy.calibrated_step_seconds,
                 "ran": _label(strategy, trial.pinned if trial is not None else config.get("pin_cpus", False)),
                 "key": (strategy.schedule_options.family, strategy.microbatches, strategy.stage_plan.bounds),

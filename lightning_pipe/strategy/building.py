@@ -341,6 +341,7 @@ class PipelineBuilding:
             self._prediction = predict(
                 stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
             )
+            self.planned_step_seconds = None if self._prediction is None else self._prediction.steady_step
             self.differences = differences(
                 self.lightning_module,
                 stage_plan.modules(model.layers),

@@ -447,9 +447,10 @@ class PipelineChoosing:
         self._run_chosen(chosen)
         self.stage_plan = stage_plan
         self._step_seconds, self._step_starts = [], []
-        if self.global_rank == 0:
+        if self.global_rank == 0:  # with the calibrated costs (the stage plan's profile is scaled already)
+            fixed = self.calibration.fixed if self.calibration is not None else 0.0
             self._prediction = predict(
-                stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
+                stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute, fixed
             )
 
     def _try_pinning(self, trial: PinTrial, step: int) -> None:
