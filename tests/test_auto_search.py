@@ -28,7 +28,7 @@ from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import PlanRequest, evaluate, partition
 from lightning_pipe.planning import StagePlan, memory_model, predict
-from lightning_pipe.schedule import COMPUTE
+from lightning_pipe.schedule import COMPUTE, NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -161,6 +161,7 @@ def test_memory_limits_are_kept_and_a_refusal_names_a_limit_that_works(
 
 def test_delayed_families_only_when_allowed() -> None:
     costs = ChainCosts.from_lists([1.0, 2.0, 3.0, 1.0], [2.0, 4.0, 6.0, 2.0], activation=[1.0] * 4, params=[4.0] * 4)
+    assert set(DELAYED_FAMILIES) == set(NON_FLUSHING_FAMILIES) and not set(FLUSHING_FAMILIES) & DELAYED
     strict = search(costs, 2)
     assert {c.family for c in strict} <= set(FLUSHING_FAMILIES)
     assert {"gpipe", "1f1b", "zb_h1", "interleaved", "ddp"} <= {c.family for c in strict}
@@ -243,3 +244,13 @@ def test_memory_model_recomputes_and_the_fast_partitioners_refuse_it() -> None:
         partition(PlanRequest(costs, devices=2, memory=model), "time")
     with pytest.raises(PlanningError, match=r"memory_limit=\d+"):
         search(ChainCosts.from_lists([1.0, 1.0], [1.0, 1.0], params=[1.0, 1.0]), 2, memory_limit=1.0)
+
+
+def test_the_families_are_searched_with_the_options_given() -> None:
+    """``base`` carries the strategy's other options: interleaving three stages per worker gives six
+    stages on two workers, and a CDP form that fixes the micro-batches leaves the other counts out."""
+    costs = ChainCosts.from_lists([1.0] * 8, [2.0] * 8, activation=[1.0] * 8, params=[1.0] * 8)
+    three = search(costs, 2, families=["interleaved"], microbatches=(4,), base=ScheduleOptions(virtual_stages=3))
+    assert three and {len(c.bounds) for c in three} == {6} and {c.schedule.virtual_stages for c in three} == {3}
+    dp = search(costs, 2, families=["cdp"], rule=ANY_RULE, microbatches=(2, 4), base=ScheduleOptions(form="dp"))
+    assert {c.microbatches for c in dp} == {2}

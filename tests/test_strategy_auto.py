@@ -19,14 +19,8 @@ from lightning_pipe.auto import FLUSHING_FAMILIES
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts
-from lightning_pipe.strategy.choosing import (
-    CALIBRATE_AFTER,
-    DEFAULT_MICROBATCHES,
-    PIN_STEPS,
-    AutoOptions,
-    Chosen,
-    calibration,
-)
+from lightning_pipe.strategy.calibrating import CALIBRATE_AFTER, PIN_STEPS, calibration
+from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, Chosen
 from tests.lightning_cases import Chain, final_state, loader, plain_fit, trainer
 
 BATCHES = CALIBRATE_AFTER + PIN_STEPS + 4  # four steps after the pinning trial and the calibration

@@ -64,7 +64,7 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.util.nested import map_tensors, nbytes, tensors
 
-__all__ = ["given_names", "profile_layers"]
+__all__ = ["chain_seconds", "given_names", "profile_layers"]
 
 
 def profile_layers(
@@ -157,6 +157,27 @@ def given_names(costs: ChainCosts) -> list[str] | None:
     if all(index == str(i) and colon for i, (index, colon, _) in enumerate(parts)):
         return [name for _, _, name in parts]
     return None
+
+
+def chain_seconds(
+    layers: Sequence[nn.Module], sample: Any, *, device: torch.device, warmup: int = 1, repeats: int = 3
+) -> tuple[float, float]:
+    """Forward and backward seconds of the whole chain on one micro-batch ``sample``, run as one
+    module (as a pipeline stage holding every layer runs them): the medians of ``repeats`` runs after
+    ``warmup``. A profile taken layer by layer pays, per layer, what a stage pays once (a backward
+    call, the timers): on a CPU with small micro-batches this sum can be far below the layers'
+    (:meth:`~lightning_pipe.cost.records.ChainCosts.rescaled` brings a profile to it)."""
+    if device.type == "meta":
+        raise PlanningError("a chain on the meta device has no time to measure: profile it from its FLOPs")
+    if warmup < 0 or repeats < 1:
+        raise PlanningError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    chain = nn.Sequential(*layers)
+    with _profiling_session(chain, list(layers), device):
+        first = map_tensors(lambda t: t.detach().to(device).requires_grad_(t.requires_grad), sample)
+        for _ in range(warmup):
+            _timed_run(chain, first, device)
+        runs = [_timed_run(chain, first, device)[:2] for _ in range(repeats)]
+    return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)
 
 
 def _named_layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:

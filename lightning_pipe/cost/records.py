@@ -193,6 +193,20 @@ class ChainCosts:
         )
         return replace(self, layers=layers)
 
+    def rescaled(self, forward_seconds: float, backward_seconds: float) -> ChainCosts:
+        """The costs with the layers' forward times scaled to sum to ``forward_seconds`` and their
+        backward times to ``backward_seconds`` (the chain timed whole), each layer keeping its share."""
+        forwards, backwards = self.column("forward_seconds"), self.column("backward_seconds")
+        for name, total, parts in (("forward", forward_seconds, forwards), ("backward", backward_seconds, backwards)):
+            if not math.isfinite(total) or total <= 0 or sum(parts) <= 0:
+                raise PlanningError(f"cannot rescale {name} times summing to {sum(parts)!r} to {total!r} seconds")
+        f, b = forward_seconds / sum(forwards), backward_seconds / sum(backwards)
+        layers = tuple(
+            replace(layer, forward_seconds=layer.forward_seconds * f, backward_seconds=layer.backward_seconds * b)
+            for layer in self.layers
+        )
+        return replace(self, layers=layers)
+
     def column(self, key: str) -> list[float]:
         """One per-layer quantity as a list: ``seconds``, ``param_bytes``, ``flops``, ..."""
         if key == "flops" and any(layer.flops is None for layer in self.layers):

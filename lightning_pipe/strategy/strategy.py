@@ -103,8 +103,9 @@ from lightning_pipe.strategy.after_fit import fill, guard, lift_guard
 from lightning_pipe.strategy.arguments import check_backend, check_flags, check_port, check_timeout, parse_option
 from lightning_pipe.strategy.atomic import write_file
 from lightning_pipe.strategy.building import PipelineBuilding
+from lightning_pipe.strategy.calibrating import Calibration, PinTrial, PipelineCalibration
 from lightning_pipe.strategy.checkpointing import CheckpointHooks
-from lightning_pipe.strategy.choosing import AUTO, AutoOptions, Calibration, PinTrial, PipelineChoosing
+from lightning_pipe.strategy.choosing import AUTO, AutoOptions, PipelineChoosing
 from lightning_pipe.strategy.collectives import Collectives, close_process_groups
 from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
@@ -151,6 +152,7 @@ class PipelineStrategy(
     TopologyHooks,
     PipelineBuilding,
     PipelineChoosing,
+    PipelineCalibration,
     TrainingHooks,
     EvaluationHooks,
     CheckpointHooks,
@@ -165,7 +167,8 @@ class PipelineStrategy(
             ``2bw``, ``cdp``, ...; see ``lightning_pipe.schedule.FAMILIES``), or ``auto``: on the first
             batch the strategy prices every split × family × micro-batch count × per-stage
             recomputation × replication the options leave open under ``memory_limit``, prints the
-            best five and why the winner won, and runs it (:mod:`.choosing`); the update rule is
+            best five and why the winner won, and runs it (:mod:`.choosing`), then checks the choice
+            against the run's own costs after six steps (:mod:`.calibrating`); the update rule is
             never changed silently: ``rule=None`` keeps to the flushing families (sync),
             ``rule="delayed"`` allows every family with its own rule. The flushing families
             run ``Trainer(accumulate_grad_batches=k)`` as Lightning does (``k`` steps, one update);
@@ -216,7 +219,7 @@ class PipelineStrategy(
         pin_cpus: keep each process's threads on cores of its own (Linux; CPU training with one process
             per core or per group of cores: 2BW and CDP ran 1.14-1.18x faster on 2 cores,
             ``bench/pinning.py``); data-loader workers inherit the placement. ``"auto"``: try it
-            after the first steps and keep it only if the steps ran faster (:mod:`.choosing`).
+            after the first steps and keep it only if the steps ran faster (:mod:`.calibrating`).
         shared_memory_bytes: CPU training: messages between processes on one host go through ring
             buffers of this many bytes per direction in ``/dev/shm`` instead of gloo's sockets
             (default 64 MiB; 0: gloo only; a message that finds the ring full goes by gloo);
@@ -326,11 +329,11 @@ class PipelineStrategy(
         self._searched: tuple[ChainCosts, dict[str, Any]] | None = None  # rank 0: the profile and search arguments
         # schedule="auto": what was not given is measured before planning (.choosing)
         self._links_measured, self._contention_measured = bandwidth is None, contention is None
-        self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.choosing)
+        self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.calibrating)
         self.planned_step_seconds: float | None = None  # rank 0: the set-up's prediction, as printed
         self.calibrated_step_seconds: float | None = None  # rank 0: the running one's, by the in-run costs
-        self.calibration: Calibration | None = None  # rank 0: what the first steps measured (.choosing)
-        self._pin_trial: PinTrial | None = None  # pin_cpus="auto" on the CPU: pinning tried (.choosing)
+        self.calibration: Calibration | None = None  # rank 0: what the first steps measured (.calibrating)
+        self._pin_trial: PinTrial | None = None  # pin_cpus="auto" on the CPU: pinning tried (.calibrating)
         self.keep_plan = keep_plan
         if state_dict_type not in ("full", "sharded"):
             raise PlanningError(f"state_dict_type must be 'full' or 'sharded'; got {state_dict_type!r}")

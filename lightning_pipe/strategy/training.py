@@ -81,7 +81,7 @@ class TrainingHooks:
         if posted is None:
             posted = self._post_logs(output.microbatch_losses)
         self._relay_training_logs(posted, wait=drained or executor.schedule.flush or self._outputs_read)
-        if not drained:  # schedule="auto": the in-run costs may choose another configuration (.choosing)
+        if not drained:  # schedule="auto": the in-run costs may choose another configuration (.calibrating)
             self._recalibrate()
         return map_tensors(lambda t: t.to(self.root_device), self._last_output)
 

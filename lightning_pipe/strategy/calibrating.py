@@ -1,0 +1,273 @@
+"""What the first steps of a run measure, and the switch it may lead to (``schedule="auto"`` and
+``pin_cpus="auto"``; :mod:`.choosing` made the first choice).
+
+**Pinning** (``pin_cpus="auto"``, CPU training on Linux): whether each process's threads run
+faster on cores of their own depends on the model and the schedule (on 2 cores it made 2BW and CDP
+1.14-1.18x faster, and torchvision's ResNet-18 0.74x as fast), and no profile taken one process at a
+time shows it. So it is measured: steps 2-5 run unpinned, then :data:`PIN_STEPS` steps pinned (the
+first left out while the threads move), and the placement whose median step was shorter is kept.
+
+**Calibration.** A profile taken layer by layer misses what the run adds to each micro-batch (the
+executor's own time, messages, the other processes computing at the same time), and a kept profile
+may have been taken on a busier machine. After :data:`CALIBRATE_AFTER` steps (the first two left out
+as warm-up), or after the pinning trial, the stage costs the run measured
+(:meth:`~lightning_pipe.runtime.PipelineExecutor.measured_costs`) are fitted as
+``scale × profile + fixed`` per forward and backward (:func:`calibration`), every
+candidate is priced again with the profile scaled and the fixed cost added, and when another is
+predicted at least :data:`SWITCH_GAIN` faster than the one running, the strategy switches to it
+there: the steps in flight are finished (a drain), the model's weights and every parameter's
+optimizer state are gathered by name, the pipeline is rebuilt on the new split and schedule, and each
+rank takes back its stages' weights and states, as a resume on another split does. A synchronous run
+that switches ends with the parameters of the run that did not (``tests/test_strategy_auto.py``).
+
+:class:`PipelineCalibration` holds these as methods of :class:`~lightning_pipe.strategy.PipelineStrategy`
+(one of the parts the strategy's class is assembled from, each a module of its own).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_pipe.auto import Candidate, ranking_table, search
+from lightning_pipe.cost.profile_cache import forget_profile, profile_disagrees
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.planning import StagePlan, predict
+from lightning_pipe.runtime.affinity import pin_threads, place_threads
+from lightning_pipe.schedule import StageCosts
+from lightning_pipe.strategy.after_fit import fill
+from lightning_pipe.strategy.choosing import AUTO, SHOWN, Chosen
+from lightning_pipe.util.units import format_seconds
+
+__all__ = [
+    "CALIBRATE_AFTER",
+    "PIN_STEPS",
+    "SWITCH_GAIN",
+    "Calibration",
+    "PinTrial",
+    "PipelineCalibration",
+    "calibration",
+]
+
+CALIBRATE_AFTER = 6
+"""Steps run before the in-run costs re-rank the candidates (steps 2-5 measured)."""
+WARM_UP = 2
+"""Steps left out of the in-run costs."""
+SWITCH_GAIN = 0.05
+"""How much faster (predicted) another configuration must be for the strategy to switch to it."""
+PIN_STEPS = 5
+"""Steps run pinned in the pinning trial (the first left out; the last's time is not known yet)."""
+
+
+def calibration(profiled: Sequence[float], measured: Sequence[float]) -> tuple[float, float]:
+    """``(scale, fixed)`` fitting ``measured ≈ scale × profiled + fixed`` by least squares over the
+    actions' seconds (each stage's forward and backward), with ``fixed >= 0``: the profile's rate
+    error (a busy machine, contention) and the runtime's fixed cost per action. Where the profiled
+    values do not vary, or the fit would need a negative fixed cost, the fit goes through zero."""
+    if len(profiled) != len(measured) or not profiled:
+        raise PlanningError(f"calibration needs as many measured values as profiled ones, at least one: {profiled!r}")
+    n = len(profiled)
+    mean_x, mean_y = math.fsum(profiled) / n, math.fsum(measured) / n
+    spread = math.fsum((x - mean_x) ** 2 for x in profiled)
+    if spread > 1e-12 * max(mean_x**2, 1e-300) * n:
+        scale = math.fsum((x - mean_x) * (y - mean_y) for x, y in zip(profiled, measured, strict=True)) / spread
+        fixed = mean_y - scale * mean_x
+        if scale > 0 and fixed >= 0:
+            return scale, fixed
+    squares = math.fsum(x * x for x in profiled)
+    if squares <= 0:
+        return 1.0, max(mean_y, 0.0)
+    return max(math.fsum(x * y for x, y in zip(profiled, measured, strict=True)) / squares, 1e-12), 0.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the first steps measured beyond the profile: each action is ``scale`` × its profiled
+    seconds + ``fixed`` (:func:`calibration`, the executor's own time between actions included), and
+    each training step takes ``per_step`` beyond its simulated actions (Lightning's loop, the
+    strategy's log relay: what a simulation of the actions leaves out), whatever the configuration."""
+
+    scale: float
+    fixed: float
+    per_step: float
+
+    def seconds(self, candidate: Candidate) -> float:
+        """``candidate``'s predicted seconds per training step: its ``step_seconds`` (priced with
+        the calibrated costs) and the work beyond its actions."""
+        return candidate.step_seconds + self.per_step
+
+    def __str__(self) -> str:
+        return (
+            f"in-run actions = {self.scale:.2f} x the profile + {format_seconds(self.fixed)}, each step "
+            f"{format_seconds(self.per_step)} beyond them"
+        )
+
+
+@dataclass
+class PinTrial:
+    """``pin_cpus="auto"``: the unpinned steps' median, the first pinned step, the decision."""
+
+    cores: set[int]
+    start: int | None = None
+    unpinned: float | None = None
+    pinned: bool | None = None
+
+    @classmethod
+    def of(cls, pin_cpus: object, device: torch.device) -> PinTrial | None:
+        """A trial for ``pin_cpus="auto"`` on a CPU device of a system that places threads (Linux)."""
+        if pin_cpus != AUTO or device.type != "cpu" or not hasattr(os, "sched_setaffinity"):
+            return None
+        return cls(set(os.sched_getaffinity(0)))
+
+
+class PipelineCalibration:
+    """What the first steps measure, and the switch (methods of :class:`~lightning_pipe.strategy.PipelineStrategy`)."""
+
+    def _recalibrate(self) -> None:
+        """After the pinning trial (``pin_cpus="auto"``) and :data:`CALIBRATE_AFTER` steps (once per
+        fit): re-rank with the in-run costs and switch when another configuration is predicted
+        :data:`SWITCH_GAIN` faster (a collective)."""
+        executor = self.executor
+        if executor is None or executor.next_step < CALIBRATE_AFTER:
+            return
+        trial = self._pin_trial
+        if trial is not None and trial.pinned is None:
+            self._try_pinning(trial, executor.next_step)
+            return
+        if self._calibrated:
+            return
+        self._calibrated = True
+        since = trial.start + 1 if trial is not None and trial.pinned and trial.start is not None else WARM_UP
+        in_run = executor.measured_costs(since_step=since, to_next=True)  # the executor's own time included
+        compute = executor.measured_costs(since_step=since)  # the actions alone, for the kept profile's check
+        decision: tuple[StagePlan, Chosen] | None = None
+        if self.global_rank == 0:
+            self._check_kept_profile(compute)
+            decision = self._better(in_run, since)
+        decision = self.broadcast(decision)
+        if decision is not None:
+            self._switch(*decision)
+
+    def _better(self, in_run: StageCosts, since: int) -> tuple[StagePlan, Chosen] | None:
+        """Rank 0: the configuration to switch to, by the candidates priced again with what steps
+        ``since`` on measured (said either way), or ``None``."""
+        assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
+        scale, fixed = calibration(self._profiled(self.stage_plan), [*in_run.forward, *in_run.backward])
+        costs, arguments = self._searched
+        small = arguments["small"]
+        arguments = {**arguments, "small": None if small is None else (small[0].slowed(scale), small[1])}
+        ranked = search(costs.slowed(scale), self.workers, action_seconds=fixed, **arguments)
+        running = next((c for c in ranked if self._runs(c)), None)
+        if running is None:
+            rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: the running configuration is not priced")
+            return None
+        intervals = [b - a for a, b in itertools.pairwise(self._step_starts)][since:]
+        found = Calibration(scale, fixed, max(statistics.median(intervals) - running.step_seconds, 0.0))
+        self.calibration, self.candidates = found, ranked
+        winner = min(ranked, key=found.seconds)
+        predicted = found.seconds(running)
+        if found.seconds(winner) > predicted * (1 - SWITCH_GAIN):
+            rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: {found}; keeping {running.label}")
+            self.calibrated_step_seconds = predicted
+            return None
+        self.calibrated_step_seconds = found.seconds(winner)
+        rank_zero_info(
+            f"Calibration after {CALIBRATE_AFTER} steps: {found}; {winner.label} is predicted "
+            f"{1 - found.seconds(winner) / predicted:.0%} faster than {running.label} (running): switching to it\n"
+            f"{ranking_table(sorted(ranked, key=found.seconds), SHOWN)}"
+        )
+        return winner.stage_plan, Chosen.of(winner, self.schedule_options)
+
+    def _check_kept_profile(self, compute: StageCosts) -> None:
+        """Rank 0: mark the kept profiles stale (:func:`~lightning_pipe.cost.profile_cache.forget_profile`)
+        when the rate of this run's actions, with the contention it measured taken out, is more than
+        15% off the profile's (:func:`~lightning_pipe.cost.profile_cache.profile_disagrees`): a profile
+        taken on a busier or other machine. What an action costs whatever its rows (the runtime's
+        own work) is fitted apart, since profiling again would not change it."""
+        assert self.stage_plan is not None and self._searched is not None
+        profiled = self._profiled(self.stage_plan)
+        contention = self.plan_options.contention
+        measured = [seconds / contention for seconds in [*compute.forward, *compute.backward]]
+        rate, _ = calibration(profiled, measured)
+        if not profile_disagrees(profiled, [rate * seconds for seconds in profiled]):
+            return
+        small = self._searched[1]["small"]
+        reason = f"a run measured its layers {rate:.2f}x as long as this profile"
+        marked = [forget_profile(costs, reason) for costs in (self._searched[0], small and small[0]) if costs]
+        for path in filter(None, marked):
+            rank_zero_info(f"Kept profile {path}: {reason}; the next run measures it anew")
+
+    def _profiled(self, stage_plan: StagePlan) -> list[float]:
+        """Each stage's profiled forward seconds, then backward (with the forward again where it
+        recomputes), as the run's costs list them."""
+        assert stage_plan.plan is not None
+        stages = stage_plan.plan.stages
+        flags = self.recompute if isinstance(self.recompute, list) else [self.recompute] * len(stages)
+        again = zip(stages, flags, strict=True)
+        return [s.forward_seconds for s in stages] + [
+            s.backward_seconds + (s.forward_seconds if r else 0.0) for s, r in again
+        ]
+
+    def _runs(self, candidate: Candidate) -> bool:
+        """Whether ``candidate`` is the configuration running."""
+        assert self.stage_plan is not None
+        flags = self.recompute if isinstance(self.recompute, list) else [self.recompute] * len(candidate.recompute)
+        return (
+            candidate.schedule == self.options
+            and candidate.bounds == self.stage_plan.bounds
+            and candidate.stage_plan.replicas == self.stage_plan.replicas
+            and list(candidate.recompute) == list(flags)
+        )
+
+    def _switch(self, stage_plan: StagePlan, chosen: Chosen) -> None:
+        """Every rank: finish the steps in flight, gather the weights and optimizer states by name,
+        close the pipeline and run ``chosen`` on ``stage_plan`` from the next batch, each rank taking
+        back its stages' weights and states as a resume on another split does."""
+        assert self.executor is not None and self._chain is not None
+        kept, self.state_dict_type = self.state_dict_type, "full"  # gathered whole, whatever the checkpoints are
+        try:
+            full = self.broadcast(self.full_state_dict())  # drains first
+            state = self.broadcast(self.optimizer_state(self.optimizers[0]))
+        finally:
+            self.state_dict_type = kept
+        self.executor.close()
+        self.executor = None
+        module = self.lightning_module
+        fill([module, *self._chain.layers], module, full, self.optimizers)
+        self.load_optimizer_state_dict({"optimizer_states": [state]})
+        self._run_chosen(chosen)
+        self.stage_plan = stage_plan
+        self._step_seconds, self._step_starts = [], []
+        if self.global_rank == 0:  # with the calibrated costs (the stage plan's profile is scaled already)
+            fixed = self.calibration.fixed if self.calibration is not None else 0.0
+            self._prediction = predict(
+                stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute, fixed
+            )
+
+    def _try_pinning(self, trial: PinTrial, step: int) -> None:
+        """The pinning trial (every rank; rank 0's step times decide): pin after the unpinned steps,
+        and after :data:`PIN_STEPS` pinned ones keep the faster placement."""
+        intervals = [b - a for a, b in itertools.pairwise(self._step_starts)]
+        if trial.start is None:
+            trial.unpinned = self.broadcast(statistics.median(intervals[WARM_UP:]))
+            pin_threads(self.local_rank, self.num_processes)
+            trial.start = step
+            return
+        if step < trial.start + PIN_STEPS:
+            return
+        pinned = self.broadcast(statistics.median(intervals[trial.start + 1 :]))
+        assert trial.unpinned is not None
+        trial.pinned = pinned < trial.unpinned
+        if not trial.pinned:
+            place_threads(trial.cores)
+        rank_zero_info(
+            f"pin_cpus='auto': steps took {format_seconds(pinned)} pinned, {format_seconds(trial.unpinned)} "
+            f"unpinned (medians): {'pinned' if trial.pinned else 'unpinned'} from here on"
+        )
