@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_pipe.cost.profiler import profile_layers
+from lightning_pipe.cost.profiler import chain_seconds, profile_layers
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 
 
@@ -394,3 +395,21 @@ def test_a_burst_of_load_moves_no_layers_median(start: int) -> None:
     costs = profile_layers(layers, torch.randn(4, 8), warmup=1, repeats=3, count_flops=False)
     assert clock["calls"] == 20
     assert max(layer.forward_seconds for layer in costs.layers) < 0.025
+
+
+def test_the_chain_timed_whole_and_a_profile_rescaled_to_it() -> None:
+    """``chain_seconds`` runs the layers as one module (a tuple passed on as one argument, as the
+    profiler does); ``rescaled`` keeps each layer's share of the forward and of the backward."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)]
+    forward, backward = chain_seconds(layers, torch.randn(8, 16), device=torch.device("cpu"))
+    assert 0 < forward < 1 and 0 < backward < 1
+    assert all(p.grad is None for layer in layers for p in layer.parameters())  # no gradient left behind
+    with pytest.raises(PlanningError, match="meta device has no time"):
+        chain_seconds(layers, torch.randn(8, 16), device=torch.device("meta"))
+    costs = ChainCosts.from_lists([1.0, 3.0], [2.0, 6.0])
+    scaled = costs.rescaled(2.0, 4.0)
+    assert scaled.column("forward_seconds") == [0.5, 1.5] and scaled.column("backward_seconds") == [1.0, 3.0]
+    assert scaled.column("param_bytes") == costs.column("param_bytes")
+    with pytest.raises(PlanningError, match="cannot rescale forward"):
+        costs.rescaled(0.0, 1.0)

@@ -19,16 +19,16 @@ from lightning_pipe.auto import FLUSHING_FAMILIES
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts
-from lightning_pipe.strategy.calibrating import CALIBRATE_AFTER, PIN_STEPS, calibration
+from lightning_pipe.strategy.calibrating import CALIBRATE_AFTER, PIN_STEPS, TRIAL_STEPS, calibration
 from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, Chosen
 from tests.lightning_cases import Chain, final_state, loader, plain_fit, trainer
 
-BATCHES = CALIBRATE_AFTER + PIN_STEPS + 4  # four steps after the pinning trial and the calibration
+BATCHES = CALIBRATE_AFTER + PIN_STEPS + TRIAL_STEPS + 3  # room for the pinning trial, or a tried configuration
 
 
 class _Switching(PipelineStrategy):
-    """Switches at the calibration to the best two-stage 1F1B or GPipe configuration whose split
-    differs from the running one's, whatever the prediction says."""
+    """Tries at the calibration the best two-stage 1F1B or GPipe configuration whose split differs
+    from the running one's, whatever the prediction says (then keeps it or switches back)."""
 
     def _better(self, in_run: StageCosts, since: int) -> Any:
         super()._better(in_run, since)
@@ -38,6 +38,7 @@ class _Switching(PipelineStrategy):
             for c in self.candidates
             if c.family in ("1f1b", "gpipe") and len(c.bounds) == 2 and c.bounds != self.stage_plan.bounds
         )
+        self.tried = other.bounds
         return other.stage_plan, Chosen.of(other, self.schedule_options)
 
 
@@ -58,6 +59,8 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
                 "microbatches": strategy.microbatches,
                 "bounds": strategy.stage_plan.bounds,
                 "before": getattr(strategy, "before", None),
+                "tried": getattr(strategy, "tried", None),
+                "switches": strategy.switches,
                 "predicted_memory": strategy.predicted_memory,
                 "ranked": [(c.step_seconds, c.family, c.peak_memory_bytes) for c in strategy.candidates],
                 "pinned": None if strategy._pin_trial is None else strategy._pin_trial.pinned,
@@ -72,7 +75,8 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     """Three runs on 2 processes: ``schedule="auto"`` (a flushing family, the ranking sorted, the
     result plain Lightning's); the same within a memory limit that the whole model does not fit (a
     two-stage pipeline within it); and a run made to switch after calibration to another split and
-    schedule: it ends with plain Lightning's parameters too (weights and momentum carried by name);
+    schedule, kept or switched back after it as measured: it ends with plain Lightning's parameters
+    too (weights and momentum carried by name, through one switch or two);
     and ``pin_cpus="auto"``, whose trial leaves every rank pinned or every rank unpinned."""
     limit = 2600
     cases = [
@@ -98,9 +102,10 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     assert within["family"] not in ("ddp", "1f1b_rr")  # each worker would hold the whole model
     assert all(r["predicted_memory"] <= limit for r in (results[0][1], results[1][1]))
     assert all(peak <= limit for _, _, peak in within["ranked"])
-    switched = results[0][2]
-    assert switched["family"] in ("1f1b", "gpipe") and switched["microbatches"] == 2
-    assert len(switched["bounds"]) == 2 and switched["before"] not in (None, switched["bounds"])
+    switched = results[0][2]  # tried, then kept or switched back as measured: either way exact
+    assert len(switched["switches"]) == 1 and switched["tried"] not in (None, switched["before"])
+    assert switched["bounds"] == (switched["tried"] if switched["switches"][0] else switched["before"])
+    assert switched["microbatches"] == 2
     pinned = {results[rank][3]["pinned"] for rank in range(2)}
     assert len(pinned) == 1 and pinned <= {True, False}  # rank 0's measurement decides for all
     every = sorted(os.sched_getaffinity(0))

@@ -167,11 +167,13 @@ class PipelineChoosing:
         sample = model.inputs(first)
         device = torch.device("meta") if meta else self.root_device
         costs = self._profile_whole(model, sample, options, device)
-        counts = [m for m in self._auto.microbatches if m <= batch_rows]
+        # micro-batches of one row are left out: a forward may branch on a single row (transformers'
+        # attention masks do), which the capture, traced on larger micro-batches, cannot check
+        counts = [m for m in self._auto.microbatches if m == 1 or 2 * m <= batch_rows]
         if not counts:
             raise PlanningError(
-                f"the batch has {batch_rows} rows, fewer than any micro-batch count searched "
-                f"({list(self._auto.microbatches)}): use larger batches or smaller counts (microbatches=[...])"
+                f"the batch has {batch_rows} rows: too few for micro-batches of two rows or more with any count "
+                f"searched ({list(self._auto.microbatches)}); use larger batches or smaller counts (microbatches=[...])"
             )
         parts = batch_rows / rows_of(sample)
         small = None
