@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -124,8 +124,11 @@ CONSTRUCTOR_REFUSALS = [
     ({"slack": -1}, r"^slack must be a whole number >= 0; got -1$"),
     ({"virtual_stages": 0}, r"^virtual_stages must be a whole number >= 1; got 0$"),
     ({"form": "ring"}, r"^form must be one of 'pipeline', 'pyramid'"),
-    ({"pin_cpus": "yes"}, r"^pin_cpus must be True or False; got 'yes'$"),
-    ({"recompute": 1}, r"^recompute must be True or False; got 1$"),
+    ({"pin_cpus": "yes"}, r"^pin_cpus must be True, False or 'auto' \(tried in the first steps\); got 'yes'$"),
+    (
+        {"recompute": 1},
+        r"^recompute must be True, False or 'auto' \(each stage recomputes as it needs to fit\); got 1$",
+    ),
     ({"keep_plan": "no"}, r"^keep_plan must be True or False; got 'no'$"),
     ({"release_memory": "no"}, r"^release_memory must be True, False or None"),
     (
@@ -188,10 +191,14 @@ def test_any_timeout_but_a_positive_timedelta_is_refused(timeout: object) -> Non
 @settings(deadline=None)
 @given(st.one_of(st.text(max_size=4), st.integers(), st.floats(), st.lists(st.integers(0, 3), max_size=2)))
 def test_any_flag_but_true_or_false_is_refused(value: object) -> None:
-    """``pin_cpus="yes"`` used to pin (a string is true) and ``pin_cpus=[0, 1]`` to pin to every core."""
-    for name in ("pin_cpus", "recompute", "keep_plan"):
-        with pytest.raises(PlanningError, match=rf"^{name} must be True or False; got "):
+    """``pin_cpus="yes"`` used to pin (a string is true) and ``pin_cpus=[0, 1]`` to pin to every core;
+    ``"auto"`` is the one string ``pin_cpus`` and ``recompute`` take."""
+    assume(value != "auto")
+    for name, allowed in (("pin_cpus", "True, False or 'auto'"), ("recompute", "True, False or 'auto'")):
+        with pytest.raises(PlanningError, match=rf"^{name} must be {allowed} \(.*\); got "):
             PipelineStrategy(**{name: value})
+    with pytest.raises(PlanningError, match=r"^keep_plan must be True or False; got "):
+        PipelineStrategy(keep_plan=value)
 
 
 @settings(deadline=None)
