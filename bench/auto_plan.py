@@ -57,10 +57,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/user_modules.py: the transformers
+
+from trainer_runs import Classifier, timed_trainer
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
@@ -70,26 +71,6 @@ from lightning_pipe.zoo.models import build_chain
 
 FAMILIES = ("gpipe", "1f1b", "zb_h1", "interleaved", "ddp", "2bw", "cdp")
 PICK = "auto"
-
-
-class Classifier(L.LightningModule):
-    """Cross-entropy on 10 classes of 3x32x32 images; SGD with momentum."""
-
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
 @dataclass(frozen=True)
@@ -153,14 +134,6 @@ MODELS: dict[str, Model] = {
 }
 
 
-class StepTimes(L.Callback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.ends.append(time.perf_counter())
-
-
 def _quiet() -> None:
     """Lightning's and the strategy's set-up messages off (the table is the output)."""
     warnings.filterwarnings("ignore")
@@ -180,19 +153,7 @@ def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warm
     found = []
     for config in configs:
         strategy = PipelineStrategy(**config, start_method="popen")
-        timer = StepTimes()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_epochs=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            callbacks=[timer],
-            default_root_dir=tempfile.mkdtemp(prefix="auto_plan_"),
-        )
+        trainer, timer = timed_trainer(strategy, "auto_plan_")
         trainer.fit(entry.build(), DataLoader(data, batch_size=entry.rows, drop_last=True))
         place_threads(cores)  # a pinned training leaves its threads pinned: the next one starts as users do
         timed = timer.ends[warmup:-1]  # the last batch drains a non-flushing schedule: left out

@@ -25,14 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
-import time
 from typing import Any
 
-import lightning as L
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from trainer_runs import Classifier, timed_trainer
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
@@ -40,33 +37,6 @@ from lightning_pipe.zoo.models import build_chain
 
 KINDS = ("lightning ddp", "pipe ddp", "pipe cdp dp")
 SHAPES = {"resnet18": (3, 32, 32), "mlp": (3, 32, 32)}
-
-
-class Classifier(L.LightningModule):
-    def __init__(self, model: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = build_chain(model, num_classes=10, input_shape=SHAPES[model])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-
-
-class StepTimes(L.Callback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.ends.append(time.perf_counter())
 
 
 def _train(rank: int, kind: str, model: str, rows: int, steps: int, warmup: int) -> list[float]:
@@ -83,20 +53,10 @@ def _train(rank: int, kind: str, model: str, rows: int, steps: int, warmup: int)
         strategy = PipelineStrategy("ddp", profile_cache=False)
     else:
         strategy = PipelineStrategy("cdp", form="dp", profile_cache=False)
-    timer = StepTimes()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[timer],
-        default_root_dir=tempfile.mkdtemp(prefix="data_parallel_"),  # the pipeline's end-of-fit report goes there
-    )
-    trainer.fit(Classifier(model), DataLoader(data, batch_size=batch, drop_last=True))
+    trainer, timer = timed_trainer(strategy, "data_parallel_")
+    torch.manual_seed(0)
+    net = build_chain(model, num_classes=10, input_shape=SHAPES[model])
+    trainer.fit(Classifier(net), DataLoader(data, batch_size=batch, drop_last=True))
     return [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :], strict=False)]
 
 

@@ -56,7 +56,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -70,6 +69,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from trainer_runs import timed_trainer
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import LocalRunError, run_local
@@ -129,16 +130,6 @@ class Run:
     bubble: float | None = None
 
 
-class StepTimes(L.Callback):
-    """The ``perf_counter`` at each ``on_train_batch_end``."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.ends.append(time.perf_counter())
-
-
 def _planned(strategy: PipelineStrategy) -> tuple[float | None, float | None]:
     """The plan's bottleneck stage compute over the mean stage compute, and the predicted bubble."""
     imbalance = None
@@ -177,20 +168,7 @@ def _train(rank: int, kind: str, model: str, microbatches: int, rows: int, steps
     module = spec.build()
     if kind == DDP and hasattr(module, "model"):  # GPT-2: DDP computes what the pipeline does, no cache
         module.model.config.use_cache = False
-    timer = StepTimes()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        callbacks=[timer],
-        default_root_dir=tempfile.mkdtemp(prefix="transformer_throughput_"),  # the pipeline's end-of-fit report
-    )
+    trainer, timer = timed_trainer(strategy, "transformer_throughput_", num_sanity_val_steps=0)
     trainer.fit(module, DataLoader(data, batch_size=batch, drop_last=True))
     if rank != 0:
         return None

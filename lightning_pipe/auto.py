@@ -164,11 +164,6 @@ class Candidate:
         again = "" if self.recomputed == "no" else f" recompute {self.recomputed}"
         return f"{self.family}{rule} m={self.microbatches}{again}"
 
-    def seconds_per_sample(self, batch_size: int) -> float:
-        """Predicted seconds per sample of a ``batch_size``-row mini-batch."""
-        check_whole("batch_size", batch_size, 1)
-        return self.step_seconds / batch_size
-
 
 def searched_families(
     rule: str | None = None, families: Iterable[str] | None = None
@@ -231,11 +226,12 @@ def _splits(
         return [([list(stage.layers) for stage in plan.stages], replicas)]
     if stages > layers:
         return []
+    every = math.comb(layers - 1, stages - 1) <= max_splits
+    if every and family != "ddp":
+        return [(_groups(cut, layers), None) for cut in itertools.combinations(range(1, layers), stages - 1)]
     seed = _seed(costs, stages, network, partitioner)
     if family == "ddp":  # every worker computes every stage
         return [(_groups(seed, layers), None)]
-    if math.comb(layers - 1, stages - 1) <= max_splits:
-        return [(_groups(cut, layers), None) for cut in itertools.combinations(range(1, layers), stages - 1)]
     found = {seed}
     for index, step in itertools.product(range(len(seed)), (-1, 1)):
         moved = (*seed[:index], seed[index] + step, *seed[index + 1 :])
@@ -376,10 +372,11 @@ def search(
                 except PlanningError:  # the family cannot run m micro-batches on these stages
                     continue
                 owned = _owned(schedule)
-                plain, again = (
+                priced = [
                     evaluate(scaled, groups, replicas, partitioner="auto", devices=workers, network=network, memory=mm)
-                    for mm in models
-                )
+                    for mm in (models if recompute is not False else models[:1])  # no recomputing plan when off
+                ]
+                plain, again = priced[0], priced[-1]
                 flags = _recomputing(plain, owned, memory_limit, recompute)
                 plan = replace(_mixed(plain, again, flags), memory_limit=memory_limit)
                 per_worker = tuple(_worker_bytes(plan, mine) for mine in owned)

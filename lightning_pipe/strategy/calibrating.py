@@ -270,8 +270,7 @@ class PipelineCalibration:
         recomputes), as the run's costs list them."""
         assert stage_plan.plan is not None
         stages = stage_plan.plan.stages
-        flags = self.recompute if isinstance(self.recompute, list) else [self.recompute] * len(stages)
-        again = zip(stages, flags, strict=True)
+        again = zip(stages, self._recompute_flags(), strict=True)
         return [s.forward_seconds for s in stages] + [
             s.backward_seconds + (s.forward_seconds if r else 0.0) for s, r in again
         ]
@@ -279,12 +278,11 @@ class PipelineCalibration:
     def _runs(self, candidate: Candidate) -> bool:
         """Whether ``candidate`` is the configuration running."""
         assert self.stage_plan is not None
-        flags = self.recompute if isinstance(self.recompute, list) else [self.recompute] * len(candidate.recompute)
         return (
             candidate.schedule == self.options
             and candidate.bounds == self.stage_plan.bounds
             and candidate.stage_plan.replicas == self.stage_plan.replicas
-            and list(candidate.recompute) == list(flags)
+            and list(candidate.recompute) == self._recompute_flags()
         )
 
     def _switch(self, stage_plan: StagePlan, chosen: Chosen) -> None:
@@ -292,12 +290,8 @@ class PipelineCalibration:
         close the pipeline and run ``chosen`` on ``stage_plan`` from the next batch, each rank taking
         back its stages' weights and states as a resume on another split does."""
         assert self.executor is not None and self._chain is not None
-        kept, self.state_dict_type = self.state_dict_type, "full"  # gathered whole, whatever the checkpoints are
-        try:
-            full = self.broadcast(self.full_state_dict())  # drains first
-            state = self.broadcast(self.optimizer_state(self.optimizers[0]))
-        finally:
-            self.state_dict_type = kept
+        full = self.broadcast(self.full_state_dict())  # drains first
+        state = self.broadcast(self.optimizer_state(self.optimizers[0], whole=True))  # whatever the checkpoints are
         self.executor.close()
         self.executor = None
         module = self.lightning_module

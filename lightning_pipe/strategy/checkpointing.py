@@ -82,14 +82,15 @@ class CheckpointHooks:
         real = [name for name in names if not held[name].is_meta]
         self.lightning_module.load_state_dict(read_entries(state, real), strict=False)
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: Any, whole: bool = False) -> dict[str, Any]:
         """The user's optimizer's state by parameter, with the pipeline's entry (``["pipeline"]``,
         :class:`~.pipeline_state.PipelineState`): the plan and each stage's carried state (step count,
         weight versions). ``full``: on global rank 0, in Lightning's layout, every parameter's state
         gathered by name from the stage optimizers (a collective), so that any run resumes it: plain
         Lightning, DDP, or a pipeline on another split; ``{}`` on the other ranks. ``sharded``: this
-        rank's parameters' states and carried state, by name."""
-        sharded = self.state_dict_type == "sharded"
+        rank's parameters' states and carried state, by name. ``whole``: as ``full`` whatever the
+        checkpoints are (a switch of configuration gathers it so, :mod:`.calibrating`)."""
+        sharded = self.state_dict_type == "sharded" and not whole
         first = self.pipeline_index == 0
         states = self._parameter_states() if first else {}
         carried = self._carried_state() if first else {}
