@@ -186,3 +186,20 @@ def test_none_keeps_automatic_collection() -> None:
     for seen, during, after in run_local(_train_recording, 2, "1f1b", None, timeout=90):
         assert during and after
         assert any(generation == 0 for _, generation in seen)  # Python collected by itself
+
+
+def test_the_last_executor_to_close_unfreezes_what_a_fit_left() -> None:
+    """A cycle alive when the executor froze the heap (a fit's strategy, model, optimizer, process
+    groups) is freed once dropped after the last executor closes: fit after fit, a sweep in one
+    process does not keep its predecessors."""
+    gc.unfreeze()
+    cycle = _Cycle()
+    alive = weakref.ref(cycle)
+    first, second = AlignedCollection(3), AlignedCollection(3)
+    del cycle
+    first.close()
+    gc.collect()
+    assert alive() is not None  # frozen while an executor still holds collection
+    second.close()
+    gc.collect()
+    assert alive() is None

@@ -4,6 +4,7 @@ optimizer state exactly (a synchronous run that switches ends as plain Lightning
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from pathlib import Path
@@ -65,9 +66,17 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
                 "ranked": [(c.step_seconds, c.family, c.peak_memory_bytes) for c in strategy.candidates],
                 "pinned": None if strategy._pin_trial is None else strategy._pin_trial.pinned,
                 "cores": sorted(os.sched_getaffinity(0)),
+                "gloo_threads": _gloo_threads(),
             }
         )
     return found
+
+
+def _gloo_threads() -> int:
+    """This process's gloo threads, once what the fits before left unreachable is collected."""
+    gc.collect()
+    names = [Path(task, "comm").read_text() for task in Path("/proc/self/task").iterdir()]
+    return sum("gloo" in name for name in names)
 
 
 @pytest.mark.timeout(300)
@@ -77,7 +86,8 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     two-stage pipeline within it); and a run made to switch after calibration to another split and
     schedule, kept or switched back after it as measured: it ends with plain Lightning's parameters
     too (weights and momentum carried by name, through one switch or two);
-    and ``pin_cpus="auto"``, whose trial leaves every rank pinned or every rank unpinned."""
+    and ``pin_cpus="auto"``, whose trial leaves every rank pinned or every rank unpinned. The fits run
+    one after the other in the same processes, and none keeps the process groups of the ones before."""
     limit = 2600
     cases = [
         {"name": "auto"},
@@ -106,6 +116,9 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     assert len(switched["switches"]) == 1 and switched["tried"] not in (None, switched["before"])
     assert switched["bounds"] == (switched["tried"] if switched["switches"][0] else switched["before"])
     assert switched["microbatches"] == 2
+    for rank in range(2):  # fit after fit, the groups of the fits before are closed and collected: no growth
+        threads = [found["gloo_threads"] for found in results[rank]]
+        assert len(set(threads[1:])) == 1, threads
     pinned = {results[rank][3]["pinned"] for rank in range(2)}
     assert len(pinned) == 1 and pinned <= {True, False}  # rank 0's measurement decides for all
     every = sorted(os.sched_getaffinity(0))

@@ -60,9 +60,14 @@ class AlignedCollection:
             gc.collect()
 
     def close(self) -> None:
-        """Let go (once; the frozen objects stay frozen: they are the process's long-lived ones)."""
+        """Let go (once). When the last executor closes, the frozen objects are unfrozen: what a fit
+        left behind (its strategy, model and optimizer, often in reference cycles, and the process
+        groups whose threads those hold) must be collectable once the user drops it, or every fit of
+        a sweep run in one process would keep its predecessors alive to the end."""
         if self._holding:
             self._holding = False
             AlignedCollection._holders -= 1
-            if AlignedCollection._holders == 0 and AlignedCollection._resume:
-                gc.enable()
+            if AlignedCollection._holders == 0:
+                gc.unfreeze()
+                if AlignedCollection._resume:
+                    gc.enable()

@@ -20,7 +20,22 @@ from torch import Tensor
 
 from lightning_pipe.runtime.failure import raised_elsewhere
 
-__all__ = ["Collectives", "close_process_groups"]
+__all__ = ["Collectives", "close_process_groups", "open_strategy_groups"]
+
+_OPEN: list[Any] = []
+"""The groups the last fit's strategy opened (its own, beside the pipeline's)."""
+
+
+def open_strategy_groups(groups: list[Any]) -> None:
+    """Record the groups a fit's strategy opens, first closing those an earlier fit in this process
+    left open: they outlive its ``teardown`` (a checkpoint saved after ``fit`` gathers over them), so
+    without this every fit of a sweep run in one process would keep three gloo groups — connections
+    and threads — to the end (their threads stop once the earlier strategy is collected). An earlier
+    strategy cannot save once a later one has set up."""
+    for group in _OPEN:
+        with contextlib.suppress(RuntimeError, ValueError):  # already gone (a failure closed it)
+            dist.destroy_process_group(group)
+    _OPEN[:] = [group for group in groups if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER]
 
 
 class Collectives:

@@ -106,7 +106,7 @@ from lightning_pipe.strategy.building import PipelineBuilding
 from lightning_pipe.strategy.calibrating import Calibration, PinTrial, PipelineCalibration, Tried
 from lightning_pipe.strategy.checkpointing import CheckpointHooks
 from lightning_pipe.strategy.choosing import AUTO, AutoOptions, PipelineChoosing
-from lightning_pipe.strategy.collectives import Collectives, close_process_groups
+from lightning_pipe.strategy.collectives import Collectives, close_process_groups, open_strategy_groups
 from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
 from lightning_pipe.strategy.effects import metric_modules
@@ -459,6 +459,7 @@ class PipelineStrategy(
         self._pipeline_objects = own[self.pipeline_index]
         positions = [dist.new_group(list(range(w, self.world_size, self.workers))) for w in range(self.workers)]
         self._copies = positions[self.topology.worker]
+        open_strategy_groups([self._objects, *own, *positions])
         self._failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
 
     def _release_freed_memory(self) -> None:
