@@ -9,10 +9,13 @@ For each model of the zoo, on 2 CPU processes (gloo), the same LightningModule i
 configuration of the grid — schedule family × micro-batches ``m`` × pinning — with
 ``PipelineStrategy(family, microbatches=m, pin_cpus=...)``, and once with ``PipelineStrategy("auto",
 rule="delayed", pin_cpus="auto")``: the pick (every family may be chosen, each with its own rule; the
-pinning tried during the run). Each training runs ``--warmup`` steps (enough for the pick's pinning
-trial, calibration and a configuration tried, :mod:`lightning_pipe.strategy.calibrating`) and
+pinning tried during the run). Each configuration of the grid runs ``--warmup`` steps and then
 ``--steps`` timed ones (the wall time between rank 0's ``on_train_batch_end`` calls; a non-flushing
-schedule's last batch drains and is left out). ``--rounds`` rounds each run every configuration and
+schedule's last batch drains and is left out). The pick is timed once it has settled: after its
+pinning trial, calibration and the configurations it tried (:mod:`lightning_pipe.strategy.calibrating`),
+from two steps after it built the one it went on with, as a long run spends nearly all its steps
+there; the ``settled`` column says how many steps that took (what the trials cost is theirs).
+``--rounds`` rounds each run every configuration and
 the pick one after the other in the same pair of processes, so a round's figures share one state of
 the machine.
 
@@ -66,11 +69,14 @@ from trainer_runs import Classifier, timed_trainer
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.affinity import place_threads
-from lightning_pipe.strategy.calibrating import CALIBRATE_AFTER, PIN_STEPS, TRIAL_STEPS
+from lightning_pipe.strategy.calibrating import CALIBRATE_AFTER, PIN_STEPS, TRIAL_STEPS, TRIALS, WARM_UP
 from lightning_pipe.zoo.models import build_chain
 
 FAMILIES = ("gpipe", "1f1b", "zb_h1", "interleaved", "ddp", "2bw", "cdp")
 PICK = "auto"
+PICK_WARMUP = CALIBRATE_AFTER + PIN_STEPS + (TRIALS + 1) * (WARM_UP + TRIAL_STEPS + 1)
+"""Steps the pick may take to settle: the pinning trial, calibration, every trial and the switch to
+the fastest (its steps are timed from :data:`WARM_UP` steps after it settled, at the earliest here)."""
 
 
 @dataclass(frozen=True)
@@ -148,26 +154,35 @@ def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warm
     _quiet()
     cores = set(os.sched_getaffinity(0))
     entry = MODELS[model]
-    samples = entry.rows * (warmup + steps + 1)
-    data = TensorDataset(*entry.data(samples))
     found = []
     for config in configs:
+        first = PICK_WARMUP if config["schedule"] == PICK else warmup
+        data = TensorDataset(*entry.data(entry.rows * (first + WARM_UP + steps + 2)))
         strategy = PipelineStrategy(**config, start_method="popen")
         trainer, timer = timed_trainer(strategy, "auto_plan_")
         trainer.fit(entry.build(), DataLoader(data, batch_size=entry.rows, drop_last=True))
         place_threads(cores)  # a pinned training leaves its threads pinned: the next one starts as users do
-        timed = timer.ends[warmup:-1]  # the last batch drains a non-flushing schedule: left out
+        start = max(first, strategy.settled_step + WARM_UP)  # the configuration it went on with, warm
+        timed = timer.ends[start : start + steps + 1]
+        if len(timed) < steps + 1 or start + steps + 1 >= len(timer.ends):  # the last batch drains: left out
+            raise RuntimeError(f"{config}: settled at step {strategy.settled_step}, too late for {steps} timed steps")
         intervals = [b - a for a, b in itertools.pairwise(timed)]
         trial = strategy._pin_trial
         calibration = strategy.calibration
         priced = [] if calibration is None else strategy.candidates
+        tried = [] if strategy.trials is None else strategy.trials.measured
         found.append(
             {
                 "step": statistics.median(intervals),
                 "predicted": strategy.planned_step_seconds,
                 "calibrated": strategy.calibrated_step_seconds,
                 "ran": _label(strategy, trial.pinned if trial is not None else config.get("pin_cpus", False))
-                + "".join(" (tried another: kept)" if kept else " (tried another: back)" for kept in strategy.switches),
+                + (
+                    f" (tried {', '.join(f'{t.label} {(t.seconds or 0) * 1e3:.1f} ms' for t in tried)})"
+                    if tried
+                    else ""
+                ),
+                "settled": strategy.settled_step,
                 "key": (strategy.schedule_options.family, strategy.microbatches, strategy.stage_plan.bounds),
                 "priced": {(c.family, c.microbatches, c.bounds): calibration.seconds(c) for c in priced},
             }
@@ -226,6 +241,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
             {
                 "configuration": name,
                 "ran": rounds[-1][name]["ran"],
+                "settled": rounds[-1][name]["settled"],
                 "samples_per_second": rows / step,
                 "of_best": of_best,
                 "measured_step": step,
@@ -257,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--no-pinning", action="store_true", help="the grid and the pick unpinned only")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per training")
-    parser.add_argument("--warmup", type=int, default=CALIBRATE_AFTER + PIN_STEPS + TRIAL_STEPS + 3)
+    parser.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (the pick: until settled)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per round of one model")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -276,14 +292,17 @@ def main(argv: list[str] | None = None) -> None:
         result["seconds"] = time.perf_counter() - start
         results.append(result)
         _print(result)
-    print("\n| model | best configuration | its samples/s | pick (as it ran) | pick samples/s | pick / best |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "\n| model | best configuration | its samples/s | pick (as it ran) | settled | pick samples/s | pick / best |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for result in results:
         rows = {row["configuration"]: row for row in result["table"]}
         best = max(result["table"], key=lambda r: r["samples_per_second"] if r["configuration"] != PICK else 0)
         pick = rows[PICK]
         print(
             f"| {result['model']} | {best['configuration']} | {best['samples_per_second']:.1f} | {pick['ran']} | "
+            f"step {pick['settled']} | "
             f"{pick['samples_per_second']:.1f} | {pick['samples_per_second'] / best['samples_per_second']:.2f} |"
         )
     if args.json is not None:

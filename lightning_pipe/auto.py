@@ -100,6 +100,7 @@ class Candidate:
         step_seconds: predicted seconds per mini-batch (the steady step of :data:`STEPS` simulated
             steps), the ranking's key: every candidate computes the same mini-batch.
         bubble_fraction: idle time / (workers × makespan) of the simulated steps.
+        busiest_seconds: the busiest worker's seconds of actions per step.
         memory_bytes: each worker's memory by the memory model (the stages it computes).
         memory_limit: the per-device limit it was checked against (``None``: none).
         why: its place in the ranking, in a few words.
@@ -110,6 +111,7 @@ class Candidate:
     stage_plan: StagePlan = field(repr=False)
     step_seconds: float
     bubble_fraction: float
+    busiest_seconds: float
     memory_bytes: tuple[float, ...]
     memory_limit: float | None = None
     why: str = ""
@@ -122,6 +124,11 @@ class Candidate:
     def microbatches(self) -> int:
         assert self.schedule.microbatches is not None
         return self.schedule.microbatches
+
+    @property
+    def flushes(self) -> bool:
+        """Whether its steps end with the pipeline empty (every family but the delayed ones)."""
+        return self.family not in DELAYED_FAMILIES
 
     @property
     def rule(self) -> str:
@@ -394,6 +401,7 @@ def search(
                         stage_plan=stage_plan,
                         step_seconds=simulation.steady_step,
                         bubble_fraction=simulation.bubble_fraction,
+                        busiest_seconds=max(simulation.busy) / STEPS,
                         memory_bytes=per_worker,
                         memory_limit=memory_limit,
                     )

@@ -16,31 +16,44 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.auto import FLUSHING_FAMILIES
+from lightning_pipe.auto import FLUSHING_FAMILIES, Candidate
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.planning import StagePlan
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts
-from lightning_pipe.strategy.calibrating import CALIBRATE_AFTER, PIN_STEPS, TRIAL_STEPS, calibration
+from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.strategy.calibrating import (
+    CALIBRATE_AFTER,
+    PIN_STEPS,
+    TRIAL_STEPS,
+    TRIALS,
+    WARM_UP,
+    Calibration,
+    Trial,
+    calibration,
+)
 from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, Chosen
 from tests.lightning_cases import Chain, final_state, loader, plain_fit, trainer
 
-BATCHES = CALIBRATE_AFTER + PIN_STEPS + TRIAL_STEPS + 3  # room for the pinning trial, or a tried configuration
+BATCHES = CALIBRATE_AFTER + PIN_STEPS + TRIALS * (WARM_UP + TRIAL_STEPS + 1) + 3  # room for every trial
 
 
 class _Switching(PipelineStrategy):
-    """Tries at the calibration the best two-stage 1F1B or GPipe configuration whose split differs
-    from the running one's, whatever the prediction says (then keeps it or switches back)."""
+    """Tries at the calibration the best two two-stage 1F1B or GPipe configurations whose splits
+    differ from the running one's and each other's, whatever the prediction says (then goes on with
+    the fastest of the three as measured)."""
 
-    def _better(self, in_run: StageCosts, since: int) -> Any:
-        super()._better(in_run, since)
+    def _to_try(self, in_run: StageCosts, since: int) -> Any:
+        super()._to_try(in_run, since)
         self.before = self.stage_plan.bounds
-        other = next(
+        others = [
             c
             for c in self.candidates
             if c.family in ("1f1b", "gpipe") and len(c.bounds) == 2 and c.bounds != self.stage_plan.bounds
-        )
-        self.tried = other.bounds
-        return other.stage_plan, Chosen.of(other, self.schedule_options)
+        ]
+        picked = [others[0], next(c for c in others if c.bounds != others[0].bounds)]
+        self.tried = [c.bounds for c in picked]
+        return [Trial(c.stage_plan, Chosen.of(c, self.schedule_options), c.label) for c in picked]
 
 
 def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -61,7 +74,8 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
                 "bounds": strategy.stage_plan.bounds,
                 "before": getattr(strategy, "before", None),
                 "tried": getattr(strategy, "tried", None),
-                "switches": strategy.switches,
+                "trials": None if strategy.trials is None else [t.seconds for t in strategy.trials.measured],
+                "settled_step": strategy.settled_step,
                 "predicted_memory": strategy.predicted_memory,
                 "ranked": [(c.step_seconds, c.family, c.peak_memory_bytes) for c in strategy.candidates],
                 "pinned": None if strategy._pin_trial is None else strategy._pin_trial.pinned,
@@ -83,9 +97,10 @@ def _gloo_threads() -> int:
 def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(tmp_path: Path) -> None:
     """Three runs on 2 processes: ``schedule="auto"`` (a flushing family, the ranking sorted, the
     result plain Lightning's); the same within a memory limit that the whole model does not fit (a
-    two-stage pipeline within it); and a run made to switch after calibration to another split and
-    schedule, kept or switched back after it as measured: it ends with plain Lightning's parameters
-    too (weights and momentum carried by name, through one switch or two);
+    two-stage pipeline within it); and a run made to try two other splits and schedules after
+    calibration, one after the other, and go on with the fastest of the three as measured: it ends
+    with plain Lightning's parameters too (weights and momentum carried by name, through two
+    switches or three);
     and ``pin_cpus="auto"``, whose trial leaves every rank pinned or every rank unpinned. The fits run
     one after the other in the same processes, and none keeps the process groups of the ones before."""
     limit = 2600
@@ -112,10 +127,12 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     assert within["family"] not in ("ddp", "1f1b_rr")  # each worker would hold the whole model
     assert all(r["predicted_memory"] <= limit for r in (results[0][1], results[1][1]))
     assert all(peak <= limit for _, _, peak in within["ranked"])
-    switched = results[0][2]  # tried, then kept or switched back as measured: either way exact
-    assert len(switched["switches"]) == 1 and switched["tried"] not in (None, switched["before"])
-    assert switched["bounds"] == (switched["tried"] if switched["switches"][0] else switched["before"])
+    switched = results[0][2]  # two tried, then the fastest measured run on: exact whichever it is
+    assert len(switched["trials"]) == 3 and switched["before"] not in switched["tried"]
+    splits = [switched["before"], *switched["tried"]]
+    assert switched["bounds"] == splits[switched["trials"].index(min(switched["trials"]))]
     assert switched["microbatches"] == 2
+    assert CALIBRATE_AFTER + WARM_UP + TRIAL_STEPS < switched["settled_step"] < BATCHES  # the second tried or later
     for rank in range(2):  # fit after fit, the groups of the fits before are closed and collected: no growth
         threads = [found["gloo_threads"] for found in results[rank]]
         assert len(set(threads[1:])) == 1, threads
@@ -177,3 +194,42 @@ def test_auto_options_search_what_is_left_open_and_refuse_bad_values() -> None:
     with pytest.raises(PlanningError, match="recompute must be"):
         PipelineStrategy(schedule="auto", recompute=1)
     assert PipelineStrategy(schedule="auto").schedule_options.family == "1f1b"
+
+
+def _candidate(family: str, step: float, busiest: float) -> Candidate:
+    return Candidate(
+        schedule=ScheduleOptions(family=family, microbatches=2),
+        recompute=(False, False),
+        stage_plan=StagePlan(((0, 0), (1, 1))),
+        step_seconds=step,
+        bubble_fraction=0.0,
+        busiest_seconds=busiest,
+        memory_bytes=(0.0, 0.0),
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from(["1f1b", "gpipe", "ddp", "2bw", "cdp", "pipedream"]),
+    st.floats(1e-3, 1.0),
+    st.floats(0.1, 1.0),
+    st.floats(0.0, 2.0),
+    st.floats(1e-3, 1.0),
+    st.floats(0.1, 1.0),
+)
+def test_calibrated_step_meets_the_measured_one_and_overlaps_only_without_flush(
+    family: str, step: float, share: float, beyond: float, other_step: float, other_share: float
+) -> None:
+    """The running configuration is predicted at what it measured (``measured >= its simulated
+    step``); another is priced with the same time outside the actions: added to a flushing one's
+    step, overlapping a non-flushing one's (between its simulated step and that sum)."""
+    running = _candidate(family, step, share * step)
+    measured = step * (1 + beyond)
+    found = Calibration.fitted(1.0, 0.0, running, measured)
+    assert math.isclose(found.seconds(running), measured, rel_tol=1e-9)
+    flushing, delayed = (
+        _candidate("1f1b", other_step, other_share * other_step),
+        _candidate("2bw", other_step, other_share * other_step),
+    )
+    assert math.isclose(found.seconds(flushing), other_step + found.per_step, rel_tol=1e-9)
+    assert other_step <= found.seconds(delayed) <= found.seconds(flushing)

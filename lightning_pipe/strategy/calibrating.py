@@ -4,25 +4,26 @@
 **Pinning** (``pin_cpus="auto"``, CPU training on Linux): whether each process's threads run
 faster on cores of their own depends on the model and the schedule (on 2 cores it made 2BW and CDP
 1.14-1.18x faster, and torchvision's ResNet-18 0.74x as fast), and no profile taken one process at a
-time shows it. So it is measured: steps 2-5 run unpinned, then :data:`PIN_STEPS` steps pinned (the
+time shows it. So it is measured: steps 3-7 run unpinned, then :data:`PIN_STEPS` steps pinned (the
 first left out while the threads move), and the placement whose median step was shorter is kept.
 
 **Calibration.** A profile taken layer by layer misses what the run adds to each micro-batch (the
 executor's own time, messages, the other processes computing at the same time), and a kept profile
-may have been taken on a busier machine. After :data:`CALIBRATE_AFTER` steps (the first two left out
+may have been taken on a busier machine. After :data:`CALIBRATE_AFTER` steps (the first three left out
 as warm-up), or after the pinning trial, the stage costs the run measured
-(:meth:`~lightning_pipe.runtime.PipelineExecutor.measured_costs`) are fitted as
-``scale × profile + fixed`` per forward and backward (:func:`calibration`), the step's time beyond
-its simulated actions is measured, and every candidate is priced again. The predictions transfer
-imperfectly from one family to another (on 2 CPU processes a replicated model's actions ran 1.8x its
-profile, a pipeline's far less: ``bench/auto_plan.py``), so the decision is measured: the best other
-configuration, when predicted faster or no more than :data:`TRIAL_MARGIN` slower, is tried for
-:data:`TRIAL_STEPS` steps and kept only if its steps were shorter than the running one's; otherwise
-the strategy switches back. A switch finishes the steps in flight (a drain), gathers the model's
-weights and every parameter's optimizer state by name, rebuilds the pipeline on the new split and
-schedule, and gives each rank back its stages' weights and states, as a resume on another split
-does. A synchronous run that switches, and back, ends with plain Lightning's parameters
-(``tests/test_strategy_auto.py``).
+(:meth:`~lightning_pipe.runtime.PipelineExecutor.measured_costs`) are fitted as ``scale × profile +
+fixed`` per forward and backward (:func:`calibration`), the step's time beyond its simulated actions
+is measured, and every candidate is priced again. The predictions transfer imperfectly from one
+family to another (on 2 CPU processes a replicated model's actions ran 1.8x its profile, a
+pipeline's far less: ``bench/auto_plan.py``), so the decision is measured: up to :data:`TRIALS`
+other configurations, the best priced of each family predicted faster or no more than
+:data:`TRIAL_MARGIN` slower than the one running, are tried one after the other for
+:data:`TRIAL_STEPS` steps each (after :data:`WARM_UP` steps that build and warm the pipeline), and
+the run goes on with the one whose median step was shortest, the one that ran first included. A
+switch finishes the steps in flight (a drain), gathers the model's weights and every parameter's
+optimizer state by name, rebuilds the pipeline on the new split and schedule, and gives each rank
+back its stages' weights and states, as a resume on another split does. A synchronous run that
+switches, and back, ends with plain Lightning's parameters (``tests/test_strategy_auto.py``).
 
 :class:`PipelineCalibration` holds these as methods of :class:`~lightning_pipe.strategy.PipelineStrategy`
 (one of the parts the strategy's class is assembled from, each a module of its own).
@@ -30,6 +31,7 @@ does. A synchronous run that switches, and back, ends with plain Lightning's par
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -54,28 +56,34 @@ __all__ = [
     "CALIBRATE_AFTER",
     "PIN_STEPS",
     "SWITCH_GAIN",
+    "TRIALS",
     "TRIAL_MARGIN",
     "TRIAL_STEPS",
     "Calibration",
     "PinTrial",
     "PipelineCalibration",
-    "Tried",
+    "Trial",
+    "Trials",
     "calibration",
 ]
 
-CALIBRATE_AFTER = 6
-"""Steps run before the in-run costs re-rank the candidates (steps 2-5 measured)."""
-WARM_UP = 2
-"""Steps left out of the in-run costs."""
+CALIBRATE_AFTER = 8
+"""Steps run before the in-run costs re-rank the candidates (steps 3-7 measured)."""
+WARM_UP = 3
+"""Steps left out of the in-run costs, and of a trial's: on 2 CPU processes an MLP's first steps
+ran 1.5-2.6x the settled ones, and the step after a rebuild 1.6-2.3x."""
 SWITCH_GAIN = 0.05
-"""How much faster (predicted) another configuration must be for the strategy to switch to it."""
+"""How much faster (predicted) another configuration of the running family must be to be tried."""
 PIN_STEPS = 5
 """Steps run pinned in the pinning trial (the first left out; the last's time is not known yet)."""
 TRIAL_MARGIN = 0.15
 """A configuration predicted at most this much slower than the one running is tried: the calibrated
 predictions of another family were off by up to 25% (``bench/auto_plan.py``), the measurement is not."""
 TRIAL_STEPS = 4
-"""Steps a configuration is tried for (after the one that builds it)."""
+"""Steps a configuration is tried for (after the :data:`WARM_UP` steps that build and warm it)."""
+TRIALS = 3
+"""Other configurations tried at most, one per family: the calibrated predictions of the families
+were off from each other by more than the differences between them (``bench/auto_plan.py``)."""
 
 
 def calibration(profiled: Sequence[float], measured: Sequence[float]) -> tuple[float, float]:
@@ -103,17 +111,32 @@ def calibration(profiled: Sequence[float], measured: Sequence[float]) -> tuple[f
 class Calibration:
     """What the first steps measured beyond the profile: each action is ``scale`` × its profiled
     seconds + ``fixed`` (:func:`calibration`, the executor's own time between actions included), and
-    each training step takes ``per_step`` beyond its simulated actions (Lightning's loop, the
-    strategy's log relay: what a simulation of the actions leaves out), whatever the configuration."""
+    each worker spends ``per_step`` each training step outside its actions (Lightning's loop, the
+    strategy's log relay: what a simulation of the actions leaves out), whatever the configuration.
+
+    Where that time goes depends on the schedule: a flushing one's step ends with the pipeline
+    empty, so every worker's ``per_step`` adds to the step; a non-flushing one's workers spend it
+    while the others still compute the micro-batches in flight, so a step takes the simulated one or
+    the busiest worker's actions and ``per_step``, whichever is longer (on 2 CPU processes an MLP's
+    2BW steps measured 0.68x 1F1B's, where adding ``per_step`` to both predicted them equal)."""
 
     scale: float
     fixed: float
     per_step: float
 
+    @classmethod
+    def fitted(cls, scale: float, fixed: float, running: Candidate, measured: float) -> Calibration:
+        """The calibration whose ``per_step`` makes ``running``'s predicted step the ``measured`` one
+        (none, where the simulated step is longer already)."""
+        beside = running.step_seconds if running.flushes else running.busiest_seconds
+        return cls(scale, fixed, max(measured - beside, 0.0))
+
     def seconds(self, candidate: Candidate) -> float:
         """``candidate``'s predicted seconds per training step: its ``step_seconds`` (priced with
-        the calibrated costs) and the work beyond its actions."""
-        return candidate.step_seconds + self.per_step
+        the calibrated costs) with the work beyond its actions."""
+        if candidate.flushes:
+            return candidate.step_seconds + self.per_step
+        return max(candidate.step_seconds, candidate.busiest_seconds + self.per_step)
 
     def __str__(self) -> str:
         return (
@@ -123,12 +146,26 @@ class Calibration:
 
 
 @dataclass(frozen=True)
-class Tried:
-    """A configuration being tried: the one it replaced (to switch back to) and that one's median step."""
+class Trial:
+    """A configuration tried after calibration (the one running then first): its plan and options,
+    its label, and its median step once measured (rank 0's)."""
 
     stage_plan: StagePlan
     chosen: Chosen
-    seconds: float
+    label: str
+    seconds: float | None = None
+
+
+@dataclass
+class Trials:
+    """The trials of a run: those measured (the one running first, then each tried) and those to try."""
+
+    measured: list[Trial]
+    waiting: list[Trial]
+
+    def best(self) -> Trial:
+        """The measured configuration with the shortest median step."""
+        return min(self.measured, key=lambda trial: trial.seconds if trial.seconds is not None else math.inf)
 
 
 def _intervals(starts: Sequence[float]) -> list[float]:
@@ -168,8 +205,8 @@ class PipelineCalibration:
         if trial is not None and trial.pinned is None:
             self._try_pinning(trial, executor.next_step)
             return
-        if self._tried is not None:
-            self._judge_tried(self._tried)
+        if self.trials is not None and self.trials.measured[-1].seconds is None:
+            self._judge_trial(self.trials)
             return
         if self._calibrated:
             return
@@ -177,25 +214,25 @@ class PipelineCalibration:
         since = trial.start + 1 if trial is not None and trial.pinned and trial.start is not None else WARM_UP
         in_run = executor.measured_costs(since_step=since, to_next=True)  # the executor's own time included
         compute = executor.measured_costs(since_step=since)  # the actions alone, for the kept profile's check
-        decision: tuple[StagePlan, Chosen] | None = None
+        tried: list[Trial] = []
         if self.global_rank == 0:
             self._check_kept_profile(compute)
-            decision = self._better(in_run, since)
-        decision = self.broadcast(decision)
-        if decision is None:
+            tried = self._to_try(in_run, since)
+        tried = self.broadcast(tried)
+        if not tried:
             return
-        measured = statistics.median(_intervals(self._step_starts)[since:])
-        back = Chosen(self.schedule_options, tuple(self._recompute_flags()))
+        measured = self.broadcast(statistics.median(_intervals(self._step_starts)[since:]))
+        running = Chosen(self.schedule_options, tuple(self._recompute_flags()))
         assert self.stage_plan is not None
-        self._tried = Tried(self.stage_plan, back, self.broadcast(measured))
-        self._switch(*decision)
+        self.trials = Trials([Trial(self.stage_plan, running, self._label(), measured), tried[0]], tried[1:])
+        self._switch(tried[0].stage_plan, tried[0].chosen)
 
-    def _better(self, in_run: StageCosts, since: int) -> tuple[StagePlan, Chosen] | None:
-        """Rank 0: the configuration to try, by the candidates priced again with what steps ``since``
-        on measured (said either way), or ``None``: the best other one when it is predicted no more
-        than :data:`TRIAL_MARGIN` slower than the running one (its prediction may be off by that much
-        across families, ``bench/auto_plan.py``; one predicted :data:`SWITCH_GAIN` faster is tried
-        too, of course)."""
+    def _to_try(self, in_run: StageCosts, since: int) -> list[Trial]:
+        """Rank 0: the configurations to try, by the candidates priced again with what steps
+        ``since`` on measured (said either way): the best priced of each other family predicted no
+        more than :data:`TRIAL_MARGIN` slower than the running one (the predictions may be off by that
+        much across families, ``bench/auto_plan.py``), and the best of the running family when it is
+        predicted :data:`SWITCH_GAIN` faster; :data:`TRIALS` at most, best first."""
         assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
         scale, fixed = calibration(self._profiled(self.stage_plan), [*in_run.forward, *in_run.backward])
         costs, arguments = self._searched
@@ -205,40 +242,56 @@ class PipelineCalibration:
         running = next((c for c in ranked if self._runs(c)), None)
         if running is None:
             rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: the running configuration is not priced")
-            return None
-        found = Calibration(
-            scale, fixed, max(statistics.median(_intervals(self._step_starts)[since:]) - running.step_seconds, 0.0)
-        )
+            return []
+        found = Calibration.fitted(scale, fixed, running, statistics.median(_intervals(self._step_starts)[since:]))
         self.calibration, self.candidates = found, sorted(ranked, key=found.seconds)
         predicted = self.calibrated_step_seconds = found.seconds(running)
-        other = next(c for c in [*self.candidates, running] if c is running or not self._runs(c))
-        if other is running or found.seconds(other) > predicted * (1 + TRIAL_MARGIN):
+        chosen: list[Candidate] = []
+        for candidate in self.candidates:  # best first: one per family, the running one's when faster
+            seconds = found.seconds(candidate)
+            if len(chosen) == TRIALS or seconds > predicted * (1 + TRIAL_MARGIN):
+                break
+            taken = {running.family} if seconds > predicted * (1 - SWITCH_GAIN) else set()
+            if candidate is not running and candidate.family not in taken | {c.family for c in chosen}:
+                chosen.append(candidate)
+        if not chosen:
             rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: {found}; keeping {running.label}")
-            return None
-        change = 1 - found.seconds(other) / predicted
-        said = f"predicted {change:.0%} faster" if change >= SWITCH_GAIN else f"within {TRIAL_MARGIN:.0%} (predicted)"
+            return []
+        said = ", ".join(f"{c.label} (predicted {found.seconds(c) / predicted - 1:+.0%})" for c in chosen)
         rank_zero_info(
-            f"Calibration after {CALIBRATE_AFTER} steps: {found}; {other.label} is {said} than {running.label} "
-            f"(running): trying it for {TRIAL_STEPS} steps\n{ranking_table(self.candidates, SHOWN)}"
+            f"Calibration after {CALIBRATE_AFTER} steps: {found}; trying {said} against {running.label} (running) "
+            f"for {TRIAL_STEPS} steps each, then keeping the fastest as measured\n"
+            f"{ranking_table(self.candidates, SHOWN)}"
         )
-        return other.stage_plan, Chosen.of(other, self.schedule_options)
+        return [Trial(c.stage_plan, Chosen.of(c, self.schedule_options), c.label) for c in chosen]
 
-    def _judge_tried(self, tried: Tried) -> None:
-        """Every rank, after :data:`TRIAL_STEPS` steps of the configuration tried (the first, which
-        builds it, left out): keep it if its median step (rank 0's) was shorter, else switch back."""
-        intervals = _intervals(self._step_starts)[1:]
+    def _judge_trial(self, trials: Trials) -> None:
+        """Every rank, after :data:`WARM_UP` + :data:`TRIAL_STEPS` steps of the configuration tried:
+        record its median step (rank 0's), then try the next one, or go on with the fastest measured."""
+        intervals = _intervals(self._step_starts)[WARM_UP:]
         if len(intervals) < TRIAL_STEPS:
             return
-        self._tried = None
-        measured = self.broadcast(statistics.median(intervals))
-        kept = measured < tried.seconds
+        trying = trials.measured[-1]
+        trials.measured[-1] = dataclasses.replace(trying, seconds=self.broadcast(statistics.median(intervals)))
+        if trials.waiting:
+            following = trials.waiting.pop(0)
+            trials.measured.append(following)
+            self._switch(following.stage_plan, following.chosen)
+            return
+        best = trials.best()
         rank_zero_info(
-            f"Tried for {TRIAL_STEPS} steps: {format_seconds(measured)} a step against {format_seconds(tried.seconds)} "
-            f"before (medians): {'keeping it' if kept else 'switching back'}"
+            f"Tried for {TRIAL_STEPS} steps each (medians): "
+            + ", ".join(f"{t.label} {format_seconds(t.seconds or math.nan)}" for t in trials.measured)
+            + f"; going on with {best.label}"
         )
-        self.switches.append(kept)
-        if not kept:
-            self._switch(tried.stage_plan, tried.chosen)
+        if best is not trials.measured[-1]:
+            self._switch(best.stage_plan, best.chosen)
+
+    def _label(self) -> str:
+        """The running configuration as the ranking names it."""
+        assert self.stage_plan is not None
+        running = next((c for c in self.candidates if self._runs(c)), None)
+        return running.label if running is not None else f"{self.schedule_options.family} m={self.microbatches}"
 
     def _recompute_flags(self) -> list[bool]:
         """Whether each stage of the running plan recomputes."""
@@ -299,6 +352,7 @@ class PipelineCalibration:
         self.load_optimizer_state_dict({"optimizer_states": [state]})
         self._run_chosen(chosen)
         self.stage_plan = stage_plan
+        self.settled_step += len(self._step_starts)
         self._step_seconds, self._step_starts = [], []
         if self.global_rank == 0:  # with the calibrated costs (the stage plan's profile is scaled already)
             fixed = self.calibration.fixed if self.calibration is not None else 0.0

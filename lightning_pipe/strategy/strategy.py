@@ -103,7 +103,7 @@ from lightning_pipe.strategy.after_fit import fill, guard, lift_guard
 from lightning_pipe.strategy.arguments import check_backend, check_flags, check_port, check_timeout, parse_option
 from lightning_pipe.strategy.atomic import write_file
 from lightning_pipe.strategy.building import PipelineBuilding
-from lightning_pipe.strategy.calibrating import Calibration, PinTrial, PipelineCalibration, Tried
+from lightning_pipe.strategy.calibrating import Calibration, PinTrial, PipelineCalibration, Trials
 from lightning_pipe.strategy.checkpointing import CheckpointHooks
 from lightning_pipe.strategy.choosing import AUTO, AutoOptions, PipelineChoosing
 from lightning_pipe.strategy.collectives import Collectives, close_process_groups, open_strategy_groups
@@ -333,8 +333,8 @@ class PipelineStrategy(
         self.planned_step_seconds: float | None = None  # rank 0: the set-up's prediction, as printed
         self.calibrated_step_seconds: float | None = None  # rank 0: the running one's, by the in-run costs
         self.calibration: Calibration | None = None  # rank 0: what the first steps measured (.calibrating)
-        self._tried: Tried | None = None  # schedule="auto": the configuration being tried (.calibrating)
-        self.switches: list[bool] = []  # each configuration tried after calibration: kept, or switched back
+        self.trials: Trials | None = None  # schedule="auto": the configurations tried after calibration (.calibrating)
+        self.settled_step = 0  # the training steps of this fit before the configuration running now was built
         self._pin_trial: PinTrial | None = None  # pin_cpus="auto" on the CPU: pinning tried (.calibrating)
         self.keep_plan = keep_plan
         if state_dict_type not in ("full", "sharded"):
