@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.auto import FLUSHING_FAMILIES, Candidate
@@ -34,6 +36,7 @@ from lightning_pipe.strategy.calibrating import (
 )
 from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, Chosen
 from tests.lightning_cases import Chain, final_state, loader, plain_fit, trainer
+from tests.user_modules import GPTModule
 
 BATCHES = CALIBRATE_AFTER + PIN_STEPS + TRIALS * (WARM_UP + TRIAL_STEPS + 1) + 3  # room for every trial
 
@@ -233,3 +236,37 @@ def test_calibrated_step_meets_the_measured_one_and_overlaps_only_without_flush(
     )
     assert math.isclose(found.seconds(flushing), other_step + found.per_step, rel_tol=1e-9)
     assert other_step <= found.seconds(delayed) <= found.seconds(flushing)
+
+
+class _Retrying(PipelineStrategy):
+    """Tries at the calibration the best other split or micro-batch count of its family, whatever
+    the prediction says."""
+
+    def _to_try(self, in_run: StageCosts, since: int) -> Any:
+        super()._to_try(in_run, since)
+        other = next(c for c in self.candidates if not self._runs(c))
+        return [Trial(other.stage_plan, Chosen.of(other, self.schedule_options), other.label)]
+
+
+def _tied_worker(rank: int, root: str) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (8 * BATCHES, 17), generator=torch.Generator().manual_seed(1))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+    strategy = _Retrying(
+        "cdp", microbatches=[2, 4], pin_cpus="auto", profile_cache=False, timeout=timedelta(seconds=60)
+    )
+    trainer(Path(root), strategy, 2).fit(GPTModule(), data)
+    return {"trials": [t.seconds for t in strategy.trials.measured], "pinned": strategy._pin_trial.pinned}
+
+
+@pytest.mark.timeout(300)
+def test_decisions_between_steps_of_a_delayed_schedule_with_tied_weights_do_not_deadlock(tmp_path: Path) -> None:
+    """A GPT whose embedding and head share their weight, run as 2BW: each decision (the pinning
+    trial, the calibration, a trial judged) is a collective between steps, while a rank may still owe
+    the tied weight's gradient sum of a step in flight; the pipeline is drained first, so every rank
+    gets there (this hung until the gloo timeout before the drain)."""
+    results = run_local(_tied_worker, 2, str(tmp_path), timeout=240)
+    for found in results:
+        assert len(found["trials"]) == 2 and all(seconds > 0 for seconds in found["trials"])
+        assert found["pinned"] in (True, False)

@@ -195,23 +195,27 @@ class PipelineCalibration:
 
     def _recalibrate(self) -> None:
         """After the pinning trial (``pin_cpus="auto"``) and :data:`CALIBRATE_AFTER` steps (once per
-        fit): re-rank with the in-run costs and try another configuration when one is predicted
-        faster, or within the predictions' error (:meth:`_better`); after :data:`TRIAL_STEPS` steps of
-        it, keep the faster as measured (a collective)."""
+        fit): re-rank with the in-run costs and try other configurations when they are predicted
+        faster, or within the predictions' error (:meth:`_to_try`); after :data:`WARM_UP` +
+        :data:`TRIAL_STEPS` steps of each, go on with the fastest as measured (:meth:`_judge_trial`).
+        Every decision is a collective, taken at the same step on every rank (:meth:`_meet`)."""
         executor = self.executor
-        if executor is None or executor.next_step < CALIBRATE_AFTER:
+        if executor is None:
+            return
+        if self.trials is not None and self.trials.measured[-1].seconds is None:
+            self._judge_trial(self.trials)
+            return
+        if executor.next_step < CALIBRATE_AFTER:
             return
         trial = self._pin_trial
         if trial is not None and trial.pinned is None:
             self._try_pinning(trial, executor.next_step)
             return
-        if self.trials is not None and self.trials.measured[-1].seconds is None:
-            self._judge_trial(self.trials)
-            return
         if self._calibrated:
             return
         self._calibrated = True
         since = trial.start + 1 if trial is not None and trial.pinned and trial.start is not None else WARM_UP
+        self._meet()
         in_run = executor.measured_costs(since_step=since, to_next=True)  # the executor's own time included
         compute = executor.measured_costs(since_step=since)  # the actions alone, for the kept profile's check
         tried: list[Trial] = []
@@ -271,6 +275,7 @@ class PipelineCalibration:
         intervals = _intervals(self._step_starts)[WARM_UP:]
         if len(intervals) < TRIAL_STEPS:
             return
+        self._meet()
         trying = trials.measured[-1]
         trials.measured[-1] = dataclasses.replace(trying, seconds=self.broadcast(statistics.median(intervals)))
         if trials.waiting:
@@ -286,6 +291,16 @@ class PipelineCalibration:
         )
         if best is not trials.measured[-1]:
             self._switch(best.stage_plan, best.chosen)
+
+    def _meet(self) -> None:
+        """Bring the ranks together between steps for a decision: a non-flushing schedule's steps in
+        flight are finished first. Otherwise a rank could wait inside its step for a collective that
+        another rank makes only in its next call — a tied parameter's gradient sum (GPT-2's embedding
+        and head) — while that one waits here for the decision: a deadlock. The executor drains before
+        the logs of the last call are collected (which waits for every rank to have finished it)."""
+        assert self.executor is not None
+        if self.executor.calls:
+            self.executor.drain()
 
     def _label(self) -> str:
         """The running configuration as the ranking names it."""
@@ -364,6 +379,8 @@ class PipelineCalibration:
         """The pinning trial (every rank; rank 0's step times decide): pin after the unpinned steps,
         and after :data:`PIN_STEPS` pinned ones keep the faster placement."""
         intervals = _intervals(self._step_starts)
+        if trial.start is None or step >= trial.start + PIN_STEPS:
+            self._meet()
         if trial.start is None:
             trial.unpinned = self.broadcast(statistics.median(intervals[WARM_UP:]))
             pin_threads(self.local_rank, self.num_processes)
