@@ -51,8 +51,6 @@ def test_the_last_stage_computes_as_soon_as_its_input_is_ready() -> None:
 def test_what_cannot_go_on_one_worker_is_refused() -> None:
     with pytest.raises(PlanningError, match=r"^2bw has no single-device form"):
         make_schedule("2bw", 2, 2, 1, form="single")
-    with pytest.raises(PlanningError, match=r"^form='zero' is one of cdp's settings; gpipe takes form='pipeline'"):
-        make_schedule("gpipe", 2, 2, 1, form="zero")
     with pytest.raises(PlanningError, match=r"^1f1b_rr cannot put its stages on one device: its stages are replicated"):
         make_schedule("1f1b_rr", 2, 2, 1, form="single", stage_replicas=[2, 1])
     ringed = make_schedule("cdp", 2, 2, 1, form="dp")

@@ -97,19 +97,13 @@ def check_rule(family: str, rule: str | None) -> None:
 
 
 def check_form(family: str, form: str) -> None:
-    """Refuse a ``form`` that ``family`` has not: CDP's forms (:data:`~lightning_pipe.schedule.cyclic.FORMS`)
-    are its own; every other synchronous family takes ``pipeline`` (its own placement) or ``single``
-    (every stage on one device, :mod:`~lightning_pipe.schedule.one_device`)."""
+    """Refuse a ``form`` that is none of :data:`~lightning_pipe.schedule.cyclic.FORMS`, and ``single``
+    (every stage on one device, :mod:`~lightning_pipe.schedule.one_device`) for a non-flushing family
+    but CDP. CDP's other forms are its own settings, which the other families leave aside (a
+    ``schedule="auto"`` search carries the form given for CDP to every family it prices)."""
     if form not in cyclic.FORMS:
         raise PlanningError(f"form must be one of {', '.join(map(repr, cyclic.FORMS))}; got {form!r}")
-    if family == "cdp" or form == "pipeline":
-        return
-    if form != "single":
-        raise PlanningError(
-            f"form={form!r} is one of cdp's settings; {family} takes form='pipeline' (its own placement) or "
-            "form='single' (every stage on one device)"
-        )
-    if family in NON_FLUSHING_FAMILIES:
+    if form == "single" and family != "cdp" and family in NON_FLUSHING_FAMILIES:
         raise PlanningError(
             f"{family} has no single-device form: on one device, a delayed-weight rule runs as cdp's single form "
             "(schedule='cdp', form='single'); the synchronous families take form='single'"

@@ -94,7 +94,8 @@ class ScheduleOptions:
     def any_stage_count(self) -> bool:
         """Whether the stage count is free of the workers: Rahimi's families, every family on one
         device, and CDP in its dp and ZeRO forms (the stages the rule sees)."""
-        return self.family in PLACED_FAMILIES or self.form in ("single", "dp", "zero")  # dp, zero: cdp's alone
+        cdp_replicas = self.family == "cdp" and self.form in ("dp", "zero")
+        return self.family in PLACED_FAMILIES or self.form == "single" or cdp_replicas
 
     @property
     def one_device(self) -> bool:
