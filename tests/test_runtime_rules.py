@@ -295,6 +295,27 @@ def test_cdp_on_one_device_equals_its_references() -> None:
     )
 
 
+@pytest.mark.timeout(120)
+def test_synchronous_families_on_one_device_equal_the_reference() -> None:
+    """Every stage of a synchronous family on one worker (``form="single"``: its workers' programs
+    in one) trains as the synchronous reference: GPipe, 1F1B, zero bubble (split backwards),
+    interleaved (two workers' stages), 1F1B*, k-periodic and Rahimi's pp, with an uneven last
+    micro-batch and Adam."""
+    single = {"form": "single"}
+    _check(
+        [
+            _case("gpipe-single", "gpipe", 3, 4, options=single),
+            _case("1f1b-single", "1f1b", 4, 3, rows=11, options=single),
+            _case("zb_h1-single", "zb_h1", 3, 4, options=single),
+            _case("interleaved-single", "interleaved", 4, 4, optimizer="adam", options=single),
+            _case("1f1b_star-single", "1f1b_star", 3, 3, options={**single, "period": 3.0}),
+            _case("kperiodic-single", "kperiodic", 3, 4, options={**single, "k": 1}),
+            _case("pp-single", "pp", 3, 2, options=single),
+        ],
+        1,
+    )
+
+
 @pytest.mark.timeout(300)
 def test_replicated_stages_reduce_their_gradients() -> None:
     # stage 0 on two workers that reduce its gradient, stage 1 on one: three processes

@@ -498,6 +498,26 @@ def test_one_device(tmp_path: Path) -> None:
     _assert_resumed(single, results)
 
 
+@pytest.mark.timeout(200)
+def test_synchronous_families_on_one_device(tmp_path: Path) -> None:
+    """A synchronous family with every stage on the one device (``form="single"``), planned or given,
+    over two epochs with a validation after each, ends with plain Lightning's parameters; the rank
+    holds every stage, and the plan's memory for the device is its stages' together."""
+    cases = [
+        {"name": "1f1b_single", "strategy": {"schedule": "1f1b", "form": "single", "stages": 3, "microbatches": 2}},
+        {"name": "gpipe_single", "strategy": {"schedule": "gpipe", "form": "single", "balance": [2, 2, 3]}},
+        {"name": "zb_h1_single", "strategy": {"schedule": "zb_h1", "form": "single", "balance": [3, 4]}},
+    ]
+    cases = [{**case, "batches": 3, "trainer": {"max_epochs": 2}} for case in cases]
+    results = _transpose(_run_cases(tmp_path, 1, cases), cases)
+    for case in cases:
+        expected = plain_fit(tmp_path / "plain" / case["name"], case)["final"]
+        (result,) = results[case["name"]]
+        _assert_close_states(result["final"], expected, 1e-5)
+        assert len(result["bounds"]) == len(case["strategy"].get("balance", [0] * 3))
+        assert result["held"] == set(expected)
+
+
 OTHER_SYNC_CASES = [
     {"name": "looped_bfs", "strategy": {"schedule": "looped_bfs", "balance": [2, 2, 2, 1]}},
     {"name": "1f1b_star", "strategy": {"schedule": "1f1b_star", "period": 3.0, "balance": [3, 4]}},

@@ -124,6 +124,7 @@ CONSTRUCTOR_REFUSALS = [
     ({"slack": -1}, r"^slack must be a whole number >= 0; got -1$"),
     ({"virtual_stages": 0}, r"^virtual_stages must be a whole number >= 1; got 0$"),
     ({"form": "ring"}, r"^form must be one of 'pipeline', 'pyramid'"),
+    ({"schedule": "2bw", "form": "single"}, r"^2bw has no single-device form: on one device, a delayed-weight rule"),
     ({"pin_cpus": "yes"}, r"^pin_cpus must be True, False or 'auto' \(tried in the first steps\); got 'yes'$"),
     (
         {"recompute": 1},

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.schedule import asynchronous, beaumont, cyclic, master, pipeline, zero_bubble
+from lightning_pipe.schedule import asynchronous, beaumont, cyclic, master, one_device, pipeline, zero_bubble
 from lightning_pipe.schedule.graph import Graph
 from lightning_pipe.schedule.ir import COMPUTE, Action, Kind, Schedule
 from lightning_pipe.schedule.simulate import simulate
@@ -35,6 +35,7 @@ __all__ = [
     "StageCosts",
     "assign_versions",
     "build_schedule",
+    "check_form",
     "make_schedule",
     "memory_schedule",
     "simulate",
@@ -93,6 +94,20 @@ def check_rule(family: str, rule: str | None) -> None:
         f"{family} runs the {' or '.join(map(repr, rules_of(family)))} update rule, not {rule!r}; {rule!r} runs on "
         + ", ".join(runners)
     )
+
+
+def check_form(family: str, form: str) -> None:
+    """Refuse a ``form`` that is none of :data:`~lightning_pipe.schedule.cyclic.FORMS`, and ``single``
+    (every stage on one device, :mod:`~lightning_pipe.schedule.one_device`) for a non-flushing family
+    but CDP. CDP's other forms are its own settings, which the other families leave aside (a
+    ``schedule="auto"`` search carries the form given for CDP to every family it prices)."""
+    if form not in cyclic.FORMS:
+        raise PlanningError(f"form must be one of {', '.join(map(repr, cyclic.FORMS))}; got {form!r}")
+    if form == "single" and family != "cdp" and family in NON_FLUSHING_FAMILIES:
+        raise PlanningError(
+            f"{family} has no single-device form: on one device, a delayed-weight rule runs as cdp's single form "
+            "(schedule='cdp', form='single'); the synchronous families take form='single'"
+        )
 
 
 def _generate(
@@ -202,7 +217,8 @@ def build_schedule(
         rule: ``stash``/``vertical`` for ``pipedream``, ``2bw``/``stash`` for ``2bw``,
             ``cdp_v1``/``cdp_v2`` for ``cdp``.
         form: ``pipeline``, ``pyramid``, ``single``, ``dp`` or ``zero`` for ``cdp``
-            (:data:`~lightning_pipe.schedule.cyclic.FORMS`).
+            (:data:`~lightning_pipe.schedule.cyclic.FORMS`); ``single`` for another family: every
+            stage on one worker (:func:`~lightning_pipe.schedule.one_device.on_one_worker`).
         groups, replicas: ``G`` and ``R`` for ``lpp``/``fslpp``.
         workers: ``W`` of ``ddp``/``fsdp`` (default: one per micro-batch).
         priority, forward, backward: tie break and job durations of the greedy families
@@ -215,6 +231,7 @@ def build_schedule(
             delay when every action takes one; :func:`~lightning_pipe.schedule.cyclic.cue_after`).
     """
     check_rule(family, rule)
+    check_form(family, form)
     schedule = _generate(
         family,
         stages,
@@ -236,7 +253,10 @@ def build_schedule(
         slack=slack,
         stage_durations=stage_durations,
     )
-    return validate(assign_versions(schedule, schedule.rule))
+    versioned = assign_versions(schedule, schedule.rule)
+    if form == "single" and family != "cdp":  # cdp generates its own single form
+        versioned = one_device.on_one_worker(versioned)
+    return validate(versioned)
 
 
 def make_schedule(family: str, stages: int, microbatches: int, steps: int = 1, **options: object) -> Schedule:

@@ -10,8 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from lightning_pipe.errors import PlanningError, check_positive, check_whole
-from lightning_pipe.schedule import FAMILIES, check_rule, make_schedule
-from lightning_pipe.schedule.cyclic import FORMS
+from lightning_pipe.schedule import FAMILIES, check_form, check_rule, make_schedule
 from lightning_pipe.schedule.ir import Schedule
 
 __all__ = ["PLACED_FAMILIES", "ScheduleOptions"]
@@ -34,7 +33,8 @@ class ScheduleOptions:
         virtual_stages: stages per worker (``interleaved``, ``looped_bfs``).
         form: ``cdp``'s setting: ``pipeline``, ``pyramid``, ``single`` (one device), ``dp`` (a
             replica per worker, gradients reduced along a ring) or ``zero`` (each stage's state on one
-            worker at a time); :data:`~lightning_pipe.schedule.cyclic.FORMS`.
+            worker at a time); :data:`~lightning_pipe.schedule.cyclic.FORMS`. Every synchronous family
+            takes ``single`` too: its stages on one device (:mod:`~lightning_pipe.schedule.one_device`).
         period: ``T`` of ``1f1b_star``; k: of ``kperiodic``.
         groups, replicas, priority: of the master-schedule families (``lpp``, ``fslpp``, ...);
             ``replicas`` (workers per group) ``None``: the workers divided by ``groups``
@@ -62,10 +62,7 @@ class ScheduleOptions:
         check_whole("microbatches", self.microbatches, 1, optional=True)
         check_whole("slack", self.slack, 0)
         check_whole("virtual_stages", self.virtual_stages, 1)
-        if self.form not in FORMS:
-            raise PlanningError(
-                f"form must be one of {', '.join(map(repr, FORMS))} (cdp's settings); got {self.form!r}"
-            )
+        check_form(self.family, self.form)
         check_positive("period", self.period, optional=True)
         check_whole("k", self.k, 1, optional=True)
         check_whole("groups", self.groups, 1)
@@ -95,14 +92,16 @@ class ScheduleOptions:
 
     @property
     def any_stage_count(self) -> bool:
-        """Whether the stage count is free of the workers: Rahimi's families, and CDP in its
-        single-device, dp and ZeRO forms (the stages the rule sees)."""
-        return self.family in PLACED_FAMILIES or (self.family == "cdp" and self.form in ("single", "dp", "zero"))
+        """Whether the stage count is free of the workers: Rahimi's families, every family on one
+        device, and CDP in its dp and ZeRO forms (the stages the rule sees)."""
+        cdp_replicas = self.family == "cdp" and self.form in ("dp", "zero")
+        return self.family in PLACED_FAMILIES or self.form == "single" or cdp_replicas
 
     @property
     def one_device(self) -> bool:
-        """CDP's single-device form: one worker, whatever the stages."""
-        return self.family == "cdp" and self.form == "single"
+        """The single-device form (CDP's, or a synchronous family's stages on one device): one worker,
+        whatever the stages."""
+        return self.form == "single"
 
     def stages_for(self, workers: int) -> int:
         """The stage count that puts this family on ``workers`` workers, when it follows from them
@@ -111,8 +110,8 @@ class ScheduleOptions:
         if self.one_device:
             if self.microbatches is None:
                 raise PlanningError(
-                    "cdp's single form runs every stage on one device: give stages= (the stages the rule sees, P) or "
-                    "microbatches= (N; P = N by default)"
+                    "form='single' runs every stage on one device: give stages= (P) or microbatches= (N; P = N by "
+                    "default)"
                 )
             return self.microbatches
         if self.family in ("interleaved", "looped_bfs"):
