@@ -62,7 +62,7 @@ import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from trainer_runs import Classifier, StepTimes
+from trainer_runs import Classifier, StepTimes, quiet_trainer
 from transformer_throughput import _no_dropout, _quiet
 
 from lightning_pipe import PipelineStrategy
@@ -166,19 +166,14 @@ def _train(name: str, sizes: Sizes, strategy: Any, precision: str, root: Path) -
     """One training of model ``name``; its times, memory and, for a pipeline, the plan's predictions."""
     module, data, rows = _model(name, sizes)
     measure = _Measure(sizes.warmup)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
+        root,
+        [measure],
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=1,
         strategy=strategy,
         precision=precision,
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         num_sanity_val_steps=0,
-        callbacks=[measure],
-        default_root_dir=root,
     )
     trainer.fit(module, DataLoader(data, batch_size=rows, drop_last=True))
     timed = measure.ends[sizes.warmup :]

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
 
-__all__ = ["Classifier", "StepTimes", "timed_trainer"]
+__all__ = ["Classifier", "StepTimes", "quiet_trainer", "timed_trainer"]
 
 
 class Classifier(L.LightningModule):
@@ -44,21 +45,24 @@ class StepTimes(L.Callback):
         self.ends.append(time.perf_counter())
 
 
-def timed_trainer(strategy: Any, prefix: str, **options: Any) -> tuple[L.Trainer, StepTimes]:
-    """A Trainer for one epoch on 2 CPU devices, without logger, progress bar, summary or checkpoints,
-    its steps clocked; the pipeline's end-of-fit report goes to a new directory named ``prefix...``."""
-    timer = StepTimes()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+def quiet_trainer(root: str | Path, callbacks: list[L.Callback], **options: Any) -> L.Trainer:
+    """A Trainer for one epoch without logger, progress bar, summary or checkpoints, writing under
+    ``root``; ``options`` (accelerator, devices, strategy, precision, ...) go to the Trainer."""
+    return L.Trainer(
         max_epochs=1,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        callbacks=[timer],
-        default_root_dir=tempfile.mkdtemp(prefix=prefix),
+        callbacks=callbacks,
+        default_root_dir=root,
         **options,
     )
-    return trainer, timer
+
+
+def timed_trainer(strategy: Any, prefix: str, **options: Any) -> tuple[L.Trainer, StepTimes]:
+    """A quiet Trainer (:func:`quiet_trainer`) on 2 CPU devices, its steps clocked; the pipeline's
+    end-of-fit report goes to a new directory named ``prefix...``."""
+    timer = StepTimes()
+    root = tempfile.mkdtemp(prefix=prefix)
+    return quiet_trainer(root, [timer], accelerator="cpu", devices=2, strategy=strategy, **options), timer

@@ -70,8 +70,9 @@ __all__ = [
 CALIBRATE_AFTER = 8
 """Steps run before the in-run costs re-rank the candidates (steps 3-7 measured)."""
 WARM_UP = 3
-"""Steps left out of the in-run costs, and of a trial's: on 2 CPU processes an MLP's first steps
-ran 1.5-2.6x the settled ones, and the step after a rebuild 1.6-2.3x."""
+"""Steps left out of the in-run costs, and of a trial's: a fit's first steps, and the steps after a
+rebuild, run slower than the settled ones (the trials' medians against the same configurations'
+settled steps: ``bench/auto_plan.py``)."""
 SWITCH_GAIN = 0.05
 """How much faster (predicted) another configuration of the running family must be to be tried."""
 PIN_STEPS = 5
@@ -379,15 +380,15 @@ class PipelineCalibration:
         """The pinning trial (every rank; rank 0's step times decide): pin after the unpinned steps,
         and after :data:`PIN_STEPS` pinned ones keep the faster placement."""
         intervals = _intervals(self._step_starts)
-        if trial.start is None or step >= trial.start + PIN_STEPS:
-            self._meet()
         if trial.start is None:
+            self._meet()
             trial.unpinned = self.broadcast(statistics.median(intervals[WARM_UP:]))
             pin_threads(self.local_rank, self.num_processes)
             trial.start = step
             return
         if step < trial.start + PIN_STEPS:
             return
+        self._meet()
         pinned = self.broadcast(statistics.median(intervals[trial.start + 1 :]))
         assert trial.unpinned is not None
         trial.pinned = pinned < trial.unpinned
