@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from lightning_pipe.cost.memory import EXTRA_COPIES
 from lightning_pipe.cost.network import Network
 from lightning_pipe.cost.records import ChainCosts
+from lightning_pipe.cost.update_rate import UpdatePrices
 from lightning_pipe.errors import PlanningError, check_positive, check_whole
 from lightning_pipe.partition import Plan, PlanRequest, evaluate, partition
 from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, every_worker_a_stage, memory_model, predict, schedule_of
@@ -316,6 +317,8 @@ def search(
     profile_microbatches: float = 1,
     small: tuple[ChainCosts, float] | None = None,
     action_seconds: float = 0.0,
+    scale: float = 1.0,
+    update: UpdatePrices | None = None,
     extra_copies: float = EXTRA_COPIES["momentum"],
     network: Network | None = None,
     contention: float = 1.0,
@@ -336,6 +339,10 @@ def search(
         recompute: ``True`` every stage recomputes, ``False`` none, ``None`` each as it needs to fit.
         partitioner: the split tried when there are more than ``max_splits`` (with its neighbours).
         action_seconds: fixed seconds per forward and per backward of a micro-batch.
+        scale: each forward and backward takes ``scale`` × its profile (+ ``action_seconds``): what a
+            run measured (:class:`~lightning_pipe.cost.calibrated.Calibration`); the candidates'
+            stage plans keep the profile's costs.
+        update: each stage's optimizer step (none: free).
         extra_copies, network, contention: the memory model's optimizer copies, the network of
             :func:`~lightning_pipe.partition.evaluate` and the simulator's contention.
         names: the layers' names, kept in each candidate's stage plan.
@@ -353,6 +360,7 @@ def search(
         raise PlanningError(f"recompute must be True, False or None (each stage as it needs), got {recompute!r}")
     if not math.isfinite(action_seconds) or action_seconds < 0:
         raise PlanningError(f"action_seconds must be a finite number >= 0, got {action_seconds!r}")
+    check_positive("scale", scale)
     if workers > len(costs):
         raise PlanningError(f"{workers} workers but {len(costs)} layers: a stage holds at least one layer")
     chosen = searched_families(rule, families)
@@ -392,7 +400,8 @@ def search(
                 if memory_limit is not None and max(per_worker) > memory_limit:
                     continue
                 stage_plan = StagePlan(bounds, plan, scaled, replicas, known)
-                simulation = predict(stage_plan, options, m, contention, flags, action_seconds)
+                updates = None if update is None else update.stages(bounds)
+                simulation = predict(stage_plan, options, m, contention, flags, action_seconds, updates, scale)
                 assert simulation is not None
                 found.append(
                     Candidate(

@@ -446,18 +446,28 @@ def predict(
     contention: float = 1.0,
     recompute: bool | Sequence[bool] = False,
     action_seconds: float = 0.0,
+    update: Sequence[float] | None = None,
+    scale: float = 1.0,
+    bandwidth: float | None = None,
 ) -> Simulation | None:
     """The schedule simulated with the plan's measured costs (``None`` without a profile), on devices
     sharing one machine by ``contention``; a stage recomputing (``recompute``: all, or per stage) runs its
-    forward again in its backward (Huang et al. 2019, §2.3), and every forward and backward costs
-    ``action_seconds`` more (the fixed cost of a micro-batch that the profile's per-row costs leave out)."""
+    forward again in its backward (Huang et al. 2019, §2.3), every forward and backward costs
+    ``scale`` × its profile + ``action_seconds`` (what a run measured beyond the profile:
+    :class:`~lightning_pipe.cost.calibrated.Calibration`), and each stage's update ``update`` seconds
+    (:class:`~lightning_pipe.cost.update_rate.UpdatePrices`; none: free); messages travel at the plan's
+    bandwidth, or at ``bandwidth`` when given."""
     if stage_plan.plan is None:
         return None
     costs = StageCosts.from_plan(stage_plan.plan.to_dict(), replicated=stage_plan.replicas is not None)
     again = [recompute] * len(costs.forward) if isinstance(recompute, bool) else list(recompute)
-    forward = [f + action_seconds for f in costs.forward]
-    backward = [b + action_seconds + (f if r else 0.0) for f, b, r in zip(forward, costs.backward, again, strict=True)]
-    costs = replace(costs, forward=forward, backward=backward, contention=contention)
+    forward = [scale * f + action_seconds for f in costs.forward]
+    backward = [
+        scale * b + action_seconds + (f if r else 0.0) for f, b, r in zip(forward, costs.backward, again, strict=True)
+    ]
+    updates = None if update is None else list(update)
+    links = costs.bandwidth if bandwidth is None else bandwidth
+    costs = replace(costs, forward=forward, backward=backward, contention=contention, update=updates, bandwidth=links)
     return simulate(schedule_of(stage_plan, schedule, microbatches)(PREDICTED_STEPS), costs, early_gradients=True)
 
 

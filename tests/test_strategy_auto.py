@@ -5,7 +5,6 @@ optimizer state exactly (a synchronous run that switches ends as plain Lightning
 from __future__ import annotations
 
 import gc
-import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -13,26 +12,20 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.auto import FLUSHING_FAMILIES, Candidate
+from lightning_pipe.auto import FLUSHING_FAMILIES
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.planning import StagePlan
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts
-from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.calibrating import (
     CALIBRATE_AFTER,
     PIN_STEPS,
     TRIAL_STEPS,
     TRIALS,
     WARM_UP,
-    Calibration,
     Trial,
-    calibration,
 )
 from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, Chosen
 from tests.lightning_cases import Chain, final_state, loader, plain_fit, trainer
@@ -46,8 +39,8 @@ class _Switching(PipelineStrategy):
     differ from the running one's and each other's, whatever the prediction says (then goes on with
     the fastest of the three as measured)."""
 
-    def _to_try(self, in_run: StageCosts, since: int) -> Any:
-        super()._to_try(in_run, since)
+    def _to_try(self, compute: StageCosts, in_run: StageCosts, since: int) -> Any:
+        super()._to_try(compute, in_run, since)
         self.before = self.stage_plan.bounds
         others = [
             c
@@ -147,28 +140,6 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
         assert (cores != every) if pinned == {True} else (cores == every)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(st.floats(1e-4, 1.0), min_size=2, max_size=8, unique=True),
-    st.floats(0.1, 10.0),
-    st.floats(0.0, 0.1),
-)
-def test_calibration_recovers_scale_and_fixed_cost(profiled: list[float], scale: float, fixed: float) -> None:
-    """Measured costs that are exactly ``scale × profile + fixed`` give back both (least squares)."""
-    assume(max(profiled) - min(profiled) >= 1e-3)  # the scale and the fixed cost are apart only with a spread
-    got_scale, got_fixed = calibration(profiled, [scale * x + fixed for x in profiled])
-    assert math.isclose(got_scale, scale, rel_tol=1e-6)
-    assert math.isclose(got_fixed, fixed, rel_tol=1e-6, abs_tol=1e-9)
-
-
-def test_calibration_without_spread_or_with_a_negative_intercept_goes_through_zero() -> None:
-    assert calibration([1.0, 1.0], [3.0, 3.0]) == (3.0, 0.0)
-    scale, fixed = calibration([1.0, 2.0], [1.0, 4.0])  # the line through them crosses below zero
-    assert fixed == 0.0 and math.isclose(scale, 9.0 / 5.0)
-    with pytest.raises(PlanningError, match="as many measured values"):
-        calibration([1.0], [])
-
-
 def test_auto_options_search_what_is_left_open_and_refuse_bad_values() -> None:
     auto, start = AutoOptions.of("auto", None, None, None)
     assert auto is not None and auto.families is None and auto.rule is None and auto.recompute is None
@@ -199,51 +170,12 @@ def test_auto_options_search_what_is_left_open_and_refuse_bad_values() -> None:
     assert PipelineStrategy(schedule="auto").schedule_options.family == "1f1b"
 
 
-def _candidate(family: str, step: float, busiest: float) -> Candidate:
-    return Candidate(
-        schedule=ScheduleOptions(family=family, microbatches=2),
-        recompute=(False, False),
-        stage_plan=StagePlan(((0, 0), (1, 1))),
-        step_seconds=step,
-        bubble_fraction=0.0,
-        busiest_seconds=busiest,
-        memory_bytes=(0.0, 0.0),
-    )
-
-
-@settings(max_examples=100, deadline=None)
-@given(
-    st.sampled_from(["1f1b", "gpipe", "ddp", "2bw", "cdp", "pipedream"]),
-    st.floats(1e-3, 1.0),
-    st.floats(0.1, 1.0),
-    st.floats(0.0, 2.0),
-    st.floats(1e-3, 1.0),
-    st.floats(0.1, 1.0),
-)
-def test_calibrated_step_meets_the_measured_one_and_overlaps_only_without_flush(
-    family: str, step: float, share: float, beyond: float, other_step: float, other_share: float
-) -> None:
-    """The running configuration is predicted at what it measured (``measured >= its simulated
-    step``); another is priced with the same time outside the actions: added to a flushing one's
-    step, overlapping a non-flushing one's (between its simulated step and that sum)."""
-    running = _candidate(family, step, share * step)
-    measured = step * (1 + beyond)
-    found = Calibration.fitted(1.0, 0.0, running, measured)
-    assert math.isclose(found.seconds(running), measured, rel_tol=1e-9)
-    flushing, delayed = (
-        _candidate("1f1b", other_step, other_share * other_step),
-        _candidate("2bw", other_step, other_share * other_step),
-    )
-    assert math.isclose(found.seconds(flushing), other_step + found.per_step, rel_tol=1e-9)
-    assert other_step <= found.seconds(delayed) <= found.seconds(flushing)
-
-
 class _Retrying(PipelineStrategy):
     """Tries at the calibration the best other split or micro-batch count of its family, whatever
     the prediction says."""
 
-    def _to_try(self, in_run: StageCosts, since: int) -> Any:
-        super()._to_try(in_run, since)
+    def _to_try(self, compute: StageCosts, in_run: StageCosts, since: int) -> Any:
+        super()._to_try(compute, in_run, since)
         other = next(c for c in self.candidates if not self._runs(c))
         return [Trial(other.stage_plan, Chosen.of(other, self.schedule_options), other.label)]
 

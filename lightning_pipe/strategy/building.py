@@ -28,7 +28,6 @@ from lightning_pipe.planning import (
     memory_model,
     optimizer_copies,
     plan_stages,
-    predict,
     schedule_of,
     setup_line,
     setup_report,
@@ -36,6 +35,7 @@ from lightning_pipe.planning import (
 )
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import NO_BATCH_DIMENSION, rows_of, split_batch
+from lightning_pipe.runtime.link_speed import allreduce_bandwidth
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.shared_memory_sizes import shared_memory_capacity
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
@@ -53,6 +53,7 @@ from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
 from lightning_pipe.strategy.random_states import replayed
 from lightning_pipe.strategy.recomputation import checkpointed_blocks, recomputation_note, recomputed_stages
 from lightning_pipe.strategy.sharded import read_entries
+from lightning_pipe.strategy.step_prices import StepPrices
 from lightning_pipe.util.nested import flatten, map_tensors, to_cpu, unflatten
 from lightning_pipe.util.units import format_bytes
 
@@ -303,9 +304,18 @@ class PipelineBuilding:
         (or ``fit``) of a module with as many layers keeps the plan."""
         memory = memory_model(self.schedule_options.family, self.microbatches, optimizer_copies(optimizer))
         planned: tuple[StagePlan, Chosen | None] | PlanningError | None = None
+        links = None
         if self._auto is not None:
             self._measure_machine()  # every rank: collectives
+        elif self._links_measured and self.world_size > 1:  # for the prediction (planned as documented: free)
+            links = allreduce_bandwidth(self.root_device)
         if self.global_rank == 0:
+            profiled = not meta and self.plan_options.profile is None  # a calibration relates a run to a profile
+            kept_in = self.plan_options.cache if profiled else None
+            family = None if self._auto is not None else self.schedule_options.family  # auto: the last run's
+            self.step_prices = StepPrices.of(
+                model.layers, model.names, optimizer, self.root_device, kept_in, family, links
+            )
             try:
                 if not meta:  # a model on the meta device has no values to compare
                     with timed(self.setup_seconds, "verify"):
@@ -338,10 +348,9 @@ class PipelineBuilding:
         if chosen is not None:
             self._run_chosen(chosen)
         if self.global_rank == 0:
-            self._prediction = predict(
+            self._prediction, self.planned_step_seconds = self.step_prices.predict(
                 stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
             )
-            self.planned_step_seconds = None if self._prediction is None else self._prediction.steady_step
             self.differences = differences(
                 self.lightning_module,
                 stage_plan.modules(model.layers),
@@ -354,7 +363,8 @@ class PipelineBuilding:
                 notes.append(CACHE_OFF.format(modules=", ".join(model.captured.cache_off)))
             schedule = self._schedule_maker(stage_plan)(1)
             text = setup_report(stage_plan, self._prediction, model.captured, schedule)
-            rank_zero_info("\n".join([text, *self.differences, *notes]))
+            priced = [self.step_prices.said()] if self._prediction is not None else []
+            rank_zero_info("\n".join([text, *priced, *self.differences, *notes]))
         return stage_plan
 
     def _verify(self, model: PipelineModel, first: Call) -> None:

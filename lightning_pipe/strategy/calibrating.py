@@ -11,9 +11,10 @@ first left out while the threads move), and the placement whose median step was 
 executor's own time, messages, the other processes computing at the same time), and a kept profile
 may have been taken on a busier machine. After :data:`CALIBRATE_AFTER` steps (the first three left out
 as warm-up), or after the pinning trial, the stage costs the run measured
-(:meth:`~lightning_pipe.runtime.PipelineExecutor.measured_costs`) are fitted as ``scale × profile +
-fixed`` per forward and backward (:func:`calibration`), the step's time beyond its simulated actions
-is measured, and every candidate is priced again. The predictions transfer imperfectly from one
+(:meth:`~lightning_pipe.runtime.PipelineExecutor.measured_costs`) give ``scale × profile + fixed``
+per forward and backward (the rate of their compute against the profile's, and the executor's own
+time per action: :func:`~lightning_pipe.cost.calibrated.separated`), the step's time beyond its
+simulated actions is measured, and every candidate is priced again. The predictions transfer imperfectly from one
 family to another (on 2 CPU processes a replicated model's actions ran 1.8x its profile, a
 pipeline's far less: ``bench/auto_plan.py``), so the decision is measured: up to :data:`TRIALS`
 other configurations, the best priced of each family predicted faster or no more than
@@ -36,6 +37,7 @@ import itertools
 import math
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,28 +45,28 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe.auto import Candidate, ranking_table, search
+from lightning_pipe.cost.calibrated import Calibration, calibration, separated
 from lightning_pipe.cost.profile_cache import forget_profile, profile_disagrees
-from lightning_pipe.errors import PlanningError
 from lightning_pipe.planning import StagePlan, predict
 from lightning_pipe.runtime.affinity import pin_threads, place_threads
 from lightning_pipe.schedule import StageCosts
 from lightning_pipe.strategy.after_fit import fill
 from lightning_pipe.strategy.choosing import AUTO, SHOWN, Chosen
+from lightning_pipe.strategy.step_prices import actions, measured_calibration
 from lightning_pipe.util.units import format_seconds
 
 __all__ = [
     "CALIBRATE_AFTER",
+    "KEPT_AFTER",
     "PIN_STEPS",
     "SWITCH_GAIN",
     "TRIALS",
     "TRIAL_MARGIN",
     "TRIAL_STEPS",
-    "Calibration",
     "PinTrial",
     "PipelineCalibration",
     "Trial",
     "Trials",
-    "calibration",
 ]
 
 CALIBRATE_AFTER = 8
@@ -82,68 +84,11 @@ TRIAL_MARGIN = 0.15
 predictions of another family were off by up to 25% (``bench/auto_plan.py``), the measurement is not."""
 TRIAL_STEPS = 4
 """Steps a configuration is tried for (after the :data:`WARM_UP` steps that build and warm it)."""
+KEPT_AFTER = 4
+"""Settled steps (after :data:`WARM_UP`) a fit needs to keep its calibration for the next fit."""
 TRIALS = 3
 """Other configurations tried at most, one per family: the calibrated predictions of the families
 were off from each other by more than the differences between them (``bench/auto_plan.py``)."""
-
-
-def calibration(profiled: Sequence[float], measured: Sequence[float]) -> tuple[float, float]:
-    """``(scale, fixed)`` fitting ``measured ≈ scale × profiled + fixed`` by least squares over the
-    actions' seconds (each stage's forward and backward), with ``fixed >= 0``: the profile's rate
-    error (a busy machine, contention) and the runtime's fixed cost per action. Where the profiled
-    values do not vary, or the fit would need a negative fixed cost, the fit goes through zero."""
-    if len(profiled) != len(measured) or not profiled:
-        raise PlanningError(f"calibration needs as many measured values as profiled ones, at least one: {profiled!r}")
-    n = len(profiled)
-    mean_x, mean_y = math.fsum(profiled) / n, math.fsum(measured) / n
-    spread = math.fsum((x - mean_x) ** 2 for x in profiled)
-    if spread > 1e-12 * max(mean_x**2, 1e-300) * n:
-        scale = math.fsum((x - mean_x) * (y - mean_y) for x, y in zip(profiled, measured, strict=True)) / spread
-        fixed = mean_y - scale * mean_x
-        if scale > 0 and fixed >= 0:
-            return scale, fixed
-    squares = math.fsum(x * x for x in profiled)
-    if squares <= 0:
-        return 1.0, max(mean_y, 0.0)
-    return max(math.fsum(x * y for x, y in zip(profiled, measured, strict=True)) / squares, 1e-12), 0.0
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What the first steps measured beyond the profile: each action is ``scale`` × its profiled
-    seconds + ``fixed`` (:func:`calibration`, the executor's own time between actions included), and
-    each worker spends ``per_step`` each training step outside its actions (Lightning's loop, the
-    strategy's log relay: what a simulation of the actions leaves out), whatever the configuration.
-
-    Where that time goes depends on the schedule: a flushing one's step ends with the pipeline
-    empty, so every worker's ``per_step`` adds to the step; a non-flushing one's workers spend it
-    while the others still compute the micro-batches in flight, so a step takes the simulated one or
-    the busiest worker's actions and ``per_step``, whichever is longer (on 2 CPU processes an MLP's
-    2BW steps measured 0.68x 1F1B's, where adding ``per_step`` to both predicted them equal)."""
-
-    scale: float
-    fixed: float
-    per_step: float
-
-    @classmethod
-    def fitted(cls, scale: float, fixed: float, running: Candidate, measured: float) -> Calibration:
-        """The calibration whose ``per_step`` makes ``running``'s predicted step the ``measured`` one
-        (none, where the simulated step is longer already)."""
-        beside = running.step_seconds if running.flushes else running.busiest_seconds
-        return cls(scale, fixed, max(measured - beside, 0.0))
-
-    def seconds(self, candidate: Candidate) -> float:
-        """``candidate``'s predicted seconds per training step: its ``step_seconds`` (priced with
-        the calibrated costs) with the work beyond its actions."""
-        if candidate.flushes:
-            return candidate.step_seconds + self.per_step
-        return max(candidate.step_seconds, candidate.busiest_seconds + self.per_step)
-
-    def __str__(self) -> str:
-        return (
-            f"in-run actions = {self.scale:.2f} x the profile + {format_seconds(self.fixed)}, each step "
-            f"{format_seconds(self.per_step)} beyond them"
-        )
 
 
 @dataclass(frozen=True)
@@ -222,7 +167,7 @@ class PipelineCalibration:
         tried: list[Trial] = []
         if self.global_rank == 0:
             self._check_kept_profile(compute)
-            tried = self._to_try(in_run, since)
+            tried = self._to_try(compute, in_run, since)
         tried = self.broadcast(tried)
         if not tried:
             return
@@ -232,18 +177,16 @@ class PipelineCalibration:
         self.trials = Trials([Trial(self.stage_plan, running, self._label(), measured), tried[0]], tried[1:])
         self._switch(tried[0].stage_plan, tried[0].chosen)
 
-    def _to_try(self, in_run: StageCosts, since: int) -> list[Trial]:
+    def _to_try(self, compute: StageCosts, in_run: StageCosts, since: int) -> list[Trial]:
         """Rank 0: the configurations to try, by the candidates priced again with what steps
         ``since`` on measured (said either way): the best priced of each other family predicted no
         more than :data:`TRIAL_MARGIN` slower than the running one (the predictions may be off by that
         much across families, ``bench/auto_plan.py``), and the best of the running family when it is
         predicted :data:`SWITCH_GAIN` faster; :data:`TRIALS` at most, best first."""
         assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
-        scale, fixed = calibration(self._profiled(self.stage_plan), [*in_run.forward, *in_run.backward])
+        scale, fixed = separated(self._profiled(self.stage_plan), actions(compute), actions(in_run))
         costs, arguments = self._searched
-        small = arguments["small"]
-        arguments = {**arguments, "small": None if small is None else (small[0].slowed(scale), small[1])}
-        ranked = search(costs.slowed(scale), self.workers, action_seconds=fixed, **arguments)
+        ranked = search(costs, self.workers, action_seconds=fixed, scale=scale, **arguments)
         running = next((c for c in ranked if self._runs(c)), None)
         if running is None:
             rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: the running configuration is not priced")
@@ -269,6 +212,27 @@ class PipelineCalibration:
             f"{ranking_table(self.candidates, SHOWN)}"
         )
         return [Trial(c.stage_plan, Chosen.of(c, self.schedule_options), c.label) for c in chosen]
+
+    def _keep_calibration(self) -> None:
+        """At the end of a fit (every rank: a collective): what the running configuration's settled
+        steps measured beyond the profile, kept for the next fit of this model on this machine
+        (:mod:`.step_prices`); none where fewer than :data:`KEPT_AFTER` steps settled, or the stages
+        were not profiled."""
+        executor, plan = self.executor, self.stage_plan
+        intervals = _intervals(self._step_starts)[WARM_UP:]
+        if executor is None or plan is None or plan.plan is None or len(intervals) < KEPT_AFTER:
+            return
+        until_next = executor.measured_costs(since_step=WARM_UP, to_next=True)
+        compute = executor.measured_costs(since_step=WARM_UP)
+        if self.global_rank != 0 or self.step_prices.directory is None:
+            return
+        on = f"{self._label()}, {time.strftime('%Y-%m-%d')}"
+        profiled = self._profiled(plan)
+        prices = self.step_prices
+        found = measured_calibration(
+            prices, plan, self.options, self.microbatches, self.recompute, profiled, compute, until_next, intervals, on
+        )
+        prices.keep(self.options.family, found)
 
     def _judge_trial(self, trials: Trials) -> None:
         """Every rank, after :data:`WARM_UP` + :data:`TRIAL_STEPS` steps of the configuration tried:
@@ -370,10 +334,18 @@ class PipelineCalibration:
         self.stage_plan = stage_plan
         self.settled_step += len(self._step_starts)
         self._step_seconds, self._step_starts = [], []
-        if self.global_rank == 0:  # with the calibrated costs (the stage plan's profile is scaled already)
-            fixed = self.calibration.fixed if self.calibration is not None else 0.0
+        if self.global_rank == 0:  # with the calibrated costs
+            found = self.calibration
+            prices = self.step_prices
             self._prediction = predict(
-                stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute, fixed
+                stage_plan,
+                self.options,
+                self.microbatches,
+                self.plan_options.contention if found is None else 1.0,
+                self.recompute,
+                prices.fixed if found is None else found.fixed,
+                prices.updates(stage_plan),
+                prices.scale if found is None else found.scale,
             )
 
     def _try_pinning(self, trial: PinTrial, step: int) -> None:

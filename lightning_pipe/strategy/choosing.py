@@ -196,9 +196,15 @@ class PipelineChoosing:
             "network": Network(options.bandwidth),
             "names": model.names,
             "base": self.schedule_options,
+            "update": self.step_prices.update,
         }
         self._searched = costs, arguments
-        ranked = search(costs, self.workers, contention=options.contention, **arguments)
+        kept = self.step_prices.kept
+        if kept is None:
+            ranked = search(costs, self.workers, contention=options.contention, **arguments)
+        else:  # an earlier run's calibration: its rate, fixed cost per action and time beyond the actions
+            ranked = search(costs, self.workers, action_seconds=kept.fixed, scale=kept.scale, **arguments)
+            ranked.sort(key=kept.seconds)
         self.candidates = ranked
         rank_zero_info(
             f"Choosing the pipeline: {len(ranked)} configurations fit, priced in {time.perf_counter() - start:.2f} s; "

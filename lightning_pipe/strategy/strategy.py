@@ -121,6 +121,7 @@ from lightning_pipe.strategy.pipeline_state import PipelineState
 from lightning_pipe.strategy.random_states import RandomStates
 from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.signals import Signals
+from lightning_pipe.strategy.step_prices import StepPrices
 from lightning_pipe.strategy.topology import Topology, TopologyHooks
 from lightning_pipe.strategy.training import TrainingHooks, reads_step_outputs
 from lightning_pipe.util.units import parse_bandwidth, parse_bytes
@@ -333,6 +334,7 @@ class PipelineStrategy(
         self.planned_step_seconds: float | None = None  # rank 0: the set-up's prediction, as printed
         self.calibrated_step_seconds: float | None = None  # rank 0: the running one's, by the in-run costs
         self.calibration: Calibration | None = None  # rank 0: what the first steps measured (.calibrating)
+        self.step_prices = StepPrices()  # rank 0: what the prediction prices beyond the profile (.step_prices)
         self.trials: Trials | None = None  # schedule="auto": the configurations tried after calibration (.calibrating)
         self.settled_step = 0  # the training steps of this fit before the configuration running now was built
         self._pin_trial: PinTrial | None = None  # pin_cpus="auto" on the CPU: pinning tried (.calibrating)

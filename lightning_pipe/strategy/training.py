@@ -195,6 +195,7 @@ class TrainingHooks:
 
     def _report_fit(self) -> None:
         """The end-of-fit report (:mod:`.fit_report`): a collective; written and logged by global rank 0."""
+        self._keep_calibration()
         executor = self.executor
         if executor is None or executor.origin < STEPS_SHOWN:
             return

@@ -1,0 +1,195 @@
+"""What a run measured beyond the layer profile, and keeping it for the next run's prediction.
+
+A profile taken layer by layer, one process at a time, misses what the pipeline adds to each action
+(the executor's own time, its messages, the other processes computing at the same time) and to each
+step (Lightning's loop, the strategy's log relay). A run measures both: its actions' seconds against
+the profile's give ``scale`` and ``fixed`` (:func:`calibration`), its steps against the simulation of
+its measured actions give ``per_step`` (:class:`Calibration`, :func:`separated`). ``schedule="auto"`` re-ranks its
+candidates with them after its first steps (:mod:`lightning_pipe.strategy.calibrating`); and every
+run keeps them beside its profile (:func:`keep_calibration`), so that the next run of the same model
+on the same machine predicts its step with them from the start (:func:`kept_calibration`): on 2 CPU
+processes the profile alone predicted the steps of a 6-block transformer 12-30% short, all of it
+what the runtime adds (``bench/auto_plan.py``, ``docs/measurements.md``).
+
+A calibration is kept under a key of the layers, their parameters, the device and the versions of
+torch and this package (:func:`~lightning_pipe.cost.profile_cache.profile_key` without a micro-batch):
+what a run adds does not depend on the micro-batch's rows the way the profile does, and the next run
+may split it into another count. It is kept per schedule family, because what a run adds depends on
+how its workers wait for each other: replicas that all-reduce their gradients every step (Rahimi's
+``ddp``) spend in their actions the waits for the slowest replica, a pipeline does not (on 2 CPU
+processes an MLP's ``ddp`` run measured its actions 2.5x its profile, its 1F1B runs 0.6-1.3x). A
+prediction takes its family's last calibration, or the last one of any family where its own never
+ran. Each holds the configuration it was measured on and when.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.util.units import format_seconds
+
+__all__ = [
+    "Calibration",
+    "Priced",
+    "calibration",
+    "calibration_path",
+    "keep_calibration",
+    "kept_calibration",
+    "separated",
+]
+
+
+class Priced(Protocol):
+    """A configuration's simulated step (``step_seconds``), its busiest worker's seconds of actions
+    per step (``busiest_seconds``), and whether its steps end with the pipeline empty (``flushes``)."""
+
+    @property
+    def step_seconds(self) -> float: ...
+
+    @property
+    def busiest_seconds(self) -> float: ...
+
+    @property
+    def flushes(self) -> bool: ...
+
+
+def calibration(profiled: Sequence[float], measured: Sequence[float]) -> tuple[float, float]:
+    """``(scale, fixed)`` fitting ``measured ≈ scale × profiled + fixed`` by least squares over the
+    actions' seconds (each stage's forward and backward), with ``fixed >= 0``: the profile's rate
+    error (a busy machine, contention) and the runtime's fixed cost per action. Where the profiled
+    values do not vary, or the fit would need a negative fixed cost, the fit goes through zero."""
+    if len(profiled) != len(measured) or not profiled:
+        raise PlanningError(f"calibration needs as many measured values as profiled ones, at least one: {profiled!r}")
+    n = len(profiled)
+    mean_x, mean_y = math.fsum(profiled) / n, math.fsum(measured) / n
+    spread = math.fsum((x - mean_x) ** 2 for x in profiled)
+    if spread > 1e-12 * max(mean_x**2, 1e-300) * n:
+        scale = math.fsum((x - mean_x) * (y - mean_y) for x, y in zip(profiled, measured, strict=True)) / spread
+        fixed = mean_y - scale * mean_x
+        if scale > 0 and fixed >= 0:
+            return scale, fixed
+    squares = math.fsum(x * x for x in profiled)
+    if squares <= 0:
+        return 1.0, max(mean_y, 0.0)
+    return max(math.fsum(x * y for x, y in zip(profiled, measured, strict=True)) / squares, 1e-12), 0.0
+
+
+def separated(profiled: Sequence[float], compute: Sequence[float], until_next: Sequence[float]) -> tuple[float, float]:
+    """``(scale, fixed)`` of a run's actions measured two ways: ``scale`` is the rate of their
+    ``compute`` (waits excluded) against their ``profiled`` seconds, through zero (what contention
+    and a colder cache add grows with the work); ``fixed`` the mean time the executor spends per
+    action beyond its compute, until the next action starts (``until_next``; its messages, its own
+    bookkeeping), which does not. Each list holds every stage's forward, then backward. Measured
+    apart, neither absorbs the other, as a line fitted through few actions of similar length can
+    (on torchvision's ResNet-18 such a fit at two micro-batches predicted four 20-40% long)."""
+    if not len(profiled) == len(compute) == len(until_next) or not profiled:
+        raise PlanningError(
+            f"calibration needs as many measured values as profiled ones, at least one: {profiled!r}, {compute!r}"
+        )
+    total = math.fsum(profiled)
+    scale = math.fsum(compute) / total if total > 0 else 1.0
+    beyond = math.fsum(after - alone for after, alone in zip(until_next, compute, strict=True)) / len(compute)
+    return max(scale, 1e-12), max(beyond, 0.0)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a run measured beyond the profile: each action is ``scale`` × its profiled seconds +
+    ``fixed`` (:func:`calibration`, the executor's own time between actions included), and each worker
+    spends ``per_step`` each training step outside its actions (Lightning's loop, the strategy's log
+    relay: what a simulation of the actions leaves out), whatever the configuration.
+
+    Where that time goes depends on the schedule: a flushing one's step ends with the pipeline
+    empty, so every worker's ``per_step`` adds to the step; a non-flushing one's workers spend it
+    while the others still compute the micro-batches in flight, so a step takes the simulated one or
+    the busiest worker's actions and ``per_step``, whichever is longer (on 2 CPU processes an MLP's
+    2BW steps measured 0.68x 1F1B's, where adding ``per_step`` to both predicted them equal).
+
+    ``measured_on`` names the configuration and the date the calibration was measured on, when kept."""
+
+    scale: float
+    fixed: float
+    per_step: float
+    measured_on: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("scale", "fixed", "per_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise PlanningError(f"calibration {name} must be a finite number >= 0, got {value!r}")
+
+    @classmethod
+    def fitted(cls, scale: float, fixed: float, running: Priced, measured: float, measured_on: str = "") -> Calibration:
+        """The calibration whose ``per_step`` makes ``running``'s predicted step the ``measured`` one
+        (none, where the simulated step is longer already)."""
+        beside = running.step_seconds if running.flushes else running.busiest_seconds
+        return cls(scale, fixed, max(measured - beside, 0.0), measured_on)
+
+    def seconds(self, candidate: Priced) -> float:
+        """``candidate``'s predicted seconds per training step: its ``step_seconds`` (priced with
+        the calibrated costs) with the work beyond its actions."""
+        if candidate.flushes:
+            return candidate.step_seconds + self.per_step
+        return max(candidate.step_seconds, candidate.busiest_seconds + self.per_step)
+
+    def __str__(self) -> str:
+        said = (
+            f"in-run actions = {self.scale:.2f} x the profile + {format_seconds(self.fixed)}, each step "
+            f"{format_seconds(self.per_step)} beyond them"
+        )
+        return f"{said} (measured on {self.measured_on})" if self.measured_on else said
+
+
+CALIBRATION_PREFIX = "calibration-"
+
+
+def calibration_path(directory: Path, key: str) -> Path:
+    """The file a calibration of the model keyed ``key`` is kept in."""
+    return directory / f"{CALIBRATION_PREFIX}{key}.json"
+
+
+def kept_calibration(directory: Path | None, key: str, family: str | None = None) -> Calibration | None:
+    """The calibration kept for ``key`` in ``directory`` by the last run of ``family``, or, where none
+    ran (or ``family`` is ``None``), by the last run of any family; ``None``: none kept, none readable,
+    or no directory (a run without a profile cache keeps nothing)."""
+    if directory is None:
+        return None
+    try:
+        kept = json.loads(calibration_path(directory, key).read_text())
+        found = kept["families"].get(family) or kept["families"][kept["latest"]]
+        return Calibration(**{k: found[k] for k in ("scale", "fixed", "per_step", "measured_on")})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanningError):
+        return None
+
+
+def keep_calibration(directory: Path | None, key: str, family: str, found: Calibration) -> Path | None:
+    """Keep ``found``, measured running ``family``, for ``key`` in ``directory`` beside the other
+    families' (replacing the one ``family`` kept; the file is replaced atomically); the file, or
+    ``None`` where it could not be written (the run goes on without keeping it)."""
+    if directory is None:
+        return None
+    path = calibration_path(directory, key)
+    try:
+        kept = json.loads(path.read_text())
+        families = dict(kept["families"])
+    except (OSError, ValueError, KeyError, TypeError):
+        families = {}
+    families[family] = {**asdict(found), "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
+            json.dump({"latest": family, "families": families}, handle, indent=1)
+            temporary = Path(handle.name)
+        os.replace(temporary, path)
+    except OSError:
+        return None
+    return path

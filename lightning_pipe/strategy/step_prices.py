@@ -1,0 +1,169 @@
+"""The set-up prediction priced beyond the layer profile, and the calibration a fit keeps for the next.
+
+The printed prediction and ``schedule="auto"``'s ranking simulate each configuration's actions from
+the layer profile. Two things a step costs are not in it:
+
+- **the update**: each stage's optimizer step, priced from its parameters at the rate the user's
+  optimizer measured on the device (:mod:`lightning_pipe.cost.update_rate`);
+- **what the run adds**: the executor's own time per action, the steps' time outside their actions
+  (Lightning's loop, the log relay), the profile's rate against the run's. A fit measures them over
+  its settled steps and keeps them beside the profile (:mod:`lightning_pipe.cost.calibrated`); the
+  next fit of the same model on the same machine predicts with them, and says so.
+
+:class:`StepPrices` holds both for a fit (rank 0); :func:`measured_calibration` is what a fit keeps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_pipe.cost.calibrated import Calibration, keep_calibration, kept_calibration, separated
+from lightning_pipe.cost.profile_cache import profile_key
+from lightning_pipe.cost.update_rate import UpdatePrices, update_rate
+from lightning_pipe.planning import StagePlan, predict
+from lightning_pipe.schedule import StageCosts
+from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.schedule.simulation import Simulation
+
+__all__ = ["Predicted", "StepPrices", "actions", "measured_calibration"]
+
+
+def actions(costs: StageCosts) -> list[float]:
+    """Each stage's forward seconds, then backward, as the calibrations list them."""
+    return [*costs.forward, *costs.backward]
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """A simulation's figures as :meth:`Calibration.seconds <lightning_pipe.cost.calibrated.Calibration.seconds>`
+    reads them."""
+
+    step_seconds: float
+    busiest_seconds: float
+    flushes: bool
+
+    @classmethod
+    def of(cls, simulation: Simulation) -> Predicted:
+        schedule = simulation.schedule
+        return cls(simulation.steady_step, max(simulation.busy) / schedule.steps, schedule.flush)
+
+
+@dataclass(frozen=True)
+class StepPrices:
+    """What rank 0 prices beyond the layer profile in this fit: ``update`` (each stage's optimizer
+    step, ``None``: not priced), ``kept`` (the calibration an earlier fit kept under ``key`` in
+    ``directory``, ``None``: none) and ``bandwidth`` (the links measured among the ranks, which the
+    prediction prices messages and all-reduces at where the plan was made without them; ``None``:
+    the plan's)."""
+
+    update: UpdatePrices | None = None
+    kept: Calibration | None = None
+    directory: Path | None = None
+    key: str = ""
+    bandwidth: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        layers: Sequence[nn.Module],
+        names: Sequence[str] | None,
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device,
+        directory: Path | None,
+        family: str | None,
+        bandwidth: float | None = None,
+    ) -> StepPrices:
+        """The prices of ``layers`` trained with ``optimizer`` on ``device``, the calibration kept in
+        ``directory`` (the profile cache; ``None``: nothing kept or read) by the last run of ``family``
+        (of any family where none ran, or ``family`` is ``None``), and the links measured."""
+        floating = [p.dtype for layer in layers for p in layer.parameters() if p.is_floating_point()]
+        rate = update_rate(optimizer, device, floating[0]) if floating else None
+        key = profile_key(layers, names, (), device, 0)
+        return cls(UpdatePrices.of(rate, layers), kept_calibration(directory, key, family), directory, key, bandwidth)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.kept is None else self.kept.scale
+
+    @property
+    def fixed(self) -> float:
+        return 0.0 if self.kept is None else self.kept.fixed
+
+    def updates(self, stage_plan: StagePlan) -> list[float] | None:
+        """Each stage's update seconds in ``stage_plan``."""
+        return None if self.update is None else self.update.stages(stage_plan.bounds)
+
+    def predict(
+        self,
+        stage_plan: StagePlan,
+        options: ScheduleOptions,
+        microbatches: int,
+        contention: float,
+        recompute: bool | Sequence[bool],
+    ) -> tuple[Simulation | None, float | None]:
+        """The simulation of ``stage_plan`` run with ``options`` and its predicted step: the profile's
+        actions with the updates, and, with a kept calibration, its rate, fixed cost per action and
+        time beyond the actions (the contention is in the calibration then: it was measured running)."""
+        simulation = predict(
+            stage_plan,
+            options,
+            microbatches,
+            contention if self.kept is None else 1.0,
+            recompute,
+            self.fixed,
+            self.updates(stage_plan),
+            self.scale,
+            self.bandwidth,
+        )
+        if simulation is None:
+            return None, None
+        if self.kept is None:
+            return simulation, simulation.steady_step
+        return simulation, self.kept.seconds(Predicted.of(simulation))
+
+    def said(self) -> str:
+        """What the prediction priced beyond the profile, for the set-up report."""
+        update = (
+            "each stage's update at the rate the optimizer measured"
+            if self.update is not None
+            else "no update (the optimizer could not be timed)"
+        )
+        if self.kept is None:
+            return f"Predicted with the layer profile and {update}; no run of this model kept its calibration yet"
+        return f"Predicted with the layer profile, {update}, and what an earlier run measured: {self.kept}"
+
+    def keep(self, family: str, found: Calibration) -> Path | None:
+        """Keep ``found``, measured running ``family``, for the next fit of this model
+        (:func:`~lightning_pipe.cost.calibrated.keep_calibration`)."""
+        return keep_calibration(self.directory, self.key, family, found)
+
+
+def measured_calibration(
+    prices: StepPrices,
+    stage_plan: StagePlan,
+    options: ScheduleOptions,
+    microbatches: int,
+    recompute: bool | Sequence[bool],
+    profiled: Sequence[float],
+    compute: StageCosts,
+    until_next: StageCosts,
+    step_seconds: Sequence[float],
+    measured_on: str,
+) -> Calibration:
+    """What a fit measured beyond the profile: the actions' ``compute`` seconds and the time until
+    the next action (``until_next``: the executor's own time included) against their ``profiled``
+    ones (each stage's forward, then backward) give the rate and the fixed cost per action
+    (:func:`~lightning_pipe.cost.calibrated.separated`); the time beyond the actions is what the
+    median of ``step_seconds`` leaves over ``stage_plan`` predicted with them (and ``prices``' updates
+    and links), so that the running configuration is predicted at its measured step."""
+    scale, fixed = separated(profiled, actions(compute), actions(until_next))
+    fitted = StepPrices(prices.update, Calibration(scale, fixed, 0.0), bandwidth=prices.bandwidth)
+    simulation, _ = fitted.predict(stage_plan, options, microbatches, 1.0, recompute)
+    assert simulation is not None
+    return Calibration.fitted(scale, fixed, Predicted.of(simulation), statistics.median(step_seconds), measured_on)

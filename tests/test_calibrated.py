@@ -1,0 +1,235 @@
+"""What a run measured beyond the profile: the fit of its actions, the time beyond them, and keeping
+both for the next run's prediction (``lightning_pipe.cost.calibrated``, ``lightning_pipe.strategy.step_prices``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.auto import Candidate
+from lightning_pipe.cost.calibrated import (
+    Calibration,
+    calibration,
+    calibration_path,
+    keep_calibration,
+    kept_calibration,
+    separated,
+)
+from lightning_pipe.cost.records import ChainCosts
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.partition import evaluate
+from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict, schedule_of
+from lightning_pipe.runtime import run_local
+from lightning_pipe.schedule import StageCosts, simulate
+from lightning_pipe.schedule.options import ScheduleOptions
+from tests.lightning_cases import Chain, loader, trainer
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(1e-4, 1.0), min_size=2, max_size=8, unique=True),
+    st.floats(0.1, 10.0),
+    st.floats(0.0, 0.1),
+)
+def test_calibration_recovers_scale_and_fixed_cost(profiled: list[float], scale: float, fixed: float) -> None:
+    """Measured costs that are exactly ``scale × profile + fixed`` give back both (least squares)."""
+    assume(max(profiled) - min(profiled) >= 1e-3)  # the scale and the fixed cost are apart only with a spread
+    got_scale, got_fixed = calibration(profiled, [scale * x + fixed for x in profiled])
+    assert math.isclose(got_scale, scale, rel_tol=1e-6)
+    assert math.isclose(got_fixed, fixed, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def test_calibration_without_spread_or_with_a_negative_intercept_goes_through_zero() -> None:
+    assert calibration([1.0, 1.0], [3.0, 3.0]) == (3.0, 0.0)
+    scale, fixed = calibration([1.0, 2.0], [1.0, 4.0])  # the line through them crosses below zero
+    assert fixed == 0.0 and math.isclose(scale, 9.0 / 5.0)
+    with pytest.raises(PlanningError, match="as many measured values"):
+        calibration([1.0], [])
+
+
+def _candidate(family: str, step: float, busiest: float) -> Candidate:
+    return Candidate(
+        schedule=ScheduleOptions(family=family, microbatches=2),
+        recompute=(False, False),
+        stage_plan=StagePlan(((0, 0), (1, 1))),
+        step_seconds=step,
+        bubble_fraction=0.0,
+        busiest_seconds=busiest,
+        memory_bytes=(0.0, 0.0),
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from(["1f1b", "gpipe", "ddp", "2bw", "cdp", "pipedream"]),
+    st.floats(1e-3, 1.0),
+    st.floats(0.1, 1.0),
+    st.floats(0.0, 2.0),
+    st.floats(1e-3, 1.0),
+    st.floats(0.1, 1.0),
+)
+def test_calibrated_step_meets_the_measured_one_and_overlaps_only_without_flush(
+    family: str, step: float, share: float, beyond: float, other_step: float, other_share: float
+) -> None:
+    """The running configuration is predicted at what it measured (``measured >= its simulated
+    step``); another is priced with the same time outside the actions: added to a flushing one's
+    step, overlapping a non-flushing one's (between its simulated step and that sum)."""
+    running = _candidate(family, step, share * step)
+    measured = step * (1 + beyond)
+    found = Calibration.fitted(1.0, 0.0, running, measured)
+    assert math.isclose(found.seconds(running), measured, rel_tol=1e-9)
+    flushing, delayed = (
+        _candidate("1f1b", other_step, other_share * other_step),
+        _candidate("2bw", other_step, other_share * other_step),
+    )
+    assert math.isclose(found.seconds(flushing), other_step + found.per_step, rel_tol=1e-9)
+    assert other_step <= found.seconds(delayed) <= found.seconds(flushing)
+
+
+def test_a_calibration_is_kept_per_family_and_read_back(tmp_path: Path) -> None:
+    """Each family's last calibration is kept; a family that never ran takes the last one of any."""
+    piped = Calibration(1.1, 2e-3, 5e-3, "1f1b m=4, 2026-11-27")
+    path = keep_calibration(tmp_path, "key", "1f1b", piped)
+    assert path == calibration_path(tmp_path, "key") and path.exists()
+    assert kept_calibration(tmp_path, "key", "1f1b") == piped == kept_calibration(tmp_path, "key", "gpipe")
+    assert "measured on 1f1b m=4, 2026-11-27" in str(piped)
+    replicas = Calibration(2.5, 0.0, 1e-3, "ddp m=2, 2026-11-27")
+    keep_calibration(tmp_path, "key", "ddp", replicas)
+    assert kept_calibration(tmp_path, "key", "ddp") == replicas
+    assert kept_calibration(tmp_path, "key", "1f1b") == piped  # its own, not the last run's
+    assert kept_calibration(tmp_path, "key", "gpipe") == replicas == kept_calibration(tmp_path, "key")  # the last
+    again = Calibration(0.9, 0.0, 0.0)
+    keep_calibration(tmp_path, "key", "1f1b", again)
+    assert kept_calibration(tmp_path, "key", "1f1b") == again and kept_calibration(tmp_path, "key", "ddp") == replicas
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # replaced in place, no temporary left
+
+
+def test_nothing_kept_or_unreadable_is_no_calibration(tmp_path: Path) -> None:
+    assert kept_calibration(tmp_path, "none", "1f1b") is None
+    assert kept_calibration(None, "key") is None and keep_calibration(None, "key", "1f1b", Calibration(1, 0, 0)) is None
+    calibration_path(tmp_path, "bad").write_text("{not json")
+    assert kept_calibration(tmp_path, "bad") is None
+    keep_calibration(tmp_path, "bad", "gpipe", Calibration(1, 0, 0))  # an unreadable file is replaced
+    assert kept_calibration(tmp_path, "bad") == Calibration(1, 0, 0)
+    negative = {"scale": 1, "fixed": -1, "per_step": 0, "measured_on": ""}
+    calibration_path(tmp_path, "negative").write_text(json.dumps({"latest": "1f1b", "families": {"1f1b": negative}}))
+    assert kept_calibration(tmp_path, "negative") is None
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert keep_calibration(blocked, "key", "1f1b", Calibration(1, 0, 0)) is None  # a file where the directory would be
+
+
+@pytest.mark.parametrize("field", ["scale", "fixed", "per_step"])
+def test_a_calibration_refuses_what_no_run_measures(field: str) -> None:
+    values: dict[str, Any] = {"scale": 1.0, "fixed": 0.0, "per_step": 0.0, field: -1.0}
+    with pytest.raises(PlanningError, match=f"calibration {field} must be a finite number >= 0"):
+        Calibration(**values)
+
+
+def _stage_plan(forward: list[float], backward: list[float]) -> StagePlan:
+    """One layer per stage, planned as the strategy plans (activations of 1 kB, weights of 10 kB)."""
+    n = len(forward)
+    costs = ChainCosts.from_lists(forward, backward, activation=[1e3] * n, params=[1e4] * n)
+    plan = evaluate(costs, [[s] for s in range(n)], partitioner="auto", devices=n)
+    return StagePlan(tuple((s, s) for s in range(n)), plan, costs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(1e-3, 1.0), st.floats(1e-3, 1.0), st.floats(0.0, 0.1)), min_size=2, max_size=3),
+    st.floats(0.5, 2.0),
+    st.floats(0.0, 0.01),
+    st.sampled_from(["gpipe", "1f1b", "2bw", "ddp"]),
+    st.integers(3, 6),  # at least one micro-batch per worker (ddp), P - 1 of them (2BW)
+    st.sampled_from([math.inf, 1e6]),
+)
+def test_the_prediction_prices_the_run_beyond_the_profile_as_the_simulator_would(
+    stages: list[tuple[float, float, float]], scale: float, fixed: float, family: str, m: int, bandwidth: float
+) -> None:
+    """Oracle: the schedule simulated with each action at ``scale`` × its profile + ``fixed``, each
+    stage's update and the links given, built by hand."""
+    forward, backward, update = (list(column) for column in zip(*stages, strict=True))
+    plan = _stage_plan(forward, backward)
+    options = ScheduleOptions(family=family, microbatches=m).on_workers(len(stages))
+    got = predict(plan, options, m, 1.0, False, fixed, update, scale, bandwidth)
+    costs = StageCosts(
+        forward=[scale * f + fixed for f in forward],
+        backward=[scale * b + fixed for b in backward],
+        update=update,
+        activation_bytes=[1e3] * len(stages),
+        saved_bytes=[1e3] * len(stages),
+        weight_bytes=[1e4] * len(stages),
+        bandwidth=bandwidth,
+    )
+    expected = simulate(schedule_of(plan, options, m)(PREDICTED_STEPS), costs, early_gradients=True)
+    assert got is not None and math.isclose(got.steady_step, expected.steady_step, rel_tol=1e-9)
+    without = predict(plan, options, m)
+    assert without is not None and got.steady_step >= without.steady_step * min(scale, 1.0) - 1e-12
+
+
+def _two_fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
+    """Worker: the same model trained twice with a profile cache in ``directory``; what rank 0 priced."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    found = []
+    for fit in range(2):
+        strategy = PipelineStrategy("1f1b", microbatches=2, profile_cache=directory, timeout=timedelta(seconds=60))
+        run = trainer(Path(root, str(fit)), strategy, 2)
+        run.fit(Chain(), loader(10))
+        prices = strategy.step_prices
+        found.append(
+            {
+                "kept": prices.kept,
+                "updates": None if prices.update is None else prices.update.stages(strategy.stage_plan.bounds),
+                "planned": strategy.planned_step_seconds,
+                "bandwidth": prices.bandwidth,
+                "kept_after": [json.loads(p.read_text()) for p in Path(directory).glob("calibration-*.json")],
+            }
+        )
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path: Path) -> None:
+    """The first fit of a model prices the updates (at the optimizer's measured rate) and the links,
+    has no calibration yet, and keeps its own beside the profile; the second reads it and predicts its
+    step with it: what the first fit measured beyond the profile is in the second's prediction."""
+    cache = tmp_path / "profiles"
+    first, second = run_local(_two_fits, 2, str(tmp_path), str(cache), timeout=240)[0]
+    assert first["kept"] is None and first["updates"] is not None and min(first["updates"]) > 0
+    assert first["bandwidth"] is not None and first["bandwidth"] > 0
+    (kept_file,) = first["kept_after"]
+    written = kept_file["families"]["1f1b"]
+    kept = second["kept"]
+    assert kept is not None and kept.measured_on.startswith("1f1b m=2")
+    assert kept == Calibration(**{k: v for k, v in written.items() if k != "written"})
+    (replaced,) = second["kept_after"]  # the second fit keeps its own in the same file
+    assert replaced["latest"] == "1f1b" and replaced["families"]["1f1b"] != written
+    assert second["planned"] is not None and second["planned"] > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(1e-4, 1.0), min_size=1, max_size=8),
+    st.floats(0.1, 10.0),
+    st.floats(0.0, 0.1),
+)
+def test_the_rate_and_the_time_between_actions_are_measured_apart(
+    profiled: list[float], scale: float, fixed: float
+) -> None:
+    """Actions computing exactly ``scale ×`` their profile and followed by ``fixed`` of the executor's
+    own time give back both, whatever the actions' lengths (no spread needed, unlike a fitted line)."""
+    compute = [scale * x for x in profiled]
+    got_scale, got_fixed = separated(profiled, compute, [c + fixed for c in compute])
+    assert math.isclose(got_scale, scale, rel_tol=1e-9)
+    assert math.isclose(got_fixed, fixed, rel_tol=1e-9, abs_tol=1e-12)
+    with pytest.raises(PlanningError, match="as many measured values"):
+        separated(profiled, compute, [])
