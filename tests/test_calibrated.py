@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from lightning_pipe import PipelineStrategy
 from lightning_pipe.auto import Candidate
 from lightning_pipe.cost.calibrated import (
     Calibration,
+    RunShape,
     calibration,
     calibration_path,
     keep_calibration,
@@ -95,37 +97,68 @@ def test_calibrated_step_meets_the_measured_one_and_overlaps_only_without_flush(
     assert other_step <= found.seconds(delayed) <= found.seconds(flushing)
 
 
-def test_a_calibration_is_kept_per_family_and_read_back(tmp_path: Path) -> None:
-    """Each family's last calibration is kept; a family that never ran takes the last one of any."""
+def test_the_closest_calibration_kept_is_read_back(tmp_path: Path) -> None:
     piped = Calibration(1.1, 2e-3, 5e-3, "1f1b m=4, 2026-11-27")
-    path = keep_calibration(tmp_path, "key", "1f1b", piped)
+    path = keep_calibration(tmp_path, "key", RunShape("1f1b", 8), piped)
     assert path == calibration_path(tmp_path, "key") and path.exists()
-    assert kept_calibration(tmp_path, "key", "1f1b") == piped == kept_calibration(tmp_path, "key", "gpipe")
+    assert kept_calibration(tmp_path, "key", RunShape("gpipe", 4)) == piped == kept_calibration(tmp_path, "key")
     assert "measured on 1f1b m=4, 2026-11-27" in str(piped)
     replicas = Calibration(2.5, 0.0, 1e-3, "ddp m=2, 2026-11-27")
-    keep_calibration(tmp_path, "key", "ddp", replicas)
-    assert kept_calibration(tmp_path, "key", "ddp") == replicas
-    assert kept_calibration(tmp_path, "key", "1f1b") == piped  # its own, not the last run's
-    assert kept_calibration(tmp_path, "key", "gpipe") == replicas == kept_calibration(tmp_path, "key")  # the last
+    keep_calibration(tmp_path, "key", RunShape("ddp", 16), replicas)
+    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)) == piped  # its own, not the last run's
+    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 16)) == replicas  # the same rows before the family
+    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 4)) == piped  # the same family
+    assert kept_calibration(tmp_path, "key", RunShape("gpipe", 4)) == replicas == kept_calibration(tmp_path, "key")
     again = Calibration(0.9, 0.0, 0.0)
-    keep_calibration(tmp_path, "key", "1f1b", again)
-    assert kept_calibration(tmp_path, "key", "1f1b") == again and kept_calibration(tmp_path, "key", "ddp") == replicas
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # replaced in place, no temporary left
+    keep_calibration(tmp_path, "key", RunShape("1f1b", 8), again)
+    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)) == again == kept_calibration(tmp_path, "key")
+    assert len(json.loads(path.read_text())["runs"]) == 2  # replaced, not added
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
+
+
+_SHAPES = st.builds(RunShape, st.sampled_from(["1f1b", "ddp", "2bw"]), st.sampled_from([4, 8, 16]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_SHAPES, min_size=1, max_size=8), _SHAPES)
+def test_a_prediction_takes_the_closest_run_kept(kept: list[RunShape], asked: RunShape) -> None:
+    """Brute force: the last run kept of the same family and rows, else of the same rows, else of the
+    same family, else the last run kept."""
+    with tempfile.TemporaryDirectory() as directory:
+        for index, shape in enumerate(kept):
+            keep_calibration(Path(directory), "key", shape, Calibration(1.0, 0.0, float(index)))
+        found = kept_calibration(Path(directory), "key", asked)
+    last = {shape: index for index, shape in enumerate(kept)}  # a shape kept again replaces its entry
+    for matches in (
+        lambda s: s == asked,
+        lambda s: s.rows == asked.rows,
+        lambda s: s.family == asked.family,
+        lambda s: True,
+    ):
+        among = [index for shape, index in last.items() if matches(shape)]
+        if among:
+            assert found is not None and found.per_step == float(max(among))
+            return
 
 
 def test_nothing_kept_or_unreadable_is_no_calibration(tmp_path: Path) -> None:
-    assert kept_calibration(tmp_path, "none", "1f1b") is None
-    assert kept_calibration(None, "key") is None and keep_calibration(None, "key", "1f1b", Calibration(1, 0, 0)) is None
+    assert kept_calibration(tmp_path, "none", RunShape("1f1b", 8)) is None
+    assert (
+        kept_calibration(None, "key") is None
+        and keep_calibration(None, "key", RunShape("1f1b", 8), Calibration(1, 0, 0)) is None
+    )
     calibration_path(tmp_path, "bad").write_text("{not json")
     assert kept_calibration(tmp_path, "bad") is None
-    keep_calibration(tmp_path, "bad", "gpipe", Calibration(1, 0, 0))  # an unreadable file is replaced
+    keep_calibration(tmp_path, "bad", RunShape("gpipe", 8), Calibration(1, 0, 0))  # an unreadable file is replaced
     assert kept_calibration(tmp_path, "bad") == Calibration(1, 0, 0)
     negative = {"scale": 1, "fixed": -1, "per_step": 0, "measured_on": ""}
-    calibration_path(tmp_path, "negative").write_text(json.dumps({"latest": "1f1b", "families": {"1f1b": negative}}))
+    calibration_path(tmp_path, "negative").write_text(json.dumps({"runs": [negative]}))
     assert kept_calibration(tmp_path, "negative") is None
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert keep_calibration(blocked, "key", "1f1b", Calibration(1, 0, 0)) is None  # a file where the directory would be
+    assert (
+        keep_calibration(blocked, "key", RunShape("1f1b", 8), Calibration(1, 0, 0)) is None
+    )  # a file where the directory would be
 
 
 @pytest.mark.parametrize("field", ["scale", "fixed", "per_step"])
@@ -207,12 +240,13 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
     assert first["kept"] is None and first["updates"] is not None and min(first["updates"]) > 0
     assert first["bandwidth"] is not None and first["bandwidth"] > 0
     (kept_file,) = first["kept_after"]
-    written = kept_file["families"]["1f1b"]
+    (written,) = kept_file["runs"]
     kept = second["kept"]
     assert kept is not None and kept.measured_on.startswith("1f1b m=2")
-    assert kept == Calibration(**{k: v for k, v in written.items() if k != "written"})
+    assert kept == Calibration(**{k: v for k, v in written.items() if k not in ("written", "family", "rows")})
+    assert (written["family"], written["rows"]) == ("1f1b", 5)  # batches of 10 rows, 2 micro-batches
     (replaced,) = second["kept_after"]  # the second fit keeps its own in the same file
-    assert replaced["latest"] == "1f1b" and replaced["families"]["1f1b"] != written
+    assert len(replaced["runs"]) == 1 and replaced["runs"][0] != written  # the same shape: replaced
     assert second["planned"] is not None and second["planned"] > 0
 
 

@@ -14,12 +14,15 @@ what the runtime adds (``bench/auto_plan.py``, ``docs/measurements.md``).
 A calibration is kept under a key of the layers, their parameters, the device and the versions of
 torch and this package (:func:`~lightning_pipe.cost.profile_cache.profile_key` without a micro-batch):
 what a run adds does not depend on the micro-batch's rows the way the profile does, and the next run
-may split it into another count. It is kept per schedule family, because what a run adds depends on
-how its workers wait for each other: replicas that all-reduce their gradients every step (Rahimi's
-``ddp``) spend in their actions the waits for the slowest replica, a pipeline does not (on 2 CPU
-processes an MLP's ``ddp`` run measured its actions 2.5x its profile, its 1F1B runs 0.6-1.3x). A
-prediction takes its family's last calibration, or the last one of any family where its own never
-ran. Each holds the configuration it was measured on and when.
+may split it into another count. One is kept per schedule family and micro-batch size
+(:class:`RunShape`), and a prediction takes the closest kept: the same family and size, else the same
+size (the same profile), else the same family, else the last kept. What a run adds depends on both:
+replicas that all-reduce their gradients every step (Rahimi's ``ddp``) spend in their actions the
+waits for the slowest replica, a pipeline does not (on 2 CPU processes an MLP's ``ddp`` run measured
+its actions 2.5x its profile, its 1F1B runs 0.6-1.3x), and the profile of a smaller micro-batch is
+another measurement, off the run by another factor (torchvision's ResNet-18 at 4 rows a micro-batch,
+predicted from a calibration measured at 16, came out 20-35% off: ``bench/auto_plan.py``). Each
+holds the configuration it was measured on and when.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from lightning_pipe.util.units import format_seconds
 __all__ = [
     "Calibration",
     "Priced",
+    "RunShape",
     "calibration",
     "calibration_path",
     "keep_calibration",
@@ -157,37 +161,56 @@ def calibration_path(directory: Path, key: str) -> Path:
     return directory / f"{CALIBRATION_PREFIX}{key}.json"
 
 
-def kept_calibration(directory: Path | None, key: str, family: str | None = None) -> Calibration | None:
-    """The calibration kept for ``key`` in ``directory`` by the last run of ``family``, or, where none
-    ran (or ``family`` is ``None``), by the last run of any family; ``None``: none kept, none readable,
-    or no directory (a run without a profile cache keeps nothing)."""
+@dataclass(frozen=True)
+class RunShape:
+    """What a calibration was measured running, or is asked for: the schedule family and the rows of
+    each micro-batch."""
+
+    family: str
+    rows: int
+
+    def closeness(self, entry: dict[str, object]) -> tuple[bool, bool, bool]:
+        """How close a kept ``entry`` comes: the same family and rows, then the same rows (the same
+        profile), then the same family."""
+        rows, family = entry.get("rows") == self.rows, entry.get("family") == self.family
+        return rows and family, rows, family
+
+
+def kept_calibration(directory: Path | None, key: str, shape: RunShape | None = None) -> Calibration | None:
+    """The calibration kept for ``key`` in ``directory`` closest to ``shape`` (:meth:`RunShape.closeness`;
+    among equals, and for no ``shape``, the last kept); ``None``: none kept, none readable, or no
+    directory (a run without a profile cache keeps nothing)."""
     if directory is None:
         return None
     try:
-        kept = json.loads(calibration_path(directory, key).read_text())
-        found = kept["families"].get(family) or kept["families"][kept["latest"]]
+        entries = list(json.loads(calibration_path(directory, key).read_text())["runs"])
+        order = range(len(entries))
+        best = max(order, key=lambda i: (shape.closeness(entries[i]) if shape else (), i)) if entries else None
+        if best is None:
+            return None
+        found = entries[best]
         return Calibration(**{k: found[k] for k in ("scale", "fixed", "per_step", "measured_on")})
     except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanningError):
         return None
 
 
-def keep_calibration(directory: Path | None, key: str, family: str, found: Calibration) -> Path | None:
-    """Keep ``found``, measured running ``family``, for ``key`` in ``directory`` beside the other
-    families' (replacing the one ``family`` kept; the file is replaced atomically); the file, or
+def keep_calibration(directory: Path | None, key: str, shape: RunShape, found: Calibration) -> Path | None:
+    """Keep ``found``, measured running ``shape``, for ``key`` in ``directory`` as the last kept
+    (replacing the one kept for the same shape; the file is replaced atomically); the file, or
     ``None`` where it could not be written (the run goes on without keeping it)."""
     if directory is None:
         return None
     path = calibration_path(directory, key)
     try:
-        kept = json.loads(path.read_text())
-        families = dict(kept["families"])
-    except (OSError, ValueError, KeyError, TypeError):
-        families = {}
-    families[family] = {**asdict(found), "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+        entries = [e for e in json.loads(path.read_text())["runs"] if shape.closeness(e)[0] is False]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        entries = []
+    written = time.strftime("%Y-%m-%d %H:%M:%S")
+    entries.append({"family": shape.family, "rows": shape.rows, **asdict(found), "written": written})
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
-            json.dump({"latest": family, "families": families}, handle, indent=1)
+            json.dump({"runs": entries}, handle, indent=1)
             temporary = Path(handle.name)
         os.replace(temporary, path)
     except OSError:

@@ -53,7 +53,7 @@ from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
 from lightning_pipe.strategy.random_states import replayed
 from lightning_pipe.strategy.recomputation import checkpointed_blocks, recomputation_note, recomputed_stages
 from lightning_pipe.strategy.sharded import read_entries
-from lightning_pipe.strategy.step_prices import StepPrices
+from lightning_pipe.strategy.step_prices import StepPrices, run_shape
 from lightning_pipe.util.nested import flatten, map_tensors, to_cpu, unflatten
 from lightning_pipe.util.units import format_bytes
 
@@ -312,9 +312,9 @@ class PipelineBuilding:
         if self.global_rank == 0:
             profiled = not meta and self.plan_options.profile is None  # a calibration relates a run to a profile
             kept_in = self.plan_options.cache if profiled else None
-            family = None if self._auto is not None else self.schedule_options.family  # auto: the last run's
-            self.step_prices = StepPrices.of(
-                model.layers, model.names, optimizer, self.root_device, kept_in, family, links
+            shape = None if self._auto is not None else run_shape(self.options.family, batch_rows, self.microbatches)
+            self.step_prices = StepPrices.of(  # auto: the last kept (its family and size are not chosen yet)
+                model.layers, model.names, optimizer, self.root_device, kept_in, shape, batch_rows, links
             )
             try:
                 if not meta:  # a model on the meta device has no values to compare

@@ -38,7 +38,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +67,7 @@ __all__ = [
     "PipelineCalibration",
     "Trial",
     "Trials",
+    "trial_candidates",
 ]
 
 CALIBRATE_AFTER = 8
@@ -112,6 +113,31 @@ class Trials:
     def best(self) -> Trial:
         """The measured configuration with the shortest median step."""
         return min(self.measured, key=lambda trial: trial.seconds if trial.seconds is not None else math.inf)
+
+
+def trial_candidates(
+    ranked: Sequence[Candidate], running: Candidate, seconds: Callable[[Candidate], float]
+) -> list[Candidate]:
+    """The configurations to try against ``running``, best first by ``seconds`` (the calibrated
+    prediction; ``ranked`` sorted by it): the best of each other family predicted no more than
+    :data:`TRIAL_MARGIN` slower, and of the running family when :data:`SWITCH_GAIN` faster;
+    :data:`TRIALS` at most. Where the families that flush and those that do not were both searched
+    and none of the other kind made the margin, the best of the other kind takes the last place: the
+    two kinds' predictions differ most in what they leave out (the time beyond the actions overlaps
+    the others' compute only without a flush), and on an MLP whose steps are mostly that time the
+    best measured family was once left out, 0.91 of the best (``bench/auto_plan.py``)."""
+    predicted = seconds(running)
+    chosen: list[Candidate] = []
+    for candidate in ranked:
+        if len(chosen) == TRIALS or seconds(candidate) > predicted * (1 + TRIAL_MARGIN):
+            break
+        taken = {running.family} if seconds(candidate) > predicted * (1 - SWITCH_GAIN) else set()
+        if candidate is not running and candidate.family not in taken | {c.family for c in chosen}:
+            chosen.append(candidate)
+    other = next((c for c in ranked if c.flushes != running.flushes), None)
+    if other is not None and all(c.flushes == running.flushes for c in chosen):
+        chosen = [*chosen[: TRIALS - 1], other]
+    return chosen
 
 
 def _intervals(starts: Sequence[float]) -> list[float]:
@@ -182,7 +208,8 @@ class PipelineCalibration:
         ``since`` on measured (said either way): the best priced of each other family predicted no
         more than :data:`TRIAL_MARGIN` slower than the running one (the predictions may be off by that
         much across families, ``bench/auto_plan.py``), and the best of the running family when it is
-        predicted :data:`SWITCH_GAIN` faster; :data:`TRIALS` at most, best first."""
+        predicted :data:`SWITCH_GAIN` faster; :data:`TRIALS` at most, best first
+        (:func:`trial_candidates`)."""
         assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
         scale, fixed = separated(self._profiled(self.stage_plan), actions(compute), actions(in_run))
         costs, arguments = self._searched
@@ -194,14 +221,7 @@ class PipelineCalibration:
         found = Calibration.fitted(scale, fixed, running, statistics.median(_intervals(self._step_starts)[since:]))
         self.calibration, self.candidates = found, sorted(ranked, key=found.seconds)
         predicted = self.calibrated_step_seconds = found.seconds(running)
-        chosen: list[Candidate] = []
-        for candidate in self.candidates:  # best first: one per family, the running one's when faster
-            seconds = found.seconds(candidate)
-            if len(chosen) == TRIALS or seconds > predicted * (1 + TRIAL_MARGIN):
-                break
-            taken = {running.family} if seconds > predicted * (1 - SWITCH_GAIN) else set()
-            if candidate is not running and candidate.family not in taken | {c.family for c in chosen}:
-                chosen.append(candidate)
+        chosen = trial_candidates(self.candidates, running, found.seconds)
         if not chosen:
             rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: {found}; keeping {running.label}")
             return []
@@ -232,7 +252,7 @@ class PipelineCalibration:
         found = measured_calibration(
             prices, plan, self.options, self.microbatches, self.recompute, profiled, compute, until_next, intervals, on
         )
-        prices.keep(self.options.family, found)
+        prices.keep(self.options.family, self.microbatches, found)
 
     def _judge_trial(self, trials: Trials) -> None:
         """Every rank, after :data:`WARM_UP` + :data:`TRIAL_STEPS` steps of the configuration tried:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_pipe.cost.calibrated import Calibration, keep_calibration, kept_calibration, separated
+from lightning_pipe.cost.calibrated import Calibration, RunShape, keep_calibration, kept_calibration, separated
 from lightning_pipe.cost.profile_cache import profile_key
 from lightning_pipe.cost.update_rate import UpdatePrices, update_rate
 from lightning_pipe.planning import StagePlan, predict
@@ -31,7 +31,12 @@ from lightning_pipe.schedule import StageCosts
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
 
-__all__ = ["Predicted", "StepPrices", "actions", "measured_calibration"]
+__all__ = ["Predicted", "StepPrices", "actions", "measured_calibration", "run_shape"]
+
+
+def run_shape(family: str, batch_rows: int, microbatches: int) -> RunShape:
+    """``family`` on micro-batches of ``batch_rows`` cut into ``microbatches`` (the largest's rows)."""
+    return RunShape(family, -(-batch_rows // microbatches))
 
 
 def actions(costs: StageCosts) -> list[float]:
@@ -58,15 +63,17 @@ class Predicted:
 class StepPrices:
     """What rank 0 prices beyond the layer profile in this fit: ``update`` (each stage's optimizer
     step, ``None``: not priced), ``kept`` (the calibration an earlier fit kept under ``key`` in
-    ``directory``, ``None``: none) and ``bandwidth`` (the links measured among the ranks, which the
+    ``directory``, ``None``: none), ``bandwidth`` (the links measured among the ranks, which the
     prediction prices messages and all-reduces at where the plan was made without them; ``None``:
-    the plan's)."""
+    the plan's), and the rows of the fit's batches (``batch_rows``: the micro-batch size of what it
+    keeps)."""
 
     update: UpdatePrices | None = None
     kept: Calibration | None = None
     directory: Path | None = None
     key: str = ""
     bandwidth: float | None = None
+    batch_rows: int = 0
 
     @classmethod
     def of(
@@ -76,16 +83,24 @@ class StepPrices:
         optimizer: torch.optim.Optimizer | None,
         device: torch.device,
         directory: Path | None,
-        family: str | None,
+        shape: RunShape | None,
+        batch_rows: int,
         bandwidth: float | None = None,
     ) -> StepPrices:
         """The prices of ``layers`` trained with ``optimizer`` on ``device``, the calibration kept in
-        ``directory`` (the profile cache; ``None``: nothing kept or read) by the last run of ``family``
-        (of any family where none ran, or ``family`` is ``None``), and the links measured."""
+        ``directory`` (the profile cache; ``None``: nothing kept or read) closest to ``shape`` (the last
+        kept, for ``None``), the rows of the fit's batches, and the links measured."""
         floating = [p.dtype for layer in layers for p in layer.parameters() if p.is_floating_point()]
         rate = update_rate(optimizer, device, floating[0]) if floating else None
         key = profile_key(layers, names, (), device, 0)
-        return cls(UpdatePrices.of(rate, layers), kept_calibration(directory, key, family), directory, key, bandwidth)
+        return cls(
+            UpdatePrices.of(rate, layers),
+            kept_calibration(directory, key, shape),
+            directory,
+            key,
+            bandwidth,
+            batch_rows,
+        )
 
     @property
     def scale(self) -> float:
@@ -138,10 +153,10 @@ class StepPrices:
             return f"Predicted with the layer profile and {update}; no run of this model kept its calibration yet"
         return f"Predicted with the layer profile, {update}, and what an earlier run measured: {self.kept}"
 
-    def keep(self, family: str, found: Calibration) -> Path | None:
-        """Keep ``found``, measured running ``family``, for the next fit of this model
-        (:func:`~lightning_pipe.cost.calibrated.keep_calibration`)."""
-        return keep_calibration(self.directory, self.key, family, found)
+    def keep(self, family: str, microbatches: int, found: Calibration) -> Path | None:
+        """Keep ``found``, measured running ``family`` on ``microbatches`` micro-batches, for the next
+        fit of this model (:func:`~lightning_pipe.cost.calibrated.keep_calibration`)."""
+        return keep_calibration(self.directory, self.key, run_shape(family, self.batch_rows, microbatches), found)
 
 
 def measured_calibration(
