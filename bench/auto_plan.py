@@ -34,7 +34,10 @@ Models (batches of ``rows`` samples):
 
 Columns: ``samples/s`` (rows per step over the median step, the median over the rounds), ``of best``
 (over the best configuration's, in the same round: the median over the rounds), and the prediction's
-error: the step the strategy printed at set-up (the profile simulated) against the measured one; for
+error: the step the strategy printed at set-up (the profile simulated with each stage's update, the
+links and what the closest earlier fit of the model kept: the bench keeps its profiles and
+calibrations in a fresh directory, so the first fit of each model predicts from the profile alone,
+which is printed apart, and every later one from what earlier fits measured) against the measured one; for
 every configuration, also the step the pick's calibration predicts for it (the pick's in-run costs:
 ``calibrated error``, where the pick priced the same split). The summary gives, per model, the
 pick's samples/s as a fraction of the best measured configuration's: the figure of merit (goal 0.95).
@@ -183,6 +186,7 @@ def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warm
                     else ""
                 ),
                 "settled": strategy.settled_step,
+                "priced_with": "" if strategy.step_prices.kept is None else strategy.step_prices.kept.measured_on,
                 "key": (strategy.schedule_options.family, strategy.microbatches, strategy.stage_plan.bounds),
                 "priced": {(c.family, c.microbatches, c.bounds): calibration.seconds(c) for c in priced},
             }
@@ -250,11 +254,18 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
                 "calibrated_error": _error(statistics.median(calibrated), step) if calibrated else None,
             }
         )
-    return {"model": model, "rows": rows, "rounds": args.rounds, "table": table}
+    first_name = configs[0][0]  # the first fit of the model: no calibration kept yet
+    first = rounds[0][first_name]
+    first_fit = {"configuration": first_name, "error": _error(first["predicted"], first["step"])}
+    return {"model": model, "rows": rows, "rounds": args.rounds, "table": table, "first_fit": first_fit}
 
 
 def _print(result: dict[str, Any]) -> None:
     print(f"\n### {result['model']} ({result['rows']} rows per batch, {result['rounds']} round(s))\n")
+    first = result["first_fit"]
+    print(
+        f"The first fit ({first['configuration']}, no calibration kept yet): set-up error {_percent(first['error'])}\n"
+    )
     print("| configuration | ran | samples/s | of best | step | predicted | error | calibrated error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in sorted(result["table"], key=lambda r: -r["samples_per_second"]):
