@@ -17,8 +17,10 @@ The space and its assumptions, all of them the simulator's or stated here:
   <lightning_pipe.cost.records.ChainCosts.scaled>`: times and activations grow with the rows,
   parameters do not); given a second profile on a smaller micro-batch (``small``), each layer's
   times follow the line through the two in the rows instead, which keeps what a layer costs
-  whatever its rows (small micro-batches are dominated by it on a CPU); plus ``action_seconds`` per
-  forward and per backward, the runtime's own fixed cost per action. Every candidate computes the
+  whatever its rows (small micro-batches are dominated by it on a CPU); each action at ``scale`` × its
+  profile plus ``action_seconds`` (the rate and the runtime's own time per action a run measured:
+  :class:`~lightning_pipe.cost.calibrated.Calibration`), and each stage's optimizer update priced
+  from its parameters (``update``: :class:`~lightning_pipe.cost.update_rate.UpdatePrices`). Every candidate computes the
   same samples per step, so their step times compare fairly whatever their ``m``, and none changes
   the global batch.
 - **Families and rules** (:func:`searched_families`): the flushing families run ``sync`` — GPipe
