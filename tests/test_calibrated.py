@@ -33,6 +33,7 @@ from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict, schedul
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.strategy.calibrating import SWITCH_GAIN, TRIAL_MARGIN, TRIALS, trial_candidates
 from tests.lightning_cases import Chain, loader, trainer
 
 
@@ -267,3 +268,36 @@ def test_the_rate_and_the_time_between_actions_are_measured_apart(
     assert math.isclose(got_fixed, fixed, rel_tol=1e-9, abs_tol=1e-12)
     with pytest.raises(PlanningError, match="as many measured values"):
         separated(profiled, compute, [])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["1f1b", "gpipe", "ddp", "2bw", "cdp"]), st.floats(0.5, 2.0)), min_size=1, max_size=10
+    ),
+    st.integers(0, 9),
+)
+def test_the_trials_are_the_best_of_each_family_within_the_margin_and_both_kinds(
+    priced: list[tuple[str, float]], which: int
+) -> None:
+    """Brute force: one per other family (the running family's best when 5% faster), in the order
+    priced, within 15% of the running one, three at most; the best of the other kind (flushing or
+    not) always among them when one was priced."""
+    ranked = sorted((_candidate(family, step, step) for family, step in priced), key=lambda c: c.step_seconds)
+    running = ranked[which % len(ranked)]
+    chosen = trial_candidates(ranked, running, lambda c: c.step_seconds)
+    limit = running.step_seconds * (1 + TRIAL_MARGIN)
+    expected: list[Candidate] = []
+    for candidate in ranked:
+        faster = candidate.step_seconds <= running.step_seconds * (1 - SWITCH_GAIN)
+        own = candidate.family == running.family and not faster
+        if candidate is running or own or candidate.family in {c.family for c in expected}:
+            continue
+        if candidate.step_seconds <= limit and len(expected) < TRIALS:
+            expected.append(candidate)
+    others = [c for c in ranked if c.flushes != running.flushes]
+    if others and all(c.flushes == running.flushes for c in expected):
+        expected = [*expected[: TRIALS - 1], others[0]]
+    assert chosen == expected
+    assert len(chosen) <= TRIALS and running not in chosen
+    assert not others or any(c.flushes != running.flushes for c in chosen)

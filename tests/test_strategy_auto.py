@@ -12,27 +12,20 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.auto import FLUSHING_FAMILIES, Candidate
+from lightning_pipe.auto import FLUSHING_FAMILIES
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.planning import StagePlan
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts
-from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.calibrating import (
     CALIBRATE_AFTER,
     PIN_STEPS,
-    SWITCH_GAIN,
-    TRIAL_MARGIN,
     TRIAL_STEPS,
     TRIALS,
     WARM_UP,
     Trial,
-    trial_candidates,
 )
 from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, Chosen
 from tests.lightning_cases import Chain, final_state, loader, plain_fit, trainer
@@ -209,48 +202,3 @@ def test_decisions_between_steps_of_a_delayed_schedule_with_tied_weights_do_not_
     for found in results:
         assert len(found["trials"]) == 2 and all(seconds > 0 for seconds in found["trials"])
         assert found["pinned"] in (True, False)
-
-
-def _priced(family: str, step: float) -> Candidate:
-    return Candidate(
-        schedule=ScheduleOptions(family=family, microbatches=2),
-        recompute=(False, False),
-        stage_plan=StagePlan(((0, 0), (1, 1))),
-        step_seconds=step,
-        bubble_fraction=0.0,
-        busiest_seconds=step,
-        memory_bytes=(0.0, 0.0),
-    )
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(["1f1b", "gpipe", "ddp", "2bw", "cdp"]), st.floats(0.5, 2.0)), min_size=1, max_size=10
-    ),
-    st.integers(0, 9),
-)
-def test_the_trials_are_the_best_of_each_family_within_the_margin_and_both_kinds(
-    priced: list[tuple[str, float]], which: int
-) -> None:
-    """Brute force: one per other family (the running family's best when 5% faster), in the order
-    priced, within 15% of the running one, three at most; the best of the other kind (flushing or
-    not) always among them when one was priced."""
-    ranked = sorted((_priced(family, step) for family, step in priced), key=lambda c: c.step_seconds)
-    running = ranked[which % len(ranked)]
-    chosen = trial_candidates(ranked, running, lambda c: c.step_seconds)
-    limit = running.step_seconds * (1 + TRIAL_MARGIN)
-    expected: list[Candidate] = []
-    for candidate in ranked:
-        faster = candidate.step_seconds <= running.step_seconds * (1 - SWITCH_GAIN)
-        own = candidate.family == running.family and not faster
-        if candidate is running or own or candidate.family in {c.family for c in expected}:
-            continue
-        if candidate.step_seconds <= limit and len(expected) < TRIALS:
-            expected.append(candidate)
-    others = [c for c in ranked if c.flushes != running.flushes]
-    if others and all(c.flushes == running.flushes for c in expected):
-        expected = [*expected[: TRIALS - 1], others[0]]
-    assert chosen == expected
-    assert len(chosen) <= TRIALS and running not in chosen
-    assert not others or any(c.flushes != running.flushes for c in chosen)

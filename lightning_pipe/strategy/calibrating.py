@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe.auto import Candidate, ranking_table, search
 from lightning_pipe.cost.calibrated import Calibration, calibration, separated
 from lightning_pipe.cost.profile_cache import forget_profile, profile_disagrees
-from lightning_pipe.planning import StagePlan, predict
+from lightning_pipe.planning import StagePlan
 from lightning_pipe.runtime.affinity import pin_threads, place_threads
 from lightning_pipe.schedule import StageCosts
 from lightning_pipe.strategy.after_fit import fill
@@ -355,17 +355,10 @@ class PipelineCalibration:
         self.settled_step += len(self._step_starts)
         self._step_seconds, self._step_starts = [], []
         if self.global_rank == 0:  # with the calibrated costs
-            found = self.calibration
-            prices = self.step_prices
-            self._prediction = predict(
-                stage_plan,
-                self.options,
-                self.microbatches,
-                self.plan_options.contention if found is None else 1.0,
-                self.recompute,
-                prices.fixed if found is None else found.fixed,
-                prices.updates(stage_plan),
-                prices.scale if found is None else found.scale,
+            found, prices = self.calibration, self.step_prices
+            calibrated = prices if found is None else dataclasses.replace(prices, kept=found)
+            self._prediction, _ = calibrated.predict(
+                stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
             )
 
     def _try_pinning(self, trial: PinTrial, step: int) -> None:

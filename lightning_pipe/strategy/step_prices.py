@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -178,7 +178,7 @@ def measured_calibration(
     median of ``step_seconds`` leaves over ``stage_plan`` predicted with them (and ``prices``' updates
     and links), so that the running configuration is predicted at its measured step."""
     scale, fixed = separated(profiled, actions(compute), actions(until_next))
-    fitted = StepPrices(prices.update, Calibration(scale, fixed, 0.0), bandwidth=prices.bandwidth)
+    fitted = replace(prices, kept=Calibration(scale, fixed, 0.0))
     simulation, _ = fitted.predict(stage_plan, options, microbatches, 1.0, recompute)
     assert simulation is not None
     return Calibration.fitted(scale, fixed, Predicted.of(simulation), statistics.median(step_seconds), measured_on)
