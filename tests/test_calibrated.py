@@ -114,31 +114,41 @@ def test_the_closest_calibration_kept_is_read_back(tmp_path: Path) -> None:
     keep_calibration(tmp_path, "key", RunShape("1f1b", 8), again)
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)) == again == kept_calibration(tmp_path, "key")
     assert len(json.loads(path.read_text())["runs"]) == 2  # replaced, not added
+    pinned = Calibration(0.7, 0.0, 0.0, "1f1b m=4 pinned, 2026-11-27")
+    keep_calibration(tmp_path, "key", RunShape("1f1b", 8, pinned=True), pinned)
+    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8, pinned=True)) == pinned
+    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)) == again  # pinning kept apart
+    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8, pinned=None)) == pinned  # not known: the last
+    assert len(json.loads(path.read_text())["runs"]) == 3
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
 
 
-_SHAPES = st.builds(RunShape, st.sampled_from(["1f1b", "ddp", "2bw"]), st.sampled_from([4, 8, 16]))
+_SHAPES = st.builds(
+    RunShape, st.sampled_from(["1f1b", "ddp", "2bw"]), st.sampled_from([4, 8, 16]), st.sampled_from([False, True])
+)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(_SHAPES, min_size=1, max_size=8), _SHAPES)
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_SHAPES, min_size=1, max_size=8), _SHAPES | st.builds(RunShape, st.just("1f1b"), st.just(8), st.none()))
 def test_a_prediction_takes_the_closest_run_kept(kept: list[RunShape], asked: RunShape) -> None:
     """Brute force: the last run kept of the same family and rows, else of the same rows, else of the
-    same family, else the last run kept."""
+    same family, else the last run kept; at each of these, one of the same pinning first (where the
+    pinning asked for is known)."""
     with tempfile.TemporaryDirectory() as directory:
         for index, shape in enumerate(kept):
             keep_calibration(Path(directory), "key", shape, Calibration(1.0, 0.0, float(index)))
         found = kept_calibration(Path(directory), "key", asked)
     last = {shape: index for index, shape in enumerate(kept)}  # a shape kept again replaces its entry
     for matches in (
-        lambda s: s == asked,
+        lambda s: s.rows == asked.rows and s.family == asked.family,
         lambda s: s.rows == asked.rows,
         lambda s: s.family == asked.family,
         lambda s: True,
     ):
         among = [index for shape, index in last.items() if matches(shape)]
+        pinned_alike = [index for shape, index in last.items() if matches(shape) and shape.pinned == asked.pinned]
         if among:
-            assert found is not None and found.per_step == float(max(among))
+            assert found is not None and found.per_step == float(max(pinned_alike or among))
             return
 
 
@@ -210,12 +220,15 @@ def test_the_prediction_prices_the_run_beyond_the_profile_as_the_simulator_would
     assert without is not None and got.steady_step >= without.steady_step * min(scale, 1.0) - 1e-12
 
 
-def _two_fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
-    """Worker: the same model trained twice with a profile cache in ``directory``; what rank 0 priced."""
+def _three_fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
+    """Worker: the same model trained three times with a profile cache in ``directory``, the last
+    with its threads pinned; what rank 0 priced."""
     os.environ["LOCAL_RANK"] = str(rank)
     found = []
-    for fit in range(2):
-        strategy = PipelineStrategy("1f1b", microbatches=2, profile_cache=directory, timeout=timedelta(seconds=60))
+    for fit, pinned in enumerate((False, False, True)):
+        strategy = PipelineStrategy(
+            "1f1b", microbatches=2, profile_cache=directory, pin_cpus=pinned, timeout=timedelta(seconds=60)
+        )
         run = trainer(Path(root, str(fit)), strategy, 2)
         run.fit(Chain(), loader(10))
         prices = strategy.step_prices
@@ -231,24 +244,36 @@ def _two_fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
     return found
 
 
+def _entry(kept: dict[str, Any]) -> Calibration:
+    """The calibration a kept entry holds (beside its shape and when it was written)."""
+    return Calibration(**{k: kept[k] for k in ("scale", "fixed", "per_step", "measured_on")})
+
+
 @pytest.mark.timeout(300)
 def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path: Path) -> None:
     """The first fit of a model prices the updates (at the optimizer's measured rate) and the links,
     has no calibration yet, and keeps its own beside the profile; the second reads it and predicts its
-    step with it: what the first fit measured beyond the profile is in the second's prediction."""
+    step with it: what the first fit measured beyond the profile is in the second's prediction. A
+    third fit, pinned, reads the closest kept (the unpinned one) and keeps its own beside it."""
     cache = tmp_path / "profiles"
-    first, second = run_local(_two_fits, 2, str(tmp_path), str(cache), timeout=240)[0]
+    first, second, third = run_local(_three_fits, 2, str(tmp_path), str(cache), timeout=240)[0]
     assert first["kept"] is None and first["updates"] is not None and min(first["updates"]) > 0
     assert first["bandwidth"] is not None and first["bandwidth"] > 0
     (kept_file,) = first["kept_after"]
     (written,) = kept_file["runs"]
     kept = second["kept"]
     assert kept is not None and kept.measured_on.startswith("1f1b m=2")
-    assert kept == Calibration(**{k: v for k, v in written.items() if k not in ("written", "family", "rows")})
-    assert (written["family"], written["rows"]) == ("1f1b", 5)  # batches of 10 rows, 2 micro-batches
+    assert kept == _entry(written)
+    assert (written["family"], written["rows"], written["pinned"]) == ("1f1b", 5, False)  # 10 rows, 2 micro-batches
     (replaced,) = second["kept_after"]  # the second fit keeps its own in the same file
     assert len(replaced["runs"]) == 1 and replaced["runs"][0] != written  # the same shape: replaced
     assert second["planned"] is not None and second["planned"] > 0
+    assert third["kept"] == _entry(replaced["runs"][0])
+    (both,) = third["kept_after"]
+    assert [(run["family"], run["rows"], run["pinned"]) for run in both["runs"]] == [
+        ("1f1b", 5, False),
+        ("1f1b", 5, True),
+    ]
 
 
 @settings(max_examples=60, deadline=None)

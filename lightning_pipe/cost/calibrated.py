@@ -14,15 +14,19 @@ what the runtime adds (``bench/auto_plan.py``, ``docs/measurements.md``).
 A calibration is kept under a key of the layers, their parameters, the device and the versions of
 torch and this package (:func:`~lightning_pipe.cost.profile_cache.profile_key` without a micro-batch):
 what a run adds does not depend on the micro-batch's rows the way the profile does, and the next run
-may split it into another count. One is kept per schedule family and micro-batch size
+may split it into another count. One is kept per schedule family, micro-batch size and pinning
 (:class:`RunShape`), and a prediction takes the closest kept: the same family and size, else the same
-size (the same profile), else the same family, else the last kept. What a run adds depends on both:
+size (the same profile), else the same family, else the last kept; at each, the same pinning first.
+What a run adds depends on all three:
 replicas that all-reduce their gradients every step (Rahimi's ``ddp``) spend in their actions the
 waits for the slowest replica, a pipeline does not (on 2 CPU processes an MLP's ``ddp`` run measured
 its actions 2.5x its profile, its 1F1B runs 0.6-1.3x), and the profile of a smaller micro-batch is
 another measurement, off the run by another factor (torchvision's ResNet-18 at 4 rows a micro-batch,
-predicted from a calibration measured at 16, came out 20-35% off: ``bench/auto_plan.py``). Each
-holds the configuration it was measured on and when.
+predicted from a calibration measured at 16, came out 20-35% off: ``bench/auto_plan.py``), and
+threads pinned to cores run at another rate (the same ResNet-18's rows, each predicted from the
+calibration of the same configuration with the other pinning, came out up to 32% short unpinned and
+up to 22% long pinned).
+Each holds the configuration it was measured on and when.
 """
 
 from __future__ import annotations
@@ -163,17 +167,26 @@ def calibration_path(directory: Path, key: str) -> Path:
 
 @dataclass(frozen=True)
 class RunShape:
-    """What a calibration was measured running, or is asked for: the schedule family and the rows of
-    each micro-batch."""
+    """What a calibration was measured running, or is asked for: the schedule family, the rows of
+    each micro-batch, and whether each process's threads were pinned to cores of their own (``None``:
+    not known yet, as under ``pin_cpus="auto"`` before its trial). Pinning moves the rate of the
+    actions: on 2 CPU processes a torchvision ResNet-18's steps ran up to 20% apart pinned and
+    unpinned, the same configuration otherwise."""
 
     family: str
     rows: int
+    pinned: bool | None = False
 
-    def closeness(self, entry: dict[str, object]) -> tuple[bool, bool, bool]:
+    def matches(self, entry: dict[str, object]) -> bool:
+        """Whether a kept ``entry`` was measured running this very shape."""
+        return (entry.get("family"), entry.get("rows"), entry.get("pinned")) == (self.family, self.rows, self.pinned)
+
+    def closeness(self, entry: dict[str, object]) -> tuple[bool, bool, bool, bool]:
         """How close a kept ``entry`` comes: the same family and rows, then the same rows (the same
-        profile), then the same family."""
+        profile), then the same family; among those, the same pinning."""
         rows, family = entry.get("rows") == self.rows, entry.get("family") == self.family
-        return rows and family, rows, family
+        pinned = self.pinned is not None and entry.get("pinned") == self.pinned
+        return rows and family, rows, family, pinned
 
 
 def kept_calibration(directory: Path | None, key: str, shape: RunShape | None = None) -> Calibration | None:
@@ -202,11 +215,11 @@ def keep_calibration(directory: Path | None, key: str, shape: RunShape, found: C
         return None
     path = calibration_path(directory, key)
     try:
-        entries = [e for e in json.loads(path.read_text())["runs"] if shape.closeness(e)[0] is False]
+        entries = [e for e in json.loads(path.read_text())["runs"] if not shape.matches(e)]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         entries = []
     written = time.strftime("%Y-%m-%d %H:%M:%S")
-    entries.append({"family": shape.family, "rows": shape.rows, **asdict(found), "written": written})
+    entries.append({**asdict(shape), **asdict(found), "written": written})
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:

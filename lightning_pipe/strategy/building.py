@@ -312,7 +312,11 @@ class PipelineBuilding:
         if self.global_rank == 0:
             profiled = not meta and self.plan_options.profile is None  # a calibration relates a run to a profile
             kept_in = self.plan_options.cache if profiled else None
-            shape = None if self._auto is not None else run_shape(self.options.family, batch_rows, self.microbatches)
+            shape = (
+                None
+                if self._auto is not None
+                else run_shape(self.options.family, batch_rows, self.microbatches, self._pinned())
+            )
             self.step_prices = StepPrices.of(  # auto: the last kept (its family and size are not chosen yet)
                 model.layers, model.names, optimizer, self.root_device, kept_in, shape, batch_rows, links
             )

@@ -252,7 +252,7 @@ class PipelineCalibration:
         found = measured_calibration(
             prices, plan, self.options, self.microbatches, self.recompute, profiled, compute, until_next, intervals, on
         )
-        prices.keep(self.options.family, self.microbatches, found)
+        prices.keep(self.options.family, self.microbatches, bool(self._pinned()), found)
 
     def _judge_trial(self, trials: Trials) -> None:
         """Every rank, after :data:`WARM_UP` + :data:`TRIAL_STEPS` steps of the configuration tried:
@@ -286,6 +286,12 @@ class PipelineCalibration:
         assert self.executor is not None
         if self.executor.calls:
             self.executor.drain()
+
+    def _pinned(self) -> bool | None:
+        """Whether each process's threads run pinned to cores of their own: ``None`` while
+        ``pin_cpus="auto"`` has not decided yet."""
+        trial = self._pin_trial
+        return self.pin_cpus is True or (trial.pinned if trial is not None else False)
 
     def _label(self) -> str:
         """The running configuration as the ranking names it."""

@@ -34,9 +34,10 @@ from lightning_pipe.schedule.simulation import Simulation
 __all__ = ["Predicted", "StepPrices", "actions", "measured_calibration", "run_shape"]
 
 
-def run_shape(family: str, batch_rows: int, microbatches: int) -> RunShape:
-    """``family`` on micro-batches of ``batch_rows`` cut into ``microbatches`` (the largest's rows)."""
-    return RunShape(family, -(-batch_rows // microbatches))
+def run_shape(family: str, batch_rows: int, microbatches: int, pinned: bool | None) -> RunShape:
+    """``family`` on micro-batches of ``batch_rows`` cut into ``microbatches`` (the largest's rows),
+    its threads ``pinned`` or not (``None``: not known yet)."""
+    return RunShape(family, -(-batch_rows // microbatches), pinned)
 
 
 def actions(costs: StageCosts) -> list[float]:
@@ -153,10 +154,12 @@ class StepPrices:
             return f"Predicted with the layer profile and {update}; no run of this model kept its calibration yet"
         return f"Predicted with the layer profile, {update}, and what an earlier run measured: {self.kept}"
 
-    def keep(self, family: str, microbatches: int, found: Calibration) -> Path | None:
-        """Keep ``found``, measured running ``family`` on ``microbatches`` micro-batches, for the next
-        fit of this model (:func:`~lightning_pipe.cost.calibrated.keep_calibration`)."""
-        return keep_calibration(self.directory, self.key, run_shape(family, self.batch_rows, microbatches), found)
+    def keep(self, family: str, microbatches: int, pinned: bool, found: Calibration) -> Path | None:
+        """Keep ``found``, measured running ``family`` on ``microbatches`` micro-batches with its
+        threads ``pinned`` or not, for the next fit of this model
+        (:func:`~lightning_pipe.cost.calibrated.keep_calibration`)."""
+        shape = run_shape(family, self.batch_rows, microbatches, pinned)
+        return keep_calibration(self.directory, self.key, shape, found)
 
 
 def measured_calibration(
