@@ -48,9 +48,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from lightning_pipe.cost.calibrated import Calibration
 from lightning_pipe.cost.memory import EXTRA_COPIES
 from lightning_pipe.cost.network import Network
 from lightning_pipe.cost.records import ChainCosts
@@ -320,6 +321,7 @@ def search(
     small: tuple[ChainCosts, float] | None = None,
     action_seconds: float = 0.0,
     scale: float = 1.0,
+    calibrations: Callable[[str, int], Calibration | None] | None = None,
     update: UpdatePrices | None = None,
     extra_copies: float = EXTRA_COPIES["momentum"],
     network: Network | None = None,
@@ -344,6 +346,9 @@ def search(
         scale: each forward and backward takes ``scale`` × its profile (+ ``action_seconds``): what a
             run measured (:class:`~lightning_pipe.cost.calibrated.Calibration`); the candidates'
             stage plans keep the profile's costs.
+        calibrations: what an earlier run measured, for each family and micro-batch count (the
+            calibration kept closest to it, ``None``: none): its rate and fixed seconds per action
+            price that family's candidates on that count in place of ``scale`` and ``action_seconds``.
         update: each stage's optimizer step (none: free).
         extra_copies, network, contention: the memory model's optimizer copies, the network of
             :func:`~lightning_pipe.partition.evaluate` and the simulator's contention.
@@ -403,7 +408,9 @@ def search(
                     continue
                 stage_plan = StagePlan(bounds, plan, scaled, replicas, known)
                 updates = None if update is None else update.stages(bounds)
-                simulation = predict(stage_plan, options, m, contention, flags, action_seconds, updates, scale)
+                kept = None if calibrations is None else calibrations(family, m)
+                rate, fixed = (scale, action_seconds) if kept is None else (kept.scale, kept.fixed)
+                simulation = predict(stage_plan, options, m, contention, flags, fixed, updates, rate)
                 assert simulation is not None
                 found.append(
                     Candidate(

@@ -23,6 +23,7 @@ from lightning_pipe.auto import (
     search,
     searched_families,
 )
+from lightning_pipe.cost.calibrated import Calibration
 from lightning_pipe.cost.memory import EXTRA_COPIES, MemoryModel
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
@@ -210,6 +211,31 @@ def test_a_fixed_cost_per_micro_batch_favours_fewer() -> None:
     assert free[0].microbatches == 8 and free[0].bubble_fraction < free[-1].bubble_fraction
     fixed = search(costs, 2, microbatches=(2, 8), families=["gpipe"], recompute=False, action_seconds=1.0)
     assert fixed[0].microbatches == 2
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chains(),
+    st.dictionaries(
+        st.tuples(st.sampled_from(["gpipe", "1f1b", "ddp"]), st.sampled_from([2, 4])),
+        st.tuples(st.floats(0.5, 3.0), st.floats(0.0, 2.0)),
+    ),
+)
+def test_each_family_and_count_is_priced_with_its_own_calibration(
+    costs: ChainCosts, rates: dict[tuple[str, int], tuple[float, float]]
+) -> None:
+    """Per family and micro-batch count, the calibration given (else ``scale`` and
+    ``action_seconds``) prices its candidates: the same as searching that family and count alone
+    with its rate and fixed seconds per action."""
+    space = {"families": ["gpipe", "1f1b", "ddp"], "microbatches": (2, 4), "recompute": False}
+    kept = {pair: Calibration(rate, fixed, 0.0) for pair, (rate, fixed) in rates.items()}
+    found = search(costs, WORKERS, calibrations=lambda family, m: kept.get((family, m)), scale=1.5, **space)
+    for candidate in found:
+        alone = kept.get((candidate.family, candidate.microbatches), Calibration(1.5, 0.0, 0.0))
+        space_alone = {**space, "families": [candidate.family], "microbatches": (candidate.microbatches,)}
+        same = search(costs, WORKERS, scale=alone.scale, action_seconds=alone.fixed, **space_alone)
+        match = next(c for c in same if c.bounds == candidate.bounds and c.replicas == candidate.replicas)
+        assert math.isclose(candidate.step_seconds, match.step_seconds, rel_tol=1e-12)
 
 
 def test_beyond_max_splits_the_partitioners_split_and_its_neighbours() -> None:

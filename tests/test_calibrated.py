@@ -220,14 +220,18 @@ def test_the_prediction_prices_the_run_beyond_the_profile_as_the_simulator_would
     assert without is not None and got.steady_step >= without.steady_step * min(scale, 1.0) - 1e-12
 
 
-def _three_fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
-    """Worker: the same model trained three times with a profile cache in ``directory``, the last
-    with its threads pinned; what rank 0 priced."""
+def _fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
+    """Worker: the same model trained four times with a profile cache in ``directory``: 1F1B on 2
+    micro-batches twice, then pinned, then ``schedule="auto"`` on 2 micro-batches; what rank 0 priced."""
     os.environ["LOCAL_RANK"] = str(rank)
     found = []
-    for fit, pinned in enumerate((False, False, True)):
+    for fit, (schedule, pinned) in enumerate((("1f1b", False), ("1f1b", False), ("1f1b", True), ("auto", False))):
         strategy = PipelineStrategy(
-            "1f1b", microbatches=2, profile_cache=directory, pin_cpus=pinned, timeout=timedelta(seconds=60)
+            schedule,
+            microbatches=[2] if schedule == "auto" else 2,
+            profile_cache=directory,
+            pin_cpus=pinned,
+            timeout=timedelta(seconds=60),
         )
         run = trainer(Path(root, str(fit)), strategy, 2)
         run.fit(Chain(), loader(10))
@@ -254,9 +258,10 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
     """The first fit of a model prices the updates (at the optimizer's measured rate) and the links,
     has no calibration yet, and keeps its own beside the profile; the second reads it and predicts its
     step with it: what the first fit measured beyond the profile is in the second's prediction. A
-    third fit, pinned, reads the closest kept (the unpinned one) and keeps its own beside it."""
+    third fit, pinned, reads the closest kept (the unpinned one) and keeps its own beside it. The
+    fourth, ``schedule="auto"`` unpinned, prices its winner with the unpinned one, not the last kept."""
     cache = tmp_path / "profiles"
-    first, second, third = run_local(_three_fits, 2, str(tmp_path), str(cache), timeout=240)[0]
+    first, second, third, chosen = run_local(_fits, 2, str(tmp_path), str(cache), timeout=240)[0]
     assert first["kept"] is None and first["updates"] is not None and min(first["updates"]) > 0
     assert first["bandwidth"] is not None and first["bandwidth"] > 0
     (kept_file,) = first["kept_after"]
@@ -270,6 +275,7 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
     assert second["planned"] is not None and second["planned"] > 0
     assert third["kept"] == _entry(replaced["runs"][0])
     (both,) = third["kept_after"]
+    assert chosen["kept"] == _entry(both["runs"][0]) != _entry(both["runs"][1])
     assert [(run["family"], run["rows"], run["pinned"]) for run in both["runs"]] == [
         ("1f1b", 5, False),
         ("1f1b", 5, True),

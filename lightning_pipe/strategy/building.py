@@ -317,7 +317,7 @@ class PipelineBuilding:
                 if self._auto is not None
                 else run_shape(self.options.family, batch_rows, self.microbatches, self._pinned())
             )
-            self.step_prices = StepPrices.of(  # auto: the last kept (its family and size are not chosen yet)
+            self.step_prices = StepPrices.of(  # auto: the last kept, then each candidate's closest (.choosing)
                 model.layers, model.names, optimizer, self.root_device, kept_in, shape, batch_rows, links
             )
             try:

@@ -10,7 +10,9 @@ fixed stays fixed: a family given with ``microbatches="auto"`` searches the micr
 splits of that family only, and the update rule is never changed silently (``rule=None`` or
 ``"sync"``: the flushing families; ``"delayed"``: every family with its own rule; one delayed rule:
 the flushing families and those running it). Gradient accumulation over batches and float16 keep
-the search to the flushing families, as they would refuse the others.
+the search to the flushing families, as they would refuse the others. Where earlier fits of the
+model kept calibrations, each candidate is priced with the one kept closest to its family and
+micro-batch size (:mod:`lightning_pipe.cost.calibrated`), and the winner's prediction with its own.
 
 :class:`PipelineChoosing` holds these as methods of :class:`~lightning_pipe.strategy.PipelineStrategy`
 (one of the parts the strategy's class is assembled from, each a module of its own); what the first
@@ -20,6 +22,7 @@ steps measure and the switch they may lead to are :mod:`.calibrating`'s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -199,12 +202,16 @@ class PipelineChoosing:
             "update": self.step_prices.update,
         }
         self._searched = costs, arguments
-        kept = self.step_prices.kept
-        if kept is None:
+        prices = self.step_prices
+        if prices.kept is None:
             ranked = search(costs, self.workers, contention=options.contention, **arguments)
-        else:  # an earlier run's calibration: its rate, fixed cost per action and time beyond the actions
-            ranked = search(costs, self.workers, action_seconds=kept.fixed, scale=kept.scale, **arguments)
-            ranked.sort(key=kept.seconds)
+        else:  # earlier runs' calibrations: each candidate priced with the one closest to its family and size
+            pinned = self._pinned()
+            closest = functools.cache(lambda family, m: prices.closest(family, m, pinned) or prices.kept)
+            ranked = search(costs, self.workers, calibrations=closest, **arguments)
+            ranked.sort(key=lambda candidate: closest(candidate.family, candidate.microbatches).seconds(candidate))
+            winner = ranked[0]
+            self.step_prices = dataclasses.replace(prices, kept=closest(winner.family, winner.microbatches))
         self.candidates = ranked
         rank_zero_info(
             f"Choosing the pipeline: {len(ranked)} configurations fit, priced in {time.perf_counter() - start:.2f} s; "

@@ -103,6 +103,12 @@ class StepPrices:
             batch_rows,
         )
 
+    def closest(self, family: str, microbatches: int, pinned: bool | None) -> Calibration | None:
+        """The calibration kept closest to ``family`` on ``microbatches`` micro-batches, ``pinned`` or
+        not (:func:`~lightning_pipe.cost.calibrated.kept_calibration`)."""
+        shape = run_shape(family, self.batch_rows, microbatches, pinned)
+        return kept_calibration(self.directory, self.key, shape)
+
     @property
     def scale(self) -> float:
         return 1.0 if self.kept is None else self.kept.scale
