@@ -71,7 +71,6 @@ from trainer_runs import Classifier, timed_trainer
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
-from lightning_pipe.runtime.affinity import place_threads
 from lightning_pipe.strategy.calibrating import CALIBRATE_AFTER, PIN_STEPS, TRIAL_STEPS, TRIALS, WARM_UP
 from lightning_pipe.zoo.models import build_chain
 
@@ -155,7 +154,6 @@ def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warm
     timed steps, the printed prediction, the calibrated one and the configuration that ran."""
     os.environ["LOCAL_RANK"] = str(rank)
     _quiet()
-    cores = set(os.sched_getaffinity(0))
     entry = MODELS[model]
     found = []
     for config in configs:
@@ -164,7 +162,6 @@ def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warm
         strategy = PipelineStrategy(**config, start_method="popen")
         trainer, timer = timed_trainer(strategy, "auto_plan_")
         trainer.fit(entry.build(), DataLoader(data, batch_size=entry.rows, drop_last=True))
-        place_threads(cores)  # a pinned training leaves its threads pinned: the next one starts as users do
         start = max(first, strategy.settled_step + WARM_UP)  # the configuration it went on with, warm
         timed = timer.ends[start : start + steps + 1]
         if len(timed) < steps + 1 or start + steps + 1 >= len(timer.ends):  # the last batch drains: left out

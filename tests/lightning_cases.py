@@ -140,7 +140,7 @@ def plain_fit(root: str | Path, case: dict[str, Any]) -> dict[str, Any]:
     """The case trained on one device by Lightning alone: the final state, and what validate, test
     and predict give when the case evaluates."""
     model = Chain(**case.get("model", {}))
-    callbacks = _callbacks(root, case)
+    callbacks = [*_callbacks(root, case), Placements()]
     checkpoints = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
     options = {
         **case.get("trainer", {}),
@@ -179,7 +179,7 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
     model = Chain(**case.get("model", {}))
     initial = state(model)
-    callbacks = _callbacks(root, case)
+    callbacks = [*_callbacks(root, case), Placements()]
     checkpoints = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
     options = {
         **case.get("trainer", {}),
@@ -202,7 +202,8 @@ def fit_case(rank: int, root: str, case: dict[str, Any]) -> dict[str, Any]:
         "held": held(model),
         "initial": initial,
         "precision": run.precision_plugin.state_dict(),
-        "placements": placements(),
+        "placements": next(c.during for c in callbacks if isinstance(c, Placements)),
+        "placements_after": placements(),
         "after_fit": after_fit(model),
     }
     if case.get("evaluate"):
@@ -295,6 +296,13 @@ class FillDisk(L.Callback):
             with open(self.directory / "ballast", "wb") as handle:
                 handle.truncate(0)
                 handle.write(b"\0" * max(free - 4096, 0))
+
+
+class Placements(L.Callback):
+    """The cores this process's threads may run on at the end of training (:func:`placements`)."""
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.during = placements()
 
 
 class Collectives(L.Callback):

@@ -142,6 +142,8 @@ def test_sync_families_train_and_log_as_plain_lightning(tmp_path: Path) -> None:
             allowed = os.sched_getaffinity(0)
             expected = [[tuple(sorted(cores_of(rank, 2, allowed)))] for rank in range(2)]
             assert [rank_result["placements"] for rank_result in results[case["name"]]] == expected
+            every = [[tuple(sorted(allowed))]] * 2  # after fit, back on every core they had
+            assert [rank_result["placements_after"] for rank_result in results[case["name"]]] == every
 
 
 NONFLUSH_CASES = [

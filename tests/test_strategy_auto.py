@@ -28,7 +28,7 @@ from lightning_pipe.strategy.calibrating import (
     Trial,
 )
 from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, Chosen
-from tests.lightning_cases import Chain, final_state, loader, plain_fit, trainer
+from tests.lightning_cases import Chain, Placements, final_state, loader, placements, plain_fit, trainer
 from tests.user_modules import GPTModule
 
 BATCHES = CALIBRATE_AFTER + PIN_STEPS + TRIALS * (WARM_UP + TRIAL_STEPS + 1) + 3  # room for every trial
@@ -59,7 +59,8 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
         model = Chain()
         kind = _Switching if case.get("switch") else PipelineStrategy
         strategy = kind(schedule="auto", profile_cache=False, **case.get("strategy", {}))
-        run = trainer(Path(root) / case["name"], strategy, 2)
+        placed = Placements()
+        run = trainer(Path(root) / case["name"], strategy, 2, callbacks=[placed])
         run.fit(model, loader(BATCHES))
         found.append(
             {
@@ -75,7 +76,8 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
                 "predicted_memory": strategy.predicted_memory,
                 "ranked": [(c.step_seconds, c.family, c.peak_memory_bytes) for c in strategy.candidates],
                 "pinned": None if strategy._pin_trial is None else strategy._pin_trial.pinned,
-                "cores": sorted(os.sched_getaffinity(0)),
+                "cores": placed.during,
+                "cores_after": placements(),
                 "gloo_threads": _gloo_threads(),
             }
         )
@@ -134,10 +136,11 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
         assert len(set(threads[1:])) == 1, threads
     pinned = {results[rank][3]["pinned"] for rank in range(2)}
     assert len(pinned) == 1 and pinned <= {True, False}  # rank 0's measurement decides for all
-    every = sorted(os.sched_getaffinity(0))
+    every = [tuple(sorted(os.sched_getaffinity(0)))]
     for rank in range(2):
         cores = results[rank][3]["cores"]
         assert (cores != every) if pinned == {True} else (cores == every)
+        assert results[rank][3]["cores_after"] == every  # after fit, back on every core
 
 
 def test_auto_options_search_what_is_left_open_and_refuse_bad_values() -> None:

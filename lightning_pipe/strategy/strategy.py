@@ -93,7 +93,7 @@ from lightning_pipe.planning import (
     StagePlan,
 )
 from lightning_pipe.runtime import PipelineExecutor
-from lightning_pipe.runtime.affinity import pin_threads
+from lightning_pipe.runtime.affinity import pin_threads, place_threads
 from lightning_pipe.runtime.allocator import release_freed_memory
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.loss_scaling import refuse_without_flush
@@ -221,6 +221,7 @@ class PipelineStrategy(
             per core or per group of cores: 2BW and CDP ran 1.14-1.18x faster on 2 cores,
             ``bench/pinning.py``); data-loader workers inherit the placement. ``"auto"``: try it
             after the first steps and keep it only if the steps ran faster (:mod:`.calibrating`).
+            At teardown the threads go back to every core they could use before.
         shared_memory_bytes: CPU training: messages between processes on one host go through ring
             buffers of this many bytes per direction in ``/dev/shm`` instead of gloo's sockets
             (default 64 MiB; 0: gloo only; a message that finds the ring full goes by gloo);
@@ -338,6 +339,7 @@ class PipelineStrategy(
         self.trials: Trials | None = None  # schedule="auto": the configurations tried after calibration (.calibrating)
         self.settled_step = 0  # the training steps of this fit before the configuration running now was built
         self._pin_trial: PinTrial | None = None  # pin_cpus="auto" on the CPU: pinning tried (.calibrating)
+        self._cores_before: set[int] | None = None  # where pin_cpus moved the threads from: restored at teardown
         self.keep_plan = keep_plan
         if state_dict_type not in ("full", "sharded"):
             raise PlanningError(f"state_dict_type must be 'full' or 'sharded'; got {state_dict_type!r}")
@@ -449,6 +451,8 @@ class PipelineStrategy(
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         atexit.unregister(close_process_groups)  # registered once per process, however many fits
         atexit.register(close_process_groups)
+        if self.pin_cpus is not False and hasattr(os, "sched_getaffinity"):
+            self._cores_before = set(os.sched_getaffinity(0))
         if self.pin_cpus is True:
             pin_threads(self.local_rank, self.num_processes)
         self._pin_trial = PinTrial.of(self.pin_cpus, self.root_device)
@@ -571,6 +575,9 @@ class PipelineStrategy(
                     optimizer.state.update(stage_optimizer.state)
             self.executor.close()
             self.executor = None
+        if self._cores_before is not None:  # the process goes on as it started: on every core it had
+            place_threads(self._cores_before)
+            self._cores_before = None
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
