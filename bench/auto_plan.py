@@ -39,7 +39,9 @@ links and what the closest earlier fit of the model kept: the bench keeps its pr
 calibrations in a fresh directory, so the first fit of each model predicts from the profile alone,
 which is printed apart, and every later one from what earlier fits measured) against the measured one; for
 every configuration, also the step the pick's calibration predicts for it (the pick's in-run costs:
-``calibrated error``, where the pick priced the same split). The summary gives, per model, the
+``calibrated error``, where the pick priced the same split). ``rounds apart``: the spread of the
+configuration's step over the rounds (largest - smallest, over the median): what the machine's own
+noise allows a prediction. The summary gives, per model, the
 pick's samples/s as a fraction of the best measured configuration's: the figure of merit (goal 0.95).
 Absolute figures are this machine's (both processes share its cores); the fractions carry over.
 """
@@ -246,6 +248,8 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
                 "samples_per_second": rows / step,
                 "of_best": of_best,
                 "measured_step": step,
+                "steps": steps,
+                "spread": (max(steps) - min(steps)) / step,
                 "predicted_step": statistics.median(predicted) if predicted else None,
                 "error": _error(statistics.median(predicted), step) if predicted else None,
                 "calibrated_error": _error(statistics.median(calibrated), step) if calibrated else None,
@@ -263,13 +267,21 @@ def _print(result: dict[str, Any]) -> None:
     print(
         f"The first fit ({first['configuration']}, no calibration kept yet): set-up error {_percent(first['error'])}\n"
     )
-    print("| configuration | ran | samples/s | of best | step | predicted | error | calibrated error |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for row in sorted(result["table"], key=lambda r: -r["samples_per_second"]):
+    table = result["table"]
+    within = [row for row in table if row["error"] is not None and abs(row["error"]) <= 0.1]
+    steady = [row for row in table if row["spread"] <= 0.1]
+    print(
+        f"Set-up prediction within 10%: {len(within)} of {len(table)} rows; rounds of one configuration within 10% "
+        f"of each other: {len(steady)} of {len(table)} rows, and among them the prediction within 10% on "
+        f"{sum(row in within for row in steady)}\n"
+    )
+    print("| configuration | ran | samples/s | of best | step | rounds apart | predicted | error | calibrated error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in sorted(table, key=lambda r: -r["samples_per_second"]):
         predicted = "-" if row["predicted_step"] is None else f"{row['predicted_step'] * 1e3:.1f} ms"
         print(
             f"| {row['configuration']} | {row['ran']} | {row['samples_per_second']:.1f} | {row['of_best']:.2f} | "
-            f"{row['measured_step'] * 1e3:.1f} ms | {predicted} | {_percent(row['error'])} | "
+            f"{row['measured_step'] * 1e3:.1f} ms | {row['spread']:.0%} | {predicted} | {_percent(row['error'])} | "
             f"{_percent(row['calibrated_error'])} |"
         )
 
