@@ -301,6 +301,9 @@ class FillDisk(L.Callback):
 class Placements(L.Callback):
     """The cores this process's threads may run on at the end of training (:func:`placements`)."""
 
+    def __init__(self) -> None:
+        self.during: list[tuple[int, ...]] | None = None
+
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.during = placements()
 
