@@ -149,7 +149,6 @@ def _intervals(starts: Sequence[float]) -> list[float]:
 class PinTrial:
     """``pin_cpus="auto"``: the unpinned steps' median, the first pinned step, the decision."""
 
-    cores: set[int]
     start: int | None = None
     unpinned: float | None = None
     pinned: bool | None = None
@@ -159,7 +158,7 @@ class PinTrial:
         """A trial for ``pin_cpus="auto"`` on a CPU device of a system that places threads (Linux)."""
         if pin_cpus != AUTO or device.type != "cpu" or not hasattr(os, "sched_setaffinity"):
             return None
-        return cls(set(os.sched_getaffinity(0)))
+        return cls()
 
 
 class PipelineCalibration:
@@ -287,6 +286,21 @@ class PipelineCalibration:
         if self.executor.calls:
             self.executor.drain()
 
+    def _place_threads(self) -> None:
+        """Every rank, at set-up: ``pin_cpus=True`` pins the threads now, ``"auto"`` makes its trial;
+        either way the cores they had are kept, which :meth:`_restore_placement` puts them back on."""
+        if self.pin_cpus is not False and hasattr(os, "sched_getaffinity"):
+            self._cores_before = set(os.sched_getaffinity(0))
+        if self.pin_cpus is True:
+            pin_threads(self.local_rank, self.num_processes)
+        self._pin_trial = PinTrial.of(self.pin_cpus, self.root_device)
+
+    def _restore_placement(self) -> None:
+        """At teardown: every thread back on the cores it had before :meth:`_place_threads`."""
+        if self._cores_before is not None:
+            place_threads(self._cores_before)
+            self._cores_before = None
+
     def _pinned(self) -> bool | None:
         """Whether each process's threads run pinned to cores of their own: ``None`` while
         ``pin_cpus="auto"`` has not decided yet."""
@@ -384,7 +398,8 @@ class PipelineCalibration:
         assert trial.unpinned is not None
         trial.pinned = pinned < trial.unpinned
         if not trial.pinned:
-            place_threads(trial.cores)
+            assert self._cores_before is not None  # kept wherever a trial is made
+            place_threads(self._cores_before)
         rank_zero_info(
             f"pin_cpus='auto': steps took {format_seconds(pinned)} pinned, {format_seconds(trial.unpinned)} "
             f"unpinned (medians): {'pinned' if trial.pinned else 'unpinned'} from here on"

@@ -93,7 +93,6 @@ from lightning_pipe.planning import (
     StagePlan,
 )
 from lightning_pipe.runtime import PipelineExecutor
-from lightning_pipe.runtime.affinity import pin_threads, place_threads
 from lightning_pipe.runtime.allocator import release_freed_memory
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.loss_scaling import refuse_without_flush
@@ -451,11 +450,7 @@ class PipelineStrategy(
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         atexit.unregister(close_process_groups)  # registered once per process, however many fits
         atexit.register(close_process_groups)
-        if self.pin_cpus is not False and hasattr(os, "sched_getaffinity"):
-            self._cores_before = set(os.sched_getaffinity(0))
-        if self.pin_cpus is True:
-            pin_threads(self.local_rank, self.num_processes)
-        self._pin_trial = PinTrial.of(self.pin_cpus, self.root_device)
+        self._place_threads()  # pin_cpus (.calibrating)
         self._release_freed_memory()
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
@@ -575,9 +570,7 @@ class PipelineStrategy(
                     optimizer.state.update(stage_optimizer.state)
             self.executor.close()
             self.executor = None
-        if self._cores_before is not None:  # the process goes on as it started: on every core it had
-            place_threads(self._cores_before)
-            self._cores_before = None
+        self._restore_placement()  # the process goes on on every core it had
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
