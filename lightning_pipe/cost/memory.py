@@ -111,9 +111,17 @@ class MemoryModel:
         """Memory of one replica of a stage (Beaumont §3.2), plus the gradients a split backward keeps
         (``kept_bytes``) unless it is the ``first`` stage; with :attr:`recompute`, its ``input_bytes``
         per micro-batch in flight and one micro-batch's ``saved_bytes`` (GPipe §2.3)."""
-        per_param, per_saved = self.coefficients(downstream, replicas)
-        activations = per_saved * input_bytes + saved_bytes if self.recompute else per_saved * saved_bytes
+        per_param, _ = self.coefficients(downstream, replicas)
+        activations = self.activation_bytes(saved_bytes, downstream, replicas, input_bytes)
         return per_param * param_bytes + activations + self.kept_coefficient(downstream, first) * kept_bytes
+
+    def activation_bytes(
+        self, saved_bytes: float, downstream: int, replicas: int = 1, input_bytes: float = 0.0
+    ) -> float:
+        """The activations part of :meth:`stage_bytes`: ``β·saved_bytes``, or with :attr:`recompute`
+        the inputs of the micro-batches in flight and one micro-batch's ``saved_bytes``."""
+        per_saved = float(self.in_flight(downstream, replicas))
+        return per_saved * input_bytes + saved_bytes if self.recompute else per_saved * saved_bytes
 
     @property
     def accumulates(self) -> bool:

@@ -41,6 +41,8 @@ class Stage:
         output_bytes: bytes the stage sends on (crossing the cut after its last layer; 0 at the end).
         saved_bytes: activation bytes kept per micro-batch in flight.
         param_bytes: one copy of the stage's parameters.
+        activation_bytes: the activations part of ``memory_bytes`` (the micro-batches the memory model
+            has in flight on the stage's own worker at its peak).
     """
 
     layers: tuple[int, ...]
@@ -54,6 +56,7 @@ class Stage:
     output_bytes: float = 0.0
     saved_bytes: float = 0.0
     param_bytes: float = 0.0
+    activation_bytes: float = 0.0
 
     @property
     def contiguous(self) -> bool:
@@ -117,6 +120,7 @@ class Plan:
                     "output_bytes": stage.output_bytes,
                     "saved_bytes": stage.saved_bytes,
                     "param_bytes": stage.param_bytes,
+                    "activation_bytes": stage.activation_bytes,
                 }
                 for stage in self.stages
             ],
@@ -172,6 +176,7 @@ def evaluate(
 
     runs = _runs(owner)
     memory_bytes = [0.0] * len(groups)
+    activation_bytes = [0.0] * len(groups)
     downstream = 0
     for first, last, g in reversed(runs):
         downstream += replicas[g]
@@ -182,6 +187,7 @@ def evaluate(
         memory_bytes[g] += memory.stage_bytes(
             params, saved, downstream, replicas[g], kept, first=first == 0, input_bytes=entering
         )
+        activation_bytes[g] += memory.activation_bytes(saved, downstream, replicas[g], input_bytes=entering)
 
     stages = []
     for g, group in enumerate(groups):
@@ -205,6 +211,7 @@ def evaluate(
                 output_bytes=costs.boundary_bytes[last] if last < len(costs) - 1 else 0.0,
                 saved_bytes=sum(costs.layers[i].saved_bytes for i in layers),
                 param_bytes=params,
+                activation_bytes=activation_bytes[g],
             )
         )
     cuts = tuple(network.cut_seconds(costs.boundary_bytes[last]) for _, last, _ in runs[:-1])

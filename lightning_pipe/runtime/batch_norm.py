@@ -5,12 +5,14 @@ micro-batch's mean and variance (not the mini-batch's, as the unsplit model does
 would also update its running statistics once per micro-batch, ``m`` times per step with ``m`` times
 the momentum's weight on the newest. :class:`DeferredNorms` keeps the running statistics as the
 unsplit model updates them, once per step: while the executor runs a micro-batch's forward
-(:func:`running_forward`) each layer updates its running statistics with momentum 1, which leaves
-there the micro-batch's mean and unbiased variance as the layer computed them; they are kept with
-the micro-batch's count and the layer's statistics put back. When the stage applies the step
+(:func:`running_forward`) each layer's running statistics are swapped for zeroed scratch rows and its
+momentum set to 1, so the layer writes there the micro-batch's mean and unbiased variance as it
+computes them, and its own statistics are not touched (no copies: on a GPU each would be a kernel
+launch, and a ResNet-50 has 53 batch norm layers). When the stage applies the step
 (:meth:`DeferredNorms.commit`) they are combined (Chan et al.'s parallel variance) into the mean and
 unbiased variance of all the step's rows, and the running statistics move once, with the layer's
-momentum (or its cumulative average when ``momentum=None``). Kim et al. 2020 (torchgpipe, §3.4) describe the idea.
+momentum (or its cumulative average when ``momentum=None``), in multi-tensor (``torch._foreach_*``)
+operations over all the stage's layers at once. Kim et al. 2020 (torchgpipe, §3.4) describe the idea.
 
 Forwards outside :func:`running_forward` (evaluation, profiling, the verification of a captured
 graph, recomputation in the backward) leave batch norm as it is.
@@ -53,9 +55,12 @@ class DeferredNorms:
 
     def __init__(self, module: nn.Module) -> None:
         self.layers = [layer for _, layer in batch_norms(module)]
-        # step -> layer index -> micro-batch -> (rows, mean, sum of squared deviations)
+        # step -> micro-batch -> layer index -> (rows, mean, unbiased variance) of that forward
         self.pending: dict[int, dict[int, dict[int, tuple[int, torch.Tensor, torch.Tensor]]]] = {}
-        self._saved: dict[int, tuple[torch.Tensor, ...]] = {}
+        # layer index -> the layer called (it or its copy), what its forward swapped out, its scratch rows
+        self._swapped: dict[int, tuple[Any, ...]] = {}
+        # (step, micro-batch, dtype, device) -> the forward's scratch rows by layer, and the layers handed theirs
+        self._blocks: dict[tuple[Any, ...], tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], set[int]]] = {}
         self._handles = [
             handle
             for index, layer in enumerate(self.layers)
@@ -65,61 +70,132 @@ class DeferredNorms:
             )
         ]
 
+    def _scratch(self, step: int, microbatch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s zeroed mean and variance rows for this forward: views of one block shared
+        by all the stage's layers of its dtype and device (one allocation, one fill and two splits per
+        forward). A layer called again in the same forward gets rows of its own: the first call's
+        backward holds its rows and checks their version."""
+        dtype, device = key = _key(self.layers[index])
+        rows, handed = self._blocks.get((step, microbatch, *key), ({}, set()))
+        if index in handed:
+            return tuple(torch.zeros(2, self.layers[index].running_mean.numel(), dtype=dtype, device=device))
+        if not rows:
+            alike = [i for i, layer in enumerate(self.layers) if _key(layer) == key]
+            widths = [self.layers[i].running_mean.numel() for i in alike]
+            block = torch.zeros(2, sum(widths), dtype=dtype, device=device)
+            means, variances = block[0].split(widths), block[1].split(widths)
+            rows.update(zip(alike, zip(means, variances, strict=True), strict=True))
+            self._blocks[(step, microbatch, *key)] = (rows, handed)
+        handed.add(index)
+        return rows[index]
+
     def _before(self, index: int) -> Any:
         def hook(layer: _BatchNorm, args: tuple[Any, ...]) -> None:
             running = _STEP.get()
             if running is None or not layer.training:
                 return
-            # with momentum 1 the layer's own update writes this micro-batch's mean and unbiased
-            # variance into its running statistics, as it computes them (no second pass over the input)
-            self._saved[index] = (layer.momentum, *(t.detach().clone() for t in _statistics(layer)))
-            layer.momentum = 1.0
+            self._restore(index)  # a forward that failed half-way left its swap behind
+            mean, variance = self._scratch(*running, index)
+            # the layer called: a copy of the stage (a kept weight version's replica) runs these hooks too
+            own = (layer.momentum, layer.running_mean, layer.running_var, layer.num_batches_tracked)
+            self._swapped[index] = (layer, *own, mean, variance)
+            # momentum 1 writes the micro-batch's own statistics into the scratch rows; no count moves
+            layer.momentum, layer.running_mean, layer.running_var = 1.0, mean, variance
+            layer.num_batches_tracked = None
 
         return hook
 
     def _after(self, index: int) -> Any:
         def hook(layer: _BatchNorm, args: tuple[Any, ...], output: Any) -> None:
-            saved = self._saved.pop(index, None)
-            if saved is None:
+            scratch = self._restore(index)
+            if scratch is None:
                 return
             step, microbatch = _STEP.get()
-            x = args[0]
-            rows = x.numel() // x.shape[1]
-            mean, unbiased = layer.running_mean.detach().clone(), layer.running_var.detach().clone()
-            self.pending.setdefault(step, {}).setdefault(index, {})[microbatch] = (rows, mean, unbiased * (rows - 1))
-            layer.momentum = saved[0]
-            for buffer, value in zip(_statistics(layer), saved[1:], strict=True):
-                buffer.data.copy_(value)  # .data: the backward node holds these and checks their version
+            rows = args[0].numel() // args[0].shape[1]
+            self.pending.setdefault(step, {}).setdefault(microbatch, {})[index] = (rows, *scratch)
 
         return hook
 
+    def _restore(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Put back what layer ``index``'s forward swapped out; the mean and variance rows it wrote
+        (None if nothing was swapped)."""
+        swapped = self._swapped.pop(index, None)
+        if swapped is None:
+            return None
+        layer = swapped[0]
+        layer.momentum, layer.running_mean, layer.running_var, layer.num_batches_tracked = swapped[1:5]
+        return swapped[5], swapped[6]
+
     def commit(self, step: int) -> None:
         """Move each layer's running statistics once, by all the rows its forwards of ``step`` saw."""
-        for index, by_microbatch in self.pending.pop(step, {}).items():
-            layer = self.layers[index]
-            parts = [by_microbatch[mb] for mb in sorted(by_microbatch)]
-            rows = sum(n for n, _, _ in parts)
-            mean = sum(n * m for n, m, _ in parts) / rows
-            squares = sum(s + n * (m - mean) ** 2 for n, m, s in parts)
-            unbiased = squares / max(rows - 1, 1)
-            # through .data: micro-batches of the next step may be in flight (non-flushing schedules), their
-            # backward nodes hold these buffers and check their version
-            layer.num_batches_tracked.data.add_(1)
-            momentum = layer.momentum
-            if momentum is None:
-                momentum = 1.0 / float(layer.num_batches_tracked)
-            running_mean, running_var = layer.running_mean.data, layer.running_var.data
-            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        by_microbatch = self.pending.pop(step, {})
+        for key in [key for key in self._blocks if key[0] == step]:
+            del self._blocks[key]  # its rows live on in the parts kept here and in the backward nodes
+        seen: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for microbatch in sorted(by_microbatch):
+            for index, part in by_microbatch[microbatch].items():
+                seen.setdefault(index, []).append(part)
+        groups: dict[tuple[Any, ...], list[int]] = {}  # layers alike in parts, dtype and device combine together
+        for index, parts in seen.items():
+            groups.setdefault((len(parts), *_key(self.layers[index])), []).append(index)
+        for indices in groups.values():
+            self._combine_and_move(indices, [seen[index] for index in indices])
+
+    def _combine_and_move(self, indices: list[int], parts: list[list[tuple[int, torch.Tensor, torch.Tensor]]]) -> None:
+        """Chan et al.'s parallel mean and unbiased variance of layers ``indices`` over their parts
+        (``Σ nₖ/N · meanₖ`` and ``Σ ((nₖ - 1) varₖ + nₖ (meanₖ - mean)²) / (N - 1)``), then one
+        momentum step of their running statistics, each a multi-tensor operation over the layers."""
+        totals = [sum(part[0] for part in layer_parts) for layer_parts in parts]
+
+        def rows(k: int, factor: Any) -> list[float]:  # a per-layer scalar of part k
+            return [factor(layer_parts[k][0], total) for layer_parts, total in zip(parts, totals, strict=True)]
+
+        def stats(k: int, which: int) -> list[torch.Tensor]:  # part k's means (1) or variances (2)
+            return [layer_parts[k][which] for layer_parts in parts]
+
+        mean = torch._foreach_mul(stats(0, 1), rows(0, lambda n, total: n / total))
+        for k in range(1, len(parts[0])):
+            torch._foreach_add_(mean, torch._foreach_mul(stats(k, 1), rows(k, lambda n, total: n / total)))
+        variance: list[torch.Tensor] = []
+        for k in range(len(parts[0])):
+            within = torch._foreach_mul(stats(k, 2), rows(k, lambda n, total: (n - 1) / max(total - 1, 1)))
+            between = torch._foreach_sub(stats(k, 1), mean)
+            torch._foreach_mul_(between, between)
+            torch._foreach_mul_(between, rows(k, lambda n, total: n / max(total - 1, 1)))
+            torch._foreach_add_(within, between)
+            if variance:
+                torch._foreach_add_(variance, within)
+            else:
+                variance = within
+        layers = [self.layers[index] for index in indices]
+        # through .data: a recomputed forward's backward node (``recompute``) holds these buffers and checks
+        # their version, and micro-batches of the next step may be in flight (non-flushing schedules)
+        counts = [layer.num_batches_tracked.data for layer in layers if layer.num_batches_tracked is not None]
+        if counts:
+            torch._foreach_add_(counts, 1)
+        by_momentum: dict[float | None, list[int]] = {}
+        for position, layer in enumerate(layers):
+            by_momentum.setdefault(layer.momentum, []).append(position)
+        for momentum, positions in by_momentum.items():
+            if momentum is None:  # the cumulative average: each layer's own count (read from its device)
+                for i in positions:
+                    weight = 1.0 / float(layers[i].num_batches_tracked)
+                    layers[i].running_mean.data.lerp_(mean[i], weight)
+                    layers[i].running_var.data.lerp_(variance[i], weight)
+                continue
+            means, variances = [mean[i] for i in positions], [variance[i] for i in positions]
+            torch._foreach_lerp_([layers[i].running_mean.data for i in positions], means, momentum)
+            torch._foreach_lerp_([layers[i].running_var.data for i in positions], variances, momentum)
 
     def forget(self) -> None:
         """Drop what steps not applied yet have gathered (a stage's state is being replaced)."""
         self.pending.clear()
+        self._blocks.clear()
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
 
 
-def _statistics(layer: _BatchNorm) -> tuple[torch.Tensor, ...]:
-    return tuple(t for t in (layer.running_mean, layer.running_var, layer.num_batches_tracked) if t is not None)
+def _key(layer: _BatchNorm) -> tuple[torch.dtype, torch.device]:
+    return layer.running_mean.dtype, layer.running_mean.device

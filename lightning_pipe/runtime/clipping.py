@@ -25,10 +25,11 @@ Gradients = list[torch.Tensor | None]
 
 def squared_norm(grads: Gradients) -> torch.Tensor:
     """``Σ ‖g‖²`` over the gradients present, in float64 (a 0-dim tensor on the gradients' device)."""
-    present = [g for g in grads if g is not None]
+    present = [g.detach() for g in grads if g is not None]
     if not present:
         return torch.zeros((), dtype=torch.float64)
-    return torch.stack([g.detach().double().pow(2).sum() for g in present]).sum()
+    # one multi-tensor kernel per dtype and device, as torch.nn.utils.clip_grad_norm_ (not ~5 per gradient)
+    return torch.stack(torch._foreach_norm(present, 2, dtype=torch.float64)).square().sum()
 
 
 def norm_coefficient(norm: float, max_norm: float) -> float:
@@ -40,15 +41,14 @@ def norm_coefficient(norm: float, max_norm: float) -> float:
 
 def scale(grads: Gradients, coefficient: float) -> None:
     """Multiply every gradient present by ``coefficient`` in place (nothing when it is 1)."""
-    if coefficient == 1.0:
-        return
-    for g in grads:
-        if g is not None:
-            g.mul_(coefficient)
+    present = [g for g in grads if g is not None]
+    if coefficient != 1.0 and present:
+        torch._foreach_mul_(present, coefficient)
 
 
 def clip_by_value(grads: Gradients, value: float) -> None:
     """Clamp every gradient present to ``[-value, value]`` in place."""
-    for g in grads:
-        if g is not None:
-            g.clamp_(-value, value)
+    present = [g for g in grads if g is not None]
+    if present:
+        torch._foreach_clamp_min_(present, -value)
+        torch._foreach_clamp_max_(present, value)
