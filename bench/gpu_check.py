@@ -2,7 +2,9 @@
 Lightning on the same device, and the plan's predictions against what the device measured.
 
 Run: ``python bench/gpu_check.py --out DIR`` on a machine with one GPU (sized for under 8 minutes on an
-H100: 32 trainings of 14 steps and the CUDA tests; not yet timed on one);
+H100: 32 trainings of 14 steps and the CUDA tests; 292-320 s on an H100 on 2026-11-27; the report is
+written after each training, so a run cut short keeps what it measured, and pytest's whole output goes
+to ``DIR/cuda_tests.log``);
 ``python bench/gpu_check.py --dry-run --out DIR`` runs the same sections on the CPU at tiny sizes (140 s on
 2 cores shared with other work; ``tests/test_gpu_check.py`` runs it with ``--models resnet``), so the
 script is known to work before a GPU is at hand; ``--models`` picks the models of sections 2 and 3.

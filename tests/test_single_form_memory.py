@@ -4,7 +4,7 @@ activations the simulated schedule has alive on its worker at the peak, not each
 summed (those come at different times). On one device (``form="single"``) two families have a closed
 form: GPipe holds every micro-batch of every stage (``m · Σ saved``) and ``ddp``'s one worker runs a
 micro-batch's forward and backward through every stage before the next (``Σ saved``); 1F1B lies
-between. The stage sums an H100 measured on 2026-11-27 were 3.6 times a ResNet-50's ``ddp`` peak."""
+between. The stage sums an H100 measured on 2026-11-27 were 3.7 times a ResNet-50's ``ddp`` peak."""
 
 from __future__ import annotations
 
