@@ -82,6 +82,7 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
                 "output_bytes": 20.0,
                 "saved_bytes": 3.0,
                 "param_bytes": 300.0,
+                "activation_bytes": 6.0,  # NCA 2 (4 workers downstream over 2 replicas) x 3 saved
             },
             {
                 "layers": [2, 2],
@@ -95,6 +96,7 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
                 "output_bytes": 30.0,
                 "saved_bytes": 5.0,
                 "param_bytes": 300.0,
+                "activation_bytes": 10.0,  # NCA 2 x 5 saved
             },
             {
                 "layers": [3, 3],
@@ -108,6 +110,7 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
                 "output_bytes": 0.0,
                 "saved_bytes": 4.0,
                 "param_bytes": 400.0,
+                "activation_bytes": 4.0,  # NCA 1 x 4 saved
             },
         ],
         "notes": ["by hand"],
@@ -162,6 +165,7 @@ def test_noncontiguous_plan_to_dict_by_hand() -> None:
                 "output_bytes": 0.0,
                 "saved_bytes": 7.0,
                 "param_bytes": 70.0,
+                "activation_bytes": 13.0,  # 1 x 4 (run {3}) + 3 x 3 (run {0, 1})
             },
             {
                 "layers": [2, 2],
@@ -175,6 +179,7 @@ def test_noncontiguous_plan_to_dict_by_hand() -> None:
                 "output_bytes": 7.0,
                 "saved_bytes": 3.0,
                 "param_bytes": 30.0,
+                "activation_bytes": 6.0,  # 2 x 3
             },
         ],
         "notes": [],
