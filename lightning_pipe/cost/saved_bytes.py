@@ -14,7 +14,9 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["Saved", "saved_bytes"]
+__all__ = ["Saved", "is_model_state", "mark_model_state", "saved_bytes"]
+
+_MODEL_STATE = "_lightning_pipe_model_state"  # the attribute mark_model_state sets
 
 
 class Saved:
@@ -37,7 +39,7 @@ def saved_bytes(excluded: Iterable[torch.Tensor] = ()) -> Iterator[Saved]:
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
-        if key not in skip:
+        if key not in skip and not is_model_state(tensor):
             storages[key] = tensor.untyped_storage().nbytes()
         # kept without its autograd history: a saved output kept as itself would hold its own grad_fn,
         # a cycle through autograd's C++ graph that no garbage collection frees once a backward retained
@@ -46,6 +48,21 @@ def saved_bytes(excluded: Iterable[torch.Tensor] = ()) -> Iterator[Saved]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield saved
+
+
+def mark_model_state(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor`` (and so its views) as model state made during a forward, which
+    :func:`saved_bytes` leaves out as it leaves out the excluded: batch norm's scratch statistics
+    (:mod:`lightning_pipe.runtime.batch_norm`), which stand in for the running statistics."""
+    setattr(tensor, _MODEL_STATE, True)
+    return tensor
+
+
+def is_model_state(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` or the tensor it is a view of was marked by :func:`mark_model_state`."""
+    return getattr(tensor, _MODEL_STATE, False) or (
+        tensor._base is not None and getattr(tensor._base, _MODEL_STATE, False)
+    )
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

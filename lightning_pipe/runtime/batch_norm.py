@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_pipe.cost.saved_bytes import mark_model_state
+
 __all__ = ["DeferredNorms", "batch_norms", "running_forward"]
 
 _STEP: ContextVar[tuple[int, int] | None] = ContextVar("lightning_pipe_step", default=None)
@@ -78,11 +80,13 @@ class DeferredNorms:
         dtype, device = key = _key(self.layers[index])
         rows, handed = self._blocks.get((step, microbatch, *key), ({}, set()))
         if index in handed:
-            return tuple(torch.zeros(2, self.layers[index].running_mean.numel(), dtype=dtype, device=device))
+            own = mark_model_state(torch.zeros(2, self.layers[index].running_mean.numel(), dtype=dtype, device=device))
+            return own[0], own[1]
         if not rows:
             alike = [i for i, layer in enumerate(self.layers) if _key(layer) == key]
             widths = [self.layers[i].running_mean.numel() for i in alike]
-            block = torch.zeros(2, sum(widths), dtype=dtype, device=device)
+            # model state, not activations: the memory count leaves them out, as the running statistics
+            block = mark_model_state(torch.zeros(2, sum(widths), dtype=dtype, device=device))
             means, variances = block[0].split(widths), block[1].split(widths)
             rows.update(zip(alike, zip(means, variances, strict=True), strict=True))
             self._blocks[(step, microbatch, *key)] = (rows, handed)
