@@ -361,7 +361,7 @@ def test_profiled_graphs_are_freed_without_the_garbage_collector():
         from lightning_pipe.cost.profiler import _forward_saving, _split_backward
 
         x = torch.randn(4, 8, requires_grad=True)
-        _, output = _forward_saving("tanh", layer, x)
+        _, output, _, _ = _forward_saving("tanh", layer, x)
         _split_backward(layer, x, output)
         alive = weakref.ref(output)
         del output

@@ -52,6 +52,7 @@ def profile_to_dict(costs: ChainCosts) -> dict[str, object]:
                 **{key: getattr(layer, key) for key in _LAYER_FIELDS},
                 "flops": layer.flops,
                 "kept_gradient_bytes": layer.kept_gradient_bytes,
+                "shared_saved_bytes": layer.shared_saved_bytes,
             }
             for layer in costs.layers
         ],
@@ -75,6 +76,7 @@ def _layer(entry: object, index: int, source: str) -> LayerCost:
             name=name,
             flops=entry.get("flops"),
             kept_gradient_bytes=entry.get("kept_gradient_bytes", 0.0),
+            shared_saved_bytes=entry.get("shared_saved_bytes", 0.0),
             **{key: entry[key] for key in _LAYER_FIELDS},
         )
     except PlanningError as error:

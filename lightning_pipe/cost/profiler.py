@@ -19,6 +19,10 @@ model, and measured for:
   view keeps its whole storage alive. Storages of the layer's parameters and buffers are excluded
   (Linear saves ``weight.t()``, BatchNorm its running stats: model state, not activation memory).
   Tensors a custom ``autograd.Function`` stashes on ``ctx`` outside ``save_for_backward`` are invisible.
+* ``shared_saved_bytes``: of ``saved_bytes``, the input the layer saves that the previous layer saved
+  as its output (a ReLU's output, then a convolution's input): in a stage running both, one storage
+  (:meth:`~lightning_pipe.cost.records.ChainCosts.saved_between` counts it once; each layer profiled
+  on its own copy of its input counts it in both).
 * ``kept_gradient_bytes``: bytes of the gradients a backward split in two halves (zero-bubble's ``I``
   and ``W``; a cool-down backward of a stage after the first) keeps between them, measured by running
   the layer's first backward as :class:`~lightning_pipe.runtime.split_backward.SplitBackward`; 0 for
@@ -59,7 +63,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pipe.cost.flop_rate import flop_rate, synchronize
 from lightning_pipe.cost.records import ChainCosts, LayerCost
-from lightning_pipe.cost.saved_bytes import saved_bytes
+from lightning_pipe.cost.saved_bytes import saved_bytes, storage_key
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.util.nested import map_tensors, nbytes, tensors
@@ -120,9 +124,11 @@ def profile_layers(
     costs = []
     with _profiling_session(model, [layer for _, layer in named], target):
         first = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
-        x = first
+        x, saved_outputs = first, frozenset()
         for index, (label, layer) in enumerate(named):
-            cost, x = _profile_layer(label, layer, _layer_input(x, index), target, warmup, count_flops, rate)
+            cost, x, saved_outputs = _profile_layer(
+                label, layer, _layer_input(x, index), target, warmup, count_flops, rate, saved_outputs
+            )
             costs.append(cost)
         times = [[(cost.forward_seconds, cost.backward_seconds)] for cost in costs]
         for _ in range(0 if target.type == "meta" else repeats - 1):  # the other passes: timing only
@@ -310,15 +316,24 @@ def _layer_input(x: Any, index: int) -> Any:
 
 
 def _profile_layer(
-    label: str, layer: nn.Module, leaf: Any, device: torch.device, warmup: int, count_flops: bool, rate: float | None
-) -> tuple[LayerCost, Any]:
+    label: str,
+    layer: nn.Module,
+    leaf: Any,
+    device: torch.device,
+    warmup: int,
+    count_flops: bool,
+    rate: float | None,
+    before: frozenset[int] = frozenset(),
+) -> tuple[LayerCost, Any, frozenset[int]]:
     """Cost of one layer on its input ``leaf`` (its time: the first timed run, after ``warmup``; on
-    the meta device, its FLOPs at ``rate`` a second), and the layer's detached output."""
+    the meta device, its FLOPs at ``rate`` a second), the layer's detached output, and which of its
+    output tensors (positions among :func:`tensors`) it saved. ``before``: those the previous layer
+    saved; the bytes of those this layer saves as its input are its ``shared_saved_bytes``."""
     estimated = rate is not None  # the meta device: nothing to time, the FLOPs (forward and backward apart) give it
     forward = FlopCounterMode(display=False) if count_flops or estimated else None
     backward = FlopCounterMode(display=False) if count_flops or estimated else None
     with forward or nullcontext():
-        saved, output = _forward_saving(label, layer, leaf)
+        saved, output, saved_inputs, saved_outputs = _forward_saving(label, layer, leaf)
     with backward or nullcontext():
         kept = _split_backward(layer, leaf, output)
     _clear_grads(leaf)
@@ -340,8 +355,9 @@ def _profile_layer(
         param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
         flops=_total(forward, backward) if count_flops else None,
         kept_gradient_bytes=kept,
+        shared_saved_bytes=min(saved, sum(nbytes for position, nbytes in saved_inputs.items() if position in before)),
     )
-    return cost, map_tensors(torch.Tensor.detach, output)
+    return cost, map_tensors(torch.Tensor.detach, output), saved_outputs
 
 
 def _total(*counters: FlopCounterMode | None) -> int:
@@ -349,19 +365,24 @@ def _total(*counters: FlopCounterMode | None) -> int:
     return sum(counter.get_total_flops() for counter in counters if counter is not None)
 
 
-def _forward_saving(label: str, layer: nn.Module, leaf: Any) -> tuple[int, Any]:
+def _forward_saving(label: str, layer: nn.Module, leaf: Any) -> tuple[int, Any, dict[int, int], frozenset[int]]:
     """Run the layer once; return the bytes it saved for backward (:mod:`lightning_pipe.cost.saved_bytes`,
-    its parameters and buffers excluded) and its output."""
+    its parameters and buffers excluded), its output, the bytes of each input tensor it saved (by
+    position among :func:`tensors`) and the positions of the output tensors it saved."""
+    inputs = map_tensors(torch.Tensor.clone, leaf)
     with saved_bytes((*layer.parameters(), *layer.buffers())) as counted:
         try:
-            output = layer(map_tensors(torch.Tensor.clone, leaf))
+            output = layer(inputs)
         except Exception as exc:
             shapes = [tuple(t.shape) for t in tensors(leaf)]
             raise PlanningError(
                 f"layer {label} failed on its input (tensor shapes {shapes}): {exc}. Check that each "
                 "layer accepts the previous layer's output and that the sample is one micro-batch"
             ) from exc
-        return counted(), output
+    kept = counted.storages
+    saved_inputs = {i: kept[storage_key(t)] for i, t in enumerate(tensors(inputs)) if storage_key(t) in kept}
+    saved_outputs = frozenset(i for i, t in enumerate(tensors(output)) if storage_key(t) in kept)
+    return counted(), output, saved_inputs, saved_outputs
 
 
 def _clear_grads(leaf: Any) -> None:

@@ -34,6 +34,11 @@ class LayerCost:
         kept_gradient_bytes: bytes of the gradients a backward split in two halves keeps from the
             input half until the weight half (:class:`~lightning_pipe.runtime.split_backward.SplitBackward`):
             what flows into the layer's weight-owning autograd nodes; 0 when not measured.
+        shared_saved_bytes: of ``saved_bytes``, the input this layer saves that the previous layer
+            also saved as its output (a ReLU's output, then a convolution's input: one storage). Run
+            in one stage, the two keep it once (:meth:`ChainCosts.saved_between`); at a stage
+            boundary the input is a received copy, kept apart. 0 for the first layer and when not
+            measured.
     """
 
     name: str
@@ -44,6 +49,7 @@ class LayerCost:
     param_bytes: float
     flops: float | None = None
     kept_gradient_bytes: float = 0.0
+    shared_saved_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         numbers = {
@@ -53,12 +59,18 @@ class LayerCost:
             "saved_bytes": self.saved_bytes,
             "param_bytes": self.param_bytes,
             "kept_gradient_bytes": self.kept_gradient_bytes,
+            "shared_saved_bytes": self.shared_saved_bytes,
         }
         if self.flops is not None:
             numbers["flops"] = self.flops
         for key, value in numbers.items():
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise PlanningError(f"layer {self.name!r}: {key} must be a finite number >= 0, got {value!r}")
+        if self.shared_saved_bytes > self.saved_bytes:
+            raise PlanningError(
+                f"layer {self.name!r}: shared_saved_bytes ({self.shared_saved_bytes}) is part of saved_bytes "
+                f"({self.saved_bytes}) and cannot exceed it"
+            )
 
     @property
     def seconds(self) -> float:
@@ -121,6 +133,7 @@ class ChainCosts:
         params: Sequence[float] | None = None,
         flops: Sequence[float] | None = None,
         kept: Sequence[float] | None = None,
+        shared: Sequence[float] | None = None,
         name: str = "chain",
     ) -> ChainCosts:
         """Build a chain from parallel lists (missing lists mean zeros); handy for tests and papers.
@@ -135,6 +148,7 @@ class ChainCosts:
         saved = list(saved) if saved is not None else activation
         params = list(params) if params is not None else zeros
         kept = list(kept) if kept is not None else zeros
+        shared = list(shared) if shared is not None else zeros
         for label, values in (
             ("backward", backward),
             ("activation", activation),
@@ -142,6 +156,7 @@ class ChainCosts:
             ("params", params),
             ("flops", flops or zeros),
             ("kept", kept),
+            ("shared", shared),
         ):
             if len(values) != n:
                 raise PlanningError(f"{label} has {len(values)} entries, forward has {n}")
@@ -155,6 +170,7 @@ class ChainCosts:
                 param_bytes=params[i],
                 flops=None if flops is None else flops[i],
                 kept_gradient_bytes=kept[i],
+                shared_saved_bytes=shared[i],
             )
             for i in range(n)
         )
@@ -173,6 +189,7 @@ class ChainCosts:
                 backward_seconds=layer.backward_seconds * factor,
                 activation_bytes=layer.activation_bytes * factor,
                 saved_bytes=layer.saved_bytes * factor,
+                shared_saved_bytes=layer.shared_saved_bytes * factor,
                 kept_gradient_bytes=layer.kept_gradient_bytes * factor,
                 flops=None if layer.flops is None else layer.flops * factor,
             )
@@ -206,6 +223,14 @@ class ChainCosts:
             for layer in self.layers
         )
         return replace(self, layers=layers)
+
+    def saved_between(self, first: int, last: int) -> float:
+        """The bytes layers ``first .. last`` keep for their backward run together, as one stage: each
+        layer's ``saved_bytes``, the storages two neighbours both save once (``shared_saved_bytes``
+        of every layer after the first)."""
+        return sum(self.layers[i].saved_bytes for i in range(first, last + 1)) - sum(
+            self.layers[i].shared_saved_bytes for i in range(first + 1, last + 1)
+        )
 
     def column(self, key: str) -> list[float]:
         """One per-layer quantity as a list: ``seconds``, ``param_bytes``, ``flops``, ..."""

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["Saved", "is_model_state", "mark_model_state", "saved_bytes"]
+__all__ = ["Saved", "is_model_state", "mark_model_state", "saved_bytes", "storage_key"]
 
 _MODEL_STATE = "_lightning_pipe_model_state"  # the attribute mark_model_state sets
 
@@ -33,12 +33,12 @@ class Saved:
 def saved_bytes(excluded: Iterable[torch.Tensor] = ()) -> Iterator[Saved]:
     """Within the block, count what autograd saves; the yielded :class:`Saved` returns the bytes so
     far (and which storages they are: two blocks saving views of one storage hold it once)."""
-    skip = {_storage_key(t) for t in excluded}
+    skip = {storage_key(t) for t in excluded}
     saved = Saved()
     storages = saved.storages
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key not in skip and not is_model_state(tensor):
             storages[key] = tensor.untyped_storage().nbytes()
         # kept without its autograd history: a saved output kept as itself would hold its own grad_fn,
@@ -65,7 +65,7 @@ def is_model_state(tensor: torch.Tensor) -> bool:
     )
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
+def storage_key(tensor: torch.Tensor) -> int:
     """What identifies ``tensor``'s storage: its address, or on the meta device (no addresses) the
     tensor it is a view of (a parameter's transpose is the parameter's)."""
     if tensor.is_meta:

@@ -100,7 +100,11 @@ class _Search:
         self.seconds = costs.column("seconds")
         self.cuts = [self.request.network.cut_seconds(b) for b in costs.boundary_bytes]
         per_param, per_saved = self.request.memory.coefficients(1, 1)  # fewest copies any stage needs
-        self.floor_bytes = [per_param * layer.param_bytes + per_saved * layer.saved_bytes for layer in costs.layers]
+        # a lower bound whatever the layer's neighbours: a storage it shares with the previous one may count there
+        self.floor_bytes = [
+            per_param * layer.param_bytes + per_saved * (layer.saved_bytes - layer.shared_saved_bytes)
+            for layer in costs.layers
+        ]
         self.remaining = [sum(self.seconds[i:]) for i in range(len(self.seconds) + 1)]
         limit = self.request.memory_limit
         self.limit = float("inf") if limit is None else limit * (1 + 1e-9)

@@ -181,7 +181,7 @@ def evaluate(
     for first, last, g in reversed(runs):
         downstream += replicas[g]
         params = sum(costs.layers[i].param_bytes for i in range(first, last + 1))
-        saved = sum(costs.layers[i].saved_bytes for i in range(first, last + 1))
+        saved = costs.saved_between(first, last)  # a storage two neighbours save, once
         kept = sum(costs.layers[i].kept_gradient_bytes for i in range(first, last + 1))
         entering = costs.boundary_bytes[first - 1] if first > 0 else 0.0  # what a recomputing run keeps
         memory_bytes[g] += memory.stage_bytes(
@@ -209,7 +209,7 @@ def evaluate(
                 forward_seconds=sum(costs.layers[i].forward_seconds for i in layers),
                 backward_seconds=sum(costs.layers[i].backward_seconds for i in layers),
                 output_bytes=costs.boundary_bytes[last] if last < len(costs) - 1 else 0.0,
-                saved_bytes=sum(costs.layers[i].saved_bytes for i in layers),
+                saved_bytes=sum(costs.saved_between(first, last) for first, last, run in runs if run == g),
                 param_bytes=params,
                 activation_bytes=activation_bytes[g],
             )
