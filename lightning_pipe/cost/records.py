@@ -10,6 +10,7 @@ All times are seconds, all sizes bytes, per micro-batch.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -118,6 +119,17 @@ class ChainCosts:
         for i, value in enumerate(self.boundary_bytes):
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise PlanningError(f"boundary_bytes[{i}] must be a finite number >= 0, got {value!r}")
+        if self.layers[0].shared_saved_bytes:
+            raise PlanningError(
+                f"layer {self.layers[0].name!r} is the first: it shares no saved storage with a layer before it "
+                f"(shared_saved_bytes must be 0, got {self.layers[0].shared_saved_bytes})"
+            )
+        for before, layer in itertools.pairwise(self.layers):
+            if layer.shared_saved_bytes > before.saved_bytes:
+                raise PlanningError(
+                    f"layer {layer.name!r}: shared_saved_bytes ({layer.shared_saved_bytes}) is saved by the layer "
+                    f"before it too, whose saved_bytes ({before.saved_bytes}) cannot be less"
+                )
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -93,6 +93,9 @@ class ChainProblem:
         seconds: per-layer time being balanced (measured ``u_F + u_B``, or a proxy such as FLOPs).
         cut_seconds: ``2·C_i`` for each of the ``L - 1`` cuts.
         param_bytes, saved_bytes: per-layer parameter and saved-activation bytes.
+        shared_bytes: of ``saved_bytes``, what each layer saves that the one before it saves too
+            (``LayerCost.shared_saved_bytes``): a stage counts it once, for every layer but its first;
+            zeros when not given.
         kept_bytes: per-layer gradients a split backward keeps (counted for stages after the first
             when ``memory.split_backward``); zeros when not given.
         proxy: a per-layer quantity free of timing noise (FLOPs) that decides, with a tolerance, among
@@ -117,6 +120,7 @@ class ChainProblem:
     tolerance: float = 0.0
     kept_bytes: np.ndarray | None = None
     proxy: np.ndarray | None = None
+    shared_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.memory.recompute:  # its memory falls with the first layer, which a run's input breaks
@@ -127,7 +131,10 @@ class ChainProblem:
         self.layers = len(self.seconds)
         self._time = _prefix(self.seconds)
         self._params = _prefix(self.param_bytes)
-        self._saved = _prefix(self.saved_bytes)
+        shared = np.zeros(self.layers) if self.shared_bytes is None else np.asarray(self.shared_bytes, dtype=np.float64)
+        # a stage's saved bytes S(a..e) = Q(a..e) + shared[a], Q the prefix of saved - shared
+        self._saved = _prefix(np.asarray(self.saved_bytes, dtype=np.float64) - shared)
+        self._shared = np.append(shared, 0.0)
         self._kept = _prefix(np.zeros(self.layers) if self.kept_bytes is None else self.kept_bytes)
         self._proxy = _prefix(np.zeros(self.layers) if self.proxy is None else self.proxy)
         self._factor_table = np.zeros(0)
@@ -158,7 +165,7 @@ class ChainProblem:
             downstream += replicas
             stage = self.memory.stage_bytes(
                 self._params[last + 1] - self._params[first],
-                self._saved[last + 1] - self._saved[first],
+                self._saved[last + 1] - self._saved[first] + self._shared[first],
                 downstream,
                 replicas,
                 self._kept[last + 1] - self._kept[first],
@@ -240,8 +247,11 @@ class ChainProblem:
         with its other bounds.
 
         ``(α, β, γ)`` depends on ``(k, r)`` only through the in-flight count, so there are few
-        distinct rows ``α·prefix(P) + β·prefix(S) + γ·prefix(K)``; they are laid end to end, each
-        shifted above the previous one, so that one ``searchsorted`` answers every query.
+        distinct rows ``C = α·prefix(P) + β·prefix(Q) + γ·prefix(K)`` (``Q``: saved less what a layer
+        shares with the one before it); the memory of layers ``a .. e-1`` is ``C[e] - (C[a] -
+        β·shared[a])``, and the rows ``C - β·shared`` (non-decreasing: what a layer shares with the
+        next it saves itself) are laid end to end, each shifted above the previous one, so that one
+        ``searchsorted`` answers every query.
         """
         rows = np.array([self._memory_row(k, int(r)) for r in replicas])
         width = self.layers + 1
@@ -263,7 +273,7 @@ class ChainProblem:
         to_end = self._combined[rows, ends]
         while (open_ := low < high).any():
             middle = (low + high) // 2
-            fits = to_end - self._combined[rows, middle] + self._largest_between(middle, ends) <= limit
+            fits = to_end - self._lowered[rows, middle] + self._largest_between(middle, ends) <= limit
             high = np.where(open_ & fits, middle, high)
             low = np.where(open_ & ~fits, middle + 1, low)
         return low
@@ -284,9 +294,11 @@ class ChainProblem:
         if row is None:
             row = self._row_of[key] = len(self._row_of)
             combined = key[0] * self._params + key[1] * self._saved + key[2] * self._kept
+            lowered = combined - key[1] * self._shared
             self._combined = np.vstack([self._combined, combined]) if row else combined[None, :]
+            self._lowered = np.vstack([self._lowered, lowered]) if row else lowered[None, :]
             self._row_shift = 2.0 * float(self._combined[:, -1].max()) + 1.0
-            self._laid_out = (self._combined + self._row_shift * np.arange(row + 1)[:, None]).ravel()
+            self._laid_out = (self._lowered + self._row_shift * np.arange(row + 1)[:, None]).ravel()
         return row
 
     @staticmethod

@@ -75,6 +75,7 @@ class PlanRequest:
             memory_limit=self.memory_limit,
             tolerance=self.tolerance,
             kept_bytes=np.asarray(costs.column("kept_gradient_bytes"), dtype=np.float64),
+            shared_bytes=np.asarray(costs.column("shared_saved_bytes"), dtype=np.float64),
             proxy=(
                 np.asarray(costs.column("flops"), dtype=np.float64)
                 if all(layer.flops is not None for layer in costs.layers)
