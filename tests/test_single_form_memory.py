@@ -8,11 +8,14 @@ between. The stage sums an H100 measured on 2026-11-27 were 3.7 times a ResNet-5
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
+from lightning_pipe.strategy.parent_watch import LAUNCHER_PID
 from tests.lightning_cases import Chain, loader, trainer
 
 STAGES = MICROBATCHES = 4
@@ -33,6 +36,7 @@ def _fit(rank: int, root: str, family: str) -> dict[str, float]:
         "saved": sum(stage.saved_bytes for stage in plan.stages),
         "summed": sum(stage.memory_bytes for stage in plan.stages),
         "predicted": strategy.predicted_memory - strategy.ring_bytes,
+        "launcher": os.environ.get(LAUNCHER_PID),
     }
 
 
@@ -41,6 +45,8 @@ def test_one_device_holds_the_simulated_peak_of_activations(tmp_path) -> None:
     fits = {family: run_local(_fit, 1, str(tmp_path / family), family, timeout=240)[0] for family in FAMILIES}
     for fit in fits.values():
         assert fit["predicted"] <= fit["summed"] * (1 + 1e-9)
+        # a fit on one device launched no process: nothing started later may take it for its launcher
+        assert fit["launcher"] is None
     gpipe, one_f_one_b, ddp = fits["gpipe"], fits["1f1b"], fits["ddp"]
     assert gpipe["predicted"] == pytest.approx(gpipe["weights"] + MICROBATCHES * gpipe["saved"], rel=1e-9)
     assert ddp["predicted"] == pytest.approx(ddp["weights"] + ddp["saved"], rel=1e-9)

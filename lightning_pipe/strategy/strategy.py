@@ -430,8 +430,8 @@ class PipelineStrategy(
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-            if not self.cluster_environment.creates_processes_externally:  # rank 0 re-runs the script
-                os.environ[LAUNCHER_PID] = str(os.getpid())
+            if not self.cluster_environment.creates_processes_externally and self.num_processes > 1:
+                os.environ[LAUNCHER_PID] = str(os.getpid())  # rank 0 re-runs the script (.parent_watch)
         else:
             self._launcher = _SpawnLauncher(self, start_method=self._start_method)
 
@@ -563,6 +563,8 @@ class PipelineStrategy(
         as under DDP, its released tensors staying on the meta device."""
         if self._parent_watch is not None:
             self._parent_watch.stop()
+        if os.environ.get(LAUNCHER_PID) == str(os.getpid()):  # its children started: not for what starts later
+            del os.environ[LAUNCHER_PID]
         if self.executor is not None:
             drained = not self.executor.in_flight  # not after a failure mid-step
             self._carried = self._carried_state() if drained else None
