@@ -380,7 +380,8 @@ def _forward_saving(label: str, layer: nn.Module, leaf: Any) -> tuple[int, Any, 
                 "layer accepts the previous layer's output and that the sample is one micro-batch"
             ) from exc
     kept = counted.storages
-    saved_inputs = {i: kept[storage_key(t)] for i, t in enumerate(tensors(inputs)) if storage_key(t) in kept}
+    inputs_kept = [kept.get(storage_key(t)) for t in tensors(inputs)]
+    saved_inputs = {i: nbytes for i, nbytes in enumerate(inputs_kept) if nbytes is not None}
     saved_outputs = frozenset(i for i, t in enumerate(tensors(output)) if storage_key(t) in kept)
     return counted(), output, saved_inputs, saved_outputs
 

@@ -150,46 +150,22 @@ class DeferredNorms:
         (``Σ nₖ/N · meanₖ`` and ``Σ ((nₖ - 1) varₖ + nₖ (meanₖ - mean)²) / (N - 1)``), then one
         momentum step of their running statistics, each a multi-tensor operation over the layers."""
         totals = [sum(part[0] for part in layer_parts) for layer_parts in parts]
+        ks = range(len(parts[0]))
 
-        def rows(k: int, factor: Any) -> list[float]:  # a per-layer scalar of part k
-            return [factor(layer_parts[k][0], total) for layer_parts, total in zip(parts, totals, strict=True)]
-
-        def stats(k: int, which: int) -> list[torch.Tensor]:  # part k's means (1) or variances (2)
+        def across(k: int, which: int) -> list[torch.Tensor]:  # part k's means (1) or variances (2)
             return [layer_parts[k][which] for layer_parts in parts]
 
-        mean = torch._foreach_mul(stats(0, 1), rows(0, lambda n, total: n / total))
-        for k in range(1, len(parts[0])):
-            torch._foreach_add_(mean, torch._foreach_mul(stats(k, 1), rows(k, lambda n, total: n / total)))
-        variance: list[torch.Tensor] = []
-        for k in range(len(parts[0])):
-            within = torch._foreach_mul(stats(k, 2), rows(k, lambda n, total: (n - 1) / max(total - 1, 1)))
-            between = torch._foreach_sub(stats(k, 1), mean)
-            torch._foreach_mul_(between, between)
-            torch._foreach_mul_(between, rows(k, lambda n, total: n / max(total - 1, 1)))
-            torch._foreach_add_(within, between)
-            if variance:
-                torch._foreach_add_(variance, within)
-            else:
-                variance = within
-        layers = [self.layers[index] for index in indices]
-        # through .data: a recomputed forward's backward node (``recompute``) holds these buffers and checks
-        # their version, and micro-batches of the next step may be in flight (non-flushing schedules)
-        counts = [layer.num_batches_tracked.data for layer in layers if layer.num_batches_tracked is not None]
-        if counts:
-            torch._foreach_add_(counts, 1)
-        by_momentum: dict[float | None, list[int]] = {}
-        for position, layer in enumerate(layers):
-            by_momentum.setdefault(layer.momentum, []).append(position)
-        for momentum, positions in by_momentum.items():
-            if momentum is None:  # the cumulative average: each layer's own count (read from its device)
-                for i in positions:
-                    weight = 1.0 / float(layers[i].num_batches_tracked)
-                    layers[i].running_mean.data.lerp_(mean[i], weight)
-                    layers[i].running_var.data.lerp_(variance[i], weight)
-                continue
-            means, variances = [mean[i] for i in positions], [variance[i] for i in positions]
-            torch._foreach_lerp_([layers[i].running_mean.data for i in positions], means, momentum)
-            torch._foreach_lerp_([layers[i].running_var.data for i in positions], variances, momentum)
+        def factors(k: int, factor: Any) -> list[float]:  # a per-layer scalar of part k's rows and the total
+            return [factor(layer_parts[k][0], total) for layer_parts, total in zip(parts, totals, strict=True)]
+
+        mean = _weighted_sum([across(k, 1) for k in ks], [factors(k, lambda n, total: n / total) for k in ks])
+        deviations = [torch._foreach_sub(across(k, 1), mean) for k in ks]
+        for squared in deviations:
+            torch._foreach_mul_(squared, squared)
+        within = [factors(k, lambda n, total: (n - 1) / max(total - 1, 1)) for k in ks]
+        between = [factors(k, lambda n, total: n / max(total - 1, 1)) for k in ks]
+        variance = _weighted_sum([across(k, 2) for k in ks] + deviations, within + between)
+        _move([self.layers[index] for index in indices], mean, variance)
 
     def forget(self) -> None:
         """Drop what steps not applied yet have gathered (a stage's state is being replaced)."""
@@ -203,3 +179,39 @@ class DeferredNorms:
 
 def _key(layer: _BatchNorm) -> tuple[torch.dtype, torch.device]:
     return layer.running_mean.dtype, layer.running_mean.device
+
+
+def _weighted_sum(terms: list[list[torch.Tensor]], weights: list[list[float]]) -> list[torch.Tensor]:
+    """``Σ_k weights[k] · terms[k]``, each a list over layers (a multi-tensor operation per term)."""
+    total = torch._foreach_mul(terms[0], weights[0])
+    for term, weight in zip(terms[1:], weights[1:], strict=True):
+        torch._foreach_add_(total, torch._foreach_mul(term, weight))
+    return total
+
+
+def _move(layers: list[_BatchNorm], mean: list[torch.Tensor], variance: list[torch.Tensor]) -> None:
+    """One step of each layer's running statistics toward ``mean`` and ``variance``, by its momentum
+    (its cumulative average for ``momentum=None``), and its count by one."""
+    # through .data: a recomputed forward's backward node (``recompute``) holds these buffers and checks
+    # their version, and micro-batches of the next step may be in flight (non-flushing schedules)
+    counts = [layer.num_batches_tracked.data for layer in layers if layer.num_batches_tracked is not None]
+    if counts:
+        torch._foreach_add_(counts, 1)
+    by_momentum: dict[float | None, list[int]] = {}
+    for position, layer in enumerate(layers):
+        by_momentum.setdefault(layer.momentum, []).append(position)
+    for momentum, positions in by_momentum.items():
+        running_means = [layers[i].running_mean.data for i in positions]
+        running_vars = [layers[i].running_var.data for i in positions]
+        means, variances = [mean[i] for i in positions], [variance[i] for i in positions]
+        if momentum is not None:
+            torch._foreach_lerp_(running_means, means, momentum)
+            torch._foreach_lerp_(running_vars, variances, momentum)
+            continue
+        # the cumulative average: each layer's own count, read from the device in one transfer
+        counted = torch.stack([layers[i].num_batches_tracked for i in positions]).tolist()
+        for running_mean, running_var, m, v, count in zip(
+            running_means, running_vars, means, variances, counted, strict=True
+        ):
+            running_mean.lerp_(m, 1.0 / count)
+            running_var.lerp_(v, 1.0 / count)

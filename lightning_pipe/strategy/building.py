@@ -189,10 +189,10 @@ class PipelineBuilding:
         if plan is None:  # every rank has the same plan: none of them gathers
             self.predicted_memory = None
             return
-        if announce:  # the simulation is rank 0's
-            self._activation_peaks = self.broadcast(
-                None if self._prediction is None else list(self._prediction.peak_activation_bytes)
-            )
+        # the simulation is rank 0's, of this plan (a switch of schedule="auto" makes a new one): every build
+        self._activation_peaks = self.broadcast(
+            None if self._prediction is None else list(self._prediction.peak_activation_bytes)
+        )
         stages = sum(plan.stages[s].memory_bytes for s in mine)
         peaks, worker = self._activation_peaks, self.topology.worker
         if len(mine) > 1 and peaks is not None and worker < len(peaks) and not recomputes:
