@@ -4,8 +4,11 @@
 memory limit, and prices every configuration of a space — split × schedule family (with its update
 rule) × micro-batches × per-stage recomputation × stage replication and data-parallel degree — with
 the pieces the strategy plans with: each stage's memory by :func:`~lightning_pipe.partition.evaluate`
-under the family's :func:`~lightning_pipe.planning.memory_model`, summed over the stages a worker
-computes in the family's schedule; its time by :func:`~lightning_pipe.planning.predict`, the
+under the family's :func:`~lightning_pipe.planning.memory_model` (the activations its schedule
+keeps in flight), a worker's the weights of the stages it computes in the family's schedule and the
+activations its actions hold at their peak (:func:`~lightning_pipe.schedule.in_flight.worker_peaks`:
+an interleaved worker's two stages, or a replica's whole model, do not hold their peaks at once);
+its time by :func:`~lightning_pipe.planning.predict`, the
 strategy's own prediction. Candidates over the limit are dropped; the rest are ranked by predicted
 seconds per mini-batch, and :func:`ranking_table` prints the best and why the winner won.
 
@@ -58,11 +61,19 @@ from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.cost.update_rate import UpdatePrices
 from lightning_pipe.errors import PlanningError, check_positive, check_whole
 from lightning_pipe.partition import Plan, PlanRequest, evaluate, partition
-from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, every_worker_a_stage, memory_model, predict, schedule_of
-from lightning_pipe.schedule import COMPUTE, RULES, rules_of
-from lightning_pipe.schedule.ir import Schedule
+from lightning_pipe.planning import (
+    PREDICTED_STEPS,
+    StagePlan,
+    every_worker_a_stage,
+    in_flight_counts,
+    memory_model,
+    predict,
+    schedule_of,
+)
+from lightning_pipe.schedule import RULES, rules_of
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.util.units import format_bytes, format_seconds
+from lightning_pipe.worker_memory import WorkerMemory
 
 __all__ = [
     "ANY_RULE",
@@ -278,22 +289,14 @@ def _priced(costs: ChainCosts, parts: float, small: tuple[ChainCosts, float] | N
     return replace(scaled, layers=layers)
 
 
-def _owned(schedule: Schedule) -> list[set[int]]:
-    """The stages each worker computes."""
-    return [{a.stage for a in order if a.kind in COMPUTE} for order in schedule.orders]
-
-
-def _recomputing(plain: Plan, owned: list[set[int]], limit: float | None, recompute: bool | None) -> tuple[bool, ...]:
+def _recomputing(plain: Plan, held: WorkerMemory, limit: float | None, recompute: bool | None) -> tuple[bool, ...]:
     """Which stages recompute: all, none, or (``None``) those of the workers over ``limit`` without it."""
     stages = len(plain.stages)
     if recompute is not None:
         return (recompute,) * stages
-    over = [w for w, mine in enumerate(owned) if limit is not None and _worker_bytes(plain, mine) > limit]
-    return tuple(any(s in owned[w] for w in over) for s in range(stages))
-
-
-def _worker_bytes(plan: Plan, mine: set[int]) -> float:
-    return sum(plan.stages[s].memory_bytes for s in mine)
+    flags = (False,) * stages
+    over = [w for w, need in enumerate(held.bytes_under(plain, flags)) if limit is not None and need > limit]
+    return tuple(any(s in held.owned[w] for w in over) for s in range(stages))
 
 
 def _mixed(plain: Plan, again: Plan, recompute: tuple[bool, ...]) -> Plan:
@@ -385,7 +388,11 @@ def search(
                 stages = options.stages_for(workers)
             except PlanningError:  # e.g. CDP's dp form, which takes one micro-batch per worker
                 continue
-            models = memory_model(family, m, extra_copies), memory_model(family, m, extra_copies, recompute=True)
+            try:
+                counts = in_flight_counts(options, stages, m)
+            except PlanningError:  # the family cannot run m micro-batches on this many stages
+                continue
+            models = [memory_model(family, m, extra_copies, r, counts) for r in (False, True)]
             for groups, replicas in _splits(scaled, family, stages, network, partitioner, max_splits):
                 bounds = tuple((group[0], group[-1]) for group in groups)
                 shape = StagePlan(bounds, replicas=replicas)
@@ -393,16 +400,20 @@ def search(
                     schedule = schedule_of(shape, options, m)(STEPS)
                 except PlanningError:  # the family cannot run m micro-batches on these stages
                     continue
-                owned = _owned(schedule)
+                held = WorkerMemory.of(schedule, scaled, bounds)
                 priced = [
                     evaluate(scaled, groups, replicas, partitioner="auto", devices=workers, network=network, memory=mm)
                     for mm in (models if recompute is not False else models[:1])  # no recomputing plan when off
                 ]
                 plain, again = priced[0], priced[-1]
-                flags = _recomputing(plain, owned, memory_limit, recompute)
+                flags = _recomputing(plain, held, memory_limit, recompute)
                 plan = replace(_mixed(plain, again, flags), memory_limit=memory_limit)
-                per_worker = tuple(_worker_bytes(plan, mine) for mine in owned)
-                least = [min(_worker_bytes(plain, mine), _worker_bytes(again, mine)) for mine in owned]
+                per_worker = held.bytes_under(plan, flags)
+                every = (False,) * len(bounds), (True,) * len(bounds)
+                least = [
+                    min(a, b)
+                    for a, b in zip(held.bytes_under(plain, every[0]), held.bytes_under(again, every[1]), strict=True)
+                ]
                 smallest = min(smallest, max(per_worker) if recompute is not None else max(least))
                 if memory_limit is not None and max(per_worker) > memory_limit:
                     continue

@@ -39,11 +39,14 @@ from lightning_pipe.partition import PARTITIONERS, Plan, PlanRequest, partition
 from lightning_pipe.partition.plan_file import load_plan
 from lightning_pipe.partition.request import check_tolerance
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, StageCosts, memory_schedule, simulate
+from lightning_pipe.schedule.in_flight import stage_in_flight
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.schedule.stage_costs import check_contention
 from lightning_pipe.tables import placement_table, plan_table, simulation_table
+from lightning_pipe.util.units import format_bytes
+from lightning_pipe.worker_memory import WorkerMemory
 
 __all__ = [
     "PREDICTED_STEPS",
@@ -51,6 +54,7 @@ __all__ = [
     "PlanOptions",
     "StagePlan",
     "every_worker_a_stage",
+    "in_flight_counts",
     "memory_model",
     "optimizer_copies",
     "plan_stages",
@@ -60,6 +64,7 @@ __all__ = [
     "setup_line",
     "setup_report",
     "timed",
+    "within_workers",
 ]
 
 DEFAULT_TOLERANCE = 0.02
@@ -189,10 +194,14 @@ def _check_counts(name: str, value: object, unit: str) -> None:
         check_whole(f"every {name} entry", count, 1, unit)
 
 
-def memory_model(family: str, microbatches: int, extra_copies: float, recompute: bool = False) -> MemoryModel:
+def memory_model(
+    family: str, microbatches: int, extra_copies: float, recompute: bool = False, counts: Sequence[int] | None = None
+) -> MemoryModel:
     """The memory model a run of ``family`` with ``microbatches`` per step is planned with: the
-    family's in-flight activations and weight versions, the flushing families' early cool-down
-    gradients, the gradient a stage adds into its last one, and ``recompute``'s inputs in flight."""
+    family's in-flight activations (its schedule's ``counts``, :func:`in_flight_counts`; the closed
+    form of :func:`~lightning_pipe.schedule.memory_schedule` without them) and weight versions, the
+    flushing families' early cool-down gradients, the gradient a stage adds into its last one, and
+    ``recompute``'s inputs in flight."""
     return MemoryModel(
         memory_schedule(family),
         microbatches,
@@ -200,7 +209,18 @@ def memory_model(family: str, microbatches: int, extra_copies: float, recompute:
         split_backward=family not in NON_FLUSHING_FAMILIES,
         accumulation=True,
         recompute=recompute,
+        counts=None if counts is None else tuple(counts),
     )
+
+
+def in_flight_counts(options: ScheduleOptions, stages: int, microbatches: int) -> tuple[int, ...] | None:
+    """Each stage's activations in flight under ``options``' schedule on ``stages`` straight stages
+    with ``microbatches`` per step, counted from its actions
+    (:func:`~lightning_pipe.schedule.in_flight.stage_in_flight`); ``None`` for ``1f1b_rr``, whose
+    replicas the split decides (PipeDream's closed form prices them)."""
+    if options.family == "1f1b_rr":
+        return None
+    return tuple(stage_in_flight(options.make(stages, microbatches)(PREDICTED_STEPS)))
 
 
 def optimizer_copies(optimizer: torch.optim.Optimizer | None) -> int:
@@ -278,6 +298,50 @@ def plan_stages(
         plan = every_worker_a_stage(request, plan, costs.column("seconds"))
     bounds = tuple((s.layers[0], s.layers[-1]) for s in plan.stages)
     return StagePlan(bounds, plan, costs, tuple(s.replicas for s in plan.stages) if replicate else None, known)
+
+
+def within_workers(
+    plan_once: Callable[[PlanOptions], StagePlan], options: PlanOptions, schedule: ScheduleOptions, microbatches: int
+) -> StagePlan:
+    """``plan_once(options)``, its memory limit kept per worker, not only per stage
+    (:class:`~lightning_pipe.worker_memory.WorkerMemory`): where the workers compute several
+    stages (interleaved and looped pipelines, Rahimi's replicated families) and one goes over the limit
+    with its stages together, the stages are planned again, each within the limit shared among a
+    worker's stages; a plan still over it is refused, naming what each worker needs."""
+    stage_plan = plan_once(options)
+    limit = options.memory_limit
+    if limit is None or stage_plan.plan is None:
+        return stage_plan
+    held = _held(stage_plan, schedule, microbatches)
+    most = max(len(mine) for mine in held.owned)
+    needs = held.bytes_under(stage_plan.plan, [False] * len(stage_plan.bounds))
+    if max(needs) <= limit * (1 + 1e-9):
+        return stage_plan
+    if most > 1:
+        try:
+            shared = plan_once(replace(options, memory_limit=limit / most))
+        except PlanningError:
+            pass
+        else:
+            held = _held(shared, schedule, microbatches)
+            needs = held.bytes_under(shared.plan, [False] * len(shared.bounds))  # type: ignore[arg-type]
+            if max(needs) <= limit * (1 + 1e-9):
+                return shared
+    worst = max(range(len(needs)), key=needs.__getitem__)
+    count = len(held.owned[worst])
+    raise PlanningError(
+        f"worker {worst} computes {count} stage{'s' if count > 1 else ''} of {schedule.family} and needs "
+        f"{format_bytes(needs[worst])} for them together, over memory_limit={format_bytes(limit)} "
+        f"(each worker: {', '.join(format_bytes(n) for n in needs)}): raise the limit to at least "
+        f"{format_bytes(max(needs))}, recompute activations (recompute=True), run more devices, or let "
+        "schedule='auto' choose a configuration that fits"
+    )
+
+
+def _held(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: int) -> WorkerMemory:
+    assert stage_plan.costs is not None
+    steps = schedule_of(stage_plan, schedule, microbatches)(PREDICTED_STEPS)
+    return WorkerMemory.of(steps, stage_plan.costs, stage_plan.bounds)
 
 
 def every_worker_a_stage(request: PlanRequest, plan: Plan, seconds: Sequence[float]) -> Plan:

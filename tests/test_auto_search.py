@@ -28,8 +28,8 @@ from lightning_pipe.cost.memory import EXTRA_COPIES, MemoryModel
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import PlanRequest, evaluate, partition
-from lightning_pipe.planning import StagePlan, memory_model, predict
-from lightning_pipe.schedule import COMPUTE, NON_FLUSHING_FAMILIES
+from lightning_pipe.planning import StagePlan, in_flight_counts, memory_model, predict
+from lightning_pipe.schedule import COMPUTE, NON_FLUSHING_FAMILIES, StageCosts, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -77,15 +77,22 @@ def _layouts(costs: ChainCosts, family: str, stages: int) -> list[tuple[list[lis
 
 def _brute_force(costs: ChainCosts, limit: float | None, space: dict[str, object]) -> tuple[float, float]:
     """The least predicted step time over every (family, m, split, recomputing stages) that fits
-    ``limit``: each stage's memory by ``evaluate``, summed over the stages a worker computes, and the
-    strategy's prediction; with ``recompute=None`` every assignment of recomputation to stages is
-    tried. Also the least peak memory of any of them (fitting or not)."""
+    ``limit``: each stage's weights and state by ``evaluate``, summed over the stages a worker computes,
+    with the activations the simulator's replay has alive on the worker at its peak (a recomputing
+    stage's as ``evaluate`` gives them), and the strategy's prediction; with ``recompute=None`` every
+    assignment of recomputation to stages is tried. Also the least peak memory of any of them (fitting
+    or not)."""
     best, least = math.inf, math.inf
     for (family, rule), m in itertools.product(searched_families(space["rule"]), space["microbatches"]):
         options = ScheduleOptions(family, m, rule=rule).on_workers(WORKERS)
         scaled = costs.scaled(1 / m)
-        models = [memory_model(family, m, EXTRA_COPIES["momentum"], recompute=flag) for flag in (False, True)]
-        for groups, replicas in _layouts(scaled, family, options.stages_for(WORKERS)):
+        stages = options.stages_for(WORKERS)
+        try:
+            counts = in_flight_counts(options, stages, m)
+        except PlanningError:
+            continue
+        models = [memory_model(family, m, EXTRA_COPIES["momentum"], flag, counts) for flag in (False, True)]
+        for groups, replicas in _layouts(scaled, family, stages):
             bounds = tuple((g[0], g[-1]) for g in groups)
             extra = {} if replicas is None else {"stage_replicas": list(replicas)}
             try:
@@ -101,8 +108,12 @@ def _brute_force(costs: ChainCosts, limit: float | None, space: dict[str, object
             patterns = itertools.product((False, True), repeat=count) if flag is None else [(flag,) * count]
             for pattern in patterns:
                 chosen = zip(plain.stages, again.stages, pattern, strict=True)
-                stage_bytes = [(a if r else p).memory_bytes for p, a, r in chosen]
-                peak = max(sum(stage_bytes[s] for s in mine) for mine in owned)
+                stage_bytes = [a.memory_bytes if r else p.memory_bytes - p.activation_bytes for p, a, r in chosen]
+                kept = [0.0 if r else scaled.saved_between(a, b) for (a, b), r in zip(bounds, pattern, strict=True)]
+                alive = simulate(
+                    schedule, StageCosts([1.0] * count, [1.0] * count, saved_bytes=kept)
+                ).peak_activation_bytes
+                peak = max(alive[w] + sum(stage_bytes[s] for s in mine) for w, mine in enumerate(owned))
                 least = min(least, peak)
                 if limit is not None and peak > limit:
                     continue

@@ -16,6 +16,11 @@ replicated ``r`` times, with ``m`` micro-batches per step:
 - ``pipedream`` (asynchronous, weight stashing): ``⌈k/r⌉`` in flight, and as many weight versions.
 - ``2bw`` (PipeDream-2BW): ``⌈k/r⌉`` in flight, two weight versions.
 
+Families whose workers hold several stages, or whose stages keep more than these forms (a looped
+pipeline, interleaved virtual stages, Rahimi's replicated families), are planned with the counts of
+their own schedule instead (``counts``, :mod:`lightning_pipe.schedule.in_flight`): 1F1B's form
+under-counted a breadth-first looped pipeline's stages by up to 2.7x (``m = 8`` on 2 workers).
+
 A stage after the first of a flushing schedule runs its cool-down backwards in two halves (input
 gradient first, sent upstream, then the weight gradients: :mod:`lightning_pipe.schedule.early`), one
 at a time; between the halves it keeps the gradients the weight half resumes from, one micro-batch's
@@ -63,6 +68,10 @@ class MemoryModel:
             as the runtime does it.
         recompute: stages recompute their forward in the backward and keep only their inputs in
             flight (module docstring; :meth:`stage_bytes`' ``input_bytes``).
+        counts: each stage's activations in flight as its schedule keeps them, first stage first
+            (:func:`~lightning_pipe.schedule.in_flight.stage_in_flight`), in place of the closed form:
+            the stage ``downstream`` workers from the end keeps ``counts[-downstream]``. Straight
+            stages only (``replicas`` 1).
     """
 
     schedule: str = "1f1b"
@@ -71,6 +80,7 @@ class MemoryModel:
     split_backward: bool = False
     accumulation: bool = False
     recompute: bool = False
+    counts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -82,9 +92,20 @@ class MemoryModel:
             raise PlanningError("gpipe keeps all m micro-batches in flight: give the number of microbatches")
         if not math.isfinite(self.extra_copies) or self.extra_copies < 0:
             raise PlanningError(f"extra_copies must be a finite number >= 0, got {self.extra_copies!r}")
+        if self.counts is not None and (
+            not self.counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.counts)
+        ):
+            raise PlanningError(f"counts must list each stage's activations in flight (>= 1), got {self.counts!r}")
 
     def in_flight(self, downstream: int, replicas: int = 1) -> int:
         """NCA of a stage with ``downstream`` workers from it to the end, replicated ``replicas`` times."""
+        if self.counts is not None:
+            if replicas != 1 or not 1 <= downstream <= len(self.counts):
+                raise PlanningError(
+                    f"the in-flight counts of {len(self.counts)} straight stages have no stage {downstream} from the "
+                    f"end replicated {replicas} times"
+                )
+            return self.counts[-downstream]
         if self.schedule == "gpipe":
             return self.microbatches  # type: ignore[return-value]
         depth = -(-downstream // replicas)
@@ -140,6 +161,14 @@ class MemoryModel:
             self.weight_versions(downstream, replicas) + self.extra_copies,
             float(self.in_flight(downstream, replicas)),
         )
+
+    def least_coefficients(self) -> tuple[float, float]:
+        """The ``(α, β)`` of the stage keeping the fewest copies (a bound for any stage): the last one,
+        unless the schedule's ``counts`` say another."""
+        if self.counts is None:
+            return self.coefficients(1, 1)
+        fewest = min(range(1, len(self.counts) + 1), key=lambda d: self.coefficients(d))
+        return self.coefficients(fewest)
 
     def kept_coefficient(self, downstream: int, first: bool) -> float:
         """``γ``: 1 when the stage splits its cool-down backwards, which it does (one at a time) when

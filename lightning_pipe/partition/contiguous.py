@@ -359,8 +359,13 @@ class ChainProblem:
         alone = max(range(self.layers), key=lambda layer: self.peak_memory([(layer, layer, 1)]))
         need = self.peak_memory([(alone, alone, 1)])  # the least any plan can give a layer: one in flight
         most = max(self.layers, 4 * self.devices) if self.replicate else self.layers
+        counts = self.memory.counts  # a schedule's own, for this many stages: other counts keep others
         if need > limit:
             hint += f"; no device count fits {format_bytes(limit)}: layer {alone} alone needs {format_bytes(need)}"
+        elif counts is not None:
+            hint += (
+                f"; more devices would keep fewer layers each (the schedule's in-flight counts here: {list(counts)})"
+            )
         elif enough := self.cover(math.inf, limit, devices=most):
             count = min(enough)
             replicated = " with replicated stages" if any(r > 1 for _, _, r in enough[count]) else ""
@@ -370,7 +375,8 @@ class ChainProblem:
         else:
             hint += f"; no straight pipeline on any device count fits {format_bytes(limit)}"
         micro = "" if self.memory.microbatches is None else f", {self.memory.microbatches} micro-batches"
+        under = self.memory.schedule if counts is None else "the schedule's activations in flight"
         return PlanningError(
             f"no partition on {self.devices} device(s) fits the memory limit of {format_bytes(limit)} per device "
-            f"under {self.memory.schedule}{micro}: {hint}"
+            f"under {under}{micro}: {hint}"
         )

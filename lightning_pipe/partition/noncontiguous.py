@@ -99,7 +99,7 @@ class _Search:
         costs = self.request.costs
         self.seconds = costs.column("seconds")
         self.cuts = [self.request.network.cut_seconds(b) for b in costs.boundary_bytes]
-        per_param, per_saved = self.request.memory.coefficients(1, 1)  # fewest copies any stage needs
+        per_param, per_saved = self.request.memory.least_coefficients()  # fewest copies any stage needs
         # a lower bound whatever the layer's neighbours: a storage it shares with the previous one may count there
         self.floor_bytes = [
             per_param * layer.param_bytes + per_saved * (layer.saved_bytes - layer.shared_saved_bytes)

@@ -25,6 +25,7 @@ from lightning_pipe.planning import (
     SETUP_PHASES,
     PlanOptions,
     StagePlan,
+    in_flight_counts,
     memory_model,
     optimizer_copies,
     plan_stages,
@@ -32,6 +33,7 @@ from lightning_pipe.planning import (
     setup_line,
     setup_report,
     timed,
+    within_workers,
 )
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import NO_BATCH_DIMENSION, rows_of, split_batch
@@ -315,7 +317,10 @@ class PipelineBuilding:
         """Verify the chain, profile and partition on rank 0 (with the first micro-batch), broadcast the
         plan or the error, print the plan and the prediction. A later ``validate``/``test``/``predict``
         (or ``fit``) of a module with as many layers keeps the plan."""
-        memory = memory_model(self.schedule_options.family, self.microbatches, optimizer_copies(optimizer))
+        counts = in_flight_counts(self.options, self.stages, self.microbatches)
+        memory = memory_model(
+            self.schedule_options.family, self.microbatches, optimizer_copies(optimizer), counts=counts
+        )
         planned: tuple[StagePlan, Chosen | None] | PlanningError | None = None
         links = None
         if self._auto is not None:
@@ -340,21 +345,24 @@ class PipelineBuilding:
                 if self._auto is not None:  # schedule="auto": the search's winner (.choosing)
                     planned = self._choose(model, first, optimizer, batch_rows, meta)
                 else:
-                    planned = (
-                        plan_stages(
+                    stages = self.stages
+
+                    def plan_once(options: PlanOptions) -> StagePlan:
+                        return plan_stages(
                             model.layers,
                             model.inputs(first),
-                            self.stages,
-                            self._within_limit(self._plan_options(len(model.layers))),
+                            stages,
+                            options,
                             memory,
                             torch.device("meta") if meta else self.root_device,
                             self._replicated,
                             names=model.names,
                             seconds=self.setup_seconds,
                             runs_on=self.root_device,
-                        ),
-                        None,
-                    )
+                        )
+
+                    options = self._within_limit(self._plan_options(len(model.layers)))
+                    planned = within_workers(plan_once, options, self.options, self.microbatches), None
             except PlanningError as error:
                 planned = error
         planned = self.broadcast(planned)
