@@ -78,9 +78,9 @@ from lightning_pipe.zoo.models import build_chain
 
 FAMILIES = ("gpipe", "1f1b", "zb_h1", "interleaved", "ddp", "2bw", "cdp")
 PICK = "auto"
-PICK_WARMUP = CALIBRATE_AFTER + PIN_STEPS + (TRIALS + 1) * (WARM_UP + TRIAL_STEPS + 1)
-"""Steps the pick may take to settle: the pinning trial, calibration, every trial and the switch to
-the fastest (its steps are timed from :data:`WARM_UP` steps after it settled, at the earliest here)."""
+PICK_WARMUP = CALIBRATE_AFTER + PIN_STEPS + (TRIALS + 3) * (WARM_UP + TRIAL_STEPS + 1)
+"""Steps the pick may take to settle: the pinning trial, calibration, every trial, the closest two
+measured again, and the switch to the fastest (its steps are timed from :data:`WARM_UP` steps after it settled, at the earliest here)."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ both for the next run's prediction (``lightning_pipe.cost.calibrated``, ``lightn
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -33,7 +34,16 @@ from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict, schedul
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.strategy.calibrating import SWITCH_GAIN, TRIAL_MARGIN, TRIALS, trial_candidates
+from lightning_pipe.strategy.calibrating import (
+    CONFIRM_WITHIN,
+    SWITCH_GAIN,
+    TRIAL_MARGIN,
+    TRIALS,
+    Trial,
+    Trials,
+    trial_candidates,
+)
+from lightning_pipe.strategy.choosing import Chosen
 from tests.lightning_cases import Chain, loader, trainer
 
 
@@ -332,3 +342,35 @@ def test_the_trials_are_the_best_of_each_family_within_the_margin_and_both_kinds
     assert chosen == expected
     assert len(chosen) <= TRIALS and running not in chosen
     assert not others or any(c.flushes != running.flushes for c in chosen)
+
+
+def _trial(index: int, seconds: float | None) -> Trial:
+    """Configuration ``index`` (its split says which), measured at ``seconds``."""
+    plan = StagePlan(((0, index), (index + 1, 9)))
+    return Trial(plan, Chosen(ScheduleOptions("1f1b", microbatches=2), (False, False)), f"split {index}", seconds)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.05, 0.2), min_size=1, max_size=4), st.floats(0.05, 0.2), st.floats(0.05, 0.2))
+def test_the_closest_two_trials_are_measured_again_in_the_other_order(
+    first: list[float], again_a: float, again_b: float
+) -> None:
+    """Brute force over the first pass: the two fastest within :data:`CONFIRM_WITHIN` are measured
+    again, the later-measured first, once; the pick is the least mean of each configuration's medians."""
+    trials = Trials([_trial(i, t) for i, t in enumerate(first)], [])
+    order = sorted(range(len(first)), key=first.__getitem__)
+    close = len(first) > 1 and first[order[1]] <= first[order[0]] * (1 + CONFIRM_WITHIN)
+    again = trials.again()
+    assert trials.again() == []  # once
+    if not close:
+        assert again == [] and trials.best().label == f"split {order[0]}"
+        return
+    pair = sorted(order[:2], reverse=True)
+    assert [t.label for t in again] == [f"split {i}" for i in pair] and all(t.seconds is None for t in again)
+    trials.measured += [dataclasses.replace(again[0], seconds=again_a), dataclasses.replace(again[1], seconds=again_b)]
+    means = {i: first[i] for i in range(len(first))}
+    means[pair[0]] = (first[pair[0]] + again_a) / 2
+    means[pair[1]] = (first[pair[1]] + again_b) / 2
+    best = min(means, key=lambda i: (means[i], i))
+    assert trials.best().label == f"split {best}"
+    assert math.isclose(trials.seconds_of(trials.best()), means[best])

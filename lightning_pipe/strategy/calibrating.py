@@ -20,7 +20,10 @@ pipeline's far less: ``bench/auto_plan.py``), so the decision is measured: up to
 other configurations, the best priced of each family predicted faster or no more than
 :data:`TRIAL_MARGIN` slower than the one running, are tried one after the other for
 :data:`TRIAL_STEPS` steps each (after :data:`WARM_UP` steps that build and warm the pipeline), and
-the run goes on with the one whose median step was shortest, the one that ran first included. A
+the run goes on with the one whose median step was shortest, the one that ran first included; where
+the two fastest came within :data:`CONFIRM_WITHIN` of each other, both are measured once more in the
+other order (the machine's drift then weighs on both alike) and the mean of each one's two medians
+decides. A
 switch finishes the steps in flight (a drain), gathers the model's weights and every parameter's
 optimizer state by name, rebuilds the pipeline on the new split and schedule, and gives each rank
 back its stages' weights and states, as a resume on another split does. A synchronous run that
@@ -57,6 +60,7 @@ from lightning_pipe.util.units import format_seconds
 
 __all__ = [
     "CALIBRATE_AFTER",
+    "CONFIRM_WITHIN",
     "KEPT_AFTER",
     "PIN_STEPS",
     "SWITCH_GAIN",
@@ -90,6 +94,12 @@ KEPT_AFTER = 4
 TRIALS = 3
 """Other configurations tried at most, one per family: the calibrated predictions of the families
 were off from each other by more than the differences between them (``bench/auto_plan.py``)."""
+CONFIRM_WITHIN = 0.10
+"""The two fastest trials closer than this are measured once more each, in the other order, and
+decided by the mean of their two medians: a trial measured early and one measured late differ by the
+machine's drift as well (on 2 shared CPU cores GPT-2's pick, ``ddp`` on 2 micro-batches, measured
+150 ms in its trial and ran 179 ms settled, where the best configuration of the grid ran 147 ms:
+``bench/auto_plan.py``)."""
 
 
 @dataclass(frozen=True)
@@ -103,16 +113,53 @@ class Trial:
     seconds: float | None = None
 
 
+def _configuration(trial: Trial) -> tuple[object, ...]:
+    """What a trial runs: its split, replicas, schedule and recomputing stages."""
+    return trial.stage_plan.bounds, trial.stage_plan.replicas, trial.chosen
+
+
 @dataclass
 class Trials:
-    """The trials of a run: those measured (the one running first, then each tried) and those to try."""
+    """The trials of a run: those measured (the one running first, then each tried; a configuration
+    measured again appears again) and those to try; ``confirmed`` once the closest two were measured
+    again (:meth:`again`)."""
 
     measured: list[Trial]
     waiting: list[Trial]
+    confirmed: bool = False
+
+    def _means(self) -> dict[tuple[object, ...], tuple[float, Trial]]:
+        """Each configuration's mean over its measured medians, with its first trial."""
+        found: dict[tuple[object, ...], list[Trial]] = {}
+        for trial in self.measured:
+            found.setdefault(_configuration(trial), []).append(trial)
+        return {
+            key: (statistics.fmean(t.seconds if t.seconds is not None else math.inf for t in trials), trials[0])
+            for key, trials in found.items()
+        }
 
     def best(self) -> Trial:
-        """The measured configuration with the shortest median step."""
-        return min(self.measured, key=lambda trial: trial.seconds if trial.seconds is not None else math.inf)
+        """The configuration with the shortest step: its medians' mean, where it was measured twice."""
+        return min(self._means().values(), key=lambda pair: pair[0])[1]
+
+    def seconds_of(self, trial: Trial) -> float:
+        """``trial``'s configuration's mean median step."""
+        return self._means()[_configuration(trial)][0]
+
+    def again(self) -> list[Trial]:
+        """Once, after the first pass: the two fastest configurations when they are within
+        :data:`CONFIRM_WITHIN` of each other, to be measured again in the other order (the one
+        measured last first: it may be running already); none otherwise."""
+        if self.confirmed:
+            return []
+        self.confirmed = True
+        ranked = sorted(self._means().items(), key=lambda item: item[1][0])
+        if len(ranked) < 2 or ranked[1][1][0] > ranked[0][1][0] * (1 + CONFIRM_WITHIN):
+            return []
+        order = {_configuration(t): i for i, t in enumerate(self.measured)}  # the last measurement of each
+        pair = sorted((key for key, _ in ranked[:2]), key=order.__getitem__, reverse=True)
+        firsts = {key: trial for key, (_, trial) in ranked[:2]}
+        return [dataclasses.replace(firsts[key], seconds=None) for key in pair]
 
 
 def trial_candidates(
@@ -262,19 +309,34 @@ class PipelineCalibration:
         self._meet()
         trying = trials.measured[-1]
         trials.measured[-1] = dataclasses.replace(trying, seconds=self.broadcast(statistics.median(intervals)))
+        if not trials.waiting:
+            trials.waiting = trials.again()  # the same on every rank: rank 0's medians, broadcast
+            if trials.waiting:
+                said = " and ".join(t.label for t in trials.waiting)
+                rank_zero_info(
+                    f"Tried for {TRIAL_STEPS} steps each (medians): {self._tried(trials)}; {said} are within "
+                    f"{CONFIRM_WITHIN:.0%} of each other: measuring them again, in the other order"
+                )
         if trials.waiting:
             following = trials.waiting.pop(0)
             trials.measured.append(following)
-            self._switch(following.stage_plan, following.chosen)
+            if _configuration(following) == _configuration(trying):  # running already: measure on
+                self.settled_step += len(self._step_starts)
+                self._step_seconds, self._step_starts = [], []
+            else:
+                self._switch(following.stage_plan, following.chosen)
             return
         best = trials.best()
         rank_zero_info(
-            f"Tried for {TRIAL_STEPS} steps each (medians): "
-            + ", ".join(f"{t.label} {format_seconds(t.seconds or math.nan)}" for t in trials.measured)
-            + f"; going on with {best.label}"
+            f"Tried for {TRIAL_STEPS} steps each (medians): {self._tried(trials)}; going on with {best.label}"
+            + (f" ({format_seconds(trials.seconds_of(best))}, the mean of its two)" if trials.confirmed else "")
         )
-        if best is not trials.measured[-1]:
+        if _configuration(best) != _configuration(trials.measured[-1]):
             self._switch(best.stage_plan, best.chosen)
+
+    @staticmethod
+    def _tried(trials: Trials) -> str:
+        return ", ".join(f"{t.label} {format_seconds(t.seconds or math.nan)}" for t in trials.measured)
 
     def _meet(self) -> None:
         """Bring the ranks together between steps for a decision: a non-flushing schedule's steps in
