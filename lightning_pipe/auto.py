@@ -81,6 +81,7 @@ __all__ = [
     "FLUSHING_FAMILIES",
     "STEPS",
     "Candidate",
+    "microbatch_costs",
     "ranking_table",
     "search",
     "searched_families",
@@ -262,7 +263,7 @@ def _splits(
     return [(_groups(cut, layers), None) for cut in sorted(found)]
 
 
-def _priced(costs: ChainCosts, parts: float, small: tuple[ChainCosts, float] | None, m: int) -> ChainCosts:
+def microbatch_costs(costs: ChainCosts, parts: float, small: tuple[ChainCosts, float] | None, m: int) -> ChainCosts:
     """The profile of one of ``m`` micro-batches of the mini-batch: ``costs`` (one of ``parts``)
     scaled; with ``small`` (the same layers profiled on one of ``small_parts``), each layer's times
     follow the line through both profiles in the rows, so that what a layer costs whatever its rows
@@ -380,7 +381,7 @@ def search(
     smallest = math.inf
     for m in dict.fromkeys(microbatches):
         check_whole("every microbatches entry", m, 1)
-        scaled = _priced(costs, profile_microbatches, small, m)
+        scaled = microbatch_costs(costs, profile_microbatches, small, m)
         for family, family_rule in chosen:
             try:
                 options = replace(base or ScheduleOptions(), family=family, microbatches=m, rule=family_rule)
@@ -482,11 +483,15 @@ def _why(candidate: Candidate, ranked: Sequence[Candidate]) -> str:
     return f"{_faster(winner, other)} (bubble {winner.bubble_fraction:.0%} vs {other.bubble_fraction:.0%}), fits {fits}"
 
 
-def ranking_table(candidates: Sequence[Candidate], top: int = 5) -> str:
+def ranking_table(
+    candidates: Sequence[Candidate], top: int = 5, seconds: Callable[[Candidate], float] | None = None
+) -> str:
     """The ``top`` candidates (predicted step time, bubble, peak memory per device, split) and one
-    line saying why the winner won."""
+    line saying why the winner won; with ``seconds``, each step is that (a calibration's prediction,
+    what the run adds beyond the actions included: the order the candidates were ranked in)."""
     if not candidates:
         return "no candidate"
+    step = seconds or (lambda candidate: candidate.step_seconds)
     rows = [
         "| # | schedule | rule | m | recompute | stages (layers ×replicas) | step | bubble | peak memory/device |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -497,7 +502,16 @@ def ranking_table(candidates: Sequence[Candidate], top: int = 5) -> str:
         )
         rows.append(
             f"| {rank} | {c.family} | {c.rule} | {c.microbatches} | {c.recomputed} | {stages} | "
-            f"{format_seconds(c.step_seconds)} | {c.bubble_fraction:.0%} | {format_bytes(c.peak_memory_bytes)} |"
+            f"{format_seconds(step(c))} | {c.bubble_fraction:.0%} | {format_bytes(c.peak_memory_bytes)} |"
         )
-    rows.append(f"{candidates[0].label} wins: {candidates[0].why}")
+    winner = candidates[0]
+    if seconds is None:
+        rows.append(f"{winner.label} wins: {winner.why}")
+        return "\n".join(rows)
+    other = next((c for c in candidates if c.family != winner.family), None)
+    against = "" if other is None else f", {1 - step(winner) / step(other):.0%} less than {other.label}"
+    rows.append(
+        f"{winner.label} wins: {format_seconds(step(winner))} per step with what runs measured beyond the "
+        f"actions{against}; peak {format_bytes(winner.peak_memory_bytes)}"
+    )
     return "\n".join(rows)

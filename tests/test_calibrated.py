@@ -17,7 +17,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.auto import Candidate
+from lightning_pipe.auto import Candidate, microbatch_costs
 from lightning_pipe.cost.calibrated import (
     Calibration,
     RunShape,
@@ -44,6 +44,7 @@ from lightning_pipe.strategy.calibrating import (
     trial_candidates,
 )
 from lightning_pipe.strategy.choosing import Chosen
+from lightning_pipe.strategy.profile_basis import ProfileBasis
 from tests.lightning_cases import Chain, loader, trainer
 
 
@@ -253,6 +254,7 @@ def _fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
                 "planned": strategy.planned_step_seconds,
                 "bandwidth": prices.bandwidth,
                 "kept_after": [json.loads(p.read_text()) for p in Path(directory).glob("calibration-*.json")],
+                "factor": None if strategy._basis is None else strategy._basis.factor(strategy.microbatches),
             }
         )
     return found
@@ -269,7 +271,8 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
     has no calibration yet, and keeps its own beside the profile; the second reads it and predicts its
     step with it: what the first fit measured beyond the profile is in the second's prediction. A
     third fit, pinned, reads the closest kept (the unpinned one) and keeps its own beside it. The
-    fourth, ``schedule="auto"`` unpinned, prices its winner with the unpinned one, not the last kept."""
+    fourth, ``schedule="auto"`` unpinned, prices its winner with the unpinned one, not the last kept,
+    brought from the layer-by-layer profile it was kept against to the chain-timed one it plans with."""
     cache = tmp_path / "profiles"
     first, second, third, chosen = run_local(_fits, 2, str(tmp_path), str(cache), timeout=240)[0]
     assert first["kept"] is None and first["updates"] is not None and min(first["updates"]) > 0
@@ -285,7 +288,10 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
     assert second["planned"] is not None and second["planned"] > 0
     assert third["kept"] == _entry(replaced["runs"][0])
     (both,) = third["kept_after"]
-    assert chosen["kept"] == _entry(both["runs"][0]) != _entry(both["runs"][1])
+    unpinned = _entry(both["runs"][0])  # brought to the chain-timed profile the search prices with
+    assert first["factor"] is None and chosen["factor"] is not None and chosen["factor"] > 0
+    assert chosen["kept"] == dataclasses.replace(unpinned, scale=unpinned.scale / chosen["factor"])
+    assert unpinned != _entry(both["runs"][1])
     assert [(run["family"], run["rows"], run["pinned"]) for run in both["runs"]] == [
         ("1f1b", 5, False),
         ("1f1b", 5, True),
@@ -374,3 +380,39 @@ def test_the_closest_two_trials_are_measured_again_in_the_other_order(
     best = min(means, key=lambda i: (means[i], i))
     assert trials.best().label == f"split {best}"
     assert math.isclose(trials.seconds_of(trials.best()), means[best])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(1e-4, 1e-2), st.floats(1e-4, 1e-2)), min_size=2, max_size=6),
+    st.floats(0.3, 1.0),
+    st.floats(0.3, 1.0),
+    st.floats(0.2, 3.0),
+    st.sampled_from([1, 2, 4, 8]),
+    st.booleans(),
+)
+def test_a_kept_calibration_prices_the_same_actions_on_either_profile(
+    times: list[tuple[float, float]], forward: float, backward: float, scale: float, m: int, small: bool
+) -> None:
+    """A calibration kept against the layer-by-layer profile, brought to the chain-timed one that
+    ``schedule="auto"`` prices with, gives every micro-batch count's actions the same seconds in total;
+    and back again."""
+    layers = ChainCosts.from_lists([f for f, _ in times], [b for _, b in times])
+    chain = layers.rescaled(forward * sum(f for f, _ in times), backward * sum(b for _, b in times))
+    few = layers.scaled(0.5) if small else None
+    basis = ProfileBasis(
+        layers, chain, 1.0, few, None if few is None else few.rescaled(forward * 0.4, backward * 0.4), 2.0
+    )
+    kept = Calibration(scale, 1e-4, 2e-3)
+    small_layers = None if few is None else (few, 2.0)
+    small_chain = None if few is None else (basis.small_chain, 2.0)
+
+    def total(costs: ChainCosts) -> float:
+        return sum(layer.forward_seconds + layer.backward_seconds for layer in costs.layers)
+
+    on_layers = kept.scale * total(microbatch_costs(layers, 1.0, small_layers, m))
+    converted = basis.to_chain(kept, m)
+    assert math.isclose(converted.scale * total(microbatch_costs(chain, 1.0, small_chain, m)), on_layers, rel_tol=1e-9)
+    assert (converted.fixed, converted.per_step) == (kept.fixed, kept.per_step)
+    assert math.isclose(basis.to_layers(converted, m).scale, kept.scale, rel_tol=1e-9)
+    assert basis.to_chain(None, m) is None

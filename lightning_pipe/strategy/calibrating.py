@@ -275,7 +275,7 @@ class PipelineCalibration:
         rank_zero_info(
             f"Calibration after {CALIBRATE_AFTER} steps: {found}; trying {said} against {running.label} (running) "
             f"for {TRIAL_STEPS} steps each, then keeping the fastest as measured\n"
-            f"{ranking_table(self.candidates, SHOWN)}"
+            f"{ranking_table(self.candidates, SHOWN, found.seconds)}"
         )
         return [Trial(c.stage_plan, Chosen.of(c, self.schedule_options), c.label) for c in chosen]
 
@@ -298,6 +298,8 @@ class PipelineCalibration:
         found = measured_calibration(
             prices, plan, self.options, self.microbatches, self.recompute, profiled, compute, until_next, intervals, on
         )
+        if self._basis is not None:  # schedule="auto" planned with the chain-timed profile: kept against the layers'
+            found = self._basis.to_layers(found, self.microbatches)
         prices.keep(self.options.family, self.microbatches, bool(self._pinned()), found)
 
     def _judge_trial(self, trials: Trials) -> None:
@@ -388,7 +390,8 @@ class PipelineCalibration:
         taken on a busier or other machine. What an action costs whatever its rows (the runtime's
         own work) is fitted apart, since profiling again would not change it."""
         assert self.stage_plan is not None and self._searched is not None
-        profiled = self._profiled(self.stage_plan)
+        factor = 1.0 if self._basis is None else self._basis.factor(self.microbatches)
+        profiled = [seconds / factor for seconds in self._profiled(self.stage_plan)]  # the kept profile's
         contention = self.plan_options.contention
         measured = [seconds / contention for seconds in [*compute.forward, *compute.backward]]
         rate, _ = calibration(profiled, measured)

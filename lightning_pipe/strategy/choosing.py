@@ -12,7 +12,8 @@ splits of that family only, and the update rule is never changed silently (``rul
 the flushing families and those running it). Gradient accumulation over batches and float16 keep
 the search to the flushing families, as they would refuse the others. Where earlier fits of the
 model kept calibrations, each candidate is priced with the one kept closest to its family and
-micro-batch size (:mod:`lightning_pipe.cost.calibrated`), and the winner's prediction with its own.
+micro-batch size (:mod:`lightning_pipe.cost.calibrated`), and the winner's prediction with its own,
+each brought to the profile the search prices with (:mod:`.profile_basis`).
 
 :class:`PipelineChoosing` holds these as methods of :class:`~lightning_pipe.strategy.PipelineStrategy`
 (one of the parts the strategy's class is assembled from, each a module of its own); what the first
@@ -40,6 +41,7 @@ from lightning_pipe.auto import (
     search,
     searched_families,
 )
+from lightning_pipe.cost.calibrated import Calibration
 from lightning_pipe.cost.network import Network
 from lightning_pipe.cost.profiler import chain_seconds
 from lightning_pipe.cost.records import ChainCosts
@@ -50,6 +52,7 @@ from lightning_pipe.runtime.contention import measure_contention
 from lightning_pipe.runtime.link_speed import allreduce_bandwidth
 from lightning_pipe.schedule import rules_of
 from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.strategy.profile_basis import ProfileBasis
 from lightning_pipe.util.nested import flatten, unflatten
 from lightning_pipe.util.units import format_bandwidth
 
@@ -169,7 +172,7 @@ class PipelineChoosing:
         options = self._within_limit(self.plan_options)
         sample = model.inputs(first)
         device = torch.device("meta") if meta else self.root_device
-        costs = self._profile_whole(model, sample, options, device)
+        layers, costs = self._profile_whole(model, sample, options, device)
         # micro-batches of one row are left out: a forward may branch on a single row (transformers'
         # attention masks do), which the capture, traced on larger micro-batches, cannot check
         counts = [m for m in self._auto.microbatches if m == 1 or 2 * m <= batch_rows]
@@ -180,11 +183,13 @@ class PipelineChoosing:
             )
         parts = batch_rows / rows_of(sample)
         small = None
+        self._basis = ProfileBasis(layers, costs, parts)
         finer = round(max(counts) / parts)  # the smallest micro-batch searched is profiled too (no file given)
         if finer > 1 and options.profile is None and rows_of(sample) >= finer:
             fewer = _first_part(sample, finer)
-            few = self._profile_whole(model, fewer, options, device)
+            few_layers, few = self._profile_whole(model, fewer, options, device)
             small = (few, batch_rows / rows_of(fewer))
+            self._basis = dataclasses.replace(self._basis, small=few_layers, small_chain=few, small_parts=small[1])
         start = time.perf_counter()
         arguments = {
             "small": small,
@@ -206,31 +211,40 @@ class PipelineChoosing:
         if prices.kept is None:
             ranked = search(costs, self.workers, contention=options.contention, **arguments)
         else:  # earlier runs' calibrations: each candidate priced with the one closest to its family and size
-            pinned = self._pinned()
-            closest = functools.cache(lambda family, m: prices.closest(family, m, pinned) or prices.kept)
+            pinned, basis = self._pinned(), self._basis
+
+            @functools.cache
+            def closest(family: str, m: int) -> Calibration | None:
+                return basis.to_chain(prices.closest(family, m, pinned) or prices.kept, m)
+
+            def seconds(candidate: Candidate) -> float:
+                found = closest(candidate.family, candidate.microbatches)
+                return candidate.step_seconds if found is None else found.seconds(candidate)
+
             ranked = search(costs, self.workers, calibrations=closest, **arguments)
-            ranked.sort(key=lambda candidate: closest(candidate.family, candidate.microbatches).seconds(candidate))
+            ranked.sort(key=seconds)
             winner = ranked[0]
             self.step_prices = dataclasses.replace(prices, kept=closest(winner.family, winner.microbatches))
         self.candidates = ranked
+        shown = ranking_table(ranked, SHOWN, None if prices.kept is None else seconds)
         rank_zero_info(
             f"Choosing the pipeline: {len(ranked)} configurations fit, priced in {time.perf_counter() - start:.2f} s; "
-            f"the best {min(SHOWN, len(ranked))}:\n{ranking_table(ranked, SHOWN)}"
+            f"the best {min(SHOWN, len(ranked))}:\n{shown}"
         )
         return ranked[0].stage_plan, Chosen.of(ranked[0], self.schedule_options)
 
     def _profile_whole(
         self, model: PipelineModel, sample: Any, options: PlanOptions, device: torch.device
-    ) -> ChainCosts:
-        """The layers' profile on ``sample`` (:func:`~lightning_pipe.planning.profile_costs`), each
-        layer's times scaled so that they sum to the chain's timed whole
+    ) -> tuple[ChainCosts, ChainCosts]:
+        """The layers' profile on ``sample`` (:func:`~lightning_pipe.planning.profile_costs`), and the
+        same with each layer's times scaled so that they sum to the chain's timed whole
         (:func:`~lightning_pipe.cost.profiler.chain_seconds`): what a stage runs, without the per-layer
         calls a layer-by-layer profile pays. A profile file given, or a meta-device model, is taken as it is."""
         costs = profile_costs(model.layers, sample, options, device, model.names, self.setup_seconds, self.root_device)
         if options.profile is not None or device.type == "meta":
-            return costs
+            return costs, costs
         with timed(self.setup_seconds, "profile"):
-            return costs.rescaled(*chain_seconds(model.layers, sample, device=device))
+            return costs, costs.rescaled(*chain_seconds(model.layers, sample, device=device))
 
     def _measure_machine(self) -> None:
         """Every rank, for what was not given: the all-reduce bandwidth among the ranks

@@ -117,6 +117,7 @@ from lightning_pipe.strategy.optimizers import HyperParameters
 from lightning_pipe.strategy.ownership import group_names, parameter_names
 from lightning_pipe.strategy.parent_watch import LAUNCHER_PID, ParentWatch
 from lightning_pipe.strategy.pipeline_state import PipelineState
+from lightning_pipe.strategy.profile_basis import ProfileBasis
 from lightning_pipe.strategy.random_states import RandomStates
 from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.signals import Signals
@@ -184,7 +185,9 @@ class PipelineStrategy(
             round robin over the groups.
         partitioner: how layers are split (``time`` by default: measured forward + backward).
         memory_limit: bytes per device (a number or a string such as ``"8GB"``); the partitioner plans
-            within it and refuses what cannot fit.
+            within it (a device computing several stages, as interleaved and looped schedules do, with
+            their weights and the activations its schedule keeps alive at once together) and refuses
+            what cannot fit.
         bandwidth: between devices (``"10GB/s"``), for planning; default free, or with
             ``schedule="auto"`` measured by an all-reduce among the ranks.
         contention: for the printed prediction, how many times slower a stage computes while every
@@ -328,6 +331,7 @@ class PipelineStrategy(
         self.recompute: bool | list[bool] = recompute is True  # "auto": as the search chooses (.choosing)
         self.candidates: list[Candidate] = []  # rank 0, schedule="auto": the configurations priced, best first
         self._searched: tuple[ChainCosts, dict[str, Any]] | None = None  # rank 0: the profile and search arguments
+        self._basis: ProfileBasis | None = None  # rank 0, schedule='auto': the profiles it priced with (.profile_basis)
         # schedule="auto": what was not given is measured before planning (.choosing)
         self._links_measured, self._contention_measured = bandwidth is None, contention is None
         self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.calibrating)
