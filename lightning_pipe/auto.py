@@ -290,13 +290,15 @@ def microbatch_costs(costs: ChainCosts, parts: float, small: tuple[ChainCosts, f
     return replace(scaled, layers=layers)
 
 
-def _recomputing(plain: Plan, held: WorkerMemory, limit: float | None, recompute: bool | None) -> tuple[bool, ...]:
-    """Which stages recompute: all, none, or (``None``) those of the workers over ``limit`` without it."""
-    stages = len(plain.stages)
+def _recomputing(
+    held: WorkerMemory, needs: Sequence[float], limit: float | None, recompute: bool | None
+) -> tuple[bool, ...]:
+    """Which stages recompute: all, none, or (``None``) those of the workers whose ``needs`` without
+    it are over ``limit``."""
+    stages = len(held.saved)
     if recompute is not None:
         return (recompute,) * stages
-    flags = (False,) * stages
-    over = [w for w, need in enumerate(held.bytes_under(plain, flags)) if limit is not None and need > limit]
+    over = [w for w, need in enumerate(needs) if limit is not None and need > limit]
     return tuple(any(s in held.owned[w] for w in over) for s in range(stages))
 
 
@@ -407,14 +409,12 @@ def search(
                     for mm in (models if recompute is not False else models[:1])  # no recomputing plan when off
                 ]
                 plain, again = priced[0], priced[-1]
-                flags = _recomputing(plain, held, memory_limit, recompute)
+                keeping = held.bytes_under(plain, (False,) * len(bounds))  # no stage recomputing
+                flags = _recomputing(held, keeping, memory_limit, recompute)
                 plan = replace(_mixed(plain, again, flags), memory_limit=memory_limit)
                 per_worker = held.bytes_under(plan, flags)
-                every = (False,) * len(bounds), (True,) * len(bounds)
-                least = [
-                    min(a, b)
-                    for a, b in zip(held.bytes_under(plain, every[0]), held.bytes_under(again, every[1]), strict=True)
-                ]
+                recomputing = held.bytes_under(again, (True,) * len(bounds))
+                least = [min(a, b) for a, b in zip(keeping, recomputing, strict=True)]
                 smallest = min(smallest, max(per_worker) if recompute is not None else max(least))
                 if memory_limit is not None and max(per_worker) > memory_limit:
                     continue

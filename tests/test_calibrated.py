@@ -254,7 +254,7 @@ def _fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
                 "planned": strategy.planned_step_seconds,
                 "bandwidth": prices.bandwidth,
                 "kept_after": [json.loads(p.read_text()) for p in Path(directory).glob("calibration-*.json")],
-                "factor": None if strategy._basis is None else strategy._basis.factor(strategy.microbatches),
+                "factor": None if strategy._searched is None else strategy._searched[0].factor(strategy.microbatches),
             }
         )
     return found

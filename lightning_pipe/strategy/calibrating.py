@@ -258,8 +258,8 @@ class PipelineCalibration:
         (:func:`trial_candidates`)."""
         assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
         scale, fixed = separated(self._profiled(self.stage_plan), actions(compute), actions(in_run))
-        costs, arguments = self._searched
-        ranked = search(costs, self.workers, action_seconds=fixed, scale=scale, **arguments)
+        basis, arguments = self._searched
+        ranked = search(basis.chain, self.workers, action_seconds=fixed, scale=scale, **arguments)
         running = next((c for c in ranked if self._runs(c)), None)
         if running is None:
             rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: the running configuration is not priced")
@@ -298,8 +298,8 @@ class PipelineCalibration:
         found = measured_calibration(
             prices, plan, self.options, self.microbatches, self.recompute, profiled, compute, until_next, intervals, on
         )
-        if self._basis is not None:  # schedule="auto" planned with the chain-timed profile: kept against the layers'
-            found = self._basis.to_layers(found, self.microbatches)
+        if self._searched is not None:  # schedule="auto" planned with the chain-timed profile: kept against the layers'
+            found = self._searched[0].to_layers(found, self.microbatches)
         prices.keep(self.options.family, self.microbatches, bool(self._pinned()), found)
 
     def _judge_trial(self, trials: Trials) -> None:
@@ -323,8 +323,7 @@ class PipelineCalibration:
             following = trials.waiting.pop(0)
             trials.measured.append(following)
             if _configuration(following) == _configuration(trying):  # running already: measure on
-                self.settled_step += len(self._step_starts)
-                self._step_seconds, self._step_starts = [], []
+                self._restart_steps()
             else:
                 self._switch(following.stage_plan, following.chosen)
             return
@@ -390,7 +389,7 @@ class PipelineCalibration:
         taken on a busier or other machine. What an action costs whatever its rows (the runtime's
         own work) is fitted apart, since profiling again would not change it."""
         assert self.stage_plan is not None and self._searched is not None
-        factor = 1.0 if self._basis is None else self._basis.factor(self.microbatches)
+        factor = self._searched[0].factor(self.microbatches)
         profiled = [seconds / factor for seconds in self._profiled(self.stage_plan)]  # the kept profile's
         contention = self.plan_options.contention
         measured = [seconds / contention for seconds in [*compute.forward, *compute.backward]]
@@ -399,7 +398,7 @@ class PipelineCalibration:
             return
         small = self._searched[1]["small"]
         reason = f"a run measured its layers {rate:.2f}x as long as this profile"
-        marked = [forget_profile(costs, reason) for costs in (self._searched[0], small and small[0]) if costs]
+        marked = [forget_profile(costs, reason) for costs in (self._searched[0].chain, small and small[0]) if costs]
         for path in filter(None, marked):
             rank_zero_info(f"Kept profile {path}: {reason}; the next run measures it anew")
 
@@ -437,14 +436,18 @@ class PipelineCalibration:
         self.load_optimizer_state_dict({"optimizer_states": [state]})
         self._run_chosen(chosen)
         self.stage_plan = stage_plan
-        self.settled_step += len(self._step_starts)
-        self._step_seconds, self._step_starts = [], []
+        self._restart_steps()
         if self.global_rank == 0:  # with the calibrated costs
             found, prices = self.calibration, self.step_prices
             calibrated = prices if found is None else dataclasses.replace(prices, kept=found)
             self._prediction, _ = calibrated.predict(
                 stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
             )
+
+    def _restart_steps(self) -> None:
+        """Time the steps from here on as those of a configuration just started (its warm-up first)."""
+        self.settled_step += len(self._step_starts)
+        self._step_seconds, self._step_starts = [], []
 
     def _try_pinning(self, trial: PinTrial, step: int) -> None:
         """The pinning trial (every rank; rank 0's step times decide): pin after the unpinned steps,

@@ -183,13 +183,13 @@ class PipelineChoosing:
             )
         parts = batch_rows / rows_of(sample)
         small = None
-        self._basis = ProfileBasis(layers, costs, parts)
+        basis = ProfileBasis(layers, costs, parts)
         finer = round(max(counts) / parts)  # the smallest micro-batch searched is profiled too (no file given)
         if finer > 1 and options.profile is None and rows_of(sample) >= finer:
             fewer = _first_part(sample, finer)
             few_layers, few = self._profile_whole(model, fewer, options, device)
             small = (few, batch_rows / rows_of(fewer))
-            self._basis = dataclasses.replace(self._basis, small=few_layers, small_chain=few, small_parts=small[1])
+            basis = dataclasses.replace(basis, small=few_layers, small_chain=few, small_parts=small[1])
         start = time.perf_counter()
         arguments = {
             "small": small,
@@ -206,12 +206,12 @@ class PipelineChoosing:
             "base": self.schedule_options,
             "update": self.step_prices.update,
         }
-        self._searched = costs, arguments
+        self._searched = basis, arguments
         prices = self.step_prices
         if prices.kept is None:
             ranked = search(costs, self.workers, contention=options.contention, **arguments)
         else:  # earlier runs' calibrations: each candidate priced with the one closest to its family and size
-            pinned, basis = self._pinned(), self._basis
+            pinned = self._pinned()
 
             @functools.cache
             def closest(family: str, m: int) -> Calibration | None:

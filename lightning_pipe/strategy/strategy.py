@@ -85,7 +85,6 @@ from lightning_pipe.capture.compiled import (
     settings_of,
 )
 from lightning_pipe.cost.profile_cache import profile_directory
-from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.planning import (
     DEFAULT_TOLERANCE,
@@ -330,8 +329,7 @@ class PipelineStrategy(
         check_port()
         self.recompute: bool | list[bool] = recompute is True  # "auto": as the search chooses (.choosing)
         self.candidates: list[Candidate] = []  # rank 0, schedule="auto": the configurations priced, best first
-        self._searched: tuple[ChainCosts, dict[str, Any]] | None = None  # rank 0: the profile and search arguments
-        self._basis: ProfileBasis | None = None  # rank 0, schedule='auto': the profiles it priced with (.profile_basis)
+        self._searched: tuple[ProfileBasis, dict[str, Any]] | None = None  # rank 0, auto: the profiles, the arguments
         # schedule="auto": what was not given is measured before planning (.choosing)
         self._links_measured, self._contention_measured = bandwidth is None, contention is None
         self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.calibrating)
