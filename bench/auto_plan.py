@@ -4,6 +4,7 @@ and the pick in the same rounds.
     python bench/auto_plan.py                                  # every model, 2 rounds (about an hour)
     python bench/auto_plan.py --models mlp --rounds 1          # one model, one round
     python bench/auto_plan.py --families 1f1b 2bw --microbatches 2 4 --no-pinning
+    python bench/auto_plan.py --rounds 1 --pairs 4               # the grid once, then pick and best paired
 
 For each model of the zoo, on 2 CPU processes (gloo), the same LightningModule is trained once per
 configuration of the grid — schedule family × micro-batches ``m`` × pinning — with
@@ -46,6 +47,13 @@ pick's samples/s as a fraction of the best measured configuration's: the figure 
 and, with two rounds or more, as a fraction of the configuration a user would have run after
 measuring the grid, chosen on the other rounds and timed in the same round as the pick (the fastest of
 42 noisy figures is faster than its configuration runs: the noise alone puts a perfect pick below 1).
+
+``--pairs N`` then measures the pick against the grid's best configuration (the fastest over the rounds)
+``N`` times more, in pairs run back to back in one pair of processes — best then pick, then pick then
+best, alternately — each timed over ``--pair-steps`` steps, and gives the median of the pairs' ratios:
+the machine drifts 15-26% over one fit here (``bench/step_drift.py``), so a ratio of two trainings run
+seconds apart is what it moves least. Each of the pick's trainings searches anew, so the pairs also
+show how often it chooses which configuration.
 Absolute figures are this machine's (both processes share its cores); the fractions carry over.
 """
 
@@ -273,6 +281,26 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def measure_pairs(model: str, best: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The pick against the grid's ``best`` configuration in ``args.pairs`` pairs run back to back,
+    the order alternating; the median of the pairs' ratios (best's step over the pick's)."""
+    configs = dict(_configs(args.families, args.microbatches, not args.no_pinning))
+    order = [name for index in range(args.pairs) for name in ((best, PICK) if index % 2 == 0 else (PICK, best))]
+    results = run_local(
+        _fits, 2, model, [configs[name] for name in order], args.pair_steps, args.warmup, timeout=args.timeout
+    )[0]
+    pairs = [dict(zip(order[i : i + 2], results[i : i + 2], strict=True)) for i in range(0, len(order), 2)]
+    ratios = [pair[best]["step"] / pair[PICK]["step"] for pair in pairs]
+    return {
+        "best": best,
+        "pick_of_best": statistics.median(ratios),
+        "per_pair": ratios,
+        "pick_ran": [pair[PICK]["ran"].split(" (")[0] for pair in pairs],
+        "pick_error": [_error(pair[PICK]["predicted"], pair[PICK]["step"]) for pair in pairs],
+        "best_error": [_error(pair[best]["predicted"], pair[best]["step"]) for pair in pairs],
+    }
+
+
 def _held_out(names: list[str], rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any] | None:
     """The pick against the configuration a user would run after measuring the grid: in each round,
     the one fastest over the other rounds, timed in this round (the fastest of the same round is the
@@ -322,6 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per training")
     parser.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (the pick: until settled)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=0, help="then the pick and the grid's best, paired")
+    parser.add_argument("--pair-steps", type=int, default=12, help="timed steps per training of a pair")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per round of one model")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
@@ -336,6 +366,10 @@ def main(argv: list[str] | None = None) -> None:
                 continue
         start = time.perf_counter()
         result = measure(model, args)
+        if args.pairs:
+            grid = [row for row in result["table"] if row["configuration"] != PICK]
+            best = min(grid, key=lambda row: row["measured_step"])["configuration"]
+            result["pairs"] = measure_pairs(model, best, args)
         result["seconds"] = time.perf_counter() - start
         results.append(result)
         _print(result)
@@ -361,6 +395,24 @@ def main(argv: list[str] | None = None) -> None:
             f"step {pick['settled']} | {pick['samples_per_second']:.1f} | "
             f"{pick['samples_per_second'] / best['samples_per_second']:.2f} | {against} |"
         )
+    paired = [result for result in results if "pairs" in result]
+    if paired:
+        print(
+            "\n| model | grid's best | pick / best, paired (median) | each pair | the pick ran "
+            "| pick's prediction | best's prediction |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for result in paired:
+            pairs = result["pairs"]
+            print(
+                f"| {result['model']} | {pairs['best']} | {pairs['pick_of_best']:.2f} | "
+                + ", ".join(f"{r:.2f}" for r in pairs["per_pair"])
+                + f" | {'; '.join(pairs['pick_ran'])} | "
+                + ", ".join(_percent(e) for e in pairs["pick_error"])
+                + " | "
+                + ", ".join(_percent(e) for e in pairs["best_error"])
+                + " |"
+            )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
 
