@@ -73,6 +73,10 @@ PREDICTED_STEPS = 4
 """Steps the prediction simulates: :func:`~lightning_pipe.schedule.simulation.steady_step` leaves the
 last step (the drain) out from four steps on; from three, a non-flushing family's step was predicted
 shorter than its slowest stage's compute (2BW, m = 2, stages of 18 and 15 ms: 15.75 ms)."""
+SHARES = 4
+"""Per-stage limits :func:`within_workers` plans again with, where a worker computing several stages
+goes over the memory limit with them together: evenly spaced from near the whole limit down to the
+limit over the most stages a worker computes."""
 SETUP_PHASES = ("capture", "verify", "profile", "plan")
 """The phases of a pipeline's set-up timed apart (``PipelineStrategy.setup_seconds``, ``bench/setup_time.py``)."""
 
@@ -306,8 +310,10 @@ def within_workers(
     """``plan_once(options)``, its memory limit kept per worker, not only per stage
     (:class:`~lightning_pipe.worker_memory.WorkerMemory`): where the workers compute several
     stages (interleaved and looped pipelines, Rahimi's replicated families) and one goes over the limit
-    with its stages together, the stages are planned again, each within the limit shared among a
-    worker's stages; a plan still over it is refused, naming what each worker needs."""
+    with its stages together, the stages are planned again, each within a smaller share of the limit
+    (:data:`SHARES` of them, from near the whole limit down to the limit over a worker's stages), and
+    the first plan whose workers fit is kept: the least constrained, so the fastest as a rule; a plan
+    over the limit at every share is refused, naming what each worker needs."""
     stage_plan = plan_once(options)
     limit = options.memory_limit
     if limit is None or stage_plan.plan is None:
@@ -317,16 +323,14 @@ def within_workers(
     needs = held.bytes_under(stage_plan.plan, [False] * len(stage_plan.bounds))
     if max(needs) <= limit * (1 + 1e-9):
         return stage_plan
-    if most > 1:
+    for share in range(1, SHARES + 1 if most > 1 else 1):
         try:
-            shared = plan_once(replace(options, memory_limit=limit / most))
+            shared = plan_once(replace(options, memory_limit=limit * (1 - (1 - 1 / most) * share / SHARES)))
         except PlanningError:
-            pass
-        else:
-            held = _held(shared, schedule, microbatches)
-            needs = held.bytes_under(shared.plan, [False] * len(shared.bounds))  # type: ignore[arg-type]
-            if max(needs) <= limit * (1 + 1e-9):
-                return shared
+            continue
+        shared_held = _held(shared, schedule, microbatches)
+        if max(shared_held.bytes_under(shared.plan, [False] * len(shared.bounds))) <= limit * (1 + 1e-9):  # type: ignore[arg-type]
+            return shared
     worst = max(range(len(needs)), key=needs.__getitem__)
     count = len(held.owned[worst])
     raise PlanningError(

@@ -212,3 +212,19 @@ def test_an_interleaved_worker_over_the_limit_with_its_stages_together_is_planne
     assert max(_worker_needs(kept, options, 4)) <= 51.0
     with pytest.raises(PlanningError, match=r"computes 2 stages of interleaved and needs .* over memory_limit="):
         within_workers(plan_once, PlanOptions(memory_limit=30.0), options, 4)
+
+
+def test_a_worker_over_the_limit_is_planned_again_at_a_share_between_the_limit_and_its_half() -> None:
+    """At 103 bytes each stage fits alone, but worker 0 holds 126 with its two stages together; within
+    half of the limit each no split exists, and within three quarters one does whose workers need 93
+    and 101 bytes: the shares between the limit and its half find it (the half alone would refuse)."""
+    params = [6.0, 6.0, 0.0, 4.0, 8.0, 7.0, 6.0, 4.0]
+    costs = ChainCosts.from_lists([1.0] * 8, [1.0] * 8, saved=[7.0, 5.0, 9.0, 3.0, 8.0, 2.0, 4.0, 2.0], params=params)
+    options = ScheduleOptions("interleaved", 4).on_workers(2)
+    plan_once = _planner(costs, options, 4, 4)
+    assert _worker_needs(plan_once(PlanOptions(memory_limit=103.0)), options, 4) == [126.0, 74.0]
+    with pytest.raises(PlanningError, match="fits the memory limit"):
+        plan_once(PlanOptions(memory_limit=103.0 / 2))
+    kept = within_workers(plan_once, PlanOptions(memory_limit=103.0), options, 4)
+    assert kept.bounds == ((0, 0), (1, 2), (3, 4), (5, 7))
+    assert _worker_needs(kept, options, 4) == [93.0, 101.0]
