@@ -5,6 +5,7 @@ and the pick in the same rounds.
     python bench/auto_plan.py --models mlp --rounds 1          # one model, one round
     python bench/auto_plan.py --families 1f1b 2bw --microbatches 2 4 --no-pinning
     python bench/auto_plan.py --rounds 1 --pairs 4               # the grid once, then pick and best paired
+    python bench/auto_plan.py --models mlp --against "cdp m=2"   # no grid: the pick paired with one configuration
 
 For each model of the zoo, on 2 CPU processes (gloo), the same LightningModule is trained once per
 configuration of the grid — schedule family × micro-batches ``m`` × pinning — with
@@ -53,7 +54,9 @@ measuring the grid, chosen on the other rounds and timed in the same round as th
 best, alternately — each timed over ``--pair-steps`` steps, and gives the median of the pairs' ratios:
 the machine drifts 15-26% over one fit here (``bench/step_drift.py``), so a ratio of two trainings run
 seconds apart is what it moves least. Each of the pick's trainings searches anew, so the pairs also
-show how often it chooses which configuration.
+show how often it chooses which configuration. ``--against NAME`` leaves the grid out and pairs the
+pick with the configuration ``NAME`` (as the grid names it): the first pick then has no kept
+calibration, as a user's first fit.
 Absolute figures are this machine's (both processes share its cores); the fractions carry over.
 """
 
@@ -352,9 +355,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=0, help="then the pick and the grid's best, paired")
     parser.add_argument("--pair-steps", type=int, default=12, help="timed steps per training of a pair")
+    parser.add_argument(
+        "--against", help="no grid: the pick paired with this configuration of it (e.g. 'cdp m=2 pinned')"
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per round of one model")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    if args.against is not None:
+        names = [name for name, _ in _configs(args.families, args.microbatches, not args.no_pinning)]
+        if args.against not in names or args.against == PICK:
+            parser.error(f"--against: {args.against!r} is not a configuration of the grid ({', '.join(names[:-1])})")
+        args.pairs = args.pairs or 4
     os.environ.setdefault("LIGHTNING_PIPE_CACHE", tempfile.mkdtemp(prefix="auto_plan_profiles_"))  # fresh profiles
     results = []
     for model in args.models:
@@ -365,20 +376,23 @@ def main(argv: list[str] | None = None) -> None:
                 print("gpt2 left out: transformers is not installed")
                 continue
         start = time.perf_counter()
-        result = measure(model, args)
-        if args.pairs:
-            grid = [row for row in result["table"] if row["configuration"] != PICK]
-            best = min(grid, key=lambda row: row["measured_step"])["configuration"]
-            result["pairs"] = measure_pairs(model, best, args)
+        if args.against is not None:  # the pairs alone
+            result = {"model": model, "pairs": measure_pairs(model, args.against, args)}
+        else:
+            result = measure(model, args)
+            _print(result)
+            if args.pairs:
+                grid = [row for row in result["table"] if row["configuration"] != PICK]
+                best = min(grid, key=lambda row: row["measured_step"])["configuration"]
+                result["pairs"] = measure_pairs(model, best, args)
         result["seconds"] = time.perf_counter() - start
         results.append(result)
-        _print(result)
     print(
         "\n| model | best configuration | its samples/s | pick (as it ran) | settled | pick samples/s | pick / best "
         "| pick / best of the other rounds (each round) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for result in results:
+    for result in (result for result in results if "table" in result):
         rows = {row["configuration"]: row for row in result["table"]}
         best = max(result["table"], key=lambda r: r["samples_per_second"] if r["configuration"] != PICK else 0)
         pick = rows[PICK]

@@ -4,6 +4,7 @@ optimizer state exactly (a synchronous run that switches ends as plain Lightning
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import statistics
@@ -77,6 +78,8 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
                 "trials": None if measured is None else [t.seconds for t in measured],
                 "trial_bounds": None if measured is None else [t.stage_plan.bounds for t in measured],
                 "settled_step": strategy.settled_step,
+                "planned": strategy.planned_step_seconds,
+                "priced_as_run": _priced_as_run(strategy),
                 "predicted_memory": strategy.predicted_memory,
                 "ranked": [(c.step_seconds, c.family, c.peak_memory_bytes) for c in strategy.candidates],
                 "pinned": None if strategy._pin_trial is None else strategy._pin_trial.pinned,
@@ -86,6 +89,15 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
             }
         )
     return found
+
+
+def _priced_as_run(strategy: PipelineStrategy) -> float | None:
+    """Rank 0: the step of the configuration the fit ended on, priced with the run's calibration."""
+    if strategy.calibration is None:
+        return None
+    prices = dataclasses.replace(strategy.step_prices, kept=strategy.calibration)
+    recompute = strategy.recompute
+    return prices.predict(strategy.stage_plan, strategy.options, strategy.microbatches, 1.0, recompute)[1]
 
 
 def _gloo_threads() -> int:
@@ -141,6 +153,7 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     means = {b: statistics.fmean(t for t, c in zip(seconds, bounds, strict=True) if c == b) for b in splits}
     assert switched["bounds"] == min(means, key=means.__getitem__)
     assert switched["microbatches"] == 2
+    assert switched["planned"] == pytest.approx(switched["priced_as_run"], rel=1e-9)  # the settled one's prediction
     assert CALIBRATE_AFTER + WARM_UP + TRIAL_STEPS < switched["settled_step"] < BATCHES  # the second tried or later
     for rank in range(2):  # fit after fit, the groups of the fits before are closed and collected: no growth
         threads = [found["gloo_threads"] for found in results[rank]]

@@ -425,7 +425,8 @@ class PipelineCalibration:
     def _switch(self, stage_plan: StagePlan, chosen: Chosen) -> None:
         """Every rank: finish the steps in flight, gather the weights and optimizer states by name,
         close the pipeline and run ``chosen`` on ``stage_plan`` from the next batch, each rank taking
-        back its stages' weights and states as a resume on another split does."""
+        back its stages' weights and states as a resume on another split does; rank 0 predicts its step
+        with the run's calibration (``planned_step_seconds``)."""
         assert self.executor is not None and self._chain is not None
         full = self.broadcast(self.full_state_dict())  # drains first
         state = self.broadcast(self.optimizer_state(self.optimizers[0], whole=True))  # whatever the checkpoints are
@@ -440,7 +441,7 @@ class PipelineCalibration:
         if self.global_rank == 0:  # with the calibrated costs
             found, prices = self.calibration, self.step_prices
             calibrated = prices if found is None else dataclasses.replace(prices, kept=found)
-            self._prediction, _ = calibrated.predict(
+            self._prediction, self.planned_step_seconds = calibrated.predict(
                 stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
             )
 

@@ -333,7 +333,7 @@ class PipelineStrategy(
         # schedule="auto": what was not given is measured before planning (.choosing)
         self._links_measured, self._contention_measured = bandwidth is None, contention is None
         self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.calibrating)
-        self.planned_step_seconds: float | None = None  # rank 0: the set-up's prediction, as printed
+        self.planned_step_seconds: float | None = None  # rank 0: the running one's, at set-up or switch
         self.calibrated_step_seconds: float | None = None  # rank 0: the running one's, by the in-run costs
         self.calibration: Calibration | None = None  # rank 0: what the first steps measured (.calibrating)
         self.step_prices = StepPrices()  # rank 0: what the prediction prices beyond the profile (.step_prices)
