@@ -36,7 +36,8 @@ Models (batches of ``rows`` samples):
 
 Columns: ``samples/s`` (rows per step over the median step, the median over the rounds), ``of best``
 (over the best configuration's, in the same round: the median over the rounds), and the prediction's
-error: the step the strategy printed at set-up (the profile simulated with each stage's update, the
+error: the step the strategy printed at set-up (the pick's: of the configuration it went on with,
+priced with its run's calibration where it switched; the profile simulated with each stage's update, the
 links and what the closest earlier fit of the model kept: the bench keeps its profiles and
 calibrations in a fresh directory, so the first fit of each model predicts from the profile alone,
 which is printed apart, and every later one from what earlier fits measured) against the measured one; for
@@ -387,12 +388,14 @@ def main(argv: list[str] | None = None) -> None:
                 result["pairs"] = measure_pairs(model, best, args)
         result["seconds"] = time.perf_counter() - start
         results.append(result)
-    print(
-        "\n| model | best configuration | its samples/s | pick (as it ran) | settled | pick samples/s | pick / best "
-        "| pick / best of the other rounds (each round) |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for result in (result for result in results if "table" in result):
+    gridded = [result for result in results if "table" in result]
+    if gridded:
+        print(
+            "\n| model | best configuration | its samples/s | pick (as it ran) | settled | pick samples/s "
+            "| pick / best | pick / best of the other rounds (each round) |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for result in gridded:
         rows = {row["configuration"]: row for row in result["table"]}
         best = max(result["table"], key=lambda r: r["samples_per_second"] if r["configuration"] != PICK else 0)
         pick = rows[PICK]
