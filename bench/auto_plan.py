@@ -345,6 +345,70 @@ def _print(result: dict[str, Any]) -> None:
         )
 
 
+def _header(*columns: str) -> None:
+    print("\n| " + " | ".join(columns) + " |")
+    print("|" + " --- |" * len(columns))
+
+
+def _print_summary(gridded: list[dict[str, Any]]) -> None:
+    """Per model: the grid's best, the pick as it ran, and the pick's fraction of the best."""
+    if not gridded:
+        return
+    _header(
+        "model",
+        "best configuration",
+        "its samples/s",
+        "pick (as it ran)",
+        "settled",
+        "pick samples/s",
+        "pick / best",
+        "pick / best of the other rounds (each round)",
+    )
+    for result in gridded:
+        rows = {row["configuration"]: row for row in result["table"]}
+        best = max(result["table"], key=lambda r: r["samples_per_second"] if r["configuration"] != PICK else 0)
+        pick = rows[PICK]
+        held = result["held_out"]
+        against = (
+            "-"
+            if held is None
+            else f"{held['pick_of_best']:.2f} ("
+            + ", ".join(f"{c} {r:.2f}" for c, r in zip(held["chosen"], held["per_round"], strict=True))
+            + ")"
+        )
+        print(
+            f"| {result['model']} | {best['configuration']} | {best['samples_per_second']:.1f} | {pick['ran']} | "
+            f"step {pick['settled']} | {pick['samples_per_second']:.1f} | "
+            f"{pick['samples_per_second'] / best['samples_per_second']:.2f} | {against} |"
+        )
+
+
+def _print_pairs(paired: list[dict[str, Any]]) -> None:
+    """Per model: the pick paired with the best, each pair's ratio and what each ran and predicted."""
+    if not paired:
+        return
+    _header(
+        "model",
+        "grid's best",
+        "pick / best, paired (median)",
+        "each pair",
+        "the pick ran",
+        "pick's prediction",
+        "best's prediction",
+    )
+    for result in paired:
+        pairs = result["pairs"]
+        print(
+            f"| {result['model']} | {pairs['best']} | {pairs['pick_of_best']:.2f} | "
+            + ", ".join(f"{r:.2f}" for r in pairs["per_pair"])
+            + f" | {'; '.join(pairs['pick_ran'])} | "
+            + ", ".join(_percent(e) for e in pairs["pick_error"])
+            + " | "
+            + ", ".join(_percent(e) for e in pairs["best_error"])
+            + " |"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
@@ -388,48 +452,8 @@ def main(argv: list[str] | None = None) -> None:
                 result["pairs"] = measure_pairs(model, best, args)
         result["seconds"] = time.perf_counter() - start
         results.append(result)
-    gridded = [result for result in results if "table" in result]
-    if gridded:
-        print(
-            "\n| model | best configuration | its samples/s | pick (as it ran) | settled | pick samples/s "
-            "| pick / best | pick / best of the other rounds (each round) |"
-        )
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for result in gridded:
-        rows = {row["configuration"]: row for row in result["table"]}
-        best = max(result["table"], key=lambda r: r["samples_per_second"] if r["configuration"] != PICK else 0)
-        pick = rows[PICK]
-        held = result["held_out"]
-        against = (
-            "-"
-            if held is None
-            else f"{held['pick_of_best']:.2f} ("
-            + ", ".join(f"{c} {r:.2f}" for c, r in zip(held["chosen"], held["per_round"], strict=True))
-            + ")"
-        )
-        print(
-            f"| {result['model']} | {best['configuration']} | {best['samples_per_second']:.1f} | {pick['ran']} | "
-            f"step {pick['settled']} | {pick['samples_per_second']:.1f} | "
-            f"{pick['samples_per_second'] / best['samples_per_second']:.2f} | {against} |"
-        )
-    paired = [result for result in results if "pairs" in result]
-    if paired:
-        print(
-            "\n| model | grid's best | pick / best, paired (median) | each pair | the pick ran "
-            "| pick's prediction | best's prediction |"
-        )
-        print("| --- | --- | --- | --- | --- | --- | --- |")
-        for result in paired:
-            pairs = result["pairs"]
-            print(
-                f"| {result['model']} | {pairs['best']} | {pairs['pick_of_best']:.2f} | "
-                + ", ".join(f"{r:.2f}" for r in pairs["per_pair"])
-                + f" | {'; '.join(pairs['pick_ran'])} | "
-                + ", ".join(_percent(e) for e in pairs["pick_error"])
-                + " | "
-                + ", ".join(_percent(e) for e in pairs["best_error"])
-                + " |"
-            )
+    _print_summary([result for result in results if "table" in result])
+    _print_pairs([result for result in results if "pairs" in result])
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
 
