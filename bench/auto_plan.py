@@ -56,8 +56,8 @@ best, alternately — each timed over ``--pair-steps`` steps, and gives the medi
 the machine drifts 15-26% over one fit here (``bench/step_drift.py``), so a ratio of two trainings run
 seconds apart is what it moves least. Each of the pick's trainings searches anew, so the pairs also
 show how often it chooses which configuration. ``--against NAME`` leaves the grid out and pairs the
-pick with the configuration ``NAME`` (as the grid names it): the first pick then has no kept
-calibration, as a user's first fit.
+pick with the configuration ``NAME`` (as the grid names it): the first pick then has only what
+the one fit before it kept, as a user's second fit.
 Absolute figures are this machine's (both processes share its cores); the fractions carry over.
 """
 
