@@ -5,7 +5,7 @@ and the pick in the same rounds.
     python bench/auto_plan.py --models mlp --rounds 1          # one model, one round
     python bench/auto_plan.py --families 1f1b 2bw --microbatches 2 4 --no-pinning
     python bench/auto_plan.py --rounds 1 --pairs 4               # the grid once, then pick and best paired
-    python bench/auto_plan.py --models mlp --against "cdp m=2"   # no grid: the pick paired with one configuration
+    python bench/auto_plan.py --models mlp --against "cdp m=2" --pairs 4   # no grid: paired with one configuration
 
 For each model of the zoo, on 2 CPU processes (gloo), the same LightningModule is trained once per
 configuration of the grid — schedule family × micro-batches ``m`` × pinning — with
@@ -189,12 +189,14 @@ def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warm
         calibration = strategy.calibration
         priced = [] if calibration is None else strategy.candidates
         tried = [] if strategy.trials is None else strategy.trials.measured
+        label = _label(strategy, trial.pinned if trial is not None else config.get("pin_cpus", False))
         found.append(
             {
                 "step": statistics.median(intervals),
                 "predicted": strategy.planned_step_seconds,
                 "calibrated": strategy.calibrated_step_seconds,
-                "ran": _label(strategy, trial.pinned if trial is not None else config.get("pin_cpus", False))
+                "label": label,
+                "ran": label
                 + (
                     f" (tried {', '.join(f'{t.label} {(t.seconds or 0) * 1e3:.1f} ms' for t in tried)})"
                     if tried
@@ -299,7 +301,7 @@ def measure_pairs(model: str, best: str, args: argparse.Namespace) -> dict[str, 
         "best": best,
         "pick_of_best": statistics.median(ratios),
         "per_pair": ratios,
-        "pick_ran": [pair[PICK]["ran"].split(" (")[0] for pair in pairs],
+        "pick_ran": [pair[PICK]["label"] for pair in pairs],
         "pick_error": [_error(pair[PICK]["predicted"], pair[PICK]["step"]) for pair in pairs],
         "best_error": [_error(pair[best]["predicted"], pair[best]["step"]) for pair in pairs],
     }
@@ -430,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
         names = [name for name, _ in _configs(args.families, args.microbatches, not args.no_pinning)]
         if args.against not in names or args.against == PICK:
             parser.error(f"--against: {args.against!r} is not a configuration of the grid ({', '.join(names[:-1])})")
-        args.pairs = args.pairs or 4
+        if args.pairs < 1:
+            parser.error("--against: give the pairs to run, e.g. --pairs 4")
     os.environ.setdefault("LIGHTNING_PIPE_CACHE", tempfile.mkdtemp(prefix="auto_plan_profiles_"))  # fresh profiles
     results = []
     for model in args.models:

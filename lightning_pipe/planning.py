@@ -319,17 +319,16 @@ def within_workers(
     if limit is None or stage_plan.plan is None:
         return stage_plan
     held = _held(stage_plan, schedule, microbatches)
-    most = max(len(mine) for mine in held.owned)
-    needs = held.bytes_under(stage_plan.plan, [False] * len(stage_plan.bounds))
+    needs = _needs(held, stage_plan)
     if max(needs) <= limit * (1 + 1e-9):
         return stage_plan
-    for share in range(1, SHARES + 1 if most > 1 else 1):
+    most = max(len(mine) for mine in held.owned)
+    for share in range(1, SHARES + 1) if most > 1 else ():
         try:
             shared = plan_once(replace(options, memory_limit=limit * (1 - (1 - 1 / most) * share / SHARES)))
         except PlanningError:
             continue
-        shared_held = _held(shared, schedule, microbatches)
-        if max(shared_held.bytes_under(shared.plan, [False] * len(shared.bounds))) <= limit * (1 + 1e-9):  # type: ignore[arg-type]
+        if max(_needs(_held(shared, schedule, microbatches), shared)) <= limit * (1 + 1e-9):
             return shared
     worst = max(range(len(needs)), key=needs.__getitem__)
     count = len(held.owned[worst])
@@ -340,6 +339,12 @@ def within_workers(
         f"{format_bytes(max(needs))}, recompute activations (recompute=True), run more devices, or let "
         "schedule='auto' choose a configuration that fits"
     )
+
+
+def _needs(held: WorkerMemory, stage_plan: StagePlan) -> list[float]:
+    """Each worker's bytes under ``stage_plan``, no stage recomputing."""
+    assert stage_plan.plan is not None
+    return held.bytes_under(stage_plan.plan, [False] * len(stage_plan.bounds))
 
 
 def _held(stage_plan: StagePlan, schedule: ScheduleOptions, microbatches: int) -> WorkerMemory:
