@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 
 import pytest
 import torch
@@ -56,29 +57,36 @@ def _timelines(draw: st.DrawFn) -> tuple[int, list[list[Interval]]]:
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_to_the_next_action_counts_the_time_between_actions_with_the_one_before(data: st.DataObject) -> None:
-    """One rank's actions with gaps between them and cues (not measured) among them: with ``to_next``
-    each measured action lasts from its start to the next measured one's, less every wait in
-    between; the last one keeps its own duration (direct computation)."""
-    intervals, clock = [], 0.0
-    for _ in range(data.draw(st.integers(1, 10))):
+    """One rank's actions over one or more calls, with gaps between them, cues (not measured) among
+    them and the training loop's time between calls: with ``to_next`` each measured action lasts from
+    its start to the next measured one's of the same call, the last of a call to the end of the call's
+    last interval, less every wait in between; the time between calls counts with no action (direct
+    computation)."""
+    intervals, clock, call = [], 0.0, 0
+    for _ in range(data.draw(st.integers(1, 12))):
+        if intervals and data.draw(st.booleans()):
+            call += 1
+            clock += data.draw(st.floats(0.0, 1.0))  # the loop between two calls
         kind = data.draw(st.sampled_from([Kind.F, Kind.B, Kind.UPDATE, Kind.SIGNAL, Kind.WAIT]))
         duration = data.draw(st.floats(1e-4, 0.1))
         waited = data.draw(st.floats(0.0, 1.0)) * duration
         action = Action(kind, 0, None if kind is Kind.UPDATE else 0, data.draw(st.integers(0, 2)))
-        intervals.append(Interval(0, action, clock, clock + duration, waited))
+        intervals.append(Interval(0, action, clock, clock + duration, waited, call))
         clock += duration + data.draw(st.floats(0.0, 0.01))  # the executor's own time before the next one
     since = data.draw(st.integers(0, 2))
     expected: dict = {}
     measured = [p for p, i in enumerate(intervals) if i.action.kind in (Kind.F, Kind.B, Kind.UPDATE)]
-    for place, p in enumerate(measured):
+    for p in measured:
         interval = intervals[p]
         if interval.action.step < since:
             continue
-        if place + 1 < len(measured):
-            q = measured[place + 1]
-            seconds = intervals[q].start - interval.start - sum(i.waited for i in intervals[p:q])
+        same_call = [q for q, i in enumerate(intervals) if q > p and i.call == interval.call]
+        later = [q for q in same_call if q in measured]
+        if later:
+            seconds = intervals[later[0]].start - interval.start - sum(i.waited for i in intervals[p : later[0]])
         else:
-            seconds = interval.end - interval.start - interval.waited
+            last = same_call[-1] if same_call else p
+            seconds = intervals[last].end - interval.start - sum(i.waited for i in intervals[p : last + 1])
         before = [i for i in intervals[:p] if i.action.kind is Kind.B]
         key = (
             0,
@@ -183,7 +191,11 @@ def test_a_stage_never_measured_is_named_with_what_to_do() -> None:
         stage_costs([measured_seconds([forward, backward], since_step=1)], 1)
 
 
-def _measure(rank: int, family: str) -> tuple[object, list[list[Interval]]]:
+LOOP_SECONDS = 0.2
+"""What the training loop spends between two calls, in :func:`_measure`: far more than an action."""
+
+
+def _measure(rank: int, family: str) -> tuple[object, object, list[list[Interval]]]:
     executor = PipelineExecutor(
         lambda k: make_schedule(family, 2, 3, k),
         build_stages(2),
@@ -192,19 +204,26 @@ def _measure(rank: int, family: str) -> tuple[object, list[list[Interval]]]:
     )
     for inputs, targets in batches(5):
         executor.step(inputs, targets)
+        time.sleep(LOOP_SECONDS)
     executor.drain()
     costs = executor.measured_costs(since_step=2, bandwidth=1e9)
+    to_next = executor.measured_costs(since_step=2, to_next=True)
     timelines: list[list[Interval]] = [None] * 2
     dist.all_gather_object(timelines, list(executor.timeline))
     executor.close()
-    return costs, timelines
+    return costs, to_next, timelines
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("family", ["1f1b", "zb_h1", "2bw"])
 def test_executor_measures_the_same_costs_on_every_rank(family: str) -> None:
-    (costs, timelines), (other, _) = run_local(_measure, 2, family, timeout=90)
+    (costs, to_next, timelines), (other, _, _) = run_local(_measure, 2, family, timeout=90)
     assert costs == other
+    # the loop's time between calls counts with no action, though a non-flushing call ends on one
+    assert max(*to_next.forward, *to_next.backward, *(to_next.accumulate or ())) < LOOP_SECONDS / 4, to_next
+    for timeline in timelines:
+        calls = [i.call for i in timeline]
+        assert calls == sorted(calls) and len(set(calls)) >= 5  # five calls (and 2BW's drain), in order
     expected = stage_costs([measured_seconds(t, since_step=2) for t in timelines], 2, bandwidth=1e9)
     assert costs == expected
     assert all(f > 0 for f in costs.forward) and all(u > 0 for u in costs.update)

@@ -22,13 +22,16 @@ __all__ = ["Interval", "Simulation", "steady_step"]
 
 @dataclass(frozen=True)
 class Interval:
-    """One executed action; ``waited``: seconds of it spent waiting for messages (measured timelines)."""
+    """One executed action; ``waited``: seconds of it spent waiting for messages, ``call``: which of
+    the executor's runs (a training step's call or a drain, counted from 0) it ran in (measured
+    timelines; a simulation's are one run)."""
 
     worker: int
     action: Action
     start: float
     end: float
     waited: float = 0.0
+    call: int = 0
 
 
 @dataclass
