@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.auto import FLUSHING_FAMILIES
+from lightning_pipe.cost.calibrated import Calibration
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts
@@ -80,6 +81,7 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
                 "settled_step": strategy.settled_step,
                 "planned": strategy.planned_step_seconds,
                 "priced_as_run": _priced_as_run(strategy),
+                "own_trial": _own_trial(strategy),
                 "predicted_memory": strategy.predicted_memory,
                 "ranked": [(c.step_seconds, c.family, c.peak_memory_bytes) for c in strategy.candidates],
                 "pinned": None if strategy._pin_trial is None else strategy._pin_trial.pinned,
@@ -98,6 +100,14 @@ def _priced_as_run(strategy: PipelineStrategy) -> float | None:
     prices = dataclasses.replace(strategy.step_prices, kept=strategy.calibration)
     recompute = strategy.recompute
     return prices.predict(strategy.stage_plan, strategy.options, strategy.microbatches, 1.0, recompute)[1]
+
+
+def _own_trial(strategy: PipelineStrategy) -> tuple[float, Calibration | None] | None:
+    """Rank 0: the last trial of the split the fit ended on (the trials' splits all differ): its
+    median step and what its steps measured beyond the profile."""
+    measured = [] if strategy.trials is None else strategy.trials.measured
+    ran = [t for t in measured if t.stage_plan.bounds == strategy.stage_plan.bounds]
+    return (ran[-1].seconds, ran[-1].calibration) if ran else None
 
 
 def _gloo_threads() -> int:
@@ -153,7 +163,13 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     means = {b: statistics.fmean(t for t, c in zip(seconds, bounds, strict=True) if c == b) for b in splits}
     assert switched["bounds"] == min(means, key=means.__getitem__)
     assert switched["microbatches"] == 2
-    assert switched["planned"] == pytest.approx(switched["priced_as_run"], rel=1e-9)  # the settled one's prediction
+    seconds, own = switched["own_trial"]
+    if own is None:  # the first configuration, measured once: priced with the run's calibration
+        assert switched["planned"] == pytest.approx(switched["priced_as_run"], rel=1e-9)
+    else:  # priced with what its own trial measured: that trial's median, unless the simulation alone is longer
+        assert switched["planned"] >= seconds * (1 - 1e-9)
+        if own.per_step > 0:
+            assert switched["planned"] == pytest.approx(seconds, rel=1e-9)
     assert CALIBRATE_AFTER + WARM_UP + TRIAL_STEPS < switched["settled_step"] < BATCHES  # the second tried or later
     for rank in range(2):  # fit after fit, the groups of the fits before are closed and collected: no growth
         threads = [found["gloo_threads"] for found in results[rank]]

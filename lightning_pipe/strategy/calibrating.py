@@ -23,7 +23,10 @@ other configurations, the best priced of each family predicted faster or no more
 the run goes on with the one whose median step was shortest, the one that ran first included; where
 the two fastest came within :data:`CONFIRM_WITHIN` of each other, both are measured once more in the
 other order (the machine's drift then weighs on both alike) and the mean of each one's two medians
-decides. A
+decides. The configuration the run goes on with is then predicted (``planned_step_seconds``) with
+what its own trial's steps measured beyond the profile, not with the calibration of the one that ran
+first: on 2 CPU processes an MLP's calibration taken running one family priced the steps of the
+configuration it went on with 43-92% long (``bench/auto_plan.py --pairs``). A
 switch finishes the steps in flight (a drain), gathers the model's weights and every parameter's
 optimizer state by name, rebuilds the pipeline on the new split and schedule, and gives each rank
 back its stages' weights and states, as a resume on another split does. A synchronous run that
@@ -105,12 +108,14 @@ machine's drift as well (on 2 shared CPU cores GPT-2's pick, ``ddp`` on 2 micro-
 @dataclass(frozen=True)
 class Trial:
     """A configuration tried after calibration (the one running then first): its plan and options,
-    its label, and its median step once measured (rank 0's)."""
+    its label, and once measured its median step and what its steps measured beyond the profile
+    (``calibration``; rank 0's, ``None`` where not priced)."""
 
     stage_plan: StagePlan
     chosen: Chosen
     label: str
     seconds: float | None = None
+    calibration: Calibration | None = None
 
 
 def _configuration(trial: Trial) -> tuple[object, ...]:
@@ -145,6 +150,11 @@ class Trials:
     def seconds_of(self, trial: Trial) -> float:
         """``trial``'s configuration's mean median step."""
         return self._means()[_configuration(trial)][0]
+
+    def calibration_of(self, trial: Trial) -> Calibration | None:
+        """What ``trial``'s configuration measured beyond the profile when it last ran."""
+        found = [t.calibration for t in self.measured if _configuration(t) == _configuration(trial)]
+        return next((c for c in reversed(found) if c is not None), None)
 
     def again(self) -> list[Trial]:
         """Once, after the first pass: the two fastest configurations when they are within
@@ -284,33 +294,52 @@ class PipelineCalibration:
         steps measured beyond the profile, kept for the next fit of this model on this machine
         (:mod:`.step_prices`); none where fewer than :data:`KEPT_AFTER` steps settled, or the stages
         were not profiled."""
+        found = self._measured_calibration()
+        if found is None or self.step_prices.directory is None:
+            return
+        if self._searched is not None:  # schedule="auto" planned with the chain-timed profile: kept against the layers'
+            found = self._searched[0].to_layers(found, self.microbatches)
+        self.step_prices.keep(self.options.family, self.microbatches, bool(self._pinned()), found)
+
+    def _measured_calibration(self) -> Calibration | None:
+        """Every rank (a collective): what the running configuration's steps since its warm-up
+        measured beyond the profile of its plan (:func:`~.step_prices.measured_calibration`), on rank 0;
+        ``None`` elsewhere, and where fewer than :data:`KEPT_AFTER` steps ran or the stages were not
+        profiled."""
         executor, plan = self.executor, self.stage_plan
         intervals = _intervals(self._step_starts)[WARM_UP:]
         if executor is None or plan is None or plan.plan is None or len(intervals) < KEPT_AFTER:
-            return
+            return None
         until_next = executor.measured_costs(since_step=WARM_UP, to_next=True)
         compute = executor.measured_costs(since_step=WARM_UP)
-        if self.global_rank != 0 or self.step_prices.directory is None:
-            return
+        if self.global_rank != 0:
+            return None
         on = f"{self._label()}, {time.strftime('%Y-%m-%d')}"
         profiled = self._profiled(plan)
-        prices = self.step_prices
-        found = measured_calibration(
-            prices, plan, self.options, self.microbatches, self.recompute, profiled, compute, until_next, intervals, on
+        return measured_calibration(
+            self.step_prices,
+            plan,
+            self.options,
+            self.microbatches,
+            self.recompute,
+            profiled,
+            compute,
+            until_next,
+            intervals,
+            on,
         )
-        if self._searched is not None:  # schedule="auto" planned with the chain-timed profile: kept against the layers'
-            found = self._searched[0].to_layers(found, self.microbatches)
-        prices.keep(self.options.family, self.microbatches, bool(self._pinned()), found)
 
     def _judge_trial(self, trials: Trials) -> None:
         """Every rank, after :data:`WARM_UP` + :data:`TRIAL_STEPS` steps of the configuration tried:
-        record its median step (rank 0's), then try the next one, or go on with the fastest measured."""
+        record its median step (rank 0's) and what it measured beyond the profile, then try the next
+        one, or go on with the fastest measured, predicted with what its own steps measured."""
         intervals = _intervals(self._step_starts)[WARM_UP:]
         if len(intervals) < TRIAL_STEPS:
             return
         self._meet()
         trying = trials.measured[-1]
-        trials.measured[-1] = dataclasses.replace(trying, seconds=self.broadcast(statistics.median(intervals)))
+        seconds = self.broadcast(statistics.median(intervals))
+        trials.measured[-1] = dataclasses.replace(trying, seconds=seconds, calibration=self._measured_calibration())
         if not trials.waiting:
             trials.waiting = trials.again()  # the same on every rank: rank 0's medians, broadcast
             if trials.waiting:
@@ -333,7 +362,9 @@ class PipelineCalibration:
             + (f" ({format_seconds(trials.seconds_of(best))}, the mean of its two)" if trials.confirmed else "")
         )
         if _configuration(best) != _configuration(trials.measured[-1]):
-            self._switch(best.stage_plan, best.chosen)
+            self._switch(best.stage_plan, best.chosen, trials.calibration_of(best))
+        else:
+            self._predict_running(trials.calibration_of(best))
 
     @staticmethod
     def _tried(trials: Trials) -> str:
@@ -422,11 +453,12 @@ class PipelineCalibration:
             and list(candidate.recompute) == self._recompute_flags()
         )
 
-    def _switch(self, stage_plan: StagePlan, chosen: Chosen) -> None:
+    def _switch(self, stage_plan: StagePlan, chosen: Chosen, calibration: Calibration | None = None) -> None:
         """Every rank: finish the steps in flight, gather the weights and optimizer states by name,
         close the pipeline and run ``chosen`` on ``stage_plan`` from the next batch, each rank taking
         back its stages' weights and states as a resume on another split does; rank 0 predicts its step
-        with the run's calibration (``planned_step_seconds``)."""
+        with ``calibration`` (what its own steps measured, when it ran before), else the run's
+        (``planned_step_seconds``)."""
         assert self.executor is not None and self._chain is not None
         full = self.broadcast(self.full_state_dict())  # drains first
         state = self.broadcast(self.optimizer_state(self.optimizers[0], whole=True))  # whatever the checkpoints are
@@ -438,11 +470,16 @@ class PipelineCalibration:
         self._run_chosen(chosen)
         self.stage_plan = stage_plan
         self._restart_steps()
-        if self.global_rank == 0:  # with the calibrated costs
-            found, prices = self.calibration, self.step_prices
+        self._predict_running(calibration)
+
+    def _predict_running(self, calibration: Calibration | None) -> None:
+        """Rank 0: the running configuration's simulation and step (``planned_step_seconds``), priced
+        with ``calibration``, else the run's."""
+        found, prices = calibration or self.calibration, self.step_prices
+        if self.global_rank == 0 and self.stage_plan is not None:
             calibrated = prices if found is None else dataclasses.replace(prices, kept=found)
             self._prediction, self.planned_step_seconds = calibrated.predict(
-                stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
+                self.stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
             )
 
     def _restart_steps(self) -> None:
