@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.auto import Candidate, microbatch_costs
 from lightning_pipe.cost.calibrated import (
+    REPLICATING_FAMILIES,
     Calibration,
     RunShape,
     calibration,
@@ -32,8 +33,8 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import evaluate
 from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict, schedule_of
 from lightning_pipe.runtime import run_local
-from lightning_pipe.schedule import StageCosts, simulate
-from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.schedule import FAMILIES, StageCosts, simulate
+from lightning_pipe.schedule.options import PLACED_FAMILIES, ScheduleOptions
 from lightning_pipe.strategy.calibrating import (
     CONFIRM_WITHIN,
     SWITCH_GAIN,
@@ -118,9 +119,12 @@ def test_the_closest_calibration_kept_is_read_back(tmp_path: Path) -> None:
     replicas = Calibration(2.5, 0.0, 1e-3, "ddp m=2, 2026-11-27")
     keep_calibration(tmp_path, "key", RunShape("ddp", 16), replicas)
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)) == piped  # its own, not the last run's
-    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 16)) == replicas  # the same rows before the family
+    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 16)) == piped  # the rows of replicas: the family
+    assert kept_calibration(tmp_path, "key", RunShape("fsdp", 16)) == replicas  # the same rows and kind
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 4)) == piped  # the same family
-    assert kept_calibration(tmp_path, "key", RunShape("gpipe", 4)) == replicas == kept_calibration(tmp_path, "key")
+    assert kept_calibration(tmp_path, "key", RunShape("gpipe", 4)) == piped  # the same kind
+    assert kept_calibration(tmp_path, "key", RunShape("2bw", 16)) == piped  # the same kind before the same rows
+    assert kept_calibration(tmp_path, "key") == replicas  # the last kept
     again = Calibration(0.9, 0.0, 0.0)
     keep_calibration(tmp_path, "key", RunShape("1f1b", 8), again)
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)) == again == kept_calibration(tmp_path, "key")
@@ -135,16 +139,24 @@ def test_the_closest_calibration_kept_is_read_back(tmp_path: Path) -> None:
 
 
 _SHAPES = st.builds(
-    RunShape, st.sampled_from(["1f1b", "ddp", "2bw"]), st.sampled_from([4, 8, 16]), st.sampled_from([False, True])
+    RunShape,
+    st.sampled_from(["1f1b", "ddp", "2bw", "1f1b_rr"]),
+    st.sampled_from([4, 8, 16]),
+    st.sampled_from([False, True]),
 )
 
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(_SHAPES, min_size=1, max_size=8), _SHAPES | st.builds(RunShape, st.just("1f1b"), st.just(8), st.none()))
 def test_a_prediction_takes_the_closest_run_kept(kept: list[RunShape], asked: RunShape) -> None:
-    """Brute force: the last run kept of the same family and rows, else of the same rows, else of the
-    same family, else the last run kept; at each of these, one of the same pinning first (where the
-    pinning asked for is known)."""
+    """Brute force: the last run kept of the same family and rows, else of the same rows and kind
+    (replicating stages or not), else of the same family, else of the same kind, else of the same
+    rows, else the last run kept; at each of these, one of the same pinning first (where the pinning
+    asked for is known)."""
+
+    def kind(shape: RunShape) -> bool:
+        return shape.family in ("ddp", "1f1b_rr")
+
     with tempfile.TemporaryDirectory() as directory:
         for index, shape in enumerate(kept):
             keep_calibration(Path(directory), "key", shape, Calibration(1.0, 0.0, float(index)))
@@ -152,8 +164,10 @@ def test_a_prediction_takes_the_closest_run_kept(kept: list[RunShape], asked: Ru
     last = {shape: index for index, shape in enumerate(kept)}  # a shape kept again replaces its entry
     for matches in (
         lambda s: s.rows == asked.rows and s.family == asked.family,
-        lambda s: s.rows == asked.rows,
+        lambda s: s.rows == asked.rows and kind(s) == kind(asked),
         lambda s: s.family == asked.family,
+        lambda s: kind(s) == kind(asked),
+        lambda s: s.rows == asked.rows,
         lambda s: True,
     ):
         among = [index for shape, index in last.items() if matches(shape)]
@@ -416,3 +430,8 @@ def test_a_kept_calibration_prices_the_same_actions_on_either_profile(
     assert (converted.fixed, converted.per_step) == (kept.fixed, kept.per_step)
     assert math.isclose(basis.to_layers(converted, m).scale, kept.scale, rel_tol=1e-9)
     assert basis.to_chain(None, m) is None
+
+
+def test_the_replicating_families_are_those_whose_stages_have_replicas() -> None:
+    """Rahimi's placed families and 1F1B-RR, every one a family the schedules know."""
+    assert set(REPLICATING_FAMILIES) == {*PLACED_FAMILIES, "1f1b_rr"} and set(REPLICATING_FAMILIES) <= set(FAMILIES)

@@ -16,11 +16,13 @@ torch and this package (:func:`~lightning_pipe.cost.profile_cache.profile_key` w
 what a run adds does not depend on the micro-batch's rows the way the profile does, and the next run
 may split it into another count. One is kept per schedule family, micro-batch size and pinning
 (:class:`RunShape`), and a prediction takes the closest kept: the same family and size, else the same
-size (the same profile), else the same family, else the last kept; at each, the same pinning first.
-What a run adds depends on all three:
+size (the same profile) measured on the same kind of family (replicating stages or not:
+:data:`REPLICATING_FAMILIES`), else the same family, else the same kind, else the same size, else the
+last kept; at each, the same pinning first. What a run adds depends on all of these:
 replicas that all-reduce their gradients every step (Rahimi's ``ddp``) spend in their actions the
 waits for the slowest replica, a pipeline does not (on 2 CPU processes an MLP's ``ddp`` run measured
-its actions 2.5x its profile, its 1F1B runs 0.6-1.3x), and the profile of a smaller micro-batch is
+its actions 2.5x its profile, its 1F1B runs 0.6-1.3x; its 2BW steps, predicted from the
+calibration of its ``ddp`` run at the same size, came out 53-83% long), and the profile of a smaller micro-batch is
 another measurement, off the run by another factor (torchvision's ResNet-18 at 4 rows a micro-batch,
 predicted from a calibration measured at 16, came out 20-35% off: ``bench/auto_plan.py``), and
 threads pinned to cores run at another rate (the same ResNet-18's rows, each predicted from the
@@ -45,6 +47,7 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.util.units import format_seconds
 
 __all__ = [
+    "REPLICATING_FAMILIES",
     "Calibration",
     "Priced",
     "RunShape",
@@ -54,6 +57,12 @@ __all__ = [
     "kept_calibration",
     "separated",
 ]
+
+
+REPLICATING_FAMILIES: tuple[str, ...] = ("ddp", "fsdp", "lpp", "fslpp", "1f1b_rr")
+"""The families whose workers compute replicas of the same stages and sum their gradients every step
+(Rahimi's placed families and PipeDream's 1F1B-RR): their actions take in the waits for the slowest
+replica, a pipeline's do not, so a calibration of one kind prices the other poorly."""
 
 
 class Priced(Protocol):
@@ -181,12 +190,14 @@ class RunShape:
         """Whether a kept ``entry`` was measured running this very shape."""
         return (entry.get("family"), entry.get("rows"), entry.get("pinned")) == (self.family, self.rows, self.pinned)
 
-    def closeness(self, entry: dict[str, object]) -> tuple[bool, bool, bool, bool]:
+    def closeness(self, entry: dict[str, object]) -> tuple[bool, ...]:
         """How close a kept ``entry`` comes: the same family and rows, then the same rows (the same
-        profile), then the same family; among those, the same pinning."""
+        profile) and kind (:data:`REPLICATING_FAMILIES`), then the same family, then the same kind,
+        then the same rows; among those, the same pinning."""
         rows, family = entry.get("rows") == self.rows, entry.get("family") == self.family
+        kind = (entry.get("family") in REPLICATING_FAMILIES) == (self.family in REPLICATING_FAMILIES)
         pinned = self.pinned is not None and entry.get("pinned") == self.pinned
-        return rows and family, rows, family, pinned
+        return rows and family, rows and kind, family, kind, rows, pinned
 
 
 def kept_calibration(directory: Path | None, key: str, shape: RunShape | None = None) -> Calibration | None:
