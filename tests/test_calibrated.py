@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.auto import Candidate, microbatch_costs
 from lightning_pipe.cost.calibrated import (
-    REPLICATING_FAMILIES,
     Calibration,
     RunShape,
     calibration,
@@ -33,8 +32,8 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import evaluate
 from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict, schedule_of
 from lightning_pipe.runtime import run_local
-from lightning_pipe.schedule import FAMILIES, StageCosts, simulate
-from lightning_pipe.schedule.options import PLACED_FAMILIES, ScheduleOptions
+from lightning_pipe.schedule import StageCosts, simulate
+from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.calibrating import (
     CONFIRM_WITHIN,
     SWITCH_GAIN,
@@ -430,8 +429,3 @@ def test_a_kept_calibration_prices_the_same_actions_on_either_profile(
     assert (converted.fixed, converted.per_step) == (kept.fixed, kept.per_step)
     assert math.isclose(basis.to_layers(converted, m).scale, kept.scale, rel_tol=1e-9)
     assert basis.to_chain(None, m) is None
-
-
-def test_the_replicating_families_are_those_whose_stages_have_replicas() -> None:
-    """Rahimi's placed families and 1F1B-RR, every one a family the schedules know."""
-    assert set(REPLICATING_FAMILIES) == {*PLACED_FAMILIES, "1f1b_rr"} and set(REPLICATING_FAMILIES) <= set(FAMILIES)

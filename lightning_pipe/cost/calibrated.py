@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Protocol
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.schedule.options import PLACED_FAMILIES
 from lightning_pipe.util.units import format_seconds
 
 __all__ = [
@@ -59,7 +60,7 @@ __all__ = [
 ]
 
 
-REPLICATING_FAMILIES: tuple[str, ...] = ("ddp", "fsdp", "lpp", "fslpp", "1f1b_rr")
+REPLICATING_FAMILIES: tuple[str, ...] = (*PLACED_FAMILIES, "1f1b_rr")
 """The families whose workers compute replicas of the same stages and sum their gradients every step
 (Rahimi's placed families and PipeDream's 1F1B-RR): their actions take in the waits for the slowest
 replica, a pipeline's do not, so a calibration of one kind prices the other poorly."""

@@ -59,8 +59,10 @@ def measured_seconds(timeline: Iterable[Interval], since_step: int = 0, to_next:
     for intervals in by_worker.values():
         waited = list(itertools.accumulate((i.waited for i in intervals), initial=0.0))  # before each position
         measured = [p for p, i in enumerate(intervals) if i.action.kind in _MEASURED]
-        following = {p: q for p, q in itertools.pairwise(measured) if intervals[p].call == intervals[q].call}
-        last_of_call = {i.call: p for p, i in enumerate(intervals)}
+        following, last_of_call = {}, {}
+        if to_next:
+            following = {p: q for p, q in itertools.pairwise(measured) if intervals[p].call == intervals[q].call}
+            last_of_call = {i.call: p for p, i in enumerate(intervals)}
         adds = adds_gradients(i.action for i in intervals)
         for p in measured:
             interval, action = intervals[p], intervals[p].action

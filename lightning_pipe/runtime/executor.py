@@ -226,7 +226,7 @@ class PipelineExecutor:
         self.early_gradients = early_gradients and self.schedule.flush
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
         self.timeline: deque[Interval] = deque(maxlen=timeline_length)
-        self._runs = 0  # the runs (calls and drains) started: what each interval's ``call`` counts
+        self._run_index = -1  # the run (a call or a drain) under way, counted from 0: each interval's ``call``
         self.garbage = AlignedCollection(gc_every)
         self.updates = Updates(
             self.schedule,
@@ -490,7 +490,7 @@ class PipelineExecutor:
         ``update`` false, a flushing call that only accumulates: each stage's gradient is carried into
         the next step, not summed over replicas or applied."""
         output = StepOutput()
-        self._runs += 1
+        self._run_index += 1
         try:
             self.transport.next_call()
             if self.relays.stages and self.calls == 0 and actions is self._calls_cache.get((self.rank, 0)):
@@ -545,7 +545,7 @@ class PipelineExecutor:
         sent_early = self.compute.sent_early
         if sent_early is None:
             self.timeline.append(
-                Interval(self.rank, action, start - self.epoch, end - self.epoch, waits - waited, self._runs - 1)
+                Interval(self.rank, action, start - self.epoch, end - self.epoch, waits - waited, self._run_index)
             )
             return
         middle, waited_before = sent_early
@@ -553,7 +553,7 @@ class PipelineExecutor:
         halves = ((Kind.I, start, middle, waited_before - waited), (Kind.W, middle, end, waits - waited_before))
         for kind, begin, finish, waited_in in halves:
             half = replace(action, kind=kind)
-            self.timeline.append(Interval(self.rank, half, begin - epoch, finish - epoch, waited_in, self._runs - 1))
+            self.timeline.append(Interval(self.rank, half, begin - epoch, finish - epoch, waited_in, self._run_index))
 
     def stop(self, error: Exception) -> None:
         """Record the failure (unless another rank's caused it) and tear the pipeline's groups down so

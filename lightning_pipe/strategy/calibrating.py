@@ -475,8 +475,8 @@ class PipelineCalibration:
     def _predict_running(self, calibration: Calibration | None) -> None:
         """Rank 0: the running configuration's simulation and step (``planned_step_seconds``), priced
         with ``calibration``, else the run's."""
-        found, prices = calibration or self.calibration, self.step_prices
         if self.global_rank == 0 and self.stage_plan is not None:
+            found, prices = calibration or self.calibration, self.step_prices
             calibrated = prices if found is None else dataclasses.replace(prices, kept=found)
             self._prediction, self.planned_step_seconds = calibrated.predict(
                 self.stage_plan, self.options, self.microbatches, self.plan_options.contention, self.recompute
