@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run_smoke(recipe: str, output: Path) -> None:
-    """A recipe that trains, at its smoke size, in its own process (its sweep spawns the runs')."""
+    """A recipe that trains, at its smoke size, in its own process (its sweep starts the runs' processes)."""
     script = ROOT / "recipes" / recipe / "run.py"
     command = [sys.executable, str(script), "--size", "smoke", "--output", str(output)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=380, cwd=output)
@@ -28,9 +28,9 @@ def _run_smoke(recipe: str, output: Path) -> None:
 def test_cdp_table2_smoke(tmp_path: Path) -> None:
     """Sync, CDP-v1 and CDP-v2 each train and land in the table with an accuracy well above chance
     (10 classes), and the plot is drawn. The sweep is one Hydra multirun of ``lightning-pipe-train``:
-    Hydra runs the jobs in one process, so the strategy spawns each run's two processes (``start_method:
-    auto``), once to fit and once to test; each run writes its own directory, and the fit's metrics
-    survive the test's processes."""
+    Hydra runs the jobs in one process, so the strategy starts each run's two processes from a
+    forkserver (``start_method: auto``), once to fit and once to test; each run writes its own
+    directory, and the fit's metrics survive the test's processes."""
     _run_smoke("cdp_table2", tmp_path)
     rows = [line.split("|") for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| ")]
     by_rule = {row[1].strip(): row for row in rows[2:]}

@@ -116,7 +116,7 @@ CONSTRUCTOR_REFUSALS = [
     ({"memory_limit": True}, r"^memory_limit=True: a size is a number of bytes or a string such as 16GB, not True$"),
     ({"bandwidth": "-1GB/s"}, r"^bandwidth='-1GB/s': cannot read '-1GB' as a size"),
     ({"schedule": "lpp", "groups": 0}, r"groups must be a whole number >= 1"),
-    ({"start_method": "fork"}, r"start_method must be 'popen' or 'spawn'"),
+    ({"start_method": "fork"}, r"start_method must be one of 'popen', 'spawn', 'forkserver'; got 'fork'"),
     ({"contention": 0.5}, r"^contention must be a finite factor >= 1 \(1: no sharing\), got 0.5$"),
     ({"contention": "2"}, r"^contention must be a finite factor >= 1 \(1: no sharing\), got '2'$"),
     ({"schedule": "1f1b_star", "period": -1}, r"^period must be a number > 0, or None; got -1$"),

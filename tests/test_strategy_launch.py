@@ -375,3 +375,31 @@ def test_non_flushing_fits_launched_by_lightning(tmp_path: Path, strategy: str) 
     with open(logs / "metrics.csv") as handle:
         rows = [row for row in csv.DictReader(handle) if row.get("train_loss_step")]
     assert len(rows) == 2 * 7
+
+
+@pytest.mark.timeout(200)
+def test_forkserver_processes_start_as_spawned_ones(tmp_path: Path) -> None:
+    """``start_method="forkserver"``, two fits in one process as a multirun's jobs: the second fit's
+    processes come from the server the first one started, yet each sees the environment and seed of
+    its own call, holds no parameter in memory shared with another process (as spawn's do on CPU), and
+    the trained model equals plain Lightning's."""
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.forkserver_script", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = sorted(re.findall(r"seen: value=(\w+) rank=(\d) seed=(\d) shared=(\d+)", run.stdout))
+    assert seen == [
+        ("first", "0", "1", "0"),
+        ("first", "1", "1", "0"),
+        ("second", "0", "2", "0"),
+        ("second", "1", "2", "0"),
+    ]
+    expected = _plain(tmp_path)
+    for fit in ("first", "second"):
+        trained = torch.load(tmp_path / f"{fit}.pt", weights_only=False)
+        for name, value in expected.items():
+            assert torch.allclose(trained[name], value, atol=1e-5), (fit, name)

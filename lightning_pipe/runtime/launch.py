@@ -33,7 +33,7 @@ from lightning_pipe.runtime.affinity import pin_threads
 PRELOADED = ("torch", "torch.distributed", "lightning", "lightning_pipe")
 """What the forkserver imports once, before it forks the processes of every :func:`run_local`."""
 
-__all__ = ["LocalRunError", "run_local"]
+__all__ = ["LocalRunError", "has_forkserver", "preloading_forkserver", "run_local"]
 
 
 class LocalRunError(RuntimeError):
@@ -80,13 +80,24 @@ def _worker(
             dist.destroy_process_group()
 
 
-def _context() -> Any:
-    """A forkserver context that preloads :data:`PRELOADED`, or ``spawn`` where there is none."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
+def preloading_forkserver() -> Any:
+    """The forkserver context, its server (one per process, started by its first use) set to
+    preload :data:`PRELOADED`; ``None`` where the platform has no forkserver (Windows)."""
+    if not has_forkserver():
+        return None
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOADED))  # no effect once the server runs: it keeps its modules
     return context
+
+
+def has_forkserver() -> bool:
+    """Whether this platform can start processes from a forkserver."""
+    return "forkserver" in mp.get_all_start_methods()
+
+
+def _context() -> Any:
+    """A forkserver context that preloads :data:`PRELOADED`, or ``spawn`` where there is none."""
+    return preloading_forkserver() or mp.get_context("spawn")
 
 
 def run_local(

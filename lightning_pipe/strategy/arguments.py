@@ -1,7 +1,7 @@
-"""The strategy's arguments that need more than a type check, checked when it is made: what the
-process group depends on (once the processes are up, a bad timeout surfaces as a store that "timed
-out after -60000ms", and an unknown backend or port as torch's own error on every rank) and the sizes
-given as text.
+"""The strategy's arguments that need more than a type check, checked when it is made: how the
+processes start, what the process group depends on (once the processes are up, a bad timeout
+surfaces as a store that "timed out after -60000ms", and an unknown backend or port as torch's own
+error on every rank) and the sizes given as text.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_pipe.errors import PlanningError, check_flag
+from lightning_pipe.runtime.launch import has_forkserver
 
-__all__ = ["check_backend", "check_flags", "check_port", "check_timeout", "parse_option"]
+__all__ = ["check_backend", "check_flags", "check_port", "check_start_method", "check_timeout", "parse_option"]
 
 _PORTS = range(1, 65536)
+START_METHODS = ("popen", "spawn", "forkserver")
 
 
 def check_timeout(timeout: object) -> None:
@@ -48,6 +50,14 @@ def check_backend(backend: object) -> None:
             f"process_group_backend={backend!r} is not a backend of this torch: use one of "
             f"{', '.join(available)}, or None (gloo on CPU, nccl on GPU)"
         )
+
+
+def check_start_method(start_method: str) -> None:
+    """Refuse a start method Lightning's launchers do not have, or one this platform lacks."""
+    if start_method not in START_METHODS:
+        raise PlanningError(f"start_method must be one of {', '.join(map(repr, START_METHODS))}; got {start_method!r}")
+    if start_method == "forkserver" and not has_forkserver():
+        raise PlanningError("start_method='forkserver': this platform has no forkserver (Windows); use 'spawn'")
 
 
 def check_port(environment: Mapping[str, str] = os.environ) -> None:

@@ -68,7 +68,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -98,8 +97,14 @@ from lightning_pipe.runtime.loss_scaling import refuse_without_flush
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES, SUGGESTED_FLUSHING
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.after_fit import fill, guard, lift_guard
-from lightning_pipe.strategy.arguments import check_backend, check_flags, check_port, check_timeout, parse_option
-from lightning_pipe.strategy.atomic import write_file
+from lightning_pipe.strategy.arguments import (
+    check_backend,
+    check_flags,
+    check_port,
+    check_start_method,
+    check_timeout,
+    parse_option,
+)
 from lightning_pipe.strategy.building import PipelineBuilding
 from lightning_pipe.strategy.calibrating import Calibration, PinTrial, PipelineCalibration, Trials
 from lightning_pipe.strategy.checkpointing import CheckpointHooks
@@ -109,6 +114,7 @@ from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
 from lightning_pipe.strategy.effects import metric_modules
 from lightning_pipe.strategy.evaluation import EvaluationHooks
+from lightning_pipe.strategy.launchers import ProcessLauncher, ScriptLauncher
 from lightning_pipe.strategy.log_relay import LogRelay
 from lightning_pipe.strategy.logs import Record
 from lightning_pipe.strategy.materialise import on_meta
@@ -118,7 +124,6 @@ from lightning_pipe.strategy.parent_watch import LAUNCHER_PID, ParentWatch
 from lightning_pipe.strategy.pipeline_state import PipelineState
 from lightning_pipe.strategy.profile_basis import ProfileBasis
 from lightning_pipe.strategy.random_states import RandomStates
-from lightning_pipe.strategy.resume import complete_last
 from lightning_pipe.strategy.signals import Signals
 from lightning_pipe.strategy.step_prices import StepPrices
 from lightning_pipe.strategy.topology import Topology, TopologyHooks
@@ -217,7 +222,10 @@ class PipelineStrategy(
             one pipeline); with ``stages``, the devices beyond one pipeline make data-parallel copies.
         data_parallel: copies of the whole pipeline (``devices = workers per pipeline × copies``);
             each reads its own shard of the data, and a stage's gradients are averaged over them.
-        start_method: ``popen`` (re-run the script, as ``ddp``) or ``spawn`` (notebooks, Hydra multirun).
+        start_method: ``popen`` (re-run the script, as ``ddp``), ``spawn`` (notebooks, Hydra multirun),
+            or ``forkserver``: spawn's semantics, each process forked from a server that imported torch,
+            Lightning and this package once, so that repeated fits in one process (a multirun's jobs)
+            start in milliseconds instead of seconds (:mod:`.launchers`).
         pin_cpus: keep each process's threads on cores of its own (Linux; CPU training with one process
             per core or per group of cores: 2BW and CDP ran 1.14-1.18x faster on 2 cores,
             ``bench/pinning.py``); data-loader workers inherit the placement. ``"auto"``: try it
@@ -270,7 +278,7 @@ class PipelineStrategy(
         plan_tolerance: float = DEFAULT_TOLERANCE,
         stages: int | None = None,
         data_parallel: int | None = None,
-        start_method: Literal["popen", "spawn"] = "popen",
+        start_method: Literal["popen", "spawn", "forkserver"] = "popen",
         pin_cpus: bool | Literal["auto"] = False,
         shared_memory_bytes: int | None = None,
         release_memory: bool | None = None,
@@ -319,8 +327,7 @@ class PipelineStrategy(
         if stages is not None and data_parallel is not None:
             raise PlanningError("give stages or data_parallel, not both: the devices decide the other")
         self._stages_option, self._data_parallel_option = stages, data_parallel
-        if start_method not in ("popen", "spawn"):
-            raise PlanningError(f"start_method must be 'popen' or 'spawn'; got {start_method!r}")
+        check_start_method(start_method)
         check_flags(keep_plan=keep_plan, gather_after_fit=gather_after_fit)
         if not (isinstance(pin_cpus, bool) or pin_cpus == AUTO):
             raise PlanningError(f"pin_cpus must be True, False or 'auto' (tried in the first steps); got {pin_cpus!r}")
@@ -431,11 +438,11 @@ class PipelineStrategy(
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
             if not self.cluster_environment.creates_processes_externally and self.num_processes > 1:
                 os.environ[LAUNCHER_PID] = str(os.getpid())  # rank 0 re-runs the script (.parent_watch)
         else:
-            self._launcher = _SpawnLauncher(self, start_method=self._start_method)
+            self._launcher = ProcessLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         assert self.cluster_environment is not None
@@ -607,34 +614,6 @@ class PipelineStrategy(
                 schedule=family,
                 start_method=start_method,
             )
-
-
-class _ResumesFromComplete:
-    """A launcher that resolves ``ckpt_path="last"`` to the newest complete checkpoint before
-    Lightning does (:mod:`.resume`)."""
-
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        if trainer is not None:
-            args, kwargs = complete_last(function, args, kwargs, trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
-
-
-class _ScriptLauncher(_ResumesFromComplete, _SubprocessScriptLauncher):
-    """Lightning's launcher that re-runs the script."""
-
-
-class _SpawnLauncher(_ResumesFromComplete, _MultiProcessingLauncher):
-    """Lightning's spawn launcher, handing the main process the full trained model: its rank 0 holds
-    only its own stages, so the weights it sends are gathered from every rank (and written
-    atomically)."""
-
-    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
-        fitted = trainer.state.fn == TrainerFn.FITTING  # Lightning sends weights back only after fit
-        full = self._strategy.full_state_dict() if fitted else None  # a collective: every rank
-        output = super()._collect_rank_zero_results(trainer, results)
-        if output is not None and output.weights_path is not None:
-            write_file(output.weights_path, lambda handle: torch.save(full, handle))
-        return output
 
 
 def _move_held(module: torch.nn.Module, device: torch.device) -> None:

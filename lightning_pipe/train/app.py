@@ -6,8 +6,9 @@ measured:
 - ``plan.txt`` (the plan table and the prediction the strategy printed) and ``plan.json``
   (reusable with ``pipeline.plan=<path>``);
 - ``metrics.csv`` (and TensorBoard events with ``logger=tensorboard``; in a multirun, whose runs
-  spawn their processes, the test's metrics go to ``test/metrics.csv``: a spawned test starts a fresh
-  CSV writer, which would rewrite ``metrics.csv`` with the test's columns only), ``pipeline_timeline.png``
+  start their processes anew for the test, the test's metrics go to ``test/metrics.csv``: a test in
+  new processes starts a fresh CSV writer, which would rewrite ``metrics.csv`` with the test's columns
+  only), ``pipeline_timeline.png``
   (measured timeline beside the predictions) and ``pipeline_trace.json`` (with ``logger=none``, in
   ``pipeline_logs/version_0/``: the strategy's directory for a run without a logger);
 - ``results.json``: the test metrics, the predicted and measured step times.
@@ -51,7 +52,7 @@ def run(cfg: DictConfig, directory: Path, multirun: bool = False) -> dict[str, A
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     metrics: dict[str, Any] = {}
     if cfg.test:
-        if multirun and trainer.loggers:  # spawned again: keep the fit's metrics.csv as it is
+        if multirun and trainer.loggers:  # new processes: keep the fit's metrics.csv as it is
             trainer.loggers = build.logger_list(cfg, directory / "test")
         (metrics,) = trainer.test(module, datamodule=data, verbose=False)
     if trainer.global_rank == 0:

@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_pipe.errors import PlanningError, check_positive
+from lightning_pipe.runtime.launch import has_forkserver
 from lightning_pipe.schedule import check_rule
 from lightning_pipe.strategy import PipelineStrategy
 from lightning_pipe.strategy.choosing import AUTO, AutoOptions
@@ -101,13 +102,15 @@ def model(cfg: DictConfig, data: L.LightningDataModule) -> L.LightningModule:
 def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:
     """The pipeline strategy of the schedule, update rule, partitioner, memory and pipeline groups.
     ``start_method: auto`` re-runs the command for each process (Lightning's way for scripts) in a
-    single run, and spawns them under Hydra's multirun, whose jobs run inside one process, unless the
-    processes exist already (torchrun, or SLURM tasks as Hydra's submitit launcher starts them)."""
+    single run; under Hydra's multirun, whose jobs run inside one process, it starts them from a
+    forkserver (``spawn`` where the platform has none), so that only the first job pays for importing
+    torch and Lightning; processes that exist already (torchrun, or SLURM tasks as Hydra's submitit
+    launcher starts them) are used as they are."""
     pipe, schedule = cfg.pipeline, cfg.schedule
     start = _plain(pipe.start_method)
     if start == "auto":
         external = SLURMEnvironment.detect() or TorchElasticEnvironment.detect()
-        start = "spawn" if multirun and not external else "popen"
+        start = ("forkserver" if has_forkserver() else "spawn") if multirun and not external else "popen"
     return PipelineStrategy(
         schedule=_plain(schedule.family),
         microbatches=_plain(schedule.microbatches),

@@ -50,7 +50,7 @@ Partitioner = _names("Partitioner", PARTITIONERS)
 Model = _names("Model", ("mlp", *MODEL_NAMES))
 Optimizer = _names("Optimizer", ("sgd", "adamw"))
 Precision = _names("Precision", ("32-true", "bf16-mixed", "bf16-true", "16-mixed"))
-StartMethod = _names("StartMethod", ("auto", "popen", "spawn"))
+StartMethod = _names("StartMethod", ("auto", "popen", "spawn", "forkserver"))
 
 
 @dataclass
@@ -102,7 +102,7 @@ class PipelineConfig:
     plan: str | None = None  # a saved plan to run (lightning-pipe plan)
     profile_cache: bool = True  # keep the measured profile for the next run ($LIGHTNING_PIPE_CACHE, ~/.cache)
     balance: list[int] | None = None  # layers per stage, instead of planning
-    start_method: StartMethod = StartMethod["auto"]  # auto: popen for a run, spawn under multirun
+    start_method: StartMethod = StartMethod["auto"]  # auto: popen for a run, forkserver under multirun
     pin_cpus: Any = False  # true: each process's threads on cores of its own (Linux, CPU); 'auto': kept if faster
     shared_memory: str = "64MiB"  # CPU: ring per direction between processes of one host (0: gloo only)
     release_memory: bool | None = None  # CPU: freed blocks >= 4 MiB back to the system (null: with memory.limit)
