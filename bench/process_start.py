@@ -1,9 +1,13 @@
-"""What starting ``run_local``'s processes costs: 2 processes that import Lightning, started and joined,
-spawned (each imports torch and Lightning itself) against forked from a forkserver that imported them
-once (``run_local``'s way, :mod:`lightning_pipe.runtime.launch`), in alternating rounds.
+"""What starting processes costs, spawned (each imports torch and Lightning itself) against forked from
+a forkserver that imported them once (:mod:`lightning_pipe.runtime.launch`), in alternating rounds:
 
-Run: ``python bench/process_start.py [--rounds 3]``. Printed: seconds per start of the 2 processes,
-median over the rounds, the forkserver's own first start apart, and the ratio spawn/forkserver.
+1. ``run_local``'s start: 2 processes that import Lightning, started and joined;
+2. a whole ``Trainer.fit`` of a small MLP (2 batches) on 2 processes with
+   ``PipelineStrategy(start_method="spawn")`` against ``"forkserver"``, as the jobs of a Hydra
+   multirun fit one after the other in one process (:mod:`lightning_pipe.strategy.launchers`).
+
+Run: ``python bench/process_start.py [--rounds 3]``. Printed: seconds per start of the 2 processes and
+per fit, median over the rounds, the forkserver's own first start apart, and the ratio spawn/forkserver.
 """
 
 from __future__ import annotations
@@ -12,8 +16,51 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
 
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime.launch import PRELOADED
+
+
+class _MLP(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)], nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(start_method: str, root: Path) -> float:
+    """Seconds from ``Trainer.fit``'s call to its return: processes started, planned, 2 steps, joined."""
+    data = DataLoader(TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,))), batch_size=32)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=PipelineStrategy(start_method=start_method, profile_cache=False),
+        max_epochs=1,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    begin = time.monotonic()
+    trainer.fit(_MLP(), data)
+    return time.monotonic() - begin
 
 
 def _child() -> None:
@@ -47,6 +94,16 @@ def main() -> None:
         print(f"| {name} | {statistics.median(values):.3f} |")
     print(f"| forkserver's first (the server's own start) | {first:.3f} |")
     print(f"spawn / forkserver: {statistics.median(times['spawn']) / statistics.median(times['forkserver']):.0f}x")
+    fits: dict[str, list[float]] = {"spawn": [], "forkserver": []}
+    with TemporaryDirectory() as root:
+        for _ in range(args.rounds):
+            for name, values in fits.items():
+                values.append(_fit(name, Path(root)))
+    print("\n| Trainer.fit on 2 processes (2 steps) | median s |")
+    print("| --- | --- |")
+    for name, values in fits.items():
+        print(f"| {name} | {statistics.median(values):.2f} |")
+    print(f"spawn / forkserver: {statistics.median(fits['spawn']) / statistics.median(fits['forkserver']):.1f}x")
 
 
 if __name__ == "__main__":
