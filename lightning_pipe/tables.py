@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from lightning_pipe.util.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
+    from lightning_pipe.cost.memory import MemoryModel
     from lightning_pipe.cost.records import ChainCosts
     from lightning_pipe.partition import Plan
     from lightning_pipe.schedule.ir import Schedule
@@ -20,6 +21,14 @@ __all__ = ["placement_table", "plan_table", "simulation_table"]
 
 def _short(name: str, width: int = 28) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def _in_flight(memory: MemoryModel) -> str:
+    """What a plan's memory is counted as under: the closed form of a schedule, or the activations in
+    flight per stage that the run's own family keeps (``MemoryModel.counts``)."""
+    if memory.counts is None:
+        return memory.schedule
+    return f"the family's own schedule (micro-batches in flight per stage: {', '.join(map(str, memory.counts))})"
 
 
 def plan_table(costs: ChainCosts, plan: Plan) -> str:
@@ -34,7 +43,7 @@ def plan_table(costs: ChainCosts, plan: Plan) -> str:
         f"===== Partition ({plan.partitioner}) =====",
         f"# of layers : {len(costs)}",
         f"# of devices: {plan.devices} ({plan.devices_used} used)",
-        f"schedule {memory.schedule}, {memory.microbatches or 'unbounded'} micro-batches, "
+        f"memory as under {_in_flight(memory)}, {memory.microbatches or 'unbounded'} micro-batches, "
         f"memory limit {limit}, bandwidth {bandwidth}",
         f"{'stage':>5} {'layers':>14} {'reps':>4} {'cost':>11} {'compute':>11} {'memory':>11}  first .. last layer",
     ]

@@ -60,7 +60,7 @@ def test_json_has_every_documented_key(pipedream_profiles: Path, capsys: pytest.
         "--partitioner",
         "memory",
     )
-    for key in ("partitioner", "stages", "bottleneck_seconds", "devices", "memory_limit_bytes", "schedule"):
+    for key in ("partitioner", "stages", "bottleneck_seconds", "devices", "memory_limit_bytes", "memory_schedule"):
         assert key in result
     assert result["memory_limit_bytes"] == 40e9
     assert result["bandwidth_bytes_per_second"] == 10e9

@@ -62,7 +62,8 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
         "devices": 5,
         "devices_used": 4,
         "contiguous": True,
-        "schedule": "1f1b",
+        "memory_schedule": "1f1b",
+        "activations_in_flight": None,
         "microbatches": 3,
         "memory_limit_bytes": 1000.0,
         "bandwidth_bytes_per_second": 8.0,
@@ -117,6 +118,26 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
     }
 
 
+def test_a_plan_under_its_familys_own_counts_says_so() -> None:
+    """A memory model with the family's own activations in flight per stage (``counts``): the JSON
+    plan lists them, and the table says memory was counted under them, not under the closed form's
+    schedule name (which, for a 2BW or interleaved run, is not the schedule that runs)."""
+    from lightning_pipe.tables import plan_table
+
+    costs = ChainCosts.from_lists([1, 2, 3, 4], [2, 2, 1, 4], activation=[10, 20, 30, 40], saved=[1, 2, 5, 4])
+    plan = evaluate(
+        costs, [[0, 1], [2, 3]], partitioner="hand", devices=2, memory=MemoryModel(microbatches=4, counts=(3, 1))
+    )
+    document = plan.to_dict()
+    assert document["memory_schedule"] == "1f1b" and document["activations_in_flight"] == [3, 1]
+    assert "memory as under the family's own schedule (micro-batches in flight per stage: 3, 1), 4 micro-batches" in (
+        plan_table(costs, plan)
+    )
+    closed = evaluate(costs, [[0, 1], [2, 3]], partitioner="hand", devices=2, memory=MemoryModel("gpipe", 4))
+    assert closed.to_dict()["activations_in_flight"] is None
+    assert "memory as under gpipe, 4 micro-batches" in plan_table(costs, closed)
+
+
 def test_noncontiguous_plan_to_dict_by_hand() -> None:
     """Device 0 holds layers {0, 1, 3}, device 1 layer {2}: three runs (0-1 on 0, 2 on 1, 3 on 0),
     each a pipeline stage for memory. Weight stashing (pipedream), no extra copies, replicas default 1.
@@ -145,7 +166,8 @@ def test_noncontiguous_plan_to_dict_by_hand() -> None:
         "devices": 2,
         "devices_used": 2,
         "contiguous": False,
-        "schedule": "pipedream",
+        "memory_schedule": "pipedream",
+        "activations_in_flight": None,
         "microbatches": None,
         "memory_limit_bytes": None,
         "bandwidth_bytes_per_second": 4.0,

@@ -100,7 +100,8 @@ class Plan:
             "devices": self.devices,
             "devices_used": self.devices_used,
             "contiguous": self.contiguous,
-            "schedule": self.memory.schedule,
+            "memory_schedule": self.memory.schedule,  # what memory is counted as under, not the run's family
+            "activations_in_flight": None if self.memory.counts is None else list(self.memory.counts),
             "microbatches": self.memory.microbatches,
             "memory_limit_bytes": self.memory_limit,
             "bandwidth_bytes_per_second": None if self.network.free else self.network.bandwidth,
