@@ -1,10 +1,11 @@
 """A user's script that fits twice in one process with ``start_method="forkserver"``, as a Hydra
 multirun's jobs do: ``python -m tests.forkserver_script ROOT``.
 
-Before each fit the script sets ``LIGHTNING_PIPE_TEST_VALUE`` and seeds Lightning (``PL_GLOBAL_SEED``);
-the server that forks the processes started at the first fit, so the second fit's processes see this
-call's values only if the launcher hands them over. Every rank prints, when training starts,
-``seen: value=... rank=... seed=... shared=N`` (N: the parameters it holds in memory shared with other
+Before each fit the script sets ``LIGHTNING_PIPE_TEST_VALUE`` and seeds Lightning (``PL_GLOBAL_SEED``),
+and before the second it turns torch's deterministic algorithms on; the server that forks the
+processes started at the first fit, so the second fit's processes see this call's values only if the
+launcher hands them over. Every rank prints, when training starts, ``seen: value=... rank=...
+seed=... deterministic=... shared=N`` (N: the parameters it holds in memory shared with other
 processes); the main process saves each fit's trained model to ``ROOT/<value>.pt``.
 """
 
@@ -30,7 +31,8 @@ class Seen(L.Callback):
         shared = sum(1 for p in module.parameters() if not p.is_meta and p.is_shared())
         line = (
             f"seen: value={os.environ.get(VARIABLE)} rank={trainer.global_rank} "
-            f"seed={os.environ.get('PL_GLOBAL_SEED')} shared={shared}\n"
+            f"seed={os.environ.get('PL_GLOBAL_SEED')} deterministic={torch.are_deterministic_algorithms_enabled()} "
+            f"shared={shared}\n"
         )
         sys.stdout.flush()
         os.write(sys.stdout.fileno(), line.encode())
@@ -41,6 +43,7 @@ def main() -> None:
     for seed, value in enumerate(("first", "second"), start=1):
         os.environ[VARIABLE] = value
         L.seed_everything(seed)
+        torch.use_deterministic_algorithms(value == "second")
         model = Chain(blocks=4, width=32)
         trainer = L.Trainer(
             accelerator="cpu",

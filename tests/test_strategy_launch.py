@@ -380,9 +380,9 @@ def test_non_flushing_fits_launched_by_lightning(tmp_path: Path, strategy: str) 
 @pytest.mark.timeout(200)
 def test_forkserver_processes_start_as_spawned_ones(tmp_path: Path) -> None:
     """``start_method="forkserver"``, two fits in one process as a multirun's jobs: the second fit's
-    processes come from the server the first one started, yet each sees the environment and seed of
-    its own call, holds no parameter in memory shared with another process (as spawn's do on CPU), and
-    the trained model equals plain Lightning's."""
+    processes come from the server the first one started, yet each sees the environment, seed and
+    deterministic-algorithms flag of its own call, holds no parameter in memory shared with another
+    process (as spawn's do on CPU), and the trained model equals plain Lightning's."""
     run = subprocess.run(
         [sys.executable, "-m", "tests.forkserver_script", str(tmp_path)],
         cwd=ROOT,
@@ -391,15 +391,33 @@ def test_forkserver_processes_start_as_spawned_ones(tmp_path: Path) -> None:
         timeout=180,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    seen = sorted(re.findall(r"seen: value=(\w+) rank=(\d) seed=(\d) shared=(\d+)", run.stdout))
+    seen = sorted(re.findall(r"seen: value=(\w+) rank=(\d) seed=(\d) deterministic=(\w+) shared=(\d+)", run.stdout))
     assert seen == [
-        ("first", "0", "1", "0"),
-        ("first", "1", "1", "0"),
-        ("second", "0", "2", "0"),
-        ("second", "1", "2", "0"),
+        ("first", "0", "1", "False", "0"),
+        ("first", "1", "1", "False", "0"),
+        ("second", "0", "2", "True", "0"),
+        ("second", "1", "2", "True", "0"),
     ]
     expected = _plain(tmp_path)
     for fit in ("first", "second"):
         trained = torch.load(tmp_path / f"{fit}.pt", weights_only=False)
         for name, value in expected.items():
             assert torch.allclose(trained[name], value, atol=1e-5), (fit, name)
+
+
+def test_forkserver_hands_over_no_cuda_state_it_would_have_to_create(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The random states handed to forkserver processes leave CUDA's out while this process has not
+    initialised CUDA: reading them would create a CUDA context in a process that trains on no device."""
+    from lightning_pipe.strategy.launchers import _global_states
+
+    def refuse() -> None:
+        raise AssertionError("CUDA's random states read: that initialises CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", refuse)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    states = _global_states()
+    assert "torch.cuda" not in states.rng_states and torch.equal(states.rng_states["torch"], torch.get_rng_state())
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["cuda state"])
+    assert _global_states().rng_states["torch.cuda"] == ["cuda state"]  # initialised: handed over, as spawn does

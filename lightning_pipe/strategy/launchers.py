@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.seed import _collect_rng_states
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -39,6 +40,18 @@ from lightning_pipe.strategy.atomic import write_file
 from lightning_pipe.strategy.resume import complete_last
 
 __all__ = ["ProcessLauncher", "ScriptLauncher"]
+
+
+def _global_states() -> _GlobalStateSnapshot:
+    """What Lightning hands a spawned process (deterministic flags, random states), without the CUDA
+    generators' states where this process has not initialised CUDA: reading them would create a CUDA
+    context here, in a process that trains on no device, and the processes make their own."""
+    return _GlobalStateSnapshot(
+        use_deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+        use_deterministic_algorithms_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+        cudnn_benchmark=torch.backends.cudnn.benchmark,
+        rng_states=_collect_rng_states(include_cuda=torch.cuda.is_initialized()),
+    )
 
 
 class _ResumesFromComplete:
@@ -69,7 +82,7 @@ class ProcessLauncher(_ResumesFromComplete, _MultiProcessingLauncher):
             assert self._strategy.cluster_environment is not None
             os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # as Lightning's launch
             self._environment = dict(os.environ)  # travels with this launcher to every process
-            self._global_states = _GlobalStateSnapshot.capture()
+            self._global_states = _global_states()
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _wrapping_function(
