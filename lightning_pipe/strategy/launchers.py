@@ -2,17 +2,18 @@
 
 - ``popen``: Lightning's :class:`_SubprocessScriptLauncher`, re-running the user's script for every
   other process, as ``ddp`` does.
-- ``spawn``: Lightning's :class:`_MultiProcessingLauncher` (notebooks, Hydra multiruns, whose jobs
+- ``spawn``: Lightning's :class:`_MultiProcessingLauncher` (notebooks; Hydra multiruns, whose jobs
   run inside one process).
 - ``forkserver``: the same launcher and the same semantics as ``spawn``, but each process is forked
   from a server that imported torch, Lightning and this package once
   (:func:`lightning_pipe.runtime.launch.preloading_forkserver`): a spawned process spends about 10 s
-  of CPU importing them (2026-11-28, 2 cores), a forked one milliseconds, so a multirun of N jobs
-  saves about 2N such imports per process. Lightning treats a forkserver child like a forked one, but
-  it starts from the server's state, not the caller's, so this launcher hands each child what a
-  spawned one gets: the caller's environment as it is at the launch (``MASTER_PORT``, the seed
-  Lightning keeps in ``PL_GLOBAL_SEED``, anything the user set after the server started), the
-  random generators and deterministic flags, and CPU modules not shared with the other processes.
+  of CPU importing them (2026-11-28, 2 cores), a forked one milliseconds: a multirun of N jobs, each
+  fitting and testing on 2 processes, imports them once in the server instead of 4N times.
+  Lightning treats a forkserver child like a forked one, but it starts from the server's state, not
+  the caller's, so this launcher hands each child what a spawned one gets: the caller's environment
+  as it is at the launch (``MASTER_PORT``, the seed Lightning keeps in ``PL_GLOBAL_SEED``, anything
+  the user set after the server started), the random generators and deterministic flags, and CPU
+  modules not shared with the other processes.
 
 Both launchers first resolve ``ckpt_path="last"`` to the newest complete checkpoint (:mod:`.resume`),
 and the multiprocessing one hands the main process the full trained model.

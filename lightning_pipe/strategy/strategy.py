@@ -222,10 +222,10 @@ class PipelineStrategy(
             one pipeline); with ``stages``, the devices beyond one pipeline make data-parallel copies.
         data_parallel: copies of the whole pipeline (``devices = workers per pipeline × copies``);
             each reads its own shard of the data, and a stage's gradients are averaged over them.
-        start_method: ``popen`` (re-run the script, as ``ddp``), ``spawn`` (notebooks, Hydra multirun),
-            or ``forkserver``: spawn's semantics, each process forked from a server that imported torch,
-            Lightning and this package once, so that repeated fits in one process (a multirun's jobs)
-            start in milliseconds instead of seconds (:mod:`.launchers`).
+        start_method: ``popen`` (re-run the script, as ``ddp``), ``spawn`` (notebooks), or
+            ``forkserver`` (what Hydra multiruns use): spawn's semantics, each process forked from a
+            server that imported torch, Lightning and this package once, so that repeated fits in one
+            process (a multirun's jobs) start in milliseconds instead of seconds (:mod:`.launchers`).
         pin_cpus: keep each process's threads on cores of its own (Linux; CPU training with one process
             per core or per group of cores: 2BW and CDP ran 1.14-1.18x faster on 2 cores,
             ``bench/pinning.py``); data-loader workers inherit the placement. ``"auto"``: try it
