@@ -421,3 +421,30 @@ def test_forkserver_hands_over_no_cuda_state_it_would_have_to_create(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["cuda state"])
     assert _global_states().rng_states["torch.cuda"] == ["cuda state"]  # initialised: handed over, as spawn does
+
+
+_UNGUARDED = """
+import lightning as L
+from lightning_pipe import PipelineStrategy
+from tests.lightning_cases import Chain, loader
+
+strategy = PipelineStrategy(start_method="forkserver")
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False)
+trainer.fit(Chain(blocks=4, width=32), loader(2))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_forkserver_refuses_a_script_without_a_main_guard(tmp_path: Path) -> None:
+    """A script that fits at import, started with ``start_method="forkserver"``: each process imports
+    the script first and reaches ``Trainer.fit`` again; the run stops (no process left waiting) with
+    an error that says to guard the training code, or to use ``popen``."""
+    script = tmp_path / "train.py"
+    script.write_text(_UNGUARDED)
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode != 0
+    assert 'put the code that trains under `if __name__ == "__main__":`' in run.stderr, run.stderr[-3000:]
+    assert "start_method='popen'" in run.stderr

@@ -21,6 +21,7 @@ and the multiprocessing one hands the main process the full trained model.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +56,18 @@ def _global_states() -> _GlobalStateSnapshot:
     )
 
 
+def _check_main_guard() -> None:
+    """Refuse, with what to do, a script that starts its fit again in each process: a forkserver's
+    processes, as spawned ones, import the script first (multiprocessing's ``_inheriting``: this
+    process is still being set up), and Python's own error does not say why."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "start_method='forkserver' starts each process by importing your script, which then reached "
+            "Trainer.fit again: put the code that trains under `if __name__ == \"__main__\":` (as spawn needs), "
+            "or use start_method='popen', which re-runs the script as Lightning's ddp does"
+        )
+
+
 class _ResumesFromComplete:
     """A launcher that resolves ``ckpt_path="last"`` to the newest complete checkpoint before
     Lightning does (:mod:`.resume`)."""
@@ -79,6 +92,7 @@ class ProcessLauncher(_ResumesFromComplete, _MultiProcessingLauncher):
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         if self._start_method == "forkserver":
+            _check_main_guard()
             preloading_forkserver()
             assert self._strategy.cluster_environment is not None
             os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # as Lightning's launch
