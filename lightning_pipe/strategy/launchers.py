@@ -63,7 +63,7 @@ def _check_main_guard() -> None:
     if getattr(mp.current_process(), "_inheriting", False):
         raise RuntimeError(
             "start_method='forkserver' starts each process by importing your script, which then reached "
-            "Trainer.fit again: put the code that trains under `if __name__ == \"__main__\":` (as spawn needs), "
+            'Trainer.fit again: put the code that trains under `if __name__ == "__main__":` (as spawn needs), '
             "or use start_method='popen', which re-runs the script as Lightning's ddp does"
         )
 
