@@ -19,47 +19,23 @@ import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from trainer_runs import Classifier, quiet_trainer
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.runtime.launch import PRELOADED
-
-
-class _MLP(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)], nn.Linear(64, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+from lightning_pipe.runtime.launch import preloading_forkserver
 
 
 def _fit(start_method: str, root: Path) -> float:
     """Seconds from ``Trainer.fit``'s call to its return: processes started, planned, 2 steps, joined."""
     data = DataLoader(TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,))), batch_size=32)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=PipelineStrategy(start_method=start_method, profile_cache=False),
-        max_epochs=1,
-        default_root_dir=root,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)]
+    strategy = PipelineStrategy(start_method=start_method, profile_cache=False)
+    trainer = quiet_trainer(root, [], accelerator="cpu", devices=2, strategy=strategy)
     begin = time.monotonic()
-    trainer.fit(_MLP(), data)
+    trainer.fit(Classifier(nn.Sequential(*blocks, nn.Linear(64, 10))), data)
     return time.monotonic() - begin
 
 
@@ -81,9 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    spawn, forkserver = mp.get_context("spawn"), mp.get_context("forkserver")
-    forkserver.set_forkserver_preload(list(PRELOADED))
-    first = _start(forkserver)  # the server starts and imports PRELOADED
+    spawn, forkserver = mp.get_context("spawn"), preloading_forkserver()
+    first = _start(forkserver)  # the server starts and imports torch, Lightning and lightning_pipe
     times: dict[str, list[float]] = {"spawn": [], "forkserver": []}
     for _ in range(args.rounds):
         times["spawn"].append(_start(spawn))
