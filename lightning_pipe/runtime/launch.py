@@ -33,7 +33,7 @@ from lightning_pipe.runtime.affinity import pin_threads
 PRELOADED = ("torch", "torch.distributed", "lightning", "lightning_pipe")
 """What the forkserver imports once, before it forks the processes of every :func:`run_local`."""
 
-__all__ = ["LocalRunError", "has_forkserver", "preloading_forkserver", "run_local"]
+__all__ = ["LocalRunError", "adopt_environment", "has_forkserver", "preloading_forkserver", "run_local"]
 
 
 class LocalRunError(RuntimeError):
@@ -62,8 +62,7 @@ def _worker(
     results: Any,
     environment: dict[str, str],
 ) -> None:
-    os.environ.clear()
-    os.environ.update(environment)
+    adopt_environment(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
     try:
@@ -88,6 +87,13 @@ def preloading_forkserver() -> Any:
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOADED))  # no effect once the server runs: it keeps its modules
     return context
+
+
+def adopt_environment(environment: dict[str, str]) -> None:
+    """Make ``environment`` (the caller's, taken at the launch) this process's whole environment: a
+    process forked from the forkserver starts with the server's, as it was when the server started."""
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 def has_forkserver() -> bool:

@@ -37,7 +37,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
 )
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_pipe.runtime.launch import preloading_forkserver
+from lightning_pipe.runtime.launch import adopt_environment, preloading_forkserver
 from lightning_pipe.strategy.atomic import write_file
 from lightning_pipe.strategy.resume import complete_last
 
@@ -111,8 +111,7 @@ class ProcessLauncher(_ResumesFromComplete, _MultiProcessingLauncher):
         global_states: _GlobalStateSnapshot | None = None,
     ) -> None:
         if self._environment is not None:  # a forkserver child: start from the caller's state, as spawn does
-            os.environ.clear()
-            os.environ.update(self._environment)
+            adopt_environment(self._environment)
             global_states = self._global_states
             if isinstance(self._strategy.accelerator, CPUAccelerator):  # pickled tensors come in shared memory
                 args, kwargs = _disable_module_memory_sharing((args, kwargs))
