@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import runpy
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -123,23 +124,34 @@ def test_the_closest_calibration_kept_is_read_back(tmp_path: Path) -> None:
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 4)) == piped  # the same family
     assert kept_calibration(tmp_path, "key", RunShape("gpipe", 4)) == piped  # the same kind
     assert kept_calibration(tmp_path, "key", RunShape("2bw", 16)) == piped  # the same kind before the same rows
+    looped = Calibration(3.4, 0.0, 2e-3, "interleaved m=2, 2026-11-28")  # several stages per worker
+    keep_calibration(tmp_path, "key", RunShape("interleaved", 8), looped)
+    halves = Calibration(2.6, 0.0, 2e-3, "zb_h1 m=2, 2026-11-28")  # each backward in two actions
+    keep_calibration(tmp_path, "key", RunShape("zb_h1", 8), halves)
+    assert kept_calibration(tmp_path, "key", RunShape("2bw", 8)) == piped  # one stage per worker, as 2BW's
+    assert kept_calibration(tmp_path, "key", RunShape("looped_bfs", 8)) == looped  # the same rows and kind
+    assert kept_calibration(tmp_path, "key", RunShape("interleaved", 16)) == looped  # the same family
+    assert kept_calibration(tmp_path, "key", RunShape("looped_bfs", 4)) == looped  # the same kind
+    assert kept_calibration(tmp_path, "key", RunShape("gpipe", 4)) == piped  # not the last kept, of another kind
+    assert kept_calibration(tmp_path, "key", RunShape("zb_h1", 4)) == halves  # the same family
+    keep_calibration(tmp_path, "key", RunShape("ddp", 16), replicas)  # the last kept again
     assert kept_calibration(tmp_path, "key") == replicas  # the last kept
     again = Calibration(0.9, 0.0, 0.0)
     keep_calibration(tmp_path, "key", RunShape("1f1b", 8), again)
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)) == again == kept_calibration(tmp_path, "key")
-    assert len(json.loads(path.read_text())["runs"]) == 2  # replaced, not added
+    assert len(json.loads(path.read_text())["runs"]) == 4  # replaced, not added
     pinned = Calibration(0.7, 0.0, 0.0, "1f1b m=4 pinned, 2026-11-27")
     keep_calibration(tmp_path, "key", RunShape("1f1b", 8, pinned=True), pinned)
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8, pinned=True)) == pinned
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)) == again  # pinning kept apart
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8, pinned=None)) == pinned  # not known: the last
-    assert len(json.loads(path.read_text())["runs"]) == 3
+    assert len(json.loads(path.read_text())["runs"]) == 5
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
 
 
 _SHAPES = st.builds(
     RunShape,
-    st.sampled_from(["1f1b", "ddp", "2bw", "1f1b_rr"]),
+    st.sampled_from(["1f1b", "ddp", "2bw", "1f1b_rr", "interleaved", "looped_bfs", "zb_h1"]),
     st.sampled_from([4, 8, 16]),
     st.sampled_from([False, True]),
 )
@@ -149,12 +161,17 @@ _SHAPES = st.builds(
 @given(st.lists(_SHAPES, min_size=1, max_size=8), _SHAPES | st.builds(RunShape, st.just("1f1b"), st.just(8), st.none()))
 def test_a_prediction_takes_the_closest_run_kept(kept: list[RunShape], asked: RunShape) -> None:
     """Brute force: the last run kept of the same family and rows, else of the same rows and kind
-    (replicating stages or not), else of the same family, else of the same kind, else of the same
-    rows, else the last run kept; at each of these, one of the same pinning first (where the pinning
-    asked for is known)."""
+    (replicating stages or not, several stages per worker or one, each backward in two actions or
+    one), else of the same rows and
+    replication, else of the same family, else of the same kind, else of the same replication, else of
+    the same rows, else the last run kept; at each of these, one of the same pinning first (where the
+    pinning asked for is known)."""
 
-    def kind(shape: RunShape) -> bool:
+    def replicated(shape: RunShape) -> bool:
         return shape.family in ("ddp", "1f1b_rr")
+
+    def kind(shape: RunShape) -> tuple[bool, bool, bool]:
+        return replicated(shape), shape.family in ("interleaved", "looped_bfs"), shape.family == "zb_h1"
 
     with tempfile.TemporaryDirectory() as directory:
         for index, shape in enumerate(kept):
@@ -164,8 +181,10 @@ def test_a_prediction_takes_the_closest_run_kept(kept: list[RunShape], asked: Ru
     for matches in (
         lambda s: s.rows == asked.rows and s.family == asked.family,
         lambda s: s.rows == asked.rows and kind(s) == kind(asked),
+        lambda s: s.rows == asked.rows and replicated(s) == replicated(asked),
         lambda s: s.family == asked.family,
         lambda s: kind(s) == kind(asked),
+        lambda s: replicated(s) == replicated(asked),
         lambda s: s.rows == asked.rows,
         lambda s: True,
     ):
@@ -429,3 +448,27 @@ def test_a_kept_calibration_prices_the_same_actions_on_either_profile(
     assert (converted.fixed, converted.per_step) == (kept.fixed, kept.per_step)
     assert math.isclose(basis.to_layers(converted, m).scale, kept.scale, rel_tol=1e-9)
     assert basis.to_chain(None, m) is None
+
+
+def test_the_transfer_bench_replays_the_calibrations_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench/calibration_transfer.py`` prices each fit of a family new to the model from the fits kept
+    before it: a 2BW fit kept after a 1F1B and an interleaved one is priced from the interleaved one
+    (the last kept of its replication) by the coarse rule, from 1F1B's (one stage per worker) by the
+    package's."""
+    runs = [
+        {"family": "1f1b", "rows": 8, "pinned": False, "scale": 2.0},
+        {"family": "interleaved", "rows": 8, "pinned": False, "scale": 3.4},
+        {"family": "2bw", "rows": 8, "pinned": False, "scale": 2.1},
+    ]
+    (tmp_path / "calibration-key.json").write_text(json.dumps({"runs": runs}))
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "calibration_transfer.py"))
+    fits = list(bench["first_fits"]([tmp_path]))
+    assert [entry["family"] for entry, _ in fits] == ["interleaved", "2bw"]
+    rules = bench["RULES"]
+    assert bench["picked"](rules["replication"], *fits[1])["family"] == "interleaved"
+    assert bench["picked"](rules["+ split backward (the package's)"], *fits[1])["family"] == "1f1b"
+    bench["main"]([str(tmp_path)])
+    table = capsys.readouterr().out
+    assert "2 first fits of a family" in table
+    assert "| replication | 52% | 52% | 0 of 2 | 62% | 62% | 0 of 1 |" in table  # 3.4 / 2.1 and 2.0 / 3.4
+    assert "| + split backward (the package's) | 23% | 23% | 1 of 2 | 5% | 5% | 1 of 1 |" in table

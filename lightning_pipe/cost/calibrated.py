@@ -16,18 +16,23 @@ torch and this package (:func:`~lightning_pipe.cost.profile_cache.profile_key` w
 what a run adds does not depend on the micro-batch's rows the way the profile does, and the next run
 may split it into another count. One is kept per schedule family, micro-batch size and pinning
 (:class:`RunShape`), and a prediction takes the closest kept: the same family and size, else the same
-size (the same profile) measured on the same kind of family (replicating stages or not:
-:data:`REPLICATING_FAMILIES`), else the same family, else the same kind, else the same size, else the
-last kept; at each, the same pinning first. What a run adds depends on all of these:
+size (the same profile) measured on the same kind of family (:func:`family_kind`: replicating stages
+or not, one stage per worker or several, each backward one action or two), else the same size and
+replication, else the same family, else the same kind, else the same replication, else the same size,
+else the last kept; at each, the same pinning first. What a run adds depends on all of these:
 replicas that all-reduce their gradients every step (Rahimi's ``ddp``) spend in their actions the
 waits for the slowest replica, a pipeline does not (on 2 CPU processes an MLP's ``ddp`` run measured
 its actions 2.5x its profile, its 1F1B runs 0.6-1.3x; its 2BW steps, predicted from the
-calibration of its ``ddp`` run at the same size, came out 53-83% long), and the profile of a smaller micro-batch is
-another measurement, off the run by another factor (torchvision's ResNet-18 at 4 rows a micro-batch,
-predicted from a calibration measured at 16, came out 20-35% off: ``bench/auto_plan.py``), and
-threads pinned to cores run at another rate (the same ResNet-18's rows, each predicted from the
-calibration of the same configuration with the other pinning, came out up to 32% short unpinned and
-up to 22% long pinned).
+calibration of its ``ddp`` run at the same size, came out 53-83% long); a worker holding several
+stages, or splitting each backward, runs more and smaller actions for the same work, each paying the
+runtime's own time (an MLP's in-run actions measured 3.0-3.8x its profile under interleaved 1F1B at 32
+rows a micro-batch, 2.1-2.5x under 1F1B and 2BW; its 2BW steps, priced from the interleaved run's
+calibration, came out 56% long: ``bench/calibration_transfer.py``); the profile of a smaller
+micro-batch is another measurement, off the run by another factor (torchvision's ResNet-18 at 4 rows a
+micro-batch, predicted from a calibration measured at 16, came out 20-35% off:
+``bench/auto_plan.py``); and threads pinned to cores run at another rate (the same ResNet-18's rows,
+each predicted from the calibration of the same configuration with the other pinning, came out up to
+32% short unpinned and up to 22% long pinned).
 Each holds the configuration it was measured on and when.
 """
 
@@ -38,13 +43,14 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.schedule.options import PLACED_FAMILIES
+from lightning_pipe.schedule import SPLIT_BACKWARD_FAMILIES
+from lightning_pipe.schedule.options import LOOPED_FAMILIES, PLACED_FAMILIES
 from lightning_pipe.util.units import format_seconds
 
 __all__ = [
@@ -54,6 +60,7 @@ __all__ = [
     "RunShape",
     "calibration",
     "calibration_path",
+    "family_kind",
     "keep_calibration",
     "kept_calibration",
     "separated",
@@ -191,14 +198,28 @@ class RunShape:
         """Whether a kept ``entry`` was measured running this very shape."""
         return (entry.get("family"), entry.get("rows"), entry.get("pinned")) == (self.family, self.rows, self.pinned)
 
-    def closeness(self, entry: dict[str, object]) -> tuple[bool, ...]:
+    def closeness(
+        self, entry: dict[str, object], kind: Callable[[object], tuple[bool, ...]] | None = None
+    ) -> tuple[bool, ...]:
         """How close a kept ``entry`` comes: the same family and rows, then the same rows (the same
-        profile) and kind (:data:`REPLICATING_FAMILIES`), then the same family, then the same kind,
-        then the same rows; among those, the same pinning."""
+        profile) and kind, then the same rows and replication (the kind's first trait), then the same
+        family, then the same kind, then the same replication, then the same rows; among those, the
+        same pinning. ``kind`` tells families apart (``None``: :func:`family_kind`)."""
+        kind = kind or family_kind
         rows, family = entry.get("rows") == self.rows, entry.get("family") == self.family
-        kind = (entry.get("family") in REPLICATING_FAMILIES) == (self.family in REPLICATING_FAMILIES)
+        theirs, ours = kind(entry.get("family")), kind(self.family)
+        alike, replicated = theirs == ours, theirs[0] == ours[0]
         pinned = self.pinned is not None and entry.get("pinned") == self.pinned
-        return rows and family, rows and kind, family, kind, rows, pinned
+        return rows and family, rows and alike, rows and replicated, family, alike, replicated, rows, pinned
+
+
+def family_kind(family: object) -> tuple[bool, bool, bool]:
+    """What a run of ``family`` adds to its actions depends on: whether its workers hold replicas of the
+    same stages (:data:`REPLICATING_FAMILIES`), whether each holds several stages
+    (:data:`~lightning_pipe.schedule.options.LOOPED_FAMILIES`), and whether each backward runs as two
+    actions (:data:`~lightning_pipe.schedule.SPLIT_BACKWARD_FAMILIES`): the last two make more, smaller
+    actions of the same work, each paying the runtime's own time."""
+    return family in REPLICATING_FAMILIES, family in LOOPED_FAMILIES, family in SPLIT_BACKWARD_FAMILIES
 
 
 def kept_calibration(directory: Path | None, key: str, shape: RunShape | None = None) -> Calibration | None:

@@ -27,6 +27,7 @@ __all__ = [
     "NON_FLUSHING_FAMILIES",
     "RULES",
     "SLACK_FAMILIES",
+    "SPLIT_BACKWARD_FAMILIES",
     "SUGGESTED_FLUSHING",
     "Action",
     "Kind",
@@ -62,6 +63,9 @@ FAMILIES: dict[str, str] = {
 }
 SLACK_FAMILIES: tuple[str, ...] = ("1f1b", "pipedream", "2bw")
 NON_FLUSHING_FAMILIES: tuple[str, ...] = ("pipedream", "2bw", "cdp")  # steps overlap: updates are delayed
+SPLIT_BACKWARD_FAMILIES: tuple[str, ...] = ("zb_h1",)
+"""The families that run every backward as two actions, the input half then the weight half (Qi et al.
+2024 §2)."""
 SUGGESTED_FLUSHING: str = "gpipe, 1f1b, interleaved, zb_h1"
 """The flushing families a refusal of a non-flushing one suggests instead."""
 MEMORY_SCHEDULES: dict[str, str] = {"gpipe": "gpipe", "pipedream": "pipedream", "2bw": "2bw", "cdp": "2bw"}

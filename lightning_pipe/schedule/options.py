@@ -13,10 +13,12 @@ from lightning_pipe.errors import PlanningError, check_positive, check_whole
 from lightning_pipe.schedule import FAMILIES, check_form, check_rule, make_schedule
 from lightning_pipe.schedule.ir import Schedule
 
-__all__ = ["PLACED_FAMILIES", "ScheduleOptions"]
+__all__ = ["LOOPED_FAMILIES", "PLACED_FAMILIES", "ScheduleOptions"]
 
 PLACED_FAMILIES: tuple[str, ...] = ("ddp", "fsdp", "lpp", "fslpp")
 """Rahimi's families whose placement ``w(s, b, d)`` puts stages on workers, whatever their number."""
+LOOPED_FAMILIES: tuple[str, ...] = ("interleaved", "looped_bfs")
+"""The families that put ``virtual_stages`` stages on each worker, looping the micro-batches through it."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ class ScheduleOptions:
                     "default)"
                 )
             return self.microbatches
-        if self.family in ("interleaved", "looped_bfs"):
+        if self.family in LOOPED_FAMILIES:
             return workers * self.virtual_stages
         if self.family == "cdp" and self.form == "pyramid":
             stages = int(((8 * workers + 1) ** 0.5 - 1) / 2)
@@ -133,7 +135,7 @@ class ScheduleOptions:
             return 1
         if self.any_stage_count:
             return None
-        if self.family in ("interleaved", "looped_bfs"):
+        if self.family in LOOPED_FAMILIES:
             if stages % self.virtual_stages:
                 raise PlanningError(
                     f"{self.family} puts {self.virtual_stages} stages on each worker: {stages} stages is not a multiple"

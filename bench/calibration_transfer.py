@@ -1,0 +1,104 @@
+"""How well the calibration a fit of one schedule family kept prices a fit of another: the rule that
+picks the kept calibration closest to a configuration (``RunShape.closeness`` in
+``lightning_pipe/cost/calibrated.py``) against coarser rules, replayed on the calibrations real fits kept.
+
+Run: ``python bench/calibration_transfer.py [DIR ...]`` (default: the directories ``bench/auto_plan.py``
+kept its profiles and calibrations in, ``$TMPDIR/auto_plan_profiles_*``; seconds).
+
+A calibration file lists the fits of one model in the order they were kept (a shape kept again moves
+to the end). Each fit of a family no earlier fit of the model ran is priced, as that fit's set-up
+prediction was, from the calibrations kept before it; each rule picks one, and the table gives how far
+the picked calibration's rate (``scale``: the in-run actions over the profile) lies from the rate the
+fit itself then measured, ``|picked / own - 1|``: its median, its mean and the fits within 10%, over
+every such fit and over those where the rules picked differently. The rate is what carries from one
+family to another; the time beyond the actions (``per_step``) is fitted against each run's own
+simulation and is left out. The rules, each taking the last kept among the closest, the same pinning
+first:
+
+- ``replication``: the same family and rows, else the same rows and replication (Rahimi's placed
+  families and 1F1B-RR against the pipelines), else the same family, else the same replication, else
+  the same rows;
+- ``+ stages per worker``: the same rows and kind before the same rows and replication, a kind also
+  telling one stage per worker from several (interleaved, looped BFS);
+- ``+ split backward`` (the package's rule): the kind also telling a backward in two actions (ZB-H1)
+  from one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, RunShape, family_kind
+from lightning_pipe.schedule.options import LOOPED_FAMILIES
+
+Entry = dict[str, object]
+Rule = Callable[[RunShape, Entry], tuple[bool, ...]]
+
+
+RULES: dict[str, Rule] = {
+    "replication": lambda shape, entry: shape.closeness(entry, lambda family: (family in REPLICATING_FAMILIES,)),
+    "+ stages per worker": lambda shape, entry: shape.closeness(
+        entry, lambda family: (family in REPLICATING_FAMILIES, family in LOOPED_FAMILIES)
+    ),
+    "+ split backward (the package's)": lambda shape, entry: shape.closeness(entry),
+}
+
+
+def first_fits(directories: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
+    """Each fit of a family new to its model, with the fits kept before it."""
+    for directory in directories:
+        for path in sorted(directory.glob("calibration-*.json")):
+            runs = json.loads(path.read_text())["runs"]
+            for index, entry in enumerate(runs):
+                earlier = runs[:index]
+                if earlier and all(other["family"] != entry["family"] for other in earlier):
+                    yield entry, earlier
+
+
+def picked(rule: Rule, entry: Entry, earlier: list[Entry]) -> Entry:
+    """The calibration ``rule`` picks for ``entry`` among ``earlier`` (the last kept among the closest)."""
+    shape = RunShape(str(entry["family"]), int(entry["rows"]), bool(entry["pinned"]))
+    return earlier[max(range(len(earlier)), key=lambda i: (rule(shape, earlier[i]), i))]
+
+
+def _summary(errors: list[float]) -> str:
+    if not errors:
+        return "- | - | -"
+    within = sum(error <= 0.10 for error in errors)
+    return f"{statistics.median(errors):.0%} | {statistics.mean(errors):.0%} | {within} of {len(errors)}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directories", nargs="*", type=Path)
+    args = parser.parse_args(argv)
+    directories = args.directories or sorted(Path(tempfile.gettempdir()).glob("auto_plan_profiles_*"))
+    fits = list(first_fits(directories))
+    if not fits:
+        parser.error("no calibration kept there: run bench/auto_plan.py first, or name its directories")
+    picks = {name: [picked(rule, entry, earlier) for entry, earlier in fits] for name, rule in RULES.items()}
+    errors = {
+        name: [abs(float(p["scale"]) / float(entry["scale"]) - 1) for p, (entry, _) in zip(chosen, fits, strict=True)]
+        for name, chosen in picks.items()
+    }
+    differ = [i for i in range(len(fits)) if len({id(chosen[i]) for chosen in picks.values()}) > 1]
+    models = sum(1 for d in directories for _ in d.glob("calibration-*.json"))
+    print(f"{len(fits)} first fits of a family, {models} calibration files in {len(directories)} directories")
+    print("| rule | all: median | mean | within 10% | where the rules differ: median | mean | within 10% |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, found in errors.items():
+        print(f"| {name} | {_summary(found)} | {_summary([found[i] for i in differ])} |")
+    kinds = sorted({family_kind(entry["family"]) for entry, _ in fits})
+    print(f"\nkinds of family seen (replicating, several stages per worker, split backward): {kinds}")
+
+
+if __name__ == "__main__":
+    main()
