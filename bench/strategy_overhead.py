@@ -8,7 +8,8 @@ Run: ``python bench/strategy_overhead.py [--steps 20] [--rounds 5] [--width 512]
 DDP's included (``pin_cpus`` of ``run_local``).
 
 The module (:class:`MLP`) is ``bench/runtime_speed.py``'s balanced 2-stage MLP in one ``nn.Sequential``
-``self.net`` that ``forward`` calls (the strategy's contract): ``depth`` Linear+ReLU blocks of ``width``
+``self.net`` whose blocks ``forward`` calls in turn, a split point (``pipe_split``) between two, so that
+each block is one layer of the plan at every size: ``depth`` Linear+ReLU blocks of ``width``
 reading ``features`` inputs, ``depth`` more and a 10-class head; cross-entropy, SGD with momentum,
 and ``self.log("train_loss", loss)`` every step as a user's module would (``--no-log``: none). Every
 configuration trains it from the same initial weights on the same 3 warm-up and ``--steps`` timed
@@ -76,6 +77,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipelineStrategy
+from lightning_pipe.capture import pipe_split
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.garbage import AlignedCollection
 from lightning_pipe.runtime.launch import run_local
@@ -99,7 +101,11 @@ class MLP(L.LightningModule):
         self.log_loss = model.log
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        for index, block in enumerate(self.net):  # each block a layer of the plan, whatever its size
+            if index:
+                pipe_split()
+            x = block(x)
+        return x
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
