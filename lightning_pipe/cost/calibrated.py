@@ -27,7 +27,8 @@ calibration of its ``ddp`` run at the same size, came out 53-83% long); a worker
 stages, or splitting each backward, runs more and smaller actions for the same work, each paying the
 runtime's own time (an MLP's in-run actions measured 3.0-3.8x its profile under interleaved 1F1B at 32
 rows a micro-batch, 2.1-2.5x under 1F1B and 2BW; its 2BW steps, priced from the interleaved run's
-calibration, came out 56% long: ``bench/calibration_transfer.py``); the profile of a smaller
+calibration, came out 56% long: ``bench/auto_plan.py``, and ``bench/calibration_transfer.py`` replays
+the rules on the calibrations its fits kept); the profile of a smaller
 micro-batch is another measurement, off the run by another factor (torchvision's ResNet-18 at 4 rows a
 micro-batch, predicted from a calibration measured at 16, came out 20-35% off:
 ``bench/auto_plan.py``); and threads pinned to cores run at another rate (the same ResNet-18's rows,
