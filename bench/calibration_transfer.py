@@ -31,42 +31,39 @@ import json
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, RunShape, family_kind
+from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, Kind, RunShape, closest_kept, family_kind
 from lightning_pipe.schedule.options import LOOPED_FAMILIES
 
 Entry = dict[str, object]
-Rule = Callable[[RunShape, Entry], tuple[bool, ...]]
 
-
-RULES: dict[str, Rule] = {
-    "replication": lambda shape, entry: shape.closeness(entry, lambda family: (family in REPLICATING_FAMILIES,)),
-    "+ stages per worker": lambda shape, entry: shape.closeness(
-        entry, lambda family: (family in REPLICATING_FAMILIES, family in LOOPED_FAMILIES)
-    ),
-    "+ split backward (the package's)": lambda shape, entry: shape.closeness(entry),
+KINDS: dict[str, Kind] = {
+    "replication": lambda family: (family in REPLICATING_FAMILIES,),
+    "+ stages per worker": lambda family: (family in REPLICATING_FAMILIES, family in LOOPED_FAMILIES),
+    "+ split backward (the package's)": family_kind,
 }
+"""How each rule tells families apart; every rule ranks with ``RunShape.closeness``."""
 
 
-def first_fits(directories: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
-    """Each fit of a family new to its model, with the fits kept before it."""
-    for directory in directories:
-        for path in sorted(directory.glob("calibration-*.json")):
-            runs = json.loads(path.read_text())["runs"]
-            for index, entry in enumerate(runs):
-                earlier = runs[:index]
-                if earlier and all(other["family"] != entry["family"] for other in earlier):
-                    yield entry, earlier
+def first_fits(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
+    """Each fit of a family new to its model, with the fits kept before it, from calibration ``files``."""
+    for path in files:
+        runs = json.loads(path.read_text())["runs"]
+        for index, entry in enumerate(runs):
+            earlier = runs[:index]
+            if earlier and all(other["family"] != entry["family"] for other in earlier):
+                yield entry, earlier
 
 
-def picked(rule: Rule, entry: Entry, earlier: list[Entry]) -> Entry:
-    """The calibration ``rule`` picks for ``entry`` among ``earlier`` (the last kept among the closest)."""
-    shape = RunShape(str(entry["family"]), int(entry["rows"]), bool(entry["pinned"]))
-    return earlier[max(range(len(earlier)), key=lambda i: (rule(shape, earlier[i]), i))]
+def picked(kind: Kind, entry: Entry, earlier: list[Entry]) -> Entry:
+    """The calibration the rule telling families apart by ``kind`` picks for ``entry`` among ``earlier``."""
+    found = closest_kept(earlier, RunShape(str(entry["family"]), int(entry["rows"]), bool(entry["pinned"])), kind)
+    assert found is not None
+    return found
 
 
 def _summary(errors: list[float]) -> str:
@@ -81,23 +78,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directories", nargs="*", type=Path)
     args = parser.parse_args(argv)
     directories = args.directories or sorted(Path(tempfile.gettempdir()).glob("auto_plan_profiles_*"))
-    fits = list(first_fits(directories))
+    files = [path for directory in directories for path in sorted(directory.glob("calibration-*.json"))]
+    fits = list(first_fits(files))
     if not fits:
         parser.error("no calibration kept there: run bench/auto_plan.py first, or name its directories")
-    picks = {name: [picked(rule, entry, earlier) for entry, earlier in fits] for name, rule in RULES.items()}
+    picks = {name: [picked(kind, entry, earlier) for entry, earlier in fits] for name, kind in KINDS.items()}
     errors = {
         name: [abs(float(p["scale"]) / float(entry["scale"]) - 1) for p, (entry, _) in zip(chosen, fits, strict=True)]
         for name, chosen in picks.items()
     }
     differ = [i for i in range(len(fits)) if len({id(chosen[i]) for chosen in picks.values()}) > 1]
-    models = sum(1 for d in directories for _ in d.glob("calibration-*.json"))
-    print(f"{len(fits)} first fits of a family, {models} calibration files in {len(directories)} directories")
+    print(f"{len(fits)} first fits of a family, {len(files)} calibration files in {len(directories)} directories")
     print("| rule | all: median | mean | within 10% | where the rules differ: median | mean | within 10% |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, found in errors.items():
         print(f"| {name} | {_summary(found)} | {_summary([found[i] for i in differ])} |")
-    kinds = sorted({family_kind(entry["family"]) for entry, _ in fits})
-    print(f"\nkinds of family seen (replicating, several stages per worker, split backward): {kinds}")
 
 
 if __name__ == "__main__":

@@ -462,11 +462,11 @@ def test_the_transfer_bench_replays_the_calibrations_kept(tmp_path: Path, capsys
     ]
     (tmp_path / "calibration-key.json").write_text(json.dumps({"runs": runs}))
     bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "calibration_transfer.py"))
-    fits = list(bench["first_fits"]([tmp_path]))
+    fits = list(bench["first_fits"]([tmp_path / "calibration-key.json"]))
     assert [entry["family"] for entry, _ in fits] == ["interleaved", "2bw"]
-    rules = bench["RULES"]
-    assert bench["picked"](rules["replication"], *fits[1])["family"] == "interleaved"
-    assert bench["picked"](rules["+ split backward (the package's)"], *fits[1])["family"] == "1f1b"
+    kinds = bench["KINDS"]
+    assert bench["picked"](kinds["replication"], *fits[1])["family"] == "interleaved"
+    assert bench["picked"](kinds["+ split backward (the package's)"], *fits[1])["family"] == "1f1b"
     bench["main"]([str(tmp_path)])
     table = capsys.readouterr().out
     assert "2 first fits of a family" in table

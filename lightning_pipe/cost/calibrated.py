@@ -57,16 +57,21 @@ from lightning_pipe.util.units import format_seconds
 __all__ = [
     "REPLICATING_FAMILIES",
     "Calibration",
+    "Kind",
     "Priced",
     "RunShape",
     "calibration",
     "calibration_path",
+    "closest_kept",
     "family_kind",
     "keep_calibration",
     "kept_calibration",
     "separated",
 ]
 
+
+Kind = Callable[[object], tuple[bool, ...]]
+"""What tells schedule families apart for a calibration's lookup (:func:`family_kind`)."""
 
 REPLICATING_FAMILIES: tuple[str, ...] = (*PLACED_FAMILIES, "1f1b_rr")
 """The families whose workers compute replicas of the same stages and sum their gradients every step
@@ -183,6 +188,15 @@ def calibration_path(directory: Path, key: str) -> Path:
     return directory / f"{CALIBRATION_PREFIX}{key}.json"
 
 
+def family_kind(family: object) -> tuple[bool, bool, bool]:
+    """What a run of ``family`` adds to its actions depends on: whether its workers hold replicas of the
+    same stages (:data:`REPLICATING_FAMILIES`), whether each holds several stages
+    (:data:`~lightning_pipe.schedule.options.LOOPED_FAMILIES`), and whether each backward runs as two
+    actions (:data:`~lightning_pipe.schedule.SPLIT_BACKWARD_FAMILIES`): the last two make more, smaller
+    actions of the same work, each paying the runtime's own time."""
+    return family in REPLICATING_FAMILIES, family in LOOPED_FAMILIES, family in SPLIT_BACKWARD_FAMILIES
+
+
 @dataclass(frozen=True)
 class RunShape:
     """What a calibration was measured running, or is asked for: the schedule family, the rows of
@@ -199,14 +213,11 @@ class RunShape:
         """Whether a kept ``entry`` was measured running this very shape."""
         return (entry.get("family"), entry.get("rows"), entry.get("pinned")) == (self.family, self.rows, self.pinned)
 
-    def closeness(
-        self, entry: dict[str, object], kind: Callable[[object], tuple[bool, ...]] | None = None
-    ) -> tuple[bool, ...]:
+    def closeness(self, entry: dict[str, object], kind: Kind = family_kind) -> tuple[bool, ...]:
         """How close a kept ``entry`` comes: the same family and rows, then the same rows (the same
         profile) and kind, then the same rows and replication (the kind's first trait), then the same
         family, then the same kind, then the same replication, then the same rows; among those, the
-        same pinning. ``kind`` tells families apart (``None``: :func:`family_kind`)."""
-        kind = kind or family_kind
+        same pinning. ``kind`` tells families apart."""
         rows, family = entry.get("rows") == self.rows, entry.get("family") == self.family
         theirs, ours = kind(entry.get("family")), kind(self.family)
         alike, replicated = theirs == ours, theirs[0] == ours[0]
@@ -214,28 +225,25 @@ class RunShape:
         return rows and family, rows and alike, rows and replicated, family, alike, replicated, rows, pinned
 
 
-def family_kind(family: object) -> tuple[bool, bool, bool]:
-    """What a run of ``family`` adds to its actions depends on: whether its workers hold replicas of the
-    same stages (:data:`REPLICATING_FAMILIES`), whether each holds several stages
-    (:data:`~lightning_pipe.schedule.options.LOOPED_FAMILIES`), and whether each backward runs as two
-    actions (:data:`~lightning_pipe.schedule.SPLIT_BACKWARD_FAMILIES`): the last two make more, smaller
-    actions of the same work, each paying the runtime's own time."""
-    return family in REPLICATING_FAMILIES, family in LOOPED_FAMILIES, family in SPLIT_BACKWARD_FAMILIES
+def closest_kept(
+    entries: Sequence[dict[str, object]], shape: RunShape | None, kind: Kind = family_kind
+) -> dict[str, object] | None:
+    """The kept ``entries`` (in the order kept) closest to ``shape`` (:meth:`RunShape.closeness` with
+    ``kind``; among equals, and for no ``shape``, the last kept); ``None`` where there is none."""
+    if not entries:
+        return None
+    return max(enumerate(entries), key=lambda item: (shape.closeness(item[1], kind) if shape else (), item[0]))[1]
 
 
 def kept_calibration(directory: Path | None, key: str, shape: RunShape | None = None) -> Calibration | None:
-    """The calibration kept for ``key`` in ``directory`` closest to ``shape`` (:meth:`RunShape.closeness`;
-    among equals, and for no ``shape``, the last kept); ``None``: none kept, none readable, or no
-    directory (a run without a profile cache keeps nothing)."""
+    """The calibration kept for ``key`` in ``directory`` closest to ``shape`` (:func:`closest_kept`);
+    ``None``: none kept, none readable, or no directory (a run without a profile cache keeps nothing)."""
     if directory is None:
         return None
     try:
-        entries = list(json.loads(calibration_path(directory, key).read_text())["runs"])
-        order = range(len(entries))
-        best = max(order, key=lambda i: (shape.closeness(entries[i]) if shape else (), i)) if entries else None
-        if best is None:
+        found = closest_kept(list(json.loads(calibration_path(directory, key).read_text())["runs"]), shape)
+        if found is None:
             return None
-        found = entries[best]
         return Calibration(**{k: found[k] for k in ("scale", "fixed", "per_step", "measured_on")})
     except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanningError):
         return None
