@@ -1,13 +1,16 @@
 """The step's code before ``forward`` runs once per batch, on every rank, as under plain Lightning:
-a random augmentation drawn there draws once, so the random stream (the draws and what the model
-trains on) is plain Lightning's."""
+a random augmentation drawn there draws once, so the random streams (the draws and what the model
+trains on) are plain Lightning's. A draw after ``forward`` from a stream the code before it does not
+draw from is not replayed: on the last stage, each micro-batch draws anew."""
 
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -20,25 +23,31 @@ BATCHES = 4
 
 
 class Augmented(Chain):
-    """Adds noise drawn from the global generator to the batch before ``forward``, and keeps the draws."""
+    """Adds noise drawn from torch's and NumPy's global generators to the batch before ``forward``,
+    draws from Python's after it, and keeps the draws."""
 
     def __init__(self) -> None:
         super().__init__(blocks=3)
         self.draws: list[float] = []
+        self.after: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        noise = torch.randn(())
-        self.draws.append(float(noise))
-        return nn.functional.cross_entropy(self(x + 0.1 * noise), y)
+        noise = float(torch.randn(())) + float(numpy.random.randn())
+        self.draws.append(noise)
+        loss = nn.functional.cross_entropy(self(x + 0.1 * noise), y)
+        self.after.append(random.random())
+        return loss
 
 
 def _fit(root: str, strategy: Any, devices: int, rows: int) -> dict[str, Any]:
     torch.manual_seed(5)
+    numpy.random.seed(5)
+    random.seed(5)
     model = Augmented()
     run = trainer(root, strategy, devices)
     run.fit(model, loader(BATCHES, rows=rows))
-    return {"draws": model.draws, "final": final_state(run, model)}
+    return {"draws": model.draws, "after": model.after, "final": final_state(run, model)}
 
 
 def _worker(rank: int, root: str, schedule: str) -> dict[str, Any]:
@@ -57,5 +66,7 @@ def test_a_draw_before_forward_happens_once_per_batch(tmp_path: Path, schedule: 
     for got in run_local(_worker, 2, str(tmp_path), schedule, timeout=220):
         # the last stage's reruns of the step (one per micro-batch) draw what the first run drew
         assert list(dict.fromkeys(got["draws"])) == plain["draws"]
+        # the draw after forward: every micro-batch's its own, relayed to every rank
+        assert len(got["after"]) == 2 * BATCHES and len(set(got["after"])) == len(got["after"])
         if schedule == "1f1b":
             assert_states_close(got["final"], plain["final"], 1e-5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 import pickle
+import time
 from dataclasses import replace
 
 import lightning.pytorch as L
@@ -23,7 +24,7 @@ from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.contract import Call, pipeline_model
-from lightning_pipe.strategy.log_relay import LogRelay
+from lightning_pipe.strategy.log_relay import RING_BYTES, LogRelay, SharedMemoryRelay, open_log_relay
 from lightning_pipe.strategy.logs import Record, combine, recording
 from lightning_pipe.strategy.topology import Topology
 from lightning_pipe.tables import placement_table
@@ -83,23 +84,60 @@ def test_a_recorded_log_call_has_the_options_lightning_would_bind(args: tuple, k
     assert "log" not in vars(module)
 
 
-def _relay_worker(rank: int) -> list[list[object]]:
-    relay = LogRelay(torch.distributed.new_group(backend="gloo"), lambda error: error, capacity=64)
+def _relay_worker(rank: int, shared: bool) -> list[list[object]]:
+    group = torch.distributed.new_group(backend="gloo")
+    relay = open_log_relay(group, lambda error: error, 30.0) if shared else LogRelay(group, lambda error: error, 64)
+    assert isinstance(relay, SharedMemoryRelay) == shared
     small = relay.post({"rank": rank})
-    large = relay.post(list(range(100 * (rank + 1))))  # over the capacity on both ranks
+    large = relay.post(list(range(100 * (rank + 1))))  # gloo: over the capacity on both ranks
+    huge = relay.post(list(range(RING_BYTES * (rank + 1))))  # shared memory: over the ring on both ranks
     after = relay.post(("again", rank))
-    return [relay.wait(small), relay.wait(large), relay.wait(after), [relay.capacity]]
+    waited = [relay.wait(small), relay.wait(large), relay.wait(huge), relay.wait(after)]
+    # one step in flight, as a non-flushing schedule leaves it: 200 KiB round the 64 KiB ring
+    many, previous = [], relay.post(("step", 0, rank, bytes(1000)))
+    for step in range(1, 201):
+        posted = relay.post(("step", step, rank, bytes(1000)))
+        many.append(relay.wait(previous))
+        previous = posted
+    relay.wait(previous)
+    relay.close()
+    return [*waited, many, [relay.capacity]]
 
 
 @pytest.mark.timeout(60)
-def test_relay_gathers_in_flight_and_grows() -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["gloo", "shared memory"])
+def test_relay_gathers_in_flight_and_grows(shared: bool) -> None:
     """Several gathers left in flight come back in order; a payload over the capacity is fetched the
-    long way on every rank and the capacity grows to fit it."""
-    for result in run_local(_relay_worker, 2, timeout=50):
+    long way on every rank and the capacity grows to fit it (gloo), or goes by gloo in its place in
+    the order (a shared-memory ring without room for it)."""
+    for result in run_local(_relay_worker, 2, shared, timeout=50):
         assert result[0] == [{"rank": 0}, {"rank": 1}]
         assert result[1] == [list(range(100)), list(range(200))]
-        assert result[2] == [("again", 0), ("again", 1)]
-        assert result[3][0] >= len(pickle.dumps(list(range(200))))
+        assert result[2] == [list(range(RING_BYTES)), list(range(2 * RING_BYTES))]
+        assert result[3] == [("again", 0), ("again", 1)]
+        assert result[4] == [[("step", step, r, bytes(1000)) for r in (0, 1)] for step in range(200)]
+        if not shared:
+            assert result[5][0] >= len(pickle.dumps(list(range(2 * RING_BYTES))))
+
+
+def _failing_relay_worker(rank: int) -> str:
+    relay = open_log_relay(torch.distributed.new_group(backend="gloo"), lambda error: RuntimeError("peer"), 30.0)
+    relay.gather(rank)
+    if rank == 1:
+        relay.close()  # as the strategy's on_exception does when this rank fails
+        return "closed"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="peer"):
+        relay.wait(relay.post(rank))
+    return f"{time.monotonic() - start:.1f}"
+
+
+@pytest.mark.timeout(60)
+def test_a_shared_memory_relay_fails_at_once_when_a_peer_closes() -> None:
+    """A rank waiting for a peer's payload fails (with ``on_error``'s error) as soon as the peer
+    closes its links, not at the timeout."""
+    waited, closed = run_local(_failing_relay_worker, 2, timeout=50)
+    assert closed == "closed" and float(waited) < 10
 
 
 class _ResNetModule(nn.Module):

@@ -60,6 +60,8 @@ class Collectives:
             self._failures.fail(exception)
         if self.executor is not None:
             self.executor.transport.abort()
+        if self._log_relay is not None:
+            self._log_relay.close()  # a rank waiting for this one's logs fails at once
         for group in (self._objects, self._pipeline_objects, self._copies, None):  # None: the default group
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(group)

@@ -34,8 +34,10 @@ class EvaluationHooks:
         # the step's code before forward runs once per batch, on the ranks that need its arguments
         call, random = None, None
         if self.executor is None or self._evaluates(0):
-            random = RandomStates.now()  # a rerun of the step below draws what this run draws
+            # a rerun of the step below (on this rank if it evaluates the last stage) draws what this run draws
+            random = RandomStates.now() if self.executor is None or self._evaluates(-1) else RandomStates({})
             call = self._entry.capture(step_code, *args)
+            random = random.drawn_since()
         executor = self._pipeline(call, args[0]) if call is not None else self.executor
         assert executor is not None
         self.drain()

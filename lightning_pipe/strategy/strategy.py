@@ -115,7 +115,7 @@ from lightning_pipe.strategy.contract import Entry, PipelineModel
 from lightning_pipe.strategy.effects import metric_modules
 from lightning_pipe.strategy.evaluation import EvaluationHooks
 from lightning_pipe.strategy.launchers import ProcessLauncher, ScriptLauncher
-from lightning_pipe.strategy.log_relay import LogRelay
+from lightning_pipe.strategy.log_relay import LogRelay, open_log_relay
 from lightning_pipe.strategy.logs import Record
 from lightning_pipe.strategy.materialise import on_meta
 from lightning_pipe.strategy.optimizers import HyperParameters
@@ -395,6 +395,7 @@ class PipelineStrategy(
         # 0's partition and prediction; elsewhere the wait for them), executor (the rest) and their total
         self.setup_seconds: dict[str, float] = {}
         self._posted: Any = None
+        self._log_relay: LogRelay | None = None  # opened in setup_environment, closed at teardown
         self._signals: Signals | None = None
         self._parent_watch: ParentWatch | None = None
         self._whole_compiled: tuple[LightningModule, CompileSettings] | None = None  # torch.compile(model)'s
@@ -465,7 +466,8 @@ class PipelineStrategy(
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
-        self._log_relay = LogRelay(self._objects, lambda error: self._failures.aborted())
+        failed = lambda error: self._failures.aborted()  # noqa: E731
+        self._log_relay = open_log_relay(self._objects, failed, self._timeout.total_seconds())
         own = [dist.new_group(ranks, backend="gloo", timeout=self._timeout) for ranks in self.pipelines]
         self._pipeline_objects = own[self.pipeline_index]
         positions = [dist.new_group(list(range(w, self.world_size, self.workers))) for w in range(self.workers)]
@@ -574,6 +576,9 @@ class PipelineStrategy(
             self._parent_watch.stop()
         if os.environ.get(LAUNCHER_PID) == str(os.getpid()):  # its children started: not for what starts later
             del os.environ[LAUNCHER_PID]
+        if self._log_relay is not None:
+            self._log_relay.close()
+            self._log_relay = None
         if self.executor is not None:
             drained = not self.executor.in_flight  # not after a failure mid-step
             self._carried = self._carried_state() if drained else None

@@ -51,9 +51,11 @@ class TrainingHooks:
         with self.precision_plugin.train_step_context():
             # every rank runs the step's code before forward, once: what it changes in the modules
             # (a gate's scale, a temperature) is then in place on every stage before any computes
-            random = RandomStates.now()  # the last stage's reruns of the step draw what this run draws
+            # the last stage's reruns of the step draw what this run draws (no other rank reruns it)
+            random = RandomStates.now() if self.executor is None or self._last else RandomStates({})
             try:
                 call = self._entry.capture(module.training_step, *args)
+                random = random.drawn_since()
                 if self.executor is not None:  # a built pipeline: the capture's graph holds the attributes
                     self._chain.refuse_changed_attributes()
             except Exception as error:  # the other ranks wait in the pipeline: they stop with it
