@@ -11,9 +11,9 @@ the gathered headers), and the capacity grows to fit.
 Where every pair of ranks shares ``/dev/shm`` (one host), :func:`open_log_relay` gives a
 :class:`SharedMemoryRelay` instead: each payload is written once into a ring of each peer
 (:mod:`lightning_pipe.runtime.shared_memory`, the pipeline's own same-host transport), so a wait is a
-read of what has arrived, not a gloo collective through loopback sockets; a flushing step waited
-1.3-1.7 ms for the gloo gather on 2 cores (``bench/strategy_overhead.py``, 2026-11-29). A payload the
-ring has no room for goes by gloo, point to point.
+read of what has arrived, not a gloo collective through loopback sockets (on 2 cores, a small MLP's
+1F1B step ran 1.4-2.1 ms shorter with the gloo gather left unwaited: ``docs/measurements.md``,
+"Strategy overhead", 2026-11-29). A payload the ring has no room for goes by gloo, point to point.
 
 (Not to be confused with :mod:`lightning_pipe.runtime.stage_relays`, which passes a relayed stage's
 whole state from worker to worker.)

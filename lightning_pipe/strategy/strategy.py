@@ -466,8 +466,9 @@ class PipelineStrategy(
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
-        failed = lambda error: self._failures.aborted()  # noqa: E731
-        self._log_relay = open_log_relay(self._objects, failed, self._timeout.total_seconds())
+        self._log_relay = open_log_relay(
+            self._objects, lambda error: self._failures.aborted(), self._timeout.total_seconds()
+        )
         own = [dist.new_group(ranks, backend="gloo", timeout=self._timeout) for ranks in self.pipelines]
         self._pipeline_objects = own[self.pipeline_index]
         positions = [dist.new_group(list(range(w, self.world_size, self.workers))) for w in range(self.workers)]
