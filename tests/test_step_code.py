@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import numpy
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
+from lightning_pipe.strategy.log_relay import RING_BYTES
 from tests.lightning_cases import Chain, assert_states_close, final_state, loader, trainer
 
 BATCHES = 4
@@ -40,30 +42,60 @@ class Augmented(Chain):
         return loss
 
 
+class _Relay(L.Callback):
+    """What carries the logs during the fit: the relay's class and rings, and the rings counted."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        strategy = trainer.strategy
+        if not self.seen and isinstance(strategy, PipelineStrategy):
+            relay = strategy._log_relay
+            self.seen = {
+                "relay": type(relay).__name__,
+                "relay_rings": relay.ring_bytes,
+                "pipeline_rings": strategy.executor.transport.links.ring_bytes,
+                "counted": strategy.ring_bytes,
+            }
+
+
 def _fit(root: str, strategy: Any, devices: int, rows: int) -> dict[str, Any]:
     torch.manual_seed(5)
     numpy.random.seed(5)
     random.seed(5)
     model = Augmented()
-    run = trainer(root, strategy, devices)
+    relay = _Relay()
+    run = trainer(root, strategy, devices, callbacks=[relay])
     run.fit(model, loader(BATCHES, rows=rows))
-    return {"draws": model.draws, "after": model.after, "final": final_state(run, model)}
+    return {"draws": model.draws, "after": model.after, "final": final_state(run, model), **relay.seen}
 
 
-def _worker(rank: int, root: str, schedule: str) -> dict[str, Any]:
+def _worker(rank: int, root: str, schedule: str, shared_memory_bytes: int | None) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
-    return _fit(f"{root}/{schedule}", PipelineStrategy(schedule, microbatches=2), 2, 10)
+    strategy = PipelineStrategy(schedule, microbatches=2, shared_memory_bytes=shared_memory_bytes)
+    return _fit(f"{root}/{schedule}", strategy, 2, 10)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
-def test_a_draw_before_forward_happens_once_per_batch(tmp_path: Path, schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "shared_memory_bytes"), [("1f1b", None), ("2bw", None), ("2bw", 0)], ids=["1f1b", "2bw", "2bw-gloo"]
+)
+def test_a_draw_before_forward_happens_once_per_batch(
+    tmp_path: Path, schedule: str, shared_memory_bytes: int | None
+) -> None:
     """Under 1F1B the run ends as plain Lightning's with the same seed (the first batch's draw is not
     repeated by the pipeline's set-up, and nothing the set-up does draws from the stream); under 2BW
-    the draws are the same."""
+    the draws are the same. The logs and the draws after ``forward`` reach every rank through
+    shared-memory rings of 64 KiB each way, counted in the rank's rings, or through gloo
+    (``shared_memory_bytes=0``: none counted)."""
     plain = _fit(str(tmp_path / "plain"), "auto", 1, 10)
     assert len(plain["draws"]) == BATCHES and len(set(plain["draws"])) == BATCHES
-    for got in run_local(_worker, 2, str(tmp_path), schedule, timeout=220):
+    for got in run_local(_worker, 2, str(tmp_path), schedule, shared_memory_bytes, timeout=220):
+        shared = shared_memory_bytes is None
+        assert got["relay"] == ("SharedMemoryRelay" if shared else "LogRelay")
+        assert got["relay_rings"] == (2 * RING_BYTES if shared else 0)
+        assert got["counted"] == got["pipeline_rings"] + got["relay_rings"]
         # the last stage's reruns of the step (one per micro-batch) draw what the first run drew
         assert list(dict.fromkeys(got["draws"])) == plain["draws"]
         # the draw after forward: every micro-batch's its own, relayed to every rank

@@ -187,7 +187,7 @@ class PipelineBuilding:
         (a collective over the pipeline); the framework's own memory (interpreter, torch) is apart."""
         assert self.executor is not None and self.stage_plan is not None
         plan = self.stage_plan.plan
-        rings = self.ring_bytes = self.executor.transport.links.ring_bytes
+        rings = self.ring_bytes = self.executor.transport.links.ring_bytes + self._relay_ring_bytes
         if plan is None:  # every rank has the same plan: none of them gathers
             self.predicted_memory = None
             return
@@ -223,10 +223,15 @@ class PipelineBuilding:
         return dataclasses.replace(options, memory_limit=options.memory_limit - reserve)
 
     def _ring_reserve(self) -> float:
-        """What the shared-memory rings of a rank with two neighbouring stages take (CPU training):
-        the memory limit is planned without it."""
+        """What the shared-memory rings of a rank with two neighbouring stages take (CPU training),
+        and the log relay's: the memory limit is planned without it."""
         capacity = shared_memory_capacity(self.shared_memory_bytes, self.root_device)
-        return 2.0 * capacity * min(2, self.workers - 1)
+        return 2.0 * capacity * min(2, self.workers - 1) + self._relay_ring_bytes
+
+    @property
+    def _relay_ring_bytes(self) -> int:
+        """The log relay's shared-memory rings on this rank (:mod:`.log_relay`)."""
+        return 0 if self._log_relay is None else self._log_relay.ring_bytes
 
     def _release(self, module: LightningModule, layers: list[Any], mine: set[int]) -> None:
         """Keep only this rank's stages (``mine``): every other stage's weights and buffers go to the

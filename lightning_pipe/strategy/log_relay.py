@@ -102,6 +102,11 @@ class LogRelay:
         """:meth:`post` and :meth:`wait` at once."""
         return self.wait(self.post(payload))
 
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of the shared-memory rings this rank maps for the relay (none over gloo)."""
+        return 0
+
     def close(self) -> None:
         """Nothing to close: the group is the strategy's."""
 
@@ -170,19 +175,29 @@ class SharedMemoryRelay(LogRelay):
         inbox.acknowledge(record)
         return data
 
+    @property
+    def ring_bytes(self) -> int:
+        return self.links.ring_bytes
+
     def close(self) -> None:
         """Close the links: a peer waiting on this rank fails at once."""
         self.links.close()
 
 
 def open_log_relay(
-    group: dist.ProcessGroup, on_error: Callable[[BaseException], BaseException], timeout: float
+    group: dist.ProcessGroup,
+    on_error: Callable[[BaseException], BaseException],
+    timeout: float,
+    ring_bytes: int = RING_BYTES,
 ) -> LogRelay:
-    """A :class:`SharedMemoryRelay` when every rank of ``group`` could link to every other through
-    shared memory (one host, Linux), else a :class:`LogRelay` over gloo. A collective over ``group``."""
+    """A :class:`SharedMemoryRelay` with rings of ``ring_bytes`` when every rank of ``group`` could link
+    to every other through shared memory (one host, Linux), else a :class:`LogRelay` over gloo (and
+    for ``ring_bytes`` 0: every rank must pass the same). A collective over ``group``."""
+    if ring_bytes <= 0:
+        return LogRelay(group, on_error)
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank()
-    links = open_links({(s, r): RING_BYTES for s in ranks for r in ranks if s != r}, group)
+    links = open_links({(s, r): ring_bytes for s in ranks for r in ranks if s != r}, group)
     peers = set(ranks) - {me}
     complete = [set(links.outboxes) == peers == set(links.inboxes)]
     everyone: list[list[bool] | None] = [None] * len(ranks)

@@ -115,7 +115,7 @@ from lightning_pipe.strategy.contract import Entry, PipelineModel
 from lightning_pipe.strategy.effects import metric_modules
 from lightning_pipe.strategy.evaluation import EvaluationHooks
 from lightning_pipe.strategy.launchers import ProcessLauncher, ScriptLauncher
-from lightning_pipe.strategy.log_relay import LogRelay, open_log_relay
+from lightning_pipe.strategy.log_relay import RING_BYTES, LogRelay, open_log_relay
 from lightning_pipe.strategy.logs import Record
 from lightning_pipe.strategy.materialise import on_meta
 from lightning_pipe.strategy.optimizers import HyperParameters
@@ -234,7 +234,8 @@ class PipelineStrategy(
         shared_memory_bytes: CPU training: messages between processes on one host go through ring
             buffers of this many bytes per direction in ``/dev/shm`` instead of gloo's sockets
             (default 64 MiB; 0: gloo only; a message that finds the ring full goes by gloo);
-            :mod:`lightning_pipe.runtime.shared_memory`.
+            :mod:`lightning_pipe.runtime.shared_memory`. The log relay's rings between processes on
+            one host (any device) are 64 KiB, at most this (:mod:`.log_relay`).
         release_memory: CPU training (glibc): blocks of 4 MiB or more are unmapped when freed instead of
             kept in glibc's heap, so each process's resident memory follows the memory the plan
             predicts (:mod:`lightning_pipe.runtime.allocator`), at a cost in speed (each such block's
@@ -466,8 +467,9 @@ class PipelineStrategy(
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
+        ring = RING_BYTES if self.shared_memory_bytes is None else min(RING_BYTES, self.shared_memory_bytes)
         self._log_relay = open_log_relay(
-            self._objects, lambda error: self._failures.aborted(), self._timeout.total_seconds()
+            self._objects, lambda error: self._failures.aborted(), self._timeout.total_seconds(), ring
         )
         own = [dist.new_group(ranks, backend="gloo", timeout=self._timeout) for ranks in self.pipelines]
         self._pipeline_objects = own[self.pipeline_index]
