@@ -208,6 +208,8 @@ def _measure(rank: int, family: str) -> tuple[object, object, list[list[Interval
     executor.drain()
     costs = executor.measured_costs(since_step=2, bandwidth=1e9)
     to_next = executor.measured_costs(since_step=2, to_next=True)
+    # both ways from one gather: the same as each asked alone
+    assert executor.measured_costs_both(since_step=2) == (executor.measured_costs(since_step=2), to_next)
     timelines: list[list[Interval]] = [None] * 2
     dist.all_gather_object(timelines, list(executor.timeline))
     executor.close()

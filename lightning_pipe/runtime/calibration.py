@@ -111,22 +111,28 @@ def gathered_stage_costs(
     world: int,
     stages: int,
     since_step: int = 0,
-    to_next: bool = False,
+    to_next: Sequence[bool] = (False,),
     **network: object,
-) -> StageCosts:
-    """:func:`stage_costs` of a pipeline's run: each rank's :func:`measured_seconds` of its
-    ``timeline`` (with ``to_next``, each action until the next) and the gradient bytes of the stages
-    it holds (``weights``: stage -> its :class:`~lightning_pipe.runtime.weights.StageWeights`),
-    gathered over ``group`` (of ``world`` ranks). A collective."""
+) -> list[StageCosts]:
+    """:func:`stage_costs` of a pipeline's run, one per entry of ``to_next``: each rank's
+    :func:`measured_seconds` of its ``timeline`` (with ``to_next``, each action until the next) and
+    the gradient bytes of the stages it holds (``weights``: stage -> its
+    :class:`~lightning_pipe.runtime.weights.StageWeights`), gathered over ``group`` (of ``world``
+    ranks) at once. A collective."""
+    timeline = list(timeline)
     gradients = {
         stage: float(sum(p.numel() * p.element_size() for p in held.params if p.requires_grad))
         for stage, held in weights.items()
     }
+    mine = [measured_seconds(timeline, since_step, until_next) for until_next in to_next]
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (measured_seconds(timeline, since_step, to_next), gradients), group=group)
+    dist.all_gather_object(gathered, (mine, gradients), group=group)
     sizes = {stage: size for _, theirs in gathered for stage, size in theirs.items()}
     gradient_bytes = [sizes.get(stage, 0.0) for stage in range(stages)]
-    return stage_costs([totals for totals, _ in gathered], stages, gradient_bytes, **network)
+    return [
+        stage_costs([totals[way] for totals, _ in gathered], stages, gradient_bytes, **network)
+        for way in range(len(to_next))
+    ]
 
 
 def _pooled(ranks: Sequence[Totals]) -> dict[tuple[int, Kind, bool], float]:

@@ -449,8 +449,16 @@ class PipelineExecutor:
         must call it."""
         timeline, stages = self.timeline, self.schedule.stages
         return gathered_stage_costs(
-            timeline, self.weights, self.group, self.world, stages, since_step, to_next, **network
+            timeline, self.weights, self.group, self.world, stages, since_step, (to_next,), **network
+        )[0]
+
+    def measured_costs_both(self, since_step: int = 0) -> tuple[StageCosts, StageCosts]:
+        """:meth:`measured_costs` both ways from one gather: the actions alone, and each until the
+        worker's next one starts (the executor's own time included). A collective."""
+        compute, until_next = gathered_stage_costs(
+            self.timeline, self.weights, self.group, self.world, self.schedule.stages, since_step, (False, True)
         )
+        return compute, until_next
 
     def state_dict(self, weights: bool = True) -> dict[str, object]:
         """Versions kept and gradients accumulated of this worker's stages, and (``weights``) their

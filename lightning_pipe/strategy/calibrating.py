@@ -244,8 +244,8 @@ class PipelineCalibration:
         self._calibrated = True
         since = trial.start + 1 if trial is not None and trial.pinned and trial.start is not None else WARM_UP
         self._meet()
-        in_run = executor.measured_costs(since_step=since, to_next=True)  # the executor's own time included
-        compute = executor.measured_costs(since_step=since)  # the actions alone, for the kept profile's check
+        # the actions alone (for the kept profile's check), and with the executor's own time until the next
+        compute, in_run = executor.measured_costs_both(since_step=since)
         tried: list[Trial] = []
         if self.global_rank == 0:
             self._check_kept_profile(compute)
@@ -310,8 +310,7 @@ class PipelineCalibration:
         intervals = _intervals(self._step_starts)[WARM_UP:]
         if executor is None or plan is None or plan.plan is None or len(intervals) < KEPT_AFTER:
             return None
-        until_next = executor.measured_costs(since_step=WARM_UP, to_next=True)
-        compute = executor.measured_costs(since_step=WARM_UP)
+        compute, until_next = executor.measured_costs_both(since_step=WARM_UP)
         if self.global_rank != 0:
             return None
         on = f"{self._label()}, {time.strftime('%Y-%m-%d')}"
