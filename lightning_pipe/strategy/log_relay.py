@@ -134,13 +134,14 @@ class SharedMemoryRelay(LogRelay):
 
     def post(self, payload: Any) -> _Posted:
         data = pickle.dumps(payload)
+        written = numpy.frombuffer(data, dtype=numpy.uint8)
         posted = _Posted(payload)
         try:
             for peer, outbox in self.links.outboxes.items():
                 reserved = outbox.reserve(len(data))
                 if reserved is not None:
                     offset, room = reserved
-                    room.numpy()[:] = numpy.frombuffer(data, dtype=numpy.uint8)
+                    room.numpy()[:] = written
                     outbox.post(offset, len(data), 0, self.timeout)
                 else:  # no room: by gloo, point to point (the record says so, in its place in the order)
                     message = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -199,10 +200,9 @@ def open_log_relay(
     me = dist.get_rank()
     links = open_links({(s, r): ring_bytes for s in ranks for r in ranks if s != r}, group)
     peers = set(ranks) - {me}
-    complete = [set(links.outboxes) == peers == set(links.inboxes)]
-    everyone: list[list[bool] | None] = [None] * len(ranks)
-    dist.all_gather_object(everyone, complete, group=group)
-    if all(votes is not None and votes[0] for votes in everyone):
+    everyone: list[bool] = [False] * len(ranks)
+    dist.all_gather_object(everyone, set(links.outboxes) == peers == set(links.inboxes), group=group)
+    if all(everyone):
         return SharedMemoryRelay(group, on_error, links, timeout)
     links.close()
     return LogRelay(group, on_error)
