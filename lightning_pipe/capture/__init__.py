@@ -1,16 +1,19 @@
 """Capture a LightningModule's ``forward`` as a graph and cut it into layers a pipeline can split.
 
-:func:`capture` is the whole step: trace (:mod:`.graph`, :mod:`.tracer`), group into layers and build
-them (:mod:`.layers`). The strategy then profiles the layers, partitions them into stages and
-verifies the chain (:mod:`.verify`).
+:func:`capture` is the whole step: trace (:mod:`.graph`, :mod:`.tracer`), group into layers and build them
+(:mod:`.layers`); where the layers branch, :meth:`CapturedForward.reordered` lays them out in another
+topological order (:mod:`.layer_order`). The strategy then profiles
+the layers, partitions them into stages and verifies the chain (:mod:`.verify`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
+from torch.fx.node import Node
 
 from lightning_pipe.capture.generation_cache import generation_cache_off
 from lightning_pipe.capture.graph import CapturedGraph, UntraceableForward, capture_graph
@@ -28,6 +31,20 @@ class CapturedForward:
     specs: list[LayerSpec]
     layers: list[GraphLayer]
     cache_off: list[str]  # modules whose transformers generation cache was off (.generation_cache)
+
+    @property
+    def grouped(self) -> list[tuple[list[Node], int]]:
+        """The layers' nodes, as :func:`~lightning_pipe.capture.layers.group_nodes` gave them."""
+        nodes = list(self.graph.graph.nodes)
+        return [([nodes[position] for position in spec.nodes], 0) for spec in self.specs]
+
+    def reordered(self, order: Sequence[int]) -> CapturedForward:
+        """The same layers (names, modules, parameters) run in ``order``, a topological order of them
+        (:func:`~lightning_pipe.capture.layer_order.searched_order`): what crosses each cut follows."""
+        grouped = self.grouped
+        specs = layer_specs(self.graph, [grouped[i] for i in order])
+        specs = [replace(spec, name=self.specs[i].name) for spec, i in zip(specs, order, strict=True)]
+        return CapturedForward(self.graph, specs, build_layers(self.graph, specs), self.cache_off)
 
 
 def capture(

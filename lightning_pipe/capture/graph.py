@@ -36,7 +36,7 @@ from lightning_pipe.capture.tracer import DataDependent, Shadow, ShadowTracer, T
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.util.nested import flatten, unflatten
 
-__all__ = ["CapturedGraph", "UntraceableForward", "capture_graph", "signature"]
+__all__ = ["CapturedGraph", "UntraceableForward", "capture_graph", "changes_operand", "signature"]
 
 _MAX_RETRACES = 64
 
@@ -173,10 +173,21 @@ def _trace(
 
 def _eliminate_dead_code(graph: fx.Graph) -> None:
     """Drop unused operations (what ``forward`` computed and threw away); module calls stay (a module
-    may change its state), as do operations with side effects (``x[i] = y``, split points)."""
+    may change its state), as do operations with side effects (``x[i] = y``, split points) and those
+    that change an operand in place (``p.mul_(2)``, whose result is not needed to be seen)."""
     for node in reversed(graph.nodes):
-        if node.op in ("call_function", "call_method", "get_attr") and not node.users and not node.is_impure():
+        computing = node.op in ("call_function", "call_method", "get_attr")
+        if computing and not node.users and not node.is_impure() and not changes_operand(node):
             graph.erase_node(node)
+
+
+def changes_operand(node: Node) -> bool:
+    """Whether a function or method call changes its first operand in place: a name ending in one
+    underscore (``x.add_(y)``, ``torch.relu_``) or ``inplace=True`` (``F.relu(x, inplace=True)``)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
 
 
 def _fold_live_reads(graph: fx.Graph, tracer: ShadowTracer) -> None:

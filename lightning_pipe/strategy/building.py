@@ -56,7 +56,7 @@ from lightning_pipe.strategy.random_states import replayed
 from lightning_pipe.strategy.recomputation import checkpointed_blocks, recomputation_note, recomputed_stages
 from lightning_pipe.strategy.sharded import read_entries
 from lightning_pipe.strategy.step_prices import StepPrices, run_shape
-from lightning_pipe.util.nested import flatten, map_tensors, to_cpu, unflatten
+from lightning_pipe.util.nested import flatten, map_tensors, tensors, to_cpu, unflatten
 from lightning_pipe.util.units import format_bytes
 
 if TYPE_CHECKING:  # annotations only: the class differs under the standalone pytorch_lightning
@@ -316,7 +316,25 @@ class PipelineBuilding:
             )
         if None in names:
             raise PlanningError(f"rank {names.index(None)} could not capture forward (its error is in its log)")
-        return model
+        return self._in_order(model, first) if model.branches() and self.stages > 1 else model
+
+    def _in_order(self, model: PipelineModel, first: Call) -> PipelineModel:
+        """The branching layers in the order a kept plan names them, or else in the order that splits
+        best, found on rank 0 with the layers timed once (:mod:`lightning_pipe.capture.layer_order`)
+        and sent to every rank; a meta-device model keeps the recorded order (nothing to time)."""
+        kept = self.stage_plan.names if self.stage_plan is not None else None
+        if kept is not None and len(set(kept)) == len(kept) and sorted(kept) == sorted(model.names):
+            return model if list(kept) == model.names else model.reordered([model.names.index(n) for n in kept])
+        meta = any(t.is_meta for t in tensors((first.args, first.kwargs)))
+        order = None
+        if self.global_rank == 0 and not meta:  # its time counts in the capture's
+            order = model.timed_order(first, self.stages, self.root_device)
+        order = self.broadcast(order)
+        if order is None:
+            return model
+        names = ", ".join(model.names[i] for i in order)
+        rank_zero_info(f"The layers branch; they run in the order whose split is fastest: {names}")
+        return model.reordered(order)
 
     def _plan(self, model: PipelineModel, first: Call, optimizer: Any, batch_rows: int, meta: bool) -> StagePlan:
         """Verify the chain, profile and partition on rank 0 (with the first micro-batch), broadcast the

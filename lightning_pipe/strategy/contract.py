@@ -28,6 +28,8 @@ from torch import nn
 
 from lightning_pipe.capture import CapturedForward, GraphLayer, capture
 from lightning_pipe.capture.compiled import uncompiled
+from lightning_pipe.capture.layer_order import branches, searched_order
+from lightning_pipe.cost.profiler import profile_layers
 from lightning_pipe.errors import PipelineRuntimeError, PlanningError
 from lightning_pipe.util.nested import flatten, tensors
 
@@ -145,6 +147,24 @@ class PipelineModel:
                 "tensors"
             )
         return tuple(found)
+
+    def branches(self) -> bool:
+        """Whether the captured layers could run in another order (:mod:`~lightning_pipe.capture.layer_order`)."""
+        return self.captured is not None and branches(self.captured.graph, self.captured.grouped)
+
+    def timed_order(self, call: Call, stages: int, device: torch.device) -> tuple[int, ...] | None:
+        """The order of the branching layers whose best split into ``stages`` stages is fastest, the
+        layers timed once on ``call`` (one micro-batch); None to keep the recorded order."""
+        assert self.captured is not None
+        costs = profile_layers(self.layers, self.inputs(call), device=device, repeats=3, count_flops=False)
+        seconds = [(layer.forward_seconds, layer.backward_seconds) for layer in costs.layers]
+        return searched_order(self.captured.graph, self.captured.grouped, stages, seconds)
+
+    def reordered(self, order: Sequence[int]) -> PipelineModel:
+        """The captured layers run in ``order`` (:meth:`~lightning_pipe.capture.CapturedForward.reordered`)."""
+        assert self.captured is not None
+        captured = self.captured.reordered(order)
+        return PipelineModel(list(captured.layers), [spec.name for spec in captured.specs], captured)
 
     def refuse_changed_attributes(self) -> None:
         """Raise if user code changed a module attribute whose value the captured graph holds (an int,

@@ -1,0 +1,260 @@
+"""Branching layers laid out in the order that splits best (``capture/layer_order.py``).
+
+Oracles: the reordered chain computes ``forward`` (train mode, the same random draws); the order's
+best straight split equals a brute force over every topological order of the layer graph and every
+split; the recorded order is kept for a chain, for split points and when the gain is under ``GAIN``;
+the strategy, timing the layers itself, runs a two-tower model in the searched order and trains as
+plain Lightning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.capture import capture, pipe_split
+from lightning_pipe.capture.graph import capture_graph
+from lightning_pipe.capture.layer_order import GAIN, layer_dag, searched_order
+from lightning_pipe.capture.layers import group_nodes
+from lightning_pipe.cost.pipedream_graph import LayerDag
+from lightning_pipe.runtime import run_local
+from lightning_pipe.strategy.contract import PipelineModel
+from tests.lightning_cases import assert_states_close, final_state, trainer
+
+WIDTH = 32
+TOWER = 1024
+
+
+class TwoTowers(nn.Module):
+    """A tower and one a quarter as heavy (in FLOPs) beside it, joined by a head: the recorded order
+    puts the whole heavy tower first. Dropout after the heavy tower's second layer and the light
+    tower's first."""
+
+    def __init__(self, split: bool = False, dropout: bool = True) -> None:
+        super().__init__()
+        self.a1, self.a2 = nn.Linear(TOWER, TOWER), nn.Linear(TOWER, TOWER)
+        self.b1, self.b2 = nn.Linear(TOWER, TOWER // 4), nn.Linear(TOWER // 4, TOWER)
+        self.drop_a, self.drop_b = (nn.Dropout(0.5), nn.Dropout(0.5)) if dropout else (nn.Identity(), nn.Identity())
+        self.head = nn.Linear(2 * TOWER, 4)
+        self.split = split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.drop_a(self.a2(self.a1(x)))
+        if self.split:
+            pipe_split()
+        b = self.b2(self.drop_b(self.b1(x)))
+        return self.head(torch.cat([a, b], dim=1))
+
+
+def _chain(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    carried: object = (x,)
+    for layer in layers:
+        carried = layer(carried)
+    assert isinstance(carried, torch.Tensor)
+    return carried
+
+
+def _same_as_forward(model: nn.Module, x: torch.Tensor, stages: int) -> list[str]:
+    """The names of the layers in the searched order, after checking their chain against ``forward``
+    in train mode."""
+    captured = capture(model, (x,), stages=stages)
+    order = searched_order(captured.graph, captured.grouped, stages)
+    if order is not None:
+        captured = captured.reordered(order)
+    torch.manual_seed(3)
+    expected = model(x)
+    torch.manual_seed(3)
+    got = _chain(list(captured.layers), x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    return [spec.name for spec in captured.specs]
+
+
+def _best_split(dag: LayerDag, order: tuple[int, ...], stages: int) -> float:
+    """Brute force: the smallest bottleneck of ``order`` cut into at most ``stages`` runs."""
+    seconds = [dag.layers[i].seconds for i in order]
+    best = sum(seconds)
+    for k in range(1, min(stages, len(order))):
+        for cuts in itertools.combinations(range(1, len(order)), k):
+            bounds = (0, *cuts, len(order))
+            best = min(best, max(sum(seconds[a:b]) for a, b in itertools.pairwise(bounds)))
+    return best
+
+
+def _topological_orders(dag: LayerDag) -> Iterator[tuple[int, ...]]:
+    position_ok = {(src, dst) for src, dst in dag.edges}
+    for order in itertools.permutations(range(len(dag.layers))):
+        where = {node: i for i, node in enumerate(order)}
+        if all(where[src] < where[dst] for src, dst in position_ok):
+            yield order
+
+
+def test_the_light_tower_is_split_beside_the_heavy_one_and_draws_as_forward_does() -> None:
+    model, x = TwoTowers().train(), torch.randn(4, TOWER)
+    graph = capture_graph(model, (x,), {})
+    grouped = group_nodes(graph, min_layers=8, max_share=0.25)
+    order = searched_order(graph, grouped, 2)
+    assert order is not None
+    dag = layer_dag(graph, grouped)
+    recorded = _best_split(dag, tuple(range(len(grouped))), 2)
+    assert _best_split(dag, order, 2) <= (1 - GAIN) * recorded
+    names = _same_as_forward(model, x, stages=2)
+    assert names.index("b1") < names.index("a2")  # the light tower's start moved up beside the heavy one
+    assert names.index("drop_a") < names.index("drop_b")  # random draws in forward's order
+
+
+def test_kept_where_nothing_is_gained_or_the_user_split() -> None:
+    x = torch.randn(4, TOWER)
+    chain = nn.Sequential(nn.Linear(TOWER, TOWER), nn.ReLU(), nn.Linear(TOWER, TOWER), nn.Linear(TOWER, 4))
+    for model in (chain, TwoTowers(split=True)):
+        graph = capture_graph(model, (x,), {})
+        assert searched_order(graph, group_nodes(graph, min_layers=8, max_share=0.25), 2) is None
+    graph = capture_graph(TwoTowers(), (x,), {})
+    grouped = group_nodes(graph, min_layers=8, max_share=0.25)
+    assert searched_order(graph, grouped, 2, max_states=3) is None  # beyond the search: recorded order
+    even = [(1.0, 2.0)] * len(grouped)  # every layer as long: the recorded order splits as well
+    assert searched_order(graph, grouped, 2, seconds=even) is None
+
+
+class InPlace(nn.Module):
+    """The side branch reads ``p``; later the main branch changes ``p`` in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.side, self.main = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.stem(x)
+        s = self.side(p)
+        m = self.main(x)
+        p.mul_(2)
+        return m + p + s
+
+
+def test_an_in_place_change_keeps_its_place_among_the_readers() -> None:
+    model, x = InPlace(), torch.randn(4, WIDTH)
+    graph = capture_graph(model, (x,), {})
+    grouped = group_nodes(graph, min_layers=8, max_share=0.25)
+    layer_of = {node: i for i, (group, _) in enumerate(grouped) for node in group}
+    mutation = next(n for n in layer_of if n.op == "call_method" and n.target == "mul_")
+    side = next(n for n in layer_of if n.op == "call_module" and n.target == "side")
+    edges = set(layer_dag(graph, grouped).edges)
+    assert (layer_of[side], layer_of[mutation]) in edges or layer_of[side] == layer_of[mutation]
+    _same_as_forward(model, x, stages=2)
+
+
+@st.composite
+def branching_models(draw: st.DrawFn) -> tuple[nn.Module, int]:
+    """A random DAG of up to six linear blocks of drawn costs (each block sums some earlier outputs),
+    dropout after some; the output sums the blocks nothing else reads."""
+    n = draw(st.integers(3, 6))
+    inputs = [sorted(draw(st.sets(st.integers(0, i - 1), max_size=2))) if i else [] for i in range(n)]
+    widths = [draw(st.sampled_from([1, 2, 4, 8])) for _ in range(n)]
+    dropped = [draw(st.booleans()) for _ in range(n)]
+    return _Blocks(inputs, widths, dropped), draw(st.integers(2, 3))
+
+
+class _Blocks(nn.Module):
+    """Block ``i`` is one linear layer ``widths[i]`` times as wide as needed (its FLOPs), cut back."""
+
+    def __init__(self, inputs: list[list[int]], widths: list[int], dropped: list[bool]) -> None:
+        super().__init__()
+        self.inputs, self.dropped = inputs, dropped
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH * k) for k in widths)
+        read = {j for sources in inputs for j in sources}
+        self.sinks = [i for i in range(len(inputs)) if i not in read]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs: list[torch.Tensor] = []
+        for i, sources in enumerate(self.inputs):
+            h = sum((outs[j] for j in sources), torch.zeros_like(x)) if sources else x
+            h = self.blocks[i](h)[:, :WIDTH]
+            outs.append(F.dropout(h, 0.3, self.training) if self.dropped[i] else h)
+        return sum((outs[i] for i in self.sinks), torch.zeros_like(x))
+
+
+@settings(max_examples=50, deadline=None)
+@given(branching_models())
+def test_the_order_splits_as_well_as_any_topological_order(case: tuple[nn.Module, int]) -> None:
+    model, stages = case
+    model.train()
+    x = torch.randn(3, WIDTH)
+    graph = capture_graph(model, (x,), {})
+    grouped = group_nodes(graph, min_layers=4 * stages, max_share=1.0 / (2 * stages))
+    order = searched_order(graph, grouped, stages)
+    dag = layer_dag(graph, grouped)
+    assert len(grouped) <= 7, [len(g) for g, _ in grouped]  # a layer per block: in the brute force's reach
+    orders = list(_topological_orders(dag))
+    recorded = _best_split(dag, tuple(range(len(grouped))), stages)
+    best = min(_best_split(dag, o, stages) for o in orders)
+    if order is None:
+        assert best > (1 - GAIN) * recorded or len(grouped) <= stages
+    else:
+        assert order in orders
+        assert _best_split(dag, order, stages) == pytest.approx(best)
+    _same_as_forward(model, x, stages)
+
+
+class TwoTowerClassifier(L.LightningModule):
+    """The two towers as a user writes a classifier around them (no dropout: compared exactly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TwoTowers(dropout=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _towers_fit(root: str, strategy: Any, devices: int) -> dict[str, Any]:
+    module = TwoTowerClassifier()
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(256, TOWER, generator=generator), torch.randint(0, 4, (256,), generator=generator))
+    run = trainer(root, strategy, devices)
+    run.fit(module, DataLoader(data, batch_size=128))
+    plan = getattr(run.strategy, "stage_plan", None)
+    return {"final": final_state(run, module), "names": plan.names if plan is not None else None}
+
+
+def _flop_order(model: PipelineModel, call: Any, stages: int, device: torch.device) -> tuple[int, ...] | None:
+    """The order by FLOPs: what the layers' times choose on a quiet machine, without their noise."""
+    assert model.captured is not None
+    return searched_order(model.captured.graph, model.captured.grouped, stages)
+
+
+def _towers_worker(rank: int, root: str) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    PipelineModel.timed_order = _flop_order  # type: ignore[method-assign]  # (its own process)
+    return _towers_fit(root, PipelineStrategy("1f1b", microbatches=2), 2)
+
+
+@pytest.mark.timeout(240)
+def test_a_reordered_pipeline_trains_as_plain_lightning(tmp_path: Path) -> None:
+    ranks = run_local(_towers_worker, 2, str(tmp_path / "pipe"), timeout=200)
+    plain = _towers_fit(str(tmp_path / "plain"), "auto", 1)
+    for result in ranks:
+        names = list(result["names"])
+        assert names.index("model.b1") < names.index("model.a2"), names  # the strategy ran the searched order
+        assert_states_close(result["final"], plain["final"], 1e-5)
