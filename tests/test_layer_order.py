@@ -3,8 +3,7 @@
 Oracles: the reordered chain computes ``forward`` (train mode, the same random draws); the order's
 best straight split equals a brute force over every topological order of the layer graph and every
 split; the recorded order is kept for a chain, for split points and when the gain is under ``GAIN``;
-the strategy, timing the layers itself, runs a two-tower model in the searched order and trains as
-plain Lightning.
+the strategy runs a two-tower model in the searched order, and a resume keeps the checkpoint's order.
 """
 
 from __future__ import annotations
@@ -228,12 +227,14 @@ class TwoTowerClassifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def _towers_fit(root: str, strategy: Any, devices: int) -> dict[str, Any]:
+def _towers_fit(root: str, strategy: Any, devices: int, epochs: int = 1, resume: str | None = None) -> dict[str, Any]:
+    """Fit the two towers for ``epochs`` (from the checkpoint ``resume``), save ``root/last.ckpt``."""
     module = TwoTowerClassifier()
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(256, TOWER, generator=generator), torch.randint(0, 4, (256,), generator=generator))
-    run = trainer(root, strategy, devices)
-    run.fit(module, DataLoader(data, batch_size=128))
+    run = trainer(root, strategy, devices, max_epochs=epochs)
+    run.fit(module, DataLoader(data, batch_size=128), ckpt_path=resume)
+    run.save_checkpoint(str(Path(root) / "last.ckpt"))
     plan = getattr(run.strategy, "stage_plan", None)
     return {"final": final_state(run, module), "names": plan.names if plan is not None else None}
 
@@ -244,17 +245,30 @@ def _flop_order(model: PipelineModel, call: Any, stages: int, device: torch.devi
     return searched_order(model.captured.graph, model.captured.grouped, stages)
 
 
-def _towers_worker(rank: int, root: str) -> dict[str, Any]:
+def _towers_worker(rank: int, root: str) -> list[dict[str, Any]]:
+    """A fit in the searched order, then one resumed from its checkpoint on a machine whose times
+    would keep the recorded order: the checkpoint's order holds."""
     os.environ["LOCAL_RANK"] = str(rank)
     PipelineModel.timed_order = _flop_order  # type: ignore[method-assign]  # (its own process)
-    return _towers_fit(root, PipelineStrategy("1f1b", microbatches=2), 2)
+    first = _towers_fit(str(Path(root) / "first"), PipelineStrategy("1f1b", microbatches=2), 2)
+    PipelineModel.timed_order = lambda *args: None  # type: ignore[method-assign]
+    resumed = _towers_fit(
+        str(Path(root) / "resumed"),
+        PipelineStrategy("1f1b", microbatches=2),
+        2,
+        epochs=2,
+        resume=str(Path(root) / "first" / "last.ckpt"),
+    )
+    return [first, resumed]
 
 
-@pytest.mark.timeout(240)
-def test_a_reordered_pipeline_trains_as_plain_lightning(tmp_path: Path) -> None:
-    ranks = run_local(_towers_worker, 2, str(tmp_path / "pipe"), timeout=200)
-    plain = _towers_fit(str(tmp_path / "plain"), "auto", 1)
-    for result in ranks:
-        names = list(result["names"])
+@pytest.mark.timeout(300)
+def test_a_reordered_pipeline_trains_as_plain_lightning_and_resumes_in_its_order(tmp_path: Path) -> None:
+    ranks = run_local(_towers_worker, 2, str(tmp_path / "pipe"), timeout=260)
+    plain = [_towers_fit(str(tmp_path / f"plain{epochs}"), "auto", 1, epochs=epochs) for epochs in (1, 2)]
+    for first, resumed in ranks:
+        names = list(first["names"])
         assert names.index("model.b1") < names.index("model.a2"), names  # the strategy ran the searched order
-        assert_states_close(result["final"], plain["final"], 1e-5)
+        assert list(resumed["names"]) == names  # the checkpoint's order, not the recorded one
+        assert_states_close(first["final"], plain[0]["final"], 1e-5)
+        assert_states_close(resumed["final"], plain[1]["final"], 1e-5)

@@ -31,8 +31,9 @@ def _records(draw: st.DrawFn) -> PipelineState:
         for s in draw(st.sets(st.integers(0, len(bounds) - 1), min_size=1))
     }
     carried = {str(s): {"version": summary.version, "versions": {}, "gradients": {}} for s, summary in stages.items()}
+    names = draw(st.none() | st.permutations([f"layer{i}" for i in range(layers)]).map(tuple))
     return PipelineState(
-        plan=SavedPlan(bounds, replicas, layers),
+        plan=SavedPlan(bounds, replicas, layers, names),
         schedule=draw(st.sampled_from(sorted(FAMILIES))),
         calls=draw(st.integers(0, 10**6)),
         origin=draw(st.integers(0, 10**9)),
@@ -98,6 +99,27 @@ def test_the_layout_is_the_checkpoints_own() -> None:
     assert not loaded.same_split([[0, 2], [3, 6]], "2bw") and not loaded.same_split([[0, 3], [4, 6]], "1f1b")
     assert loaded.settled_version() is None  # stage 0 keeps a weight version
     assert PipelineState.read({"state": {}}) is None  # plain Lightning's or DDP's optimizer state
+
+
+def test_the_layers_order_is_kept_and_a_split_in_another_order_is_not_the_same() -> None:
+    """Branching layers may run in another order than forward records them: a checkpoint keeps the
+    order its split was of, and the same bounds over layers in another order are another split."""
+    names = ("a1", "b1", "a2", "head")
+    record = PipelineState(
+        SavedPlan.of(StagePlan(((0, 1), (2, 3)), names=names)), "2bw", 2, 0, {0: StageSummary(2, True)}
+    )
+    entry = record.to_dict()
+    assert entry["plan"]["names"] == list(names)
+    loaded = PipelineState.from_dict(_through_torch(entry))
+    assert loaded.plan.names == names
+    assert loaded.same_split([[0, 1], [2, 3]], "2bw", names) and loaded.same_split([[0, 1], [2, 3]], "2bw")
+    assert not loaded.same_split([[0, 1], [2, 3]], "2bw", ("a1", "a2", "b1", "head"))
+    del entry["plan"]["names"]  # a checkpoint written before layers were ever reordered
+    assert PipelineState.from_dict(entry).plan.names is None
+    assert PipelineState.from_dict(entry).same_split([[0, 1], [2, 3]], "2bw", ("a1", "a2", "b1", "head"))
+    entry["plan"]["names"] = [1, 2]
+    with pytest.raises(CheckpointError, match=r"plan\.names"):
+        PipelineState.from_dict(entry)
 
 
 def _entry() -> dict[str, Any]:

@@ -279,7 +279,7 @@ class PipelineBuilding:
         if saved is None or self.executor is None:
             return
         assert self.stage_plan is not None
-        if saved.same_split(self.stage_plan.bounds, self.schedule_options.family):
+        if saved.same_split(self.stage_plan.bounds, self.schedule_options.family, self.stage_plan.names):
             if saved.carried is None:  # only a sharded checkpoint's meta.pt read without its rank files
                 raise CheckpointError(
                     "the checkpoint's pipeline entry holds no carried state: a sharded checkpoint's is in its rank "
@@ -319,10 +319,13 @@ class PipelineBuilding:
         return self._in_order(model, first) if model.branches() and self.stages > 1 else model
 
     def _in_order(self, model: PipelineModel, first: Call) -> PipelineModel:
-        """The branching layers in the order a kept plan names them, or else in the order that splits
-        best, found on rank 0 with the layers timed once (:mod:`lightning_pipe.capture.layer_order`)
-        and sent to every rank; a meta-device model keeps the recorded order (nothing to time)."""
+        """The branching layers in the order a kept plan (or the resumed checkpoint's) names them, or
+        else in the order that splits best, found on rank 0 with the layers timed once
+        (:mod:`lightning_pipe.capture.layer_order`) and sent to every rank; a meta-device model keeps
+        the recorded order (nothing to time)."""
         kept = self.stage_plan.names if self.stage_plan is not None else None
+        if kept is None and self._saved is not None:
+            kept = self._saved.plan.names
         if kept is not None and len(set(kept)) == len(kept) and sorted(kept) == sorted(model.names):
             return model if list(kept) == model.names else model.reordered([model.names.index(n) for n in kept])
         meta = any(t.is_meta for t in tensors((first.args, first.kwargs)))

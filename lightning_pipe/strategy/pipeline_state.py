@@ -23,7 +23,7 @@ rank files.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -46,29 +46,37 @@ class SavedPlan:
         bounds: each stage's first and last layer (inclusive).
         replicas: the workers of each stage (PipeDream's replicated stages), or ``None``: one each.
         layers: the model's layers.
+        names: the layers' names in the order they ran (branching layers may run in another order than
+            ``forward`` records them: :mod:`lightning_pipe.capture.layer_order`), or ``None`` where
+            not known (a checkpoint written before 2026-11-29).
     """
 
     bounds: tuple[tuple[int, int], ...]
     replicas: tuple[int, ...] | None
     layers: int
+    names: tuple[str, ...] | None = None
 
     @classmethod
     def of(cls, stage_plan: StagePlan) -> SavedPlan:
         """The split of ``stage_plan``."""
         bounds = tuple((first, last) for first, last in stage_plan.bounds)
         replicas = None if stage_plan.replicas is None else tuple(stage_plan.replicas)
-        return cls(bounds, replicas, bounds[-1][1] + 1)
+        names = None if stage_plan.names is None else tuple(stage_plan.names)
+        return cls(bounds, replicas, bounds[-1][1] + 1, names)
 
     def listed_bounds(self) -> list[list[int]]:
         """``bounds`` as the checkpoint holds them, and messages show them: ``[[0, 3], [4, 6]]``."""
         return [[first, last] for first, last in self.bounds]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        entry: dict[str, Any] = {
             "bounds": self.listed_bounds(),
             "replicas": None if self.replicas is None else list(self.replicas),
             "layers": self.layers,
         }
+        if self.names is not None:
+            entry["names"] = list(self.names)
+        return entry
 
 
 @dataclass(frozen=True)
@@ -174,8 +182,14 @@ class PipelineState:
         carried = entry.get("carried")
         if carried is not None:
             carried = read.mapping(carried, "carried")
+        names = plan.get("names")
+        if names is not None:
+            if not isinstance(names, list | tuple) or not all(isinstance(name, str) for name in names):
+                read.refuse("plan.names", names, "a list of layer names or None")
+            names = tuple(names)
+        layers = read.whole(read.key(plan, "layers", "plan."), "plan.layers")
         return cls(
-            plan=SavedPlan(pairs, replicas, read.whole(read.key(plan, "layers", "plan."), "plan.layers")),
+            plan=SavedPlan(pairs, replicas, layers, names),
             schedule=schedule,
             calls=read.whole(read.key(entry, "calls", ""), "calls"),
             origin=read.whole(read.key(entry, "origin", ""), "origin"),
@@ -184,10 +198,11 @@ class PipelineState:
         )
 
     # -- resuming ----------------------------------------------------------------------------------
-    def same_split(self, bounds: Iterable[Iterable[int]], schedule: str) -> bool:
-        """Whether it was written on the split ``bounds`` under ``schedule`` (then every stage takes
-        its own carried state)."""
-        return self.plan.bounds == tuple(tuple(bound) for bound in bounds) and self.schedule == schedule
+    def same_split(self, bounds: Iterable[Iterable[int]], schedule: str, names: Sequence[str] | None = None) -> bool:
+        """Whether it was written on the split ``bounds`` under ``schedule``, its layers in the order
+        of ``names`` where both know it (then every stage takes its own carried state)."""
+        same_order = names is None or self.plan.names is None or tuple(names) == self.plan.names
+        return self.plan.bounds == tuple(tuple(bound) for bound in bounds) and self.schedule == schedule and same_order
 
     def settled_version(self) -> int | None:
         """The one weight version of every stage when nothing is in flight (any split takes that);
