@@ -9,6 +9,7 @@ the strategy runs a two-tower model in the searched order, and a resume keeps th
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from lightning_pipe.capture import capture, pipe_split
 from lightning_pipe.capture.graph import capture_graph
 from lightning_pipe.capture.layer_order import GAIN, layer_dag, searched_order
 from lightning_pipe.capture.layers import group_nodes
+from lightning_pipe.cli import main
 from lightning_pipe.cost.pipedream_graph import LayerDag
 from lightning_pipe.runtime import run_local
 from lightning_pipe.strategy.contract import PipelineModel
@@ -245,9 +247,10 @@ def _flop_order(model: PipelineModel, call: Any, stages: int, device: torch.devi
     return searched_order(model.captured.graph, model.captured.grouped, stages)
 
 
-def _towers_worker(rank: int, root: str) -> list[dict[str, Any]]:
-    """A fit in the searched order, then one resumed from its checkpoint on a machine whose times
-    would keep the recorded order: the checkpoint's order holds."""
+def _towers_worker(rank: int, root: str, plan: str) -> list[dict[str, Any]]:
+    """A fit in the searched order, then, on a machine whose times would keep the recorded order, one
+    resumed from its checkpoint and one given the plan file ``lightning-pipe plan`` wrote: the
+    checkpoint's order and the file's hold."""
     os.environ["LOCAL_RANK"] = str(rank)
     PipelineModel.timed_order = _flop_order  # type: ignore[method-assign]  # (its own process)
     first = _towers_fit(str(Path(root) / "first"), PipelineStrategy("1f1b", microbatches=2), 2)
@@ -259,16 +262,39 @@ def _towers_worker(rank: int, root: str) -> list[dict[str, Any]]:
         epochs=2,
         resume=str(Path(root) / "first" / "last.ckpt"),
     )
-    return [first, resumed]
+    planned = _towers_fit(str(Path(root) / "planned"), PipelineStrategy("1f1b", microbatches=2, plan=plan), 2)
+    return [first, resumed, planned]
+
+
+def _plan_file(path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """``lightning-pipe plan --json`` of the two towers written to ``path`` (the layers ordered by
+    FLOPs, as a quiet machine's times order them); the layers' names, and that it said so."""
+    with monkeypatch.context() as patched:
+        patched.setattr(PipelineModel, "timed_order", _flop_order)
+        argv = ["plan", "--model", "tests.test_layer_order:TwoTowerClassifier", "--input-shape", str(TOWER)]
+        assert main([*argv, "--batch-size", "64", "--devices", "2", "--straight", "--repeats", "1", "--json"]) == 0
+    printed = capsys.readouterr()
+    assert "The layers branch" in printed.err
+    path.write_text(printed.out)
+    return json.loads(printed.out)["layer_names"]
 
 
 @pytest.mark.timeout(300)
-def test_a_reordered_pipeline_trains_as_plain_lightning_and_resumes_in_its_order(tmp_path: Path) -> None:
-    ranks = run_local(_towers_worker, 2, str(tmp_path / "pipe"), timeout=260)
+def test_a_reordered_pipeline_trains_as_plain_lightning_and_keeps_its_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The strategy runs the searched order and trains as plain Lightning; a resume keeps the
+    checkpoint's order, a plan file from ``lightning-pipe plan`` its own, though the times would
+    keep the recorded order."""
+    planned_names = _plan_file(tmp_path / "plan.json", monkeypatch, capsys)
+    assert planned_names.index("model.b1") < planned_names.index("model.a2")
+    ranks = run_local(_towers_worker, 2, str(tmp_path / "pipe"), str(tmp_path / "plan.json"), timeout=260)
     plain = [_towers_fit(str(tmp_path / f"plain{epochs}"), "auto", 1, epochs=epochs) for epochs in (1, 2)]
-    for first, resumed in ranks:
+    for first, resumed, planned in ranks:
         names = list(first["names"])
         assert names.index("model.b1") < names.index("model.a2"), names  # the strategy ran the searched order
         assert list(resumed["names"]) == names  # the checkpoint's order, not the recorded one
+        assert list(planned["names"]) == planned_names  # the plan file's
         assert_states_close(first["final"], plain[0]["final"], 1e-5)
         assert_states_close(resumed["final"], plain[1]["final"], 1e-5)
+        assert_states_close(planned["final"], plain[0]["final"], 1e-5)

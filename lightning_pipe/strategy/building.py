@@ -20,7 +20,10 @@ from torch import Tensor
 from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.capture.generation_cache import CACHE_OFF, generation_cache_off
 from lightning_pipe.capture.verify import verify_chain
+from lightning_pipe.cost.profile_file import load_profile
+from lightning_pipe.cost.profiler import given_names
 from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
+from lightning_pipe.partition.plan_file import load_plan
 from lightning_pipe.planning import (
     SETUP_PHASES,
     PlanOptions,
@@ -319,13 +322,11 @@ class PipelineBuilding:
         return self._in_order(model, first) if model.branches() and self.stages > 1 else model
 
     def _in_order(self, model: PipelineModel, first: Call) -> PipelineModel:
-        """The branching layers in the order a kept plan (or the resumed checkpoint's) names them, or
-        else in the order that splits best, found on rank 0 with the layers timed once
-        (:mod:`lightning_pipe.capture.layer_order`) and sent to every rank; a meta-device model keeps
-        the recorded order (nothing to time)."""
-        kept = self.stage_plan.names if self.stage_plan is not None else None
-        if kept is None and self._saved is not None:
-            kept = self._saved.plan.names
+        """The branching layers in the order a kept plan, a given plan or profile file or the resumed
+        checkpoint names them, or else in the order that splits best, found on rank 0 with the layers
+        timed once (:mod:`lightning_pipe.capture.layer_order`) and sent to every rank; a meta-device
+        model keeps the recorded order (nothing to time)."""
+        kept = self._named_order()
         if kept is not None and len(set(kept)) == len(kept) and sorted(kept) == sorted(model.names):
             return model if list(kept) == model.names else model.reordered([model.names.index(n) for n in kept])
         meta = any(t.is_meta for t in tensors((first.args, first.kwargs)))
@@ -338,6 +339,23 @@ class PipelineBuilding:
         names = ", ".join(model.names[i] for i in order)
         rank_zero_info(f"The layers branch; they run in the order whose split is fastest: {names}")
         return model.reordered(order)
+
+    def _named_order(self) -> tuple[str, ...] | None:
+        """The layers' names in the order that a kept plan, the given plan or profile file, or the
+        checkpoint being resumed has them; None where none says (a file that cannot be read is
+        refused when the plan is made)."""
+        if self.stage_plan is not None and self.stage_plan.names is not None:
+            return self.stage_plan.names
+        options = self.plan_options
+        try:
+            if options.plan is not None:
+                return load_plan(options.plan).names
+            if options.profile is not None:
+                names = given_names(load_profile(options.profile))
+                return None if names is None else tuple(names)
+        except (OSError, PlanningError):
+            return None
+        return self._saved.plan.names if self._saved is not None else None
 
     def _plan(self, model: PipelineModel, first: Call, optimizer: Any, batch_rows: int, meta: bool) -> StagePlan:
         """Verify the chain, profile and partition on rank 0 (with the first micro-batch), broadcast the
