@@ -250,7 +250,8 @@ def _flop_order(model: PipelineModel, call: Any, stages: int, device: torch.devi
 def _towers_worker(rank: int, root: str, plan: str) -> list[dict[str, Any]]:
     """A fit in the searched order, then, on a machine whose times would keep the recorded order, one
     resumed from its checkpoint and one given the plan file ``lightning-pipe plan`` wrote: the
-    checkpoint's order and the file's hold."""
+    checkpoint's order and the file's hold; and one given a balance, which counts the layers in
+    forward's order."""
     os.environ["LOCAL_RANK"] = str(rank)
     PipelineModel.timed_order = _flop_order  # type: ignore[method-assign]  # (its own process)
     first = _towers_fit(str(Path(root) / "first"), PipelineStrategy("1f1b", microbatches=2), 2)
@@ -263,7 +264,9 @@ def _towers_worker(rank: int, root: str, plan: str) -> list[dict[str, Any]]:
         resume=str(Path(root) / "first" / "last.ckpt"),
     )
     planned = _towers_fit(str(Path(root) / "planned"), PipelineStrategy("1f1b", microbatches=2, plan=plan), 2)
-    return [first, resumed, planned]
+    PipelineModel.timed_order = _flop_order  # type: ignore[method-assign]
+    balanced = _towers_fit(str(Path(root) / "balanced"), PipelineStrategy("1f1b", microbatches=2, balance=[4, 3]), 2)
+    return [first, resumed, planned, balanced]
 
 
 def _plan_file(path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> list[str]:
@@ -285,16 +288,18 @@ def test_a_reordered_pipeline_trains_as_plain_lightning_and_keeps_its_order(
 ) -> None:
     """The strategy runs the searched order and trains as plain Lightning; a resume keeps the
     checkpoint's order, a plan file from ``lightning-pipe plan`` its own, though the times would
-    keep the recorded order."""
+    keep the recorded order; a given balance keeps forward's order."""
     planned_names = _plan_file(tmp_path / "plan.json", monkeypatch, capsys)
+    recorded = ["model.a1", "model.a2", "model.drop_a", "model.b1", "model.drop_b", "model.b2+model", "model.head"]
     assert planned_names.index("model.b1") < planned_names.index("model.a2")
     ranks = run_local(_towers_worker, 2, str(tmp_path / "pipe"), str(tmp_path / "plan.json"), timeout=260)
     plain = [_towers_fit(str(tmp_path / f"plain{epochs}"), "auto", 1, epochs=epochs) for epochs in (1, 2)]
-    for first, resumed, planned in ranks:
+    for first, resumed, planned, balanced in ranks:
         names = list(first["names"])
         assert names.index("model.b1") < names.index("model.a2"), names  # the strategy ran the searched order
         assert list(resumed["names"]) == names  # the checkpoint's order, not the recorded one
         assert list(planned["names"]) == planned_names  # the plan file's
+        assert list(balanced["names"]) == recorded
         assert_states_close(first["final"], plain[0]["final"], 1e-5)
         assert_states_close(resumed["final"], plain[1]["final"], 1e-5)
         assert_states_close(planned["final"], plain[0]["final"], 1e-5)

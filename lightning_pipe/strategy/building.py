@@ -324,8 +324,11 @@ class PipelineBuilding:
     def _in_order(self, model: PipelineModel, first: Call) -> PipelineModel:
         """The branching layers in the order a kept plan, a given plan or profile file or the resumed
         checkpoint names them, or else in the order that splits best, found on rank 0 with the layers
-        timed once (:mod:`lightning_pipe.capture.layer_order`) and sent to every rank; a meta-device
-        model keeps the recorded order (nothing to time)."""
+        timed once (:mod:`lightning_pipe.capture.layer_order`) and sent to every rank. A meta-device
+        model (nothing to time) and a given ``balance`` (layers counted in forward's order) keep the
+        recorded order."""
+        if self.plan_options.balance is not None:
+            return model
         kept = self._named_order()
         if kept is not None and len(set(kept)) == len(kept) and sorted(kept) == sorted(model.names):
             return model if list(kept) == model.names else model.reordered([model.names.index(n) for n in kept])
