@@ -144,6 +144,25 @@ class InPlace(nn.Module):
         return m + p + s
 
 
+class InPlaceThroughAView(nn.Module):
+    """A heavy branch changes a view of ``p`` in place; a light one read ``p`` before it, and only the
+    last layer uses what it made: nothing but the change keeps it before the heavy branch's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(WIDTH, WIDTH)
+        self.heavy1, self.heavy2 = nn.Linear(WIDTH, 8 * WIDTH), nn.Linear(8 * WIDTH, WIDTH)
+        self.light1, self.light2 = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.stem(x)
+        s = self.light1(p)
+        h = self.heavy2(self.heavy1(p))
+        p.view(-1).mul_(2)
+        t = self.light2(s)
+        return h + t + p
+
+
 def test_an_in_place_change_keeps_its_place_among_the_readers() -> None:
     model, x = InPlace(), torch.randn(4, WIDTH)
     graph = capture_graph(model, (x,), {})
@@ -153,6 +172,14 @@ def test_an_in_place_change_keeps_its_place_among_the_readers() -> None:
     side = next(n for n in layer_of if n.op == "call_module" and n.target == "side")
     edges = set(layer_dag(graph, grouped).edges)
     assert (layer_of[side], layer_of[mutation]) in edges or layer_of[side] == layer_of[mutation]
+    _same_as_forward(model, x, stages=2)
+    model = InPlaceThroughAView()
+    graph = capture_graph(model, (x,), {})
+    grouped = group_nodes(graph, min_layers=8, max_share=0.25)
+    layer_of = {node: i for i, (group, _) in enumerate(grouped) for node in group}
+    mutation = next(n for n in layer_of if n.op == "call_method" and n.target == "mul_")
+    reader = next(n for n in layer_of if n.op == "call_module" and n.target == "light1")
+    assert (layer_of[reader], layer_of[mutation]) in set(layer_dag(graph, grouped).edges)
     _same_as_forward(model, x, stages=2)
 
 

@@ -25,7 +25,7 @@ What must keep its place does: layers that draw random numbers, run code the tra
 (a leaf module from outside ``torch.nn``) or have side effects keep their relative order, so that the
 random draws and effects happen as in ``forward``; the calls of one module (its buffers' updates) keep
 theirs; an in-place operation keeps its place before or after every other reader of the tensor it
-changes.
+changes, of its views and of what it is a view of.
 """
 
 from __future__ import annotations
@@ -51,13 +51,19 @@ MAX_ORDER_STATES = 2_000
 """Downsets searched before keeping the recorded order (Inception-v3 in 70 layers has 256)."""
 
 GAIN = 0.05
-"""How much lower the searched order's FLOP bottleneck must be: FLOPs only rank the layers' times, and
-a split across branches carries more values, so a smaller gain keeps the recorded order."""
+"""How much lower the searched order's bottleneck must be: the layers are timed once, with the noise
+of a few runs, and a split across branches carries more values, so a smaller gain keeps the recorded
+order."""
 
 Grouped = list[tuple[list[Node], int]]
 
 _RANDOM = ("dropout", "rand", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential", "cauchy")
 _RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
+_VIEW_NAMES = (
+    "view view_as reshape reshape_as flatten unflatten squeeze unsqueeze transpose t permute movedim narrow select "
+    "expand expand_as as_strided chunk split unbind tensor_split getitem detach contiguous diagonal unfold"
+)
+_VIEWS = frozenset(_VIEW_NAMES.split())  # operations whose result may share its operand's storage
 
 
 def searched_order(
@@ -139,10 +145,32 @@ def _kept_in_place(captured: CapturedGraph, grouped: Grouped, layer_of: dict[Nod
     for node, i in layer_of.items():
         changed = node.args[0] if node.args and _in_place(captured, node) else None
         if isinstance(changed, Node):
-            for reader in changed.users:
+            for reader in (user for alias in _aliases(changed) for user in alias.users):
                 j = layer_of.get(reader, i)
                 if j != i:
                     yield (min(i, j), max(i, j))
+
+
+def _aliases(value: Node) -> set[Node]:
+    """``value`` and every node that may share its storage: up through the views it was taken from
+    to their base, and down through every view of that base (``view``, ``transpose``, ``x[i]`` ...)."""
+    base = value
+    while _is_view(base) and isinstance(base.args[0], Node):
+        base = base.args[0]
+    found, waiting = {base}, [base]
+    while waiting:
+        for user in waiting.pop().users:
+            if _is_view(user) and user not in found:
+                found.add(user)
+                waiting.append(user)
+    return found
+
+
+def _is_view(node: Node) -> bool:
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name in _VIEWS
 
 
 def _has_effects(captured: CapturedGraph, node: Node) -> bool:
