@@ -160,8 +160,6 @@ def _profile_module(args: argparse.Namespace) -> ChainCosts:
     and cuts printed, each layer profiled."""
     import importlib
 
-    import torch
-
     from lightning_pipe.capture.describe import describe
     from lightning_pipe.cost.profiler import profile_layers
     from lightning_pipe.strategy.contract import pipeline_model
@@ -179,15 +177,22 @@ def _profile_module(args: argparse.Namespace) -> ChainCosts:
     call = _sample_call(module, args)
     model = pipeline_model(module, call, args.devices)
     out = sys.stderr if args.json else sys.stdout
-    order = model.timed_order(call, args.devices, torch.device(args.device)) if model.branches() else None
+
+    def profile() -> ChainCosts:
+        sample = model.inputs(call)
+        return profile_layers(
+            model.layers, sample, device=args.device, repeats=args.repeats, name=name, layer_names=model.names
+        )
+
+    costs = profile()
+    order = model.order_for(costs, args.devices) if model.branches() else None
     if order is not None:  # as the strategy runs them (.capture.layer_order)
         model = model.reordered(order)
         print(f"The layers branch; they run in the order whose split is fastest: {', '.join(model.names)}", file=out)
+        costs = profile()
     if model.captured is not None:
         print(describe(model.captured), file=out)
-    return profile_layers(
-        model.layers, model.inputs(call), device=args.device, repeats=args.repeats, name=name, layer_names=model.names
-    )
+    return costs
 
 
 def _sample_call(module: Any, args: argparse.Namespace) -> Any:

@@ -268,7 +268,7 @@ def _towers_fit(root: str, strategy: Any, devices: int, epochs: int = 1, resume:
     return {"final": final_state(run, module), "names": plan.names if plan is not None else None}
 
 
-def _flop_order(model: PipelineModel, call: Any, stages: int, device: torch.device) -> tuple[int, ...] | None:
+def _flop_order(model: PipelineModel, costs: Any, stages: int) -> tuple[int, ...] | None:
     """The order by FLOPs: what the layers' times choose on a quiet machine, without their noise."""
     assert model.captured is not None
     return searched_order(model.captured.graph, model.captured.grouped, stages)
@@ -280,9 +280,9 @@ def _towers_worker(rank: int, root: str, plan: str) -> list[dict[str, Any]]:
     checkpoint's order and the file's hold; and one given a balance, which counts the layers in
     forward's order."""
     os.environ["LOCAL_RANK"] = str(rank)
-    PipelineModel.timed_order = _flop_order  # type: ignore[method-assign]  # (its own process)
+    PipelineModel.order_for = _flop_order  # type: ignore[method-assign]  # (its own process)
     first = _towers_fit(str(Path(root) / "first"), PipelineStrategy("1f1b", microbatches=2), 2)
-    PipelineModel.timed_order = lambda *args: None  # type: ignore[method-assign]
+    PipelineModel.order_for = lambda *args: None  # type: ignore[method-assign]
     resumed = _towers_fit(
         str(Path(root) / "resumed"),
         PipelineStrategy("1f1b", microbatches=2),
@@ -291,7 +291,7 @@ def _towers_worker(rank: int, root: str, plan: str) -> list[dict[str, Any]]:
         resume=str(Path(root) / "first" / "last.ckpt"),
     )
     planned = _towers_fit(str(Path(root) / "planned"), PipelineStrategy("1f1b", microbatches=2, plan=plan), 2)
-    PipelineModel.timed_order = _flop_order  # type: ignore[method-assign]
+    PipelineModel.order_for = _flop_order  # type: ignore[method-assign]
     balanced = _towers_fit(str(Path(root) / "balanced"), PipelineStrategy("1f1b", microbatches=2, balance=[4, 3]), 2)
     return [first, resumed, planned, balanced]
 
@@ -300,7 +300,7 @@ def _plan_file(path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     """``lightning-pipe plan --json`` of the two towers written to ``path`` (the layers ordered by
     FLOPs, as a quiet machine's times order them); the layers' names, and that it said so."""
     with monkeypatch.context() as patched:
-        patched.setattr(PipelineModel, "timed_order", _flop_order)
+        patched.setattr(PipelineModel, "order_for", _flop_order)
         argv = ["plan", "--model", "tests.test_layer_order:TwoTowerClassifier", "--input-shape", str(TOWER)]
         assert main([*argv, "--batch-size", "64", "--devices", "2", "--straight", "--repeats", "1", "--json"]) == 0
     printed = capsys.readouterr()

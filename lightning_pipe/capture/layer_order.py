@@ -11,10 +11,12 @@ is the difference of two nested downsets, hence a run of some topological order
 :func:`searched_order` weighs each layer by its measured forward and backward times, searches the
 straight split into ``stages`` stages with the smallest bottleneck over every downset of the layer
 graph, and returns that split's order when its bottleneck is at least :data:`GAIN` below the best split
-of the recorded order (which is among the candidates, so the search is never worse). The strategy
-times the layers once on rank 0 where they branch (:func:`branches`), sends the order to every rank
-and rebuilds the layers in it (:meth:`~lightning_pipe.capture.CapturedForward.reordered`); the
-profiler then measures them in that order and every partitioner splits that chain. Without times the
+of the recorded order (which is among the candidates, so the search is never worse). Where the layers
+branch (:func:`branches`) the strategy profiles them on rank 0 in the recorded order (the profile is
+kept from run to run, so the same machine keeps one order, and the plan reuses it where the order
+stays), sends the order to every rank and rebuilds the layers in it
+(:meth:`~lightning_pipe.capture.CapturedForward.reordered`); the profiler then measures them in that
+order and every partitioner splits that chain. Without times the
 layers are weighed by their FLOPs, which rank a CPU's times poorly: on a two-tower model FLOPs chose
 an order whose best split measured 9% slower than the recorded one's, where measured times chose one
 14% faster (``python bench/layer_order.py``). A graph whose layers form a chain, one with split
@@ -51,9 +53,8 @@ MAX_ORDER_STATES = 2_000
 """Downsets searched before keeping the recorded order (Inception-v3 in 70 layers has 256)."""
 
 GAIN = 0.05
-"""How much lower the searched order's bottleneck must be: the layers are timed once, with the noise
-of a few runs, and a split across branches carries more values, so a smaller gain keeps the recorded
-order."""
+"""How much lower the searched order's bottleneck must be: the layers' times carry the noise of a few
+runs, and a split across branches carries more values, so a smaller gain keeps the recorded order."""
 
 Grouped = list[tuple[list[Node], int]]
 

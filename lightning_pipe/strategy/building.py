@@ -32,6 +32,7 @@ from lightning_pipe.planning import (
     memory_model,
     optimizer_copies,
     plan_stages,
+    profile_costs,
     schedule_of,
     setup_line,
     setup_report,
@@ -323,9 +324,10 @@ class PipelineBuilding:
 
     def _in_order(self, model: PipelineModel, first: Call) -> PipelineModel:
         """The branching layers in the order a kept plan, a given plan or profile file or the resumed
-        checkpoint names them, or else in the order that splits best, found on rank 0 with the layers
-        timed once (:mod:`lightning_pipe.capture.layer_order`) and sent to every rank. A meta-device
-        model (nothing to time) and a given ``balance`` (layers counted in forward's order) keep the
+        checkpoint names them, or else in the order that splits best, found on rank 0 from the layers'
+        profile (kept from run to run like the plan's, so that the same machine keeps one order:
+        :mod:`lightning_pipe.capture.layer_order`) and sent to every rank. A meta-device model
+        (nothing to time) and a given ``balance`` (layers counted in forward's order) keep the
         recorded order."""
         if self.plan_options.balance is not None:
             return model
@@ -334,8 +336,10 @@ class PipelineBuilding:
             return model if list(kept) == model.names else model.reordered([model.names.index(n) for n in kept])
         meta = any(t.is_meta for t in tensors((first.args, first.kwargs)))
         order = None
-        if self.global_rank == 0 and not meta:  # its time counts in the capture's
-            order = model.timed_order(first, self.stages, self.root_device)
+        if self.global_rank == 0 and not meta:  # the profile the plan then reuses where the order stays
+            device = self.root_device
+            costs = profile_costs(model.layers, model.inputs(first), self.plan_options, device, model.names)
+            order = model.order_for(costs, self.stages)
         order = self.broadcast(order)
         if order is None:
             return model

@@ -29,7 +29,7 @@ from torch import nn
 from lightning_pipe.capture import CapturedForward, GraphLayer, capture
 from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.capture.layer_order import branches, searched_order
-from lightning_pipe.cost.profiler import profile_layers
+from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PipelineRuntimeError, PlanningError
 from lightning_pipe.util.nested import flatten, tensors
 
@@ -152,11 +152,10 @@ class PipelineModel:
         """Whether the captured layers could run in another order (:mod:`~lightning_pipe.capture.layer_order`)."""
         return self.captured is not None and branches(self.captured.graph, self.captured.grouped)
 
-    def timed_order(self, call: Call, stages: int, device: torch.device) -> tuple[int, ...] | None:
-        """The order of the branching layers whose best split into ``stages`` stages is fastest, the
-        layers timed once on ``call`` (one micro-batch); None to keep the recorded order."""
+    def order_for(self, costs: ChainCosts, stages: int) -> tuple[int, ...] | None:
+        """The order of the branching layers whose best split into ``stages`` stages is fastest with
+        the layers' times in ``costs`` (their profile in the recorded order); None to keep that order."""
         assert self.captured is not None
-        costs = profile_layers(self.layers, self.inputs(call), device=device, repeats=3, count_flops=False)
         seconds = [(layer.forward_seconds, layer.backward_seconds) for layer in costs.layers]
         return searched_order(self.captured.graph, self.captured.grouped, stages, seconds)
 
