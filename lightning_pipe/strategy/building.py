@@ -324,28 +324,38 @@ class PipelineBuilding:
 
     def _in_order(self, model: PipelineModel, first: Call) -> PipelineModel:
         """The branching layers in the order a kept plan, a given plan or profile file or the resumed
-        checkpoint names them, or else in the order that splits best, found on rank 0 from the layers'
-        profile (kept from run to run like the plan's, so that the same machine keeps one order:
-        :mod:`lightning_pipe.capture.layer_order`) and sent to every rank. A meta-device model
-        (nothing to time) and a given ``balance`` (layers counted in forward's order) keep the
-        recorded order."""
+        checkpoint names them, or else in the order that splits best, found from the layers' profile
+        (kept from run to run like the plan's, so that the same machine keeps one order:
+        :mod:`lightning_pipe.capture.layer_order`). Rank 0 decides and sends the order, or its error,
+        to every rank. A meta-device model (nothing to time) and a given ``balance`` (layers counted
+        in forward's order) keep the recorded order."""
         if self.plan_options.balance is not None:
             return model
+        decided: tuple[int, ...] | PlanningError | None = None
+        if self.global_rank == 0:
+            try:
+                decided = self._order(model, first)
+            except PlanningError as error:
+                decided = error
+        decided = self.broadcast(decided)
+        if isinstance(decided, PlanningError):
+            raise decided
+        if decided is None:
+            return model
+        if self.global_rank == 0 and self._named_order() is None:  # found here, not named by a plan
+            names = ", ".join(model.names[i] for i in decided)
+            rank_zero_info(f"The layers branch; they run in the order whose split is fastest: {names}")
+        return model.reordered(decided)
+
+    def _order(self, model: PipelineModel, first: Call) -> tuple[int, ...] | None:
+        """Rank 0's order of the layers (:meth:`_in_order`); None for the recorded one."""
         kept = self._named_order()
         if kept is not None and len(set(kept)) == len(kept) and sorted(kept) == sorted(model.names):
-            return model if list(kept) == model.names else model.reordered([model.names.index(n) for n in kept])
-        meta = any(t.is_meta for t in tensors((first.args, first.kwargs)))
-        order = None
-        if self.global_rank == 0 and not meta:  # the profile the plan then reuses where the order stays
-            device = self.root_device
-            costs = profile_costs(model.layers, model.inputs(first), self.plan_options, device, model.names)
-            order = model.order_for(costs, self.stages)
-        order = self.broadcast(order)
-        if order is None:
-            return model
-        names = ", ".join(model.names[i] for i in order)
-        rank_zero_info(f"The layers branch; they run in the order whose split is fastest: {names}")
-        return model.reordered(order)
+            return None if list(kept) == model.names else tuple(model.names.index(name) for name in kept)
+        if any(t.is_meta for t in tensors((first.args, first.kwargs))):
+            return None
+        costs = profile_costs(model.layers, model.inputs(first), self.plan_options, self.root_device, model.names)
+        return model.order_for(costs, self.stages)  # the profile the plan reuses where the order stays
 
     def _named_order(self) -> tuple[str, ...] | None:
         """The layers' names in the order that a kept plan, the given plan or profile file, or the
