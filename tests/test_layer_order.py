@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.capture import capture, pipe_split
 from lightning_pipe.capture.graph import capture_graph
-from lightning_pipe.capture.layer_order import GAIN, layer_dag, searched_order
+from lightning_pipe.capture.layer_order import GAIN, branches, layer_dag, searched_order
 from lightning_pipe.capture.layers import group_nodes
 from lightning_pipe.cli import main
 from lightning_pipe.cost.pipedream_graph import LayerDag
@@ -181,6 +181,32 @@ def test_an_in_place_change_keeps_its_place_among_the_readers() -> None:
     reader = next(n for n in layer_of if n.op == "call_module" and n.target == "light1")
     assert (layer_of[reader], layer_of[mutation]) in set(layer_dag(graph, grouped).edges)
     _same_as_forward(model, x, stages=2)
+
+
+class TwoAttentions(nn.Module):
+    """Two attention leaves side by side, each with dropout inside (no dropout module of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.MultiheadAttention(WIDTH, 2, dropout=0.5, batch_first=True)
+        self.b = nn.MultiheadAttention(WIDTH, 2, dropout=0.5, batch_first=True)
+        self.head = nn.Bilinear(WIDTH, WIDTH, 4)  # joins the two in a layer of its own
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a(x, x, x)[0], self.b(x, x, x)[0])
+
+
+def test_leaves_that_draw_inside_keep_their_order() -> None:
+    graph = capture_graph(TwoAttentions().train(), (torch.randn(2, 3, WIDTH),), {})
+    grouped = group_nodes(graph, min_layers=8, max_share=0.25)
+    layer_of = {node: i for i, (group, _) in enumerate(grouped) for node in group}
+    a, b = (next(n for n in layer_of if n.op == "call_module" and n.target == name) for name in "ab")
+    assert (layer_of[a], layer_of[b]) in set(layer_dag(graph, grouped).edges)
+    calm = TwoAttentions()
+    calm.a.dropout = calm.b.dropout = 0.0
+    graph = capture_graph(calm.train(), (torch.randn(2, 3, WIDTH),), {})
+    grouped = group_nodes(graph, min_layers=8, max_share=0.25)
+    assert branches(graph, grouped)  # without dropout nothing ties them: either may run first
 
 
 @st.composite

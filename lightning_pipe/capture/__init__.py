@@ -1,9 +1,9 @@
 """Capture a LightningModule's ``forward`` as a graph and cut it into layers a pipeline can split.
 
-:func:`capture` is the whole step: trace (:mod:`.graph`, :mod:`.tracer`), group into layers and build them
-(:mod:`.layers`); where the layers branch, :meth:`CapturedForward.reordered` lays them out in another
-topological order (:mod:`.layer_order`). The strategy then profiles
-the layers, partitions them into stages and verifies the chain (:mod:`.verify`).
+:func:`capture` is the whole step: trace (:mod:`.graph`, :mod:`.tracer`), group into layers and build
+them (:mod:`.layers`); where the layers branch, :meth:`CapturedForward.reordered` lays them out in
+another topological order (:mod:`.layer_order`). The strategy then profiles the layers, partitions
+them into stages and verifies the chain (:mod:`.verify`).
 """
 
 from __future__ import annotations

@@ -16,15 +16,16 @@ branch (:func:`branches`) the strategy profiles them on rank 0 in the recorded o
 kept from run to run, so the same machine keeps one order, and the plan reuses it where the order
 stays), sends the order to every rank and rebuilds the layers in it
 (:meth:`~lightning_pipe.capture.CapturedForward.reordered`); the profiler then measures them in that
-order and every partitioner splits that chain. Without times the
-layers are weighed by their FLOPs, which rank a CPU's times poorly: on a two-tower model FLOPs chose
-an order whose best split measured 9% slower than the recorded one's, where measured times chose one
-14% faster (``python bench/layer_order.py``). A graph whose layers form a chain, one with split
-points (:func:`~lightning_pipe.capture.pipe_split`: the user chose the cuts) or one whose downsets
-outnumber ``max_states`` keeps the recorded order.
+order and every partitioner splits that chain. Without times the layers are weighed by their FLOPs,
+which rank a CPU's times poorly: on a two-tower model at 4 stages FLOPs chose an order whose best
+split measured 4% slower than the recorded one's, where measured times chose one 4% faster (11% at 8
+stages; ``python bench/layer_order.py``). A graph whose layers form a chain, one with split points
+(:func:`~lightning_pipe.capture.pipe_split`: the user chose the cuts) or one whose downsets outnumber
+``max_states`` keeps the recorded order.
 
-What must keep its place does: layers that draw random numbers, run code the tracer did not see into
-(a leaf module from outside ``torch.nn``) or have side effects keep their relative order, so that the
+What must keep its place does: layers that draw random numbers (a dropout module or function, a
+``torch.nn`` leaf holding one or a dropout probability), run code the tracer did not see into (a leaf
+module from outside ``torch.nn``) or have side effects keep their relative order, so that the
 random draws and effects happen as in ``forward``; the calls of one module (its buffers' updates) keep
 theirs; an in-place operation keeps its place before or after every other reader of the tensor it
 changes, of its views and of what it is a view of.
@@ -121,7 +122,7 @@ def layer_dag(
         edges.extend((i, j) for j in consumers)
         if consumers or any(user.op == "output" for user in node.users):
             handed[i] += _bytes(captured, node)
-    edges.extend(_kept_in_place(captured, grouped, layer_of))
+    edges.extend(_kept_in_order(captured, grouped, layer_of))
     costs = []
     for i, (group, _) in enumerate(grouped):
         flops = float(sum(_flops(captured, node) for node in group))
@@ -130,7 +131,7 @@ def layer_dag(
     return LayerDag(tuple(costs), tuple(edges), name="the captured forward")
 
 
-def _kept_in_place(captured: CapturedGraph, grouped: Grouped, layer_of: dict[Node, int]) -> Iterable[tuple[int, int]]:
+def _kept_in_order(captured: CapturedGraph, grouped: Grouped, layer_of: dict[Node, int]) -> Iterable[tuple[int, int]]:
     """Edges that keep in their recorded order the layers with random draws or effects, the calls of
     each module, and each in-place operation with the other readers of what it changes."""
     ordered = sorted({layer_of[node] for node in layer_of if _has_effects(captured, node)})
@@ -178,12 +179,20 @@ def _has_effects(captured: CapturedGraph, node: Node) -> bool:
     """Whether ``node`` draws random numbers, runs code the tracer did not see into, or has effects."""
     if node.op == "call_module":
         module = captured.attributes.get(str(node.target))
-        foreign = not type(module).__module__.startswith("torch.nn")
-        return foreign or isinstance(module, _RANDOM_MODULES)
+        if not isinstance(module, nn.Module) or not type(module).__module__.startswith("torch.nn"):
+            return True
+        return any(_draws(inner) for inner in module.modules())
     if node.op in ("call_function", "call_method"):
         name = (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")).lower()
         return node.is_impure() or any(word in name for word in _RANDOM)
     return False
+
+
+def _draws(module: nn.Module) -> bool:
+    """Whether a ``torch.nn`` module draws random numbers itself: a dropout module, or a dropout
+    probability it applies functionally (``nn.MultiheadAttention(dropout=0.1)``)."""
+    probability = getattr(module, "dropout", None)
+    return isinstance(module, _RANDOM_MODULES) or (isinstance(probability, float) and probability > 0)
 
 
 def _in_place(captured: CapturedGraph, node: Node) -> bool:
