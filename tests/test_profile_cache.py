@@ -19,6 +19,8 @@ from lightning_pipe.cost.machine_load import CpuReading
 from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.cost.profile_cache import (
     KEPT_IN,
+    MEASURED_BY,
+    THIS_PROCESS,
     cached_profile,
     default_directory,
     forget_profile,
@@ -63,6 +65,27 @@ def test_a_second_run_plans_from_the_kept_profile(tmp_path: Path, monkeypatch: p
     uncached = replace(options, cache=None)
     assert plan_stages(_layers(), sample, 2, uncached, MemoryModel(), CPU).bounds == ((0, 3), (4, 4))
     assert plan_stages(_layers(), sample, 2, uncached, MemoryModel(), CPU).bounds == ((0, 0), (1, 4))
+
+
+def test_only_a_profile_another_process_measured_is_announced_as_reused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run that profiles its layers twice (for their order, then for the plan) reads its own profile
+    back without saying it was "reused"; one a process measured before it is announced."""
+    sample = torch.randn(4, 8)
+    options = PlanOptions(cache=tmp_path)
+    with caplog.at_level("INFO"):
+        first = planning.profile_costs(_layers(), sample, options, CPU)
+        again = planning.profile_costs(_layers(), sample, options, CPU)
+    assert first.meta[MEASURED_BY] == again.meta[MEASURED_BY] == THIS_PROCESS
+    assert "reused from" not in caplog.text
+    (path,) = tmp_path.glob("*.json")
+    document = json.loads(path.read_text())
+    document["meta"][MEASURED_BY] = "4242@0.0"  # a run before this one
+    path.write_text(json.dumps(document))
+    with caplog.at_level("INFO"):
+        planning.profile_costs(_layers(), sample, options, CPU)
+    assert "reused from" in caplog.text
 
 
 def test_what_changes_the_costs_changes_the_key() -> None:

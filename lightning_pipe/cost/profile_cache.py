@@ -34,6 +34,7 @@ import json
 import math
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -52,6 +53,8 @@ from lightning_pipe.util.nested import tensors
 
 __all__ = [
     "KEPT_IN",
+    "MEASURED_BY",
+    "THIS_PROCESS",
     "cached_profile",
     "default_directory",
     "forget_profile",
@@ -63,6 +66,13 @@ __all__ = [
 KEPT_IN = "kept_in"
 """The key of a profile's ``meta`` naming the file :func:`cached_profile` read it from or kept it in
 (not saved in the file itself); :func:`forget_profile` marks that file."""
+
+MEASURED_BY = "measured_by"
+"""The key of a profile's ``meta`` naming the process that measured it (:data:`THIS_PROCESS`'s value
+there): a run reusing a profile it measured itself moments before has nothing to announce."""
+
+THIS_PROCESS = f"{os.getpid()}@{time.time():.6f}"
+"""This process, as :data:`MEASURED_BY` names it (a process id alone may come back in a later run)."""
 
 
 def profile_directory(cache: bool | str | os.PathLike[str]) -> Path | None:
@@ -149,7 +159,7 @@ def cached_profile(
     start = read()
     costs = measure()
     load = load_between(start, read())
-    costs = replace(costs, meta={**costs.meta, "load": load})
+    costs = replace(costs, meta={**costs.meta, "load": load, MEASURED_BY: THIS_PROCESS})
     if load is not None and load >= LOADED:
         warnings.warn(
             f"the profile was measured while other processes kept {load:.0%} of the processors busy: its times may "
