@@ -18,8 +18,8 @@ stays), sends the order to every rank and rebuilds the layers in it
 (:meth:`~lightning_pipe.capture.CapturedForward.reordered`); the profiler then measures them in that
 order and every partitioner splits that chain. Without times the layers are weighed by their FLOPs,
 which rank a CPU's times poorly: on a two-tower model at 4 stages FLOPs chose an order whose best
-split measured 4% slower than the recorded one's, where measured times chose one 4% faster (11% at 8
-stages; ``python bench/layer_order.py``). A graph whose layers form a chain, one with split points
+split measured 2-4% slower than the recorded one's, where measured times chose one 4-5% faster (9-11%
+at 8 stages; ``python bench/layer_order.py``). A graph whose layers form a chain, one with split points
 (:func:`~lightning_pipe.capture.pipe_split`: the user chose the cuts) or one whose downsets outnumber
 ``max_states`` keeps the recorded order.
 
