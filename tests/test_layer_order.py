@@ -291,7 +291,8 @@ def _towers_fit(root: str, strategy: Any, devices: int, epochs: int = 1, resume:
     run.fit(module, DataLoader(data, batch_size=128), ckpt_path=resume)
     run.save_checkpoint(str(Path(root) / "last.ckpt"))
     plan = getattr(run.strategy, "stage_plan", None)
-    return {"final": final_state(run, module), "names": plan.names if plan is not None else None}
+    seconds = getattr(run.strategy, "setup_seconds", None)
+    return {"final": final_state(run, module), "names": plan.names if plan is not None else None, "seconds": seconds}
 
 
 def _flop_order(model: PipelineModel, costs: Any, stages: int) -> tuple[int, ...] | None:
@@ -356,3 +357,6 @@ def test_a_reordered_pipeline_trains_as_plain_lightning_and_keeps_its_order(
         assert_states_close(first["final"], plain[0]["final"], 1e-5)
         assert_states_close(resumed["final"], plain[1]["final"], 1e-5)
         assert_states_close(planned["final"], plain[0]["final"], 1e-5)
+    seconds = ranks[0][0]["seconds"]  # rank 0 profiled the layers for their order, then in it
+    assert min(seconds.values()) >= 0 and seconds["profile"] > 0
+    assert seconds["total"] == pytest.approx(sum(value for phase, value in seconds.items() if phase != "total"))

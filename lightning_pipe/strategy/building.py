@@ -95,12 +95,14 @@ class PipelineBuilding:
                 first = Call(*map_tensors(lambda t: t.to("meta"), (first.args, first.kwargs)))
             with timed(seconds, "capture"):
                 self._chain, self._chain_of = self._capture(module, first), module
+            seconds["capture"] -= seconds["profile"]  # branching layers profiled for their order (._order)
             if self._chain.captured is not None:
                 watch_attributes(module, self._chain.captured.graph.read)
             if self.stage_plan is None or self.stage_plan.bounds[-1][1] != len(self._chain.layers) - 1:
+                profiled = seconds["profile"]
                 with timed(seconds, "plan"):
                     self.stage_plan = self._plan(self._chain, first, optimizer, rows_of(batch), meta)
-                seconds["plan"] -= seconds["verify"] + seconds["profile"]  # timed apart inside
+                seconds["plan"] -= seconds["verify"] + seconds["profile"] - profiled  # timed apart inside
         layers = self._chain.layers
         stage_plan = self.stage_plan
         make = self._schedule_maker(stage_plan)
@@ -354,7 +356,8 @@ class PipelineBuilding:
             return None if list(kept) == model.names else tuple(model.names.index(name) for name in kept)
         if any(t.is_meta for t in tensors((first.args, first.kwargs))):
             return None
-        costs = profile_costs(model.layers, model.inputs(first), self.plan_options, self.root_device, model.names)
+        sample, device = model.inputs(first), self.root_device
+        costs = profile_costs(model.layers, sample, self.plan_options, device, model.names, self.setup_seconds)
         return model.order_for(costs, self.stages)  # the profile the plan reuses where the order stays
 
     def _named_order(self) -> tuple[str, ...] | None:
