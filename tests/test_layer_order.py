@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipe import PipelineStrategy
+from lightning_pipe import PipelineStrategy, PlanningError
 from lightning_pipe.capture import capture, pipe_split
 from lightning_pipe.capture.graph import capture_graph
 from lightning_pipe.capture.layer_order import GAIN, branches, layer_dag, searched_order
@@ -127,6 +127,19 @@ def test_kept_where_nothing_is_gained_or_the_user_split() -> None:
     assert searched_order(graph, grouped, 2, max_states=3) is None  # beyond the search: recorded order
     even = [(1.0, 2.0)] * len(grouped)  # every layer as long: the recorded order splits as well
     assert searched_order(graph, grouped, 2, seconds=even) is None
+
+
+def test_an_order_the_layers_cannot_run_in_is_refused() -> None:
+    """A plan file of another model could name these layers in an order where one runs before what it
+    uses: refused, naming it, before any layer is built."""
+    captured = capture(TwoTowers(), (torch.randn(4, TOWER),), stages=2)
+    names = [spec.name for spec in captured.specs]
+    swapped = list(range(len(names)))
+    swapped[0], swapped[1] = 1, 0  # a2 before a1
+    with pytest.raises(PlanningError, match="a2 would run before a1"):
+        captured.reordered(swapped)
+    with pytest.raises(PlanningError, match="must list each once"):
+        captured.reordered([0, 0, *range(2, len(names))])
 
 
 class InPlace(nn.Module):

@@ -17,8 +17,10 @@ from torch.fx.node import Node
 
 from lightning_pipe.capture.generation_cache import generation_cache_off
 from lightning_pipe.capture.graph import CapturedGraph, UntraceableForward, capture_graph
+from lightning_pipe.capture.layer_order import layer_dag
 from lightning_pipe.capture.layers import GraphLayer, LayerSpec, build_layers, group_nodes, layer_specs
 from lightning_pipe.capture.tracer import pipe_split
+from lightning_pipe.errors import PlanningError
 
 __all__ = ["CapturedForward", "GraphLayer", "UntraceableForward", "capture", "pipe_split"]
 
@@ -40,8 +42,23 @@ class CapturedForward:
 
     def reordered(self, order: Sequence[int]) -> CapturedForward:
         """The same layers (names, modules, parameters) run in ``order``, a topological order of them
-        (:func:`~lightning_pipe.capture.layer_order.searched_order`): what crosses each cut follows."""
+        (:func:`~lightning_pipe.capture.layer_order.searched_order`): what crosses each cut follows.
+        An order that is not one (a plan file's, of another model) is refused with the first layer it
+        puts too early."""
         grouped = self.grouped
+        if sorted(order) != list(range(len(grouped))):
+            raise PlanningError(
+                f"an order of the {len(grouped)} layers must list each once, got {list(order)}: give the layer "
+                "names of a plan of this model"
+            )
+        position = {layer: place for place, layer in enumerate(order)}
+        for producer, consumer in layer_dag(self.graph, grouped).edges:
+            if position[consumer] < position[producer]:
+                raise PlanningError(
+                    f"the layers cannot run in this order: {self.specs[consumer].name} would run before "
+                    f"{self.specs[producer].name}, which it must follow (it uses what that one computes, or they "
+                    "must keep forward's order); give the layer names of a plan of this model, or leave plan= out"
+                )
         specs = layer_specs(self.graph, [grouped[i] for i in order])
         specs = [replace(spec, name=self.specs[i].name) for spec, i in zip(specs, order, strict=True)]
         return CapturedForward(self.graph, specs, build_layers(self.graph, specs), self.cache_off)
