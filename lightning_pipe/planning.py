@@ -30,7 +30,7 @@ from lightning_pipe.capture.describe import describe
 from lightning_pipe.cost.machine_load import LOADED
 from lightning_pipe.cost.memory import EXTRA_COPIES, MemoryModel
 from lightning_pipe.cost.network import Network
-from lightning_pipe.cost.profile_cache import MEASURED_BY, THIS_PROCESS, cached_profile, profile_key
+from lightning_pipe.cost.profile_cache import cached_profile, kept_here, profile_key
 from lightning_pipe.cost.profile_file import load_profile
 from lightning_pipe.cost.profiler import given_names, profile_layers
 from lightning_pipe.cost.records import ChainCosts
@@ -417,7 +417,7 @@ def _profile(
         return measure()
     key = profile_key(layers, names, sample, device, options.repeats)
     costs, path, reused = cached_profile(options.cache, key, measure, len(layers))
-    if reused and costs.meta.get(MEASURED_BY) != THIS_PROCESS:  # not this run's own, measured earlier
+    if reused and not kept_here(path):  # an earlier run's, not this run's own
         load = costs.meta.get("load")
         loaded = (
             f" It was measured while other processes kept {load:.0%} of the processors busy, and the machine is no "

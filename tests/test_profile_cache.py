@@ -19,11 +19,10 @@ from lightning_pipe.cost.machine_load import CpuReading
 from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.cost.profile_cache import (
     KEPT_IN,
-    MEASURED_BY,
-    THIS_PROCESS,
     cached_profile,
     default_directory,
     forget_profile,
+    kept_here,
     profile_disagrees,
     profile_key,
 )
@@ -71,20 +70,21 @@ def test_only_a_profile_another_process_measured_is_announced_as_reused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A run that profiles its layers twice (for their order, then for the plan) reads its own profile
-    back without saying it was "reused"; one a process measured before it is announced."""
+    back without saying it was "reused"; one another process kept (the same file, where this process
+    did not write it) is announced."""
     sample = torch.randn(4, 8)
-    options = PlanOptions(cache=tmp_path)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
     with caplog.at_level("INFO"):
-        first = planning.profile_costs(_layers(), sample, options, CPU)
-        again = planning.profile_costs(_layers(), sample, options, CPU)
-    assert first.meta[MEASURED_BY] == again.meta[MEASURED_BY] == THIS_PROCESS
+        planning.profile_costs(_layers(), sample, PlanOptions(cache=mine), CPU)
+        again = planning.profile_costs(_layers(), sample, PlanOptions(cache=mine), CPU)
+    (path,) = mine.glob("*.json")
+    assert again.meta[KEPT_IN] == str(path) and kept_here(path)
     assert "reused from" not in caplog.text
-    (path,) = tmp_path.glob("*.json")
-    document = json.loads(path.read_text())
-    document["meta"][MEASURED_BY] = "4242@0.0"  # a run before this one
-    path.write_text(json.dumps(document))
+    theirs.mkdir()
+    (theirs / path.name).write_text(path.read_text())  # as an earlier run left it
+    assert not kept_here(theirs / path.name)
     with caplog.at_level("INFO"):
-        planning.profile_costs(_layers(), sample, options, CPU)
+        planning.profile_costs(_layers(), sample, PlanOptions(cache=theirs), CPU)
     assert "reused from" in caplog.text
 
 

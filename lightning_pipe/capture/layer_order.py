@@ -36,7 +36,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
-import torch
 from torch import nn
 from torch.fx.node import Node
 
@@ -46,7 +45,6 @@ from lightning_pipe.cost.pipedream_graph import LayerDag
 from lightning_pipe.cost.records import LayerCost
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition.antichain import antichain_plan
-from lightning_pipe.util.nested import tensors
 
 __all__ = ["GAIN", "MAX_ORDER_STATES", "branches", "layer_dag", "searched_order"]
 
@@ -79,11 +77,11 @@ def searched_order(
     has the smallest bottleneck, with each layer's (forward, backward) ``seconds`` (default: FLOPs),
     when at least :data:`GAIN` below the recorded order's; None to keep the recorded order (module
     docstring)."""
-    if stages < 2 or len(grouped) <= stages or not branches(captured, grouped):
+    if stages < 2 or len(grouped) <= stages or _split_by_user(grouped):
         return None
     dag = layer_dag(captured, grouped, seconds)
-    if not any(layer.seconds for layer in dag.layers):
-        return None  # nothing to weigh the layers by
+    if _is_chain(dag) or not any(layer.seconds for layer in dag.layers):
+        return None  # one order only, or nothing to weigh the layers by
     try:
         searched = antichain_plan(dag, stages, straight=True, max_states=max_states)
     except PlanningError:
@@ -97,9 +95,15 @@ def searched_order(
 def branches(captured: CapturedGraph, grouped: Grouped) -> bool:
     """Whether the layers could run in another order: no split points, and two consecutive layers with
     no edge between them."""
-    if any(node.target is split_marker for group, _ in grouped for node in group):
-        return False
-    return not set(_consecutive(len(grouped))) <= set(layer_dag(captured, grouped).edges)
+    return not _split_by_user(grouped) and not _is_chain(layer_dag(captured, grouped))
+
+
+def _split_by_user(grouped: Grouped) -> bool:
+    return any(node.target is split_marker for group, _ in grouped for node in group)
+
+
+def _is_chain(dag: LayerDag) -> bool:
+    return set(_consecutive(len(dag.layers))) <= set(dag.edges)
 
 
 def _consecutive(layers: int) -> Iterable[tuple[int, int]]:
@@ -111,23 +115,16 @@ def layer_dag(
 ) -> LayerDag:
     """The layers as a graph: an edge where a layer uses a value another computed, or where two must
     keep their order (module docstring); a layer's times are ``seconds`` (forward, backward), or else
-    its forward FLOPs and twice them; its ``activation_bytes`` the values it hands to other layers or
-    the output."""
+    its forward FLOPs and twice them. No bytes: the search prices straight stages over free links."""
     layer_of = {node: i for i, (group, _) in enumerate(grouped) for node in group}
     last = len(grouped) - 1
-    edges: list[tuple[int, int]] = []
-    handed = [0] * len(grouped)
-    for node, i in layer_of.items():
-        consumers = {layer_of.get(user, last) for user in node.users} - {i}
-        edges.extend((i, j) for j in consumers)
-        if consumers or any(user.op == "output" for user in node.users):
-            handed[i] += _bytes(captured, node)
+    edges = [(i, j) for node, i in layer_of.items() for j in {layer_of.get(user, last) for user in node.users} - {i}]
     edges.extend(_kept_in_order(captured, grouped, layer_of))
     costs = []
     for i, (group, _) in enumerate(grouped):
         flops = float(sum(_flops(captured, node) for node in group))
         forward, backward = (flops, 2 * flops) if seconds is None else seconds[i]
-        costs.append(LayerCost(f"layer {i}", forward, backward, float(handed[i]), 0.0, 0.0, flops=3 * flops))
+        costs.append(LayerCost(f"layer {i}", forward, backward, 0.0, 0.0, 0.0, flops=3 * flops))
     return LayerDag(tuple(costs), tuple(edges), name="the captured forward")
 
 
@@ -206,9 +203,3 @@ def _in_place(captured: CapturedGraph, node: Node) -> bool:
 def _flops(captured: CapturedGraph, node: Node) -> int:
     shadow = captured.shadows.get(node)
     return shadow.flops if shadow is not None else 0
-
-
-def _bytes(captured: CapturedGraph, node: Node) -> int:
-    shadow = captured.shadows.get(node)
-    value = shadow.value if shadow is not None else None
-    return sum(t.numel() * t.element_size() for t in tensors(value) if isinstance(t, torch.Tensor))

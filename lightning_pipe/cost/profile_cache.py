@@ -34,7 +34,6 @@ import json
 import math
 import os
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -53,11 +52,10 @@ from lightning_pipe.util.nested import tensors
 
 __all__ = [
     "KEPT_IN",
-    "MEASURED_BY",
-    "THIS_PROCESS",
     "cached_profile",
     "default_directory",
     "forget_profile",
+    "kept_here",
     "profile_directory",
     "profile_disagrees",
     "profile_key",
@@ -67,12 +65,7 @@ KEPT_IN = "kept_in"
 """The key of a profile's ``meta`` naming the file :func:`cached_profile` read it from or kept it in
 (not saved in the file itself); :func:`forget_profile` marks that file."""
 
-MEASURED_BY = "measured_by"
-"""The key of a profile's ``meta`` naming the process that measured it (:data:`THIS_PROCESS`'s value
-there): a run reusing a profile it measured itself moments before has nothing to announce."""
-
-THIS_PROCESS = f"{os.getpid()}@{time.time():.6f}"
-"""This process, as :data:`MEASURED_BY` names it (a process id alone may come back in a later run)."""
+_KEPT_HERE: set[Path] = set()  # the files this process measured and kept (.kept_here)
 
 
 def profile_directory(cache: bool | str | os.PathLike[str]) -> Path | None:
@@ -159,7 +152,7 @@ def cached_profile(
     start = read()
     costs = measure()
     load = load_between(start, read())
-    costs = replace(costs, meta={**costs.meta, "load": load, MEASURED_BY: THIS_PROCESS})
+    costs = replace(costs, meta={**costs.meta, "load": load})
     if load is not None and load >= LOADED:
         warnings.warn(
             f"the profile was measured while other processes kept {load:.0%} of the processors busy: its times may "
@@ -176,10 +169,17 @@ def cached_profile(
     try:
         save_profile(costs, temporary)
         os.replace(temporary, path)  # atomic: a concurrent run reads the old file or the new one
+        _KEPT_HERE.add(path)
     except OSError:
         temporary.unlink(missing_ok=True)
         return costs, path, False
     return _located(costs, path), path, False
+
+
+def kept_here(path: Path) -> bool:
+    """Whether this process measured the profile kept in ``path`` (a run reading back the profile it
+    measured moments before, for its layers' order, has no earlier run's profile to announce)."""
+    return path in _KEPT_HERE
 
 
 def _distrusted(kept: ChainCosts, path: Path, layers: int, read: Callable[[], CpuReading]) -> str | None:
