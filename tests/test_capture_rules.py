@@ -212,3 +212,30 @@ def test_tensors_split_apart_are_still_tensors_not_values() -> None:
         carried = layer(carried)
     with torch.no_grad():
         assert torch.equal(carried, module(x))
+
+
+class _UnpacksValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        low, high = torch.stack([h.min(), h.max()]).tolist()  # values read out of a tensor, unpacked by count
+        weight, bias = self.last.weight, self.last.bias
+        return nn.functional.linear((h - low) / (high - low), weight, bias)
+
+
+def test_values_read_out_of_a_tensor_unpack_by_the_count_in_the_code() -> None:
+    """``low, high = t.tolist()``: the two values are nodes taken apart by the unpacking's count (their
+    number is not read from the tensor); the chain recomputes them from each batch, as ``forward``."""
+    torch.manual_seed(0)
+    module = _UnpacksValues()
+    captured = capture(module, (torch.randn(4, 3),), stages=1, layers_per_stage=1)
+    assert captured.graph.leaves == {}
+    x = torch.randn(6, 3) * 5
+    carried: object = (x,)
+    for layer in captured.layers:
+        carried = layer(carried)
+    with torch.no_grad():
+        assert torch.allclose(carried, module(x))

@@ -23,6 +23,7 @@ traced into a leaf and traces again.
 from __future__ import annotations
 
 import builtins
+import dis
 import inspect
 import linecache
 import operator
@@ -36,8 +37,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx import _symbolic_trace
 from torch.fx.node import Node, has_side_effect, map_aggregate
+from torch.fx.proxy import ParameterProxy
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -178,6 +179,21 @@ class _ShadowProxy(fx.Proxy):
     def __setitem__(self, key: Any, value: Any) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
+    def __iter__(self) -> Iterator[fx.Proxy]:
+        """Its parts, as many as its real value has (``a, b = proxy``; torch.fx disassembles the caller's
+        bytecode at every unpacking to count them). A value read out of a tensor, whose length must
+        not decide, is counted from the unpacking as torch.fx does."""
+        shadow = self.tracer.shadows.get(self.node)
+        if shadow is not None and not shadow.tainted:
+            return self.tracer.iter(self)
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is not None:
+            unpacking = next((i for i in dis.get_instructions(caller.f_code) if i.offset == caller.f_lasti), None)
+            if unpacking is not None and unpacking.opname == "UNPACK_SEQUENCE":
+                return iter([self[i] for i in range(unpacking.argval)])
+        return self.tracer.iter(self)
+
 
 @dataclass
 class _Call:
@@ -211,6 +227,8 @@ class ShadowTracer(fx.Tracer):
         self.decided: dict[tuple[str, str], Decided] = {}  # attributes whose values the graph holds
         self.read_live: dict[tuple[str, str], nn.Module] = {}  # floats the layers read when they run
         self._paths: dict[int, str] = {}
+        self._parameters: dict[int, str] = {}  # id(parameter) -> its name in the traced module
+        self._real = False  # a node runs on real values: the patched nn.Module hands over its own results
 
     # -- what is a leaf -------------------------------------------------------------------------
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -221,6 +239,8 @@ class ShadowTracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict) -> Any:
+        if self._real:  # a node's module running on real values (:meth:`_run`)
+            return forward(*args, **kwargs)
         path = self._installed_path(m)
         if path is None:  # made by forward itself (``CrossEntropyLoss()(logits, labels)``): its code is forward's
             return forward(*args, **kwargs)
@@ -237,13 +257,26 @@ class ShadowTracer(fx.Tracer):
         self.scope_stack.pop()
         return result
 
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if self._real:  # read by a node's module running on real values (:meth:`_run`)
+            return attr_val
+        name = self._parameters.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None:  # not a parameter of the root when the trace began: torch.fx's own search
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        # torch.fx's answer, found by name at once rather than by a walk over every parameter per read
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy(
+                "get_attr", name, (), {}, proxy_factory_fn=lambda node: ParameterProxy(self, node, name, attr_val)
+            )
+        return parameter_proxy_cache[name]
+
     def attribute_read(self, module: nn.Module, name: str, value: Any) -> Any:
         """``module.name`` read by traced code (a Python scalar of the module's own). A float becomes a
         node that reads it when the layer runs (a gate's scale, a temperature); any other value, or a
         float a Python decision is taken on, is held by the graph as it was: it goes into
         :attr:`decided`, so that a later change is caught (:func:`changed_attributes`)."""
         path = self._paths.get(id(module))
-        if path is None:
+        if path is None or self._real:  # a node's module reads it when it runs, every time
             return value
         if type(value) is not float:
             self._hold(module, path, name, value)
@@ -286,6 +319,7 @@ class ShadowTracer(fx.Tracer):
         skeleton, found = flatten((args, kwargs))
         self._call = _Call(skeleton, found, _placeholder_names(root, args, kwargs, len(found)))
         self._paths = {id(module): path for path, module in root.named_modules()}
+        self._parameters = {id(parameter): name for name, parameter in root.named_parameters()}
         _ACTIVE.append(self)
         try:
             counting = FlopCounterMode(display=False) if self._count_flops else nullcontext()
@@ -340,16 +374,12 @@ class ShadowTracer(fx.Tracer):
             self._placeholder_values.append(shadow.value)
         else:
             before = self._counter.get_total_flops() if self._counter is not None else 0
-            # a module's forward and an attribute read must not meet the tracer's patches of nn.Module;
-            # torch's functions and tensor methods on real tensors go through them untouched
-            patched = kind in ("call_module", "get_attr")
-            with _symbolic_trace._maybe_revert_all_patches() if patched else nullcontext():
-                try:
-                    shadow.value = self._run(kind, target, _values(args, self), _values(kwargs, self))
-                except Exception as error:
-                    raise ForwardFailed(
-                        f"forward fails on the first micro-batch at {shadow.line}: {type(error).__name__}: {error}"
-                    ) from error
+            try:
+                shadow.value = self._run(kind, target, _values(args, self), _values(kwargs, self))
+            except Exception as error:
+                raise ForwardFailed(
+                    f"forward fails on the first micro-batch at {shadow.line}: {type(error).__name__}: {error}"
+                ) from error
             shadow.flops = (self._counter.get_total_flops() if self._counter is not None else 0) - before
             derived = [s.attributes for s in inputs if s.attributes]
             if derived:
@@ -365,13 +395,22 @@ class ShadowTracer(fx.Tracer):
         return proxy
 
     def _run(self, kind: str, target: Any, args: Any, kwargs: Any) -> Any:
-        if kind == "get_attr":
-            return self.live[target] if target in self.live else _attribute(self.root, target)
-        if kind == "call_module":
-            return self.root.get_submodule(target)(*args, **kwargs)
         if kind == "call_method":
             return getattr(args[0], target)(*args[1:], **kwargs)
-        return target(*args, **kwargs)
+        if kind == "call_function":
+            return target(*args, **kwargs)
+        # a module's forward and an attribute read pass through the tracer's patches of nn.Module's
+        # ``__call__`` and ``__getattr__``: while they run for real, the patches hand over the module's
+        # own result (:meth:`call_module`, :meth:`getattr`). Reverting the patches instead would
+        # rewrite nn.Module's attributes twice a node, which empties the type caches of every one of
+        # its subclasses: half the time of a capture.
+        real, self._real = self._real, True
+        try:
+            if kind == "get_attr":
+                return self.live[target] if target in self.live else _attribute(self.root, target)
+            return self.root.get_submodule(target)(*args, **kwargs)
+        finally:
+            self._real = real
 
     def concrete(self, proxy: fx.Proxy, use: str) -> Any:
         """The real value behind ``proxy``, for a Python decision (refused when it reads tensor values)."""
