@@ -140,6 +140,27 @@ def test_the_heap_alive_at_the_start_is_frozen_out_of_later_collections() -> Non
         gc.unfreeze()
 
 
+def test_a_heap_frozen_before_is_left_as_it_is() -> None:
+    """Objects frozen before the executor (a forkserver's imports: ``frozen_preload``) stay frozen
+    through it and after it, and nothing is added to them; a cycle made meanwhile is still freed by
+    the aligned collection."""
+    gc.unfreeze()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    collection = AlignedCollection(3)
+    try:
+        assert gc.get_freeze_count() == frozen
+        cycle = _Cycle()
+        alive = weakref.ref(cycle)
+        del cycle
+        collection.full()
+        assert alive() is None
+    finally:
+        collection.close()
+        assert gc.get_freeze_count() == frozen
+        gc.unfreeze()
+
+
 @pytest.mark.parametrize("every", [0, -3, True, 2.5, "10"])
 def test_bad_interval_is_refused(every: object) -> None:
     with pytest.raises(PlanningError, match=r"gc_every must be a whole number of calls >= 1, or None; got"):

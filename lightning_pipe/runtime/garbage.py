@@ -9,7 +9,10 @@ reason, the executor turns automatic collection off while it runs and collects o
 start of every ``every``-th call, so the pauses coincide (and on a drain, which every rank reaches
 together). The objects alive when the executor starts (imports, the model, the programs) are frozen
 (:func:`gc.freeze`): no collection walks them again, so a full collection, which frees every cycle
-however old, costs only what was made since.
+however old, costs only what was made since. A process forked from this package's forkserver starts
+with the server's imports frozen already (:mod:`.frozen_preload`): those stay as they are, and the
+executor neither freezes more nor lets them go, so its first collection walks only what the process
+made itself (about 0.3 s less per fit on 2 CPU processes, where the imports are some 500,000 objects).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class AlignedCollection:
 
     _holders = 0
     _resume = False
+    _freezing = False  # whether the holders freeze (and unfreeze at the end): nothing was frozen before them
 
     def __init__(self, every: int | None) -> None:
         check_whole("gc_every", every, 1, "calls", optional=True)
@@ -42,9 +46,11 @@ class AlignedCollection:
         if self._holding:
             if AlignedCollection._holders == 0:
                 AlignedCollection._resume = gc.isenabled()
+                AlignedCollection._freezing = gc.get_freeze_count() == 0
             AlignedCollection._holders += 1
             gc.collect()
-            gc.freeze()
+            if AlignedCollection._freezing:
+                gc.freeze()
             gc.disable()
 
     def call(self) -> None:
@@ -68,6 +74,7 @@ class AlignedCollection:
             self._holding = False
             AlignedCollection._holders -= 1
             if AlignedCollection._holders == 0:
-                gc.unfreeze()
+                if AlignedCollection._freezing:
+                    gc.unfreeze()
                 if AlignedCollection._resume:
                     gc.enable()

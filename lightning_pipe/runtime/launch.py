@@ -30,8 +30,9 @@ import torch.multiprocessing as mp
 
 from lightning_pipe.runtime.affinity import pin_threads
 
-PRELOADED = ("torch", "torch.distributed", "lightning", "lightning_pipe")
-"""What the forkserver imports once, before it forks the processes of every :func:`run_local`."""
+PRELOADED = ("torch", "torch.distributed", "lightning", "lightning_pipe", "lightning_pipe.runtime.frozen_preload")
+"""What the forkserver imports once, before it forks the processes of every :func:`run_local`; the
+last freezes what the others made (:mod:`lightning_pipe.runtime.frozen_preload`)."""
 
 __all__ = ["LocalRunError", "adopt_environment", "has_forkserver", "preloading_forkserver", "run_local"]
 
