@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import PolyCollection
 
 from lightning_pipe.errors import PlanningError
@@ -185,3 +186,31 @@ def test_large_timeline_is_grouped_and_unlabelled(tmp_path: Path) -> None:
     assert len(ax.collections) < 16 * 30  # grouped per (worker, colour), not one artist per box
     assert all(c.get_linewidth().max() == 0 for c in ax.collections if isinstance(c, PolyCollection))
     assert 6.0 <= figure.get_figwidth() <= 24.0
+
+
+@pytest.mark.parametrize("panels", [1, 3])
+@pytest.mark.parametrize("stages", [1, 4, 12])
+@pytest.mark.parametrize("title", ["", "1f1b: last 3 steps"])
+def test_comparison_panels_keep_their_names_titles_and_key_inside_the_figure(
+    panels: int, stages: int, title: str
+) -> None:
+    """The comparison's fixed margins (no layout engine: one draw less at every fit's end): the
+    workers' names, the figure's and each panel's title and the key lie inside the figure, and no
+    panel's title runs into the panel above."""
+    sim = simulate(assign_versions(one_f_one_b(stages, 4, steps=2), "sync"), StageCosts.uniform(stages, 1.0, 2.0))
+    figure = draw_comparison([(f"panel {i}", sim.timeline) for i in range(panels)], title=title)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    inside = figure.bbox
+    texts = [label for ax in figure.axes for label in ax.get_yticklabels()]
+    texts += [ax.title for ax in figure.axes] + [ax._left_title for ax in figure.axes]
+    texts += [figure.axes[0].get_legend()] + ([figure._suptitle] if title else [])
+    for text in texts:
+        box = text.get_window_extent(renderer)
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, text
+    for upper, lower in zip(figure.axes, figure.axes[1:], strict=False):
+        assert lower._left_title.get_window_extent(renderer).y1 < upper.get_window_extent(renderer).y0
+    boxes = [text.get_window_extent(renderer) for text in texts]
+    slack = 0.3 * figure.dpi  # and no room wasted: the names and the top line come within 0.3 inch of the edges
+    assert min(box.x0 for box in boxes) - inside.x0 < slack and inside.y1 - max(box.y1 for box in boxes) < slack

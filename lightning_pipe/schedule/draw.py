@@ -312,6 +312,26 @@ def draw_timeline(
     return figure
 
 
+def _panel_margins(size: tuple[float, float], panels: int, workers: int, title: bool) -> dict[str, float]:
+    """Where ``panels`` stacked timelines sit in a figure of ``size`` inches, as figure fractions: room
+    for the workers' names on the left, the figure's title and the first panel's title and key on
+    top, each panel's title between panels, the time axis below. Fixed margins, where a layout
+    engine would draw the whole figure once more to measure them: the end-of-fit report draws one
+    at every fit."""
+    width, height = size
+    names = (0.62 * 9.0 * len(f"worker {workers - 1}") + 12.0) / 72  # the y labels, at most 9 points
+    top = 0.3 + (0.35 if title else 0.0)
+    bottom, gap = 0.5, 0.3
+    axes_height = max((height - top - bottom - gap * (panels - 1)) / panels, 0.3)
+    return {
+        "left": min(names / width, 0.3),
+        "right": 1 - 0.15 / width,
+        "top": 1 - top / height,
+        "bottom": bottom / height,
+        "hspace": gap / axes_height,
+    }
+
+
 def draw_comparison(
     panels: Sequence[tuple[str, Sequence[Interval]]], path: str | Path | None = None, *, title: str = ""
 ) -> Figure:
@@ -327,14 +347,16 @@ def draw_comparison(
     every = [b for _, boxes in named for b in boxes]
     span = _span(every)
     width, height = _timeline_size(every, rows)
-    figure = Figure(figsize=(width, min(height * len(named), 24.0)), layout="constrained")
-    axes = figure.subplots(len(named), 1, sharex=True, squeeze=False)[:, 0]
+    size = (width, min(height * len(named), 24.0))
+    figure = Figure(figsize=size)
+    grid = _panel_margins(size, len(named), rows, bool(title))
+    axes = figure.subplots(len(named), 1, sharex=True, squeeze=False, gridspec_kw=grid)[:, 0]
     for index, (ax, (name, boxes)) in enumerate(zip(axes, named, strict=True)):
         _plot_timeline(ax, boxes, rows, span, name, legend=index == 0)
         if index < len(named) - 1:
             ax.set_xlabel("")
     if title:
-        figure.suptitle(title)
+        figure.suptitle(title, y=1 - 0.1 / size[1])  # 0.1 inch from the top, whatever the figure's height
     _save(figure, output)
     return figure
 
