@@ -204,7 +204,7 @@ def test_comparison_panels_keep_their_names_titles_and_key_inside_the_figure(
     renderer = canvas.get_renderer()
     inside = figure.bbox
     texts = [label for ax in figure.axes for label in ax.get_yticklabels()]
-    texts += [ax.title for ax in figure.axes] + [ax._left_title for ax in figure.axes]
+    texts += [ax._left_title for ax in figure.axes]  # each panel's name, on the left
     texts += [figure.axes[0].get_legend()] + ([figure._suptitle] if title else [])
     for text in texts:
         box = text.get_window_extent(renderer)

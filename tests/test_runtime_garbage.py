@@ -117,6 +117,14 @@ def test_collection_comes_back_when_the_last_holder_closes() -> None:
     assert not gc.isenabled()
 
 
+def _assert_full_frees_a_new_cycle(collection: AlignedCollection) -> None:
+    cycle = _Cycle()
+    alive = weakref.ref(cycle)
+    del cycle
+    collection.full()
+    assert alive() is None
+
+
 def test_the_heap_alive_at_the_start_is_frozen_out_of_later_collections() -> None:
     """Objects alive when collection is taken over (imports, the model) are frozen: a full
     collection no longer walks them (it costs only what was made since), while a cycle made
@@ -130,11 +138,7 @@ def test_the_heap_alive_at_the_start_is_frozen_out_of_later_collections() -> Non
     try:
         assert gc.get_freeze_count() >= 0.9 * tracked  # the heap of the moment, less its garbage
         assert not any(item is old for item in gc.get_objects())  # no generation holds it any more
-        cycle = _Cycle()
-        alive = weakref.ref(cycle)
-        del cycle
-        collection.full()
-        assert alive() is None
+        _assert_full_frees_a_new_cycle(collection)
     finally:
         collection.close()
         gc.unfreeze()
@@ -150,11 +154,7 @@ def test_a_heap_frozen_before_is_left_as_it_is() -> None:
     collection = AlignedCollection(3)
     try:
         assert gc.get_freeze_count() == frozen
-        cycle = _Cycle()
-        alive = weakref.ref(cycle)
-        del cycle
-        collection.full()
-        assert alive() is None
+        _assert_full_frees_a_new_cycle(collection)
     finally:
         collection.close()
         assert gc.get_freeze_count() == frozen

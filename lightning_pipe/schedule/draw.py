@@ -52,6 +52,11 @@ UPDATE_COLOUR = (0.15, 0.15, 0.15)
 TRANSFER_COLOUR = (0.75, 0.75, 0.75)
 ODD_STEP_HATCH = "///"
 MIN_FONT, MAX_FONT = 4.0, 8.0
+"""Sizes of a box's label, in points."""
+NAME_FONT = 9.0
+"""The largest size of a worker's name on the left, in points."""
+CHAR_WIDTH = 0.62
+"""A character's width, as a fraction of its font size (to tell whether a text fits before drawing)."""
 UNITS = ("B", "KiB", "MiB", "GiB")
 
 Group = tuple[Kind, int, int]
@@ -183,7 +188,7 @@ def _labels(action: Action, several_stages: bool) -> list[str]:
 
 def _fits(text: str, font: float, width_pt: float, height_pt: float) -> bool:
     lines = text.split("\n")
-    return 0.62 * font * max(map(len, lines)) <= width_pt - 3 and 1.2 * font * len(lines) <= height_pt - 2
+    return CHAR_WIDTH * font * max(map(len, lines)) <= width_pt - 3 and 1.2 * font * len(lines) <= height_pt - 2
 
 
 def _draw_labels(ax: Axes, boxes: Sequence[Interval], workers: int, span: tuple[float, float]) -> None:
@@ -251,7 +256,7 @@ def _style(ax: Axes, workers: int, span: tuple[float, float], title: str) -> Non
     ax.set_ylim(workers - 0.5, -0.5)
     ax.set_yticks(range(workers), [f"worker {w}" for w in range(workers)])
     height_pt = _axes_points(ax)[1]
-    ax.tick_params(axis="y", length=0, labelsize=min(9.0, max(3.0, 0.75 * height_pt / workers)))
+    ax.tick_params(axis="y", length=0, labelsize=min(NAME_FONT, max(3.0, 0.75 * height_pt / workers)))
     ax.set_xlabel("time")
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     ax.set_axisbelow(True)
@@ -319,7 +324,7 @@ def _panel_margins(size: tuple[float, float], panels: int, workers: int, title: 
     engine would draw the whole figure once more to measure them: the end-of-fit report draws one
     at every fit."""
     width, height = size
-    names = (0.62 * 9.0 * len(f"worker {workers - 1}") + 12.0) / 72  # the y labels, at most 9 points
+    names = (CHAR_WIDTH * NAME_FONT * len(f"worker {workers - 1}") + 12.0) / 72  # the longest name, inches
     top = 0.3 + (0.35 if title else 0.0)
     bottom, gap = 0.5, 0.3
     axes_height = max((height - top - bottom - gap * (panels - 1)) / panels, 0.3)
