@@ -4,7 +4,8 @@
 
 - the profiler's times are the kernels' times, as CUDA events measure them (it synchronises the
   device around every clock read: an unsynchronised clock would read the launches, microseconds);
-- a ResNet-18 stage's profiled saved bytes are what the allocator holds after its forward;
+- a ResNet-18 stage's profiled saved bytes are what the allocator holds after its forward, and a
+  block's profiled ``backward_bytes`` what the allocator's peak over its backward says;
 - the executor moves CPU stages and CPU batches to the GPU, trains there and equals the single-process
   reference of its rule computed on the CPU; the bytes it counts as saved for the backward are within
   what ``torch.cuda.max_memory_allocated`` sees the step allocate;
@@ -99,6 +100,30 @@ def test_a_convolutional_stage_saves_what_the_allocator_holds() -> None:
     held = torch.cuda.memory_allocated() - before
     assert output.requires_grad
     assert held == pytest.approx(costs.saved_between(0, len(blocks) - 1), rel=0.1)
+
+
+def test_a_blocks_backward_holds_what_the_allocator_sees() -> None:
+    """A ResNet-18 block on the GPU: its profiled ``backward_bytes`` (seen at the dispatcher, the same
+    on every device) against the CUDA allocator's peak over its backward: the rise above what was held
+    when the backward began, with the output's gradient it was given, less the parameters' gradients it
+    leaves (which may come before or after the peak: a range). What the dispatcher does not see (cuDNN's
+    workspaces) would put the allocator's figure above it."""
+    import torchvision
+
+    torch.manual_seed(0)
+    block = torchvision.models.resnet18().layer1[0].cuda()
+    sample = torch.randn(16, 64, 56, 56, device="cuda").requires_grad_()
+    costs = profile_layers([block], sample, repeats=1, count_flops=False)
+    output = block(sample.clone())
+    received = torch.randn_like(output)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    torch.autograd.backward([output], [received])
+    torch.cuda.synchronize()
+    rise = torch.cuda.max_memory_allocated() - start + received.numel() * received.element_size()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in block.parameters())
+    assert 0.9 * (rise - grads) <= costs.layers[0].backward_bytes <= 1.1 * rise
 
 
 def _train_on_gpu(rank: int, stages: int, steps: int) -> dict[str, Any]:

@@ -31,8 +31,18 @@ def chains(draw: st.DrawFn, max_layers: int = 7) -> ChainCosts:
     flops = draw(st.one_of(st.none(), st.lists(small, min_size=n, max_size=n)))
     # what a layer saves that the one before it saves too (a ReLU's output, the next layer's input)
     shared = [0.0, *(draw(st.integers(0, int(min(saved[i], saved[i - 1])))) for i in range(1, n))]
+    # what a layer's backward holds beyond its saved activations (none in about half the chains)
+    transient = draw(st.one_of(st.just([0.0] * n), st.lists(small, min_size=n, max_size=n)))
     chain = ChainCosts.from_lists(
-        forward, backward, activation=activation, saved=saved, params=params, kept=kept, flops=flops, shared=shared
+        forward,
+        backward,
+        activation=activation,
+        saved=saved,
+        params=params,
+        kept=kept,
+        flops=flops,
+        shared=shared,
+        transient=transient,
     )
     if draw(st.booleans()):
         skips = draw(st.lists(small, min_size=n - 1, max_size=n - 1))

@@ -33,6 +33,12 @@ layer at a time. A stage holds that transient on top, the parameter bytes of its
 (:meth:`MemoryModel.accumulating_bytes`): on a 16 x Linear(4096, 4096) MLP 64 MiB per stage, a
 twelfth of a 4-layer stage's weights, gradients and momentum.
 
+While a layer runs its backward, the stage also holds the gradient of the layer's output, that of
+its input as it is made and what the backward computes in between, less the saved activations it
+frees: the layer's ``backward_bytes`` (:mod:`lightning_pipe.cost.backward_bytes`), one layer at a
+time. With the accumulated gradient above, a stage holds at most the largest of its layers'
+:meth:`MemoryModel.transient_bytes` on top of what it keeps.
+
 A stage that recomputes its forward in the backward (GPipe's re-materialisation, Huang et al. 2019,
 §2.3: ``recompute``) keeps only its input per micro-batch in flight, ``NCA · input_bytes``, and
 re-creates one micro-batch's ``a_l`` at a time in its backward: ``NCA · input + Σ a_l`` instead of
@@ -154,6 +160,13 @@ class MemoryModel:
         """The gradient a stage adds into ``.grad`` at a time (module docstring): its largest layer's
         parameter bytes (``largest_param_bytes``) when it :attr:`accumulates`."""
         return largest_param_bytes if self.accumulates else 0.0
+
+    def transient_bytes(self, param_bytes: float, backward_bytes: float) -> float:
+        """What one layer of a stage holds for the moment of its backward on top of the stage's
+        weights, gradients, state and activations (module docstring): its ``backward_bytes``, and
+        the new gradient it adds into ``.grad`` when the stage :attr:`accumulates` (``param_bytes``).
+        A stage holds the largest of its layers'."""
+        return backward_bytes + self.accumulating_bytes(param_bytes)
 
     def coefficients(self, downstream: int, replicas: int = 1) -> tuple[float, float]:
         """``(α, β)`` with ``stage_bytes = α·param_bytes + β·saved_bytes`` (+ ``γ·kept_bytes``)."""

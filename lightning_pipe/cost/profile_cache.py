@@ -4,11 +4,12 @@ Measured layer times jitter from run to run (other processes, the clock, the all
 of near-equal cost then swap sides of a cut: two identical runs could get different splits. The
 profile the strategy measures is therefore saved under a key of everything that decides the layers'
 costs — the layers (their names and ``repr``: types and hyper-parameters), their parameters' and
-buffers' shapes and dtypes, the micro-batch's shapes and dtypes, the device, the timed runs per layer
-and the versions of torch and of this package — and a later run with the same key plans from it,
-deterministically (autotuning caches work this way: cuDNN's benchmark mode, Triton's). A layer, batch
-size, device or torch of another kind gives another key; an edited ``forward`` body that keeps the
-layers' shapes does not: delete the file, or pass ``profile_cache=False``, to measure afresh.
+buffers' shapes and dtypes, the micro-batch's shapes and dtypes, the device, the timed runs per layer,
+the versions of torch and of this package, and what a layer's record holds — and a later run with
+the same key plans from it, deterministically (autotuning caches work this way: cuDNN's benchmark
+mode, Triton's). A layer, batch size, device or torch of another kind gives another key; an edited
+``forward`` body that keeps the layers' shapes does not: delete the file, or pass
+``profile_cache=False``, to measure afresh.
 
 A kept profile is only as good as the run that measured it, so it is measured anew (and the file
 replaced, with a warning saying why) when
@@ -36,7 +37,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from torch import nn
 
 from lightning_pipe.cost.machine_load import LOADED, CpuReading, current_load, load_between, read_cpu
 from lightning_pipe.cost.profile_file import load_profile, save_profile
-from lightning_pipe.cost.records import ChainCosts
+from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.util.nested import tensors
 
@@ -113,6 +114,7 @@ def profile_key(
         "repeats": repeats,
         "torch": torch.__version__,
         "lightning_pipe": package,
+        "measures": [field.name for field in fields(LayerCost)],  # a profile kept before a field was measured lacks it
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -9,7 +9,8 @@ The JSON format (``"format": "lightning_pipe.profile"``, ``"version": 1``)::
       "layers": [
         {"name": "features.0:Conv2d", "forward_seconds": 0.0123, "backward_seconds": 0.0251,
          "activation_bytes": 25690112, "saved_bytes": 602112, "param_bytes": 7168,
-         "flops": 2774532096, "kept_gradient_bytes": 0},
+         "flops": 2774532096, "kept_gradient_bytes": 0, "shared_saved_bytes": 0,
+         "backward_bytes": 51380224},
         ...
       ],
       "boundary_bytes": [25690112, ...],
@@ -18,9 +19,12 @@ The JSON format (``"format": "lightning_pipe.profile"``, ``"version": 1``)::
     }
 
 Times are seconds and sizes bytes, for one micro-batch of ``meta.batch_size``. ``flops`` may be
-``null``; ``kept_gradient_bytes`` (what a backward split in two halves keeps between them; 0 when
-absent, as in profiles written before it was measured), ``boundary_bytes`` (bytes crossing the cut
-after each layer, ``L - 1`` entries), ``notes`` and ``meta`` are optional.
+``null``; ``kept_gradient_bytes`` (what a backward split in two halves keeps between them),
+``shared_saved_bytes`` (the input a layer saves that the layer before saved too) and
+``backward_bytes`` (what the layer's backward holds at its peak beyond its saved activations and
+its parameters' gradients) are 0 when absent, as in profiles written before they were measured;
+``boundary_bytes`` (bytes crossing the cut after each layer, ``L - 1`` entries), ``notes`` and
+``meta`` are optional.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def profile_to_dict(costs: ChainCosts) -> dict[str, object]:
                 "flops": layer.flops,
                 "kept_gradient_bytes": layer.kept_gradient_bytes,
                 "shared_saved_bytes": layer.shared_saved_bytes,
+                "backward_bytes": layer.backward_bytes,
             }
             for layer in costs.layers
         ],
@@ -77,6 +82,7 @@ def _layer(entry: object, index: int, source: str) -> LayerCost:
             flops=entry.get("flops"),
             kept_gradient_bytes=entry.get("kept_gradient_bytes", 0.0),
             shared_saved_bytes=entry.get("shared_saved_bytes", 0.0),
+            backward_bytes=entry.get("backward_bytes", 0.0),
             **{key: entry[key] for key in _LAYER_FIELDS},
         )
     except PlanningError as error:

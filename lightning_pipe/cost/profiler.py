@@ -27,6 +27,10 @@ model, and measured for:
   and ``W``; a cool-down backward of a stage after the first) keeps between them, measured by running
   the layer's first backward as :class:`~lightning_pipe.runtime.split_backward.SplitBackward`; 0 for
   a layer whose input takes no gradient (the first).
+* ``backward_bytes``: bytes the layer's backward holds at its peak beyond its saved activations and
+  its parameters' gradients (its output's gradient, its input's, what it computes in between:
+  :mod:`lightning_pipe.cost.backward_bytes`), measured in the first warm-up run (after the timed
+  run with ``warmup=0``).
 * ``flops``: forward + backward FLOPs from :class:`torch.utils.flop_counter.FlopCounterMode` (only
   ops with a registered formula, such as matmul and convolution, count).
 
@@ -61,6 +65,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_pipe.cost.backward_bytes import backward_peak
 from lightning_pipe.cost.flop_rate import flop_rate, synchronize
 from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.cost.saved_bytes import saved_bytes, storage_key
@@ -337,14 +342,18 @@ def _profile_layer(
     with backward or nullcontext():
         kept = _split_backward(layer, leaf, output)
     _clear_grads(leaf)
+    _free_gradients(layer)
     if rate is not None:
         assert forward is not None and backward is not None
         forward_seconds = forward.get_total_flops() / rate
         backward_seconds = backward.get_total_flops() / rate
+        transient = _backward_bytes(layer, leaf)
     else:
-        for _ in range(warmup):
+        transient = _backward_bytes(layer, leaf) if warmup else 0  # a warm-up run of its own
+        for _ in range(warmup - 1):
             _timed_run(layer, leaf, device)
         forward_seconds, backward_seconds, _ = _timed_run(layer, leaf, device)
+        transient = transient if warmup else _backward_bytes(layer, leaf)
     _free_gradients(layer)
     cost = LayerCost(
         name=label,
@@ -356,6 +365,7 @@ def _profile_layer(
         flops=_total(forward, backward) if count_flops else None,
         kept_gradient_bytes=kept,
         shared_saved_bytes=min(saved, sum(nbytes for position, nbytes in saved_inputs.items() if position in before)),
+        backward_bytes=transient,
     )
     return cost, map_tensors(torch.Tensor.detach, output), saved_outputs
 
@@ -410,6 +420,17 @@ def _timed_run(layer: nn.Module, leaf: Any, device: torch.device) -> tuple[float
     _clear_grads(leaf)
     _free_gradients(layer)
     return forward, backward, map_tensors(torch.Tensor.detach, output)
+
+
+def _backward_bytes(layer: nn.Module, leaf: Any) -> int:
+    """One forward and backward of the layer on a copy of ``leaf`` (random output gradients), and
+    the bytes its backward holds at its peak beyond the saved activations and the parameters'
+    gradients (:func:`~lightning_pipe.cost.backward_bytes.backward_peak`)."""
+    parameters = [p for p in layer.parameters() if p.requires_grad]
+    transient = backward_peak(layer, map_tensors(torch.Tensor.clone, leaf), parameters)
+    _clear_grads(leaf)
+    _free_gradients(layer)
+    return transient
 
 
 def _split_backward(layer: nn.Module, leaf: Any, output: Any) -> int:

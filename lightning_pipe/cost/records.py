@@ -40,6 +40,11 @@ class LayerCost:
             in one stage, the two keep it once (:meth:`ChainCosts.saved_between`); at a stage
             boundary the input is a received copy, kept apart. 0 for the first layer and when not
             measured.
+        backward_bytes: bytes the layer's backward holds at its peak beyond its saved activations and
+            its parameters' gradients (its output's gradient, its input's, what it computes in
+            between: :mod:`~lightning_pipe.cost.backward_bytes`); a stage holds its largest layer's
+            on top of what it keeps (:meth:`~lightning_pipe.cost.memory.MemoryModel.transient_bytes`).
+            0 when not measured.
     """
 
     name: str
@@ -51,6 +56,7 @@ class LayerCost:
     flops: float | None = None
     kept_gradient_bytes: float = 0.0
     shared_saved_bytes: float = 0.0
+    backward_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         numbers = {
@@ -61,6 +67,7 @@ class LayerCost:
             "param_bytes": self.param_bytes,
             "kept_gradient_bytes": self.kept_gradient_bytes,
             "shared_saved_bytes": self.shared_saved_bytes,
+            "backward_bytes": self.backward_bytes,
         }
         if self.flops is not None:
             numbers["flops"] = self.flops
@@ -146,6 +153,7 @@ class ChainCosts:
         flops: Sequence[float] | None = None,
         kept: Sequence[float] | None = None,
         shared: Sequence[float] | None = None,
+        transient: Sequence[float] | None = None,
         name: str = "chain",
     ) -> ChainCosts:
         """Build a chain from parallel lists (missing lists mean zeros); handy for tests and papers.
@@ -161,6 +169,7 @@ class ChainCosts:
         params = list(params) if params is not None else zeros
         kept = list(kept) if kept is not None else zeros
         shared = list(shared) if shared is not None else zeros
+        transient = list(transient) if transient is not None else zeros
         for label, values in (
             ("backward", backward),
             ("activation", activation),
@@ -169,6 +178,7 @@ class ChainCosts:
             ("flops", flops or zeros),
             ("kept", kept),
             ("shared", shared),
+            ("transient", transient),
         ):
             if len(values) != n:
                 raise PlanningError(f"{label} has {len(values)} entries, forward has {n}")
@@ -183,6 +193,7 @@ class ChainCosts:
                 flops=None if flops is None else flops[i],
                 kept_gradient_bytes=kept[i],
                 shared_saved_bytes=shared[i],
+                backward_bytes=transient[i],
             )
             for i in range(n)
         )
@@ -190,7 +201,7 @@ class ChainCosts:
 
     def scaled(self, factor: float) -> ChainCosts:
         """The costs of a micro-batch ``factor`` times as large, assuming every time and activation
-        grows with the rows (no fixed cost per micro-batch): seconds, activation, saved and kept bytes,
+        grows with the rows (no fixed cost per micro-batch): seconds, activation, saved, kept and backward bytes,
         FLOPs and the bytes crossing each cut scale; parameter bytes do not."""
         if not math.isfinite(factor) or factor <= 0:
             raise PlanningError(f"a scale factor must be a finite number > 0, got {factor!r}")
@@ -203,6 +214,7 @@ class ChainCosts:
                 saved_bytes=layer.saved_bytes * factor,
                 shared_saved_bytes=layer.shared_saved_bytes * factor,
                 kept_gradient_bytes=layer.kept_gradient_bytes * factor,
+                backward_bytes=layer.backward_bytes * factor,
                 flops=None if layer.flops is None else layer.flops * factor,
             )
             for layer in self.layers

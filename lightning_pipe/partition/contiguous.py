@@ -98,6 +98,9 @@ class ChainProblem:
             zeros when not given.
         kept_bytes: per-layer gradients a split backward keeps (counted for stages after the first
             when ``memory.split_backward``); zeros when not given.
+        backward_bytes: per-layer bytes a backward holds at its peak (``LayerCost.backward_bytes``):
+            a stage holds its largest layer's :meth:`~lightning_pipe.cost.memory.MemoryModel.transient_bytes`;
+            zeros when not given.
         proxy: a per-layer quantity free of timing noise (FLOPs) that decides, with a tolerance, among
             the fastest plans of equal memory (:meth:`solve`); ``None``: no such choice.
         devices: workers available (at most this many are used).
@@ -121,6 +124,7 @@ class ChainProblem:
     kept_bytes: np.ndarray | None = None
     proxy: np.ndarray | None = None
     shared_bytes: np.ndarray | None = None
+    backward_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.memory.recompute:  # its memory falls with the first layer, which a run's input breaks
@@ -139,7 +143,10 @@ class ChainProblem:
         self._proxy = _prefix(np.zeros(self.layers) if self.proxy is None else self.proxy)
         self._factor_table = np.zeros(0)
         self._row_of: dict[tuple[float, float, float], int] = {}
-        self._largest = _range_maxima(np.asarray(self.param_bytes, dtype=np.float64))
+        backward = np.zeros(self.layers) if self.backward_bytes is None else self.backward_bytes
+        pairs = zip(self.param_bytes, backward, strict=True)
+        self._transient = np.array([self.memory.transient_bytes(p, b) for p, b in pairs], dtype=np.float64)
+        self._largest = _range_maxima(self._transient)
 
     # -- evaluation -------------------------------------------------------------------------
     def stage_seconds(self, first: int, last: int, replicas: int) -> float:
@@ -171,7 +178,7 @@ class ChainProblem:
                 self._kept[last + 1] - self._kept[first],
                 first=first == 0,
             )
-            stage += self.memory.accumulating_bytes(float(np.max(self.param_bytes[first : last + 1])))
+            stage += float(np.max(self._transient[first : last + 1]))
             peak = max(peak, stage)
         return peak
 
@@ -259,14 +266,14 @@ class ChainProblem:
         found = np.clip(np.searchsorted(self._laid_out, lowest, side="left") - rows * width, 0, self.layers)
         pairs = np.array([self.memory.coefficients(k, int(r)) for r in replicas])
         whole = pairs[:, 0] * self._params[ends] + pairs[:, 1] * self._saved[ends]
-        if not self.memory.accumulates:
+        if not self._transient.any():
             return found, whole <= limit
         whole = whole + self._largest_between(np.zeros_like(ends), ends) <= limit
         return self._first_with_largest(np.minimum(found, ends), ends, rows, limit), whole
 
     def _first_with_largest(self, found: np.ndarray, ends: np.ndarray, rows: np.ndarray, limit: float) -> np.ndarray:
         """From ``found`` (where the stage fits without it) on, the smallest first layer whose stage
-        also fits with its largest layer's gradient being accumulated (``accumulating_bytes``): the
+        also fits with its largest layer's transient (``MemoryModel.transient_bytes``): the
         memory still falls as the first layer moves toward the end, so a bisection over every
         query at once (an empty stage, ``first == end``, fits)."""
         low, high = found.copy(), ends.copy()
@@ -279,7 +286,7 @@ class ChainProblem:
         return low
 
     def _largest_between(self, firsts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """The largest ``param_bytes`` of layers ``firsts .. ends - 1`` (0 for an empty range), from
+        """The largest transient of layers ``firsts .. ends - 1`` (0 for an empty range), from
         the sparse table of :func:`_range_maxima`."""
         length = ends - firsts
         level = np.floor(np.log2(np.maximum(length, 1))).astype(np.int64)

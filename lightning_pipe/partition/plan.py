@@ -196,6 +196,11 @@ def evaluate(
         compute = sum(layer_seconds[i] for i in layers)
         params = sum(costs.layers[i].param_bytes for i in layers)
         sync = network.allreduce_seconds(params, replicas[g])
+        # one layer's backward at a time: once per worker, however many runs of layers it holds
+        transient = max(
+            memory.transient_bytes(layer.param_bytes, layer.backward_bytes)
+            for layer in (costs.layers[i] for i in layers)
+        )
         last = layers[-1]
         stages.append(
             Stage(
@@ -204,9 +209,7 @@ def evaluate(
                 compute_seconds=compute,
                 sync_seconds=sync,
                 stage_seconds=max(compute, sync) / replicas[g],
-                # the gradient it accumulates: once per worker, however many runs of layers it holds
-                memory_bytes=memory_bytes[g]
-                + memory.accumulating_bytes(max(costs.layers[i].param_bytes for i in layers)),
+                memory_bytes=memory_bytes[g] + transient,
                 forward_seconds=sum(costs.layers[i].forward_seconds for i in layers),
                 backward_seconds=sum(costs.layers[i].backward_seconds for i in layers),
                 output_bytes=costs.boundary_bytes[last] if last < len(costs) - 1 else 0.0,

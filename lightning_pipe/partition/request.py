@@ -76,6 +76,7 @@ class PlanRequest:
             tolerance=self.tolerance,
             kept_bytes=np.asarray(costs.column("kept_gradient_bytes"), dtype=np.float64),
             shared_bytes=np.asarray(costs.column("shared_saved_bytes"), dtype=np.float64),
+            backward_bytes=np.asarray(costs.column("backward_bytes"), dtype=np.float64),
             proxy=(
                 np.asarray(costs.column("flops"), dtype=np.float64)
                 if all(layer.flops is not None for layer in costs.layers)

@@ -334,9 +334,11 @@ class PipelineBuilding:
         if self.plan_options.balance is not None:
             return model
         decided: tuple[int, ...] | PlanningError | None = None
+        named = None
         if self.global_rank == 0:
+            named = self._named_order()
             try:
-                decided = self._order(model, first)
+                decided = self._order(model, first, named)
             except PlanningError as error:
                 decided = error
         decided = self.broadcast(decided)
@@ -344,14 +346,14 @@ class PipelineBuilding:
             raise decided
         if decided is None:
             return model
-        if self.global_rank == 0 and self._named_order() is None:  # found here, not named by a plan
+        if self.global_rank == 0 and named is None:  # found here, not named by a plan
             names = ", ".join(model.names[i] for i in decided)
             rank_zero_info(f"The layers branch; they run in the order whose split is fastest: {names}")
         return model.reordered(decided)
 
-    def _order(self, model: PipelineModel, first: Call) -> tuple[int, ...] | None:
-        """Rank 0's order of the layers (:meth:`_in_order`); None for the recorded one."""
-        kept = self._named_order()
+    def _order(self, model: PipelineModel, first: Call, kept: tuple[str, ...] | None) -> tuple[int, ...] | None:
+        """Rank 0's order of the layers (:meth:`_in_order`), or the one ``kept`` names
+        (:meth:`_named_order`); None for the recorded one."""
         if kept is not None and len(set(kept)) == len(kept) and sorted(kept) == sorted(model.names):
             return None if list(kept) == model.names else tuple(model.names.index(name) for name in kept)
         if any(t.is_meta for t in tensors((first.args, first.kwargs))):
