@@ -12,6 +12,7 @@ from dataclasses import replace
 import lightning.pytorch as L
 import pytest
 import torch
+import torchvision
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -160,6 +161,33 @@ def test_a_torchvision_resnet_through_the_hook() -> None:
     assert inside == {id(p) for p in module.parameters()}
     assert model.layers[-1] is module.model.fc and model.captured is None
     assert model.inputs(Call((x,))) is x
+
+
+class _GoogLeNetModule(L.LightningModule):
+    """torchvision's GoogLeNet as built by default: auxiliary heads computed in training only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torchvision.models.googlenet(init_weights=False, num_classes=10)
+
+    def forward(self, x: torch.Tensor) -> object:
+        return self.net(x)
+
+
+def test_a_module_run_whole_that_leaves_too_few_layers_is_named_with_its_reason_and_the_way_out() -> None:
+    """GoogLeNet runs other operations in training than in evaluation, so it runs whole: one layer
+    for two stages. The refusal names the module (not the heads inside it), why, and what to change;
+    built without the heads, the same module is split."""
+    x = torch.randn(2, 3, 64, 64)
+    with pytest.raises(PlanningError) as refused:
+        pipeline_model(_GoogLeNetModule(), Call((x,)), stages=2)
+    message = str(refused.value)
+    assert message.startswith("2 stages, but forward gives 1 layer: net runs whole, as one layer's part, because its ")
+    assert "forward records other operations in eval mode" in message
+    assert "aux_logits=False" in message and "configure_pipeline(self)" in message
+    module = _GoogLeNetModule()
+    module.net = torchvision.models.googlenet(init_weights=False, num_classes=10, aux_logits=False)
+    assert len(pipeline_model(module, Call((x,)), stages=2).layers) >= 2
 
 
 def test_the_prediction_shares_the_machine_by_the_contention_given() -> None:

@@ -214,7 +214,27 @@ def pipeline_model(module: nn.Module, call: Call, stages: int) -> PipelineModel:
         return PipelineModel(layers, [type(layer).__name__ for layer in layers])
     with uncompiled(module):
         captured = capture(module, call.args, call.kwargs, stages=stages)
+    _refuse_too_few_traced(captured, stages)
     return PipelineModel(list(captured.layers), [spec.name for spec in captured.specs], captured)
+
+
+def _refuse_too_few_traced(captured: CapturedForward, stages: int) -> None:
+    """Refuse a capture with fewer layers than ``stages`` where modules whose forward cannot be
+    traced ran whole, naming them and why: the plan's "more stages than layers" would not say."""
+    leaves = captured.graph.leaves  # the outermost of them: a module inside one runs whole with it
+    whole = {path: why for path, why in leaves.items() if not any(path.startswith(f"{other}.") for other in leaves)}
+    count = len(captured.layers)
+    if not whole or count >= stages:
+        return
+    listed = "; ".join(f"{path}: {reason}" for path, reason in whole.items())
+    raise PlanningError(
+        f"{stages} stages, but forward gives {count} layer{'s' if count != 1 else ''}: {', '.join(whole)} "
+        f"run{'s' if len(whole) == 1 else ''} whole, as one layer's part, because "
+        f"{'its' if len(whole) == 1 else 'their'} forward cannot be traced ({listed}). A module whose forward "
+        "runs other operations in training than in evaluation (torchvision's GoogLeNet and Inception-v3 with "
+        "aux_logits=True compute their auxiliary heads in training only) runs whole: build it to run the same "
+        f"operations in both (aux_logits=False), or define {HOOK}(self) returning the ordered layers"
+    )
 
 
 def _single_input(call: Call) -> Any:
