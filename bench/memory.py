@@ -1,15 +1,18 @@
 """Resident memory per rank: the pipeline (each rank holds only its stages) against plain Lightning on
 one process and Lightning's DDP, side by side in one run, and against what the plan predicts.
 
-Run: ``python bench/memory.py [--model mlp|resnet18] [--width 4096] [--depth 16] [--optimizer sgd|adam]
+Run: ``python bench/memory.py [--model mlp|resnet18|gpt2] [--width 4096] [--depth 16] [--optimizer sgd|adam]
 [--pipe 2 4] [--ddp 2] [--batch 16] [--steps 3] [--microbatches M] [--shared-memory-bytes B]
 [--kinds plain ddp pipe pipe-meta] [--mmap-threshold BYTES] [--release-memory]`` (the default, a
 1.07 GB MLP, about 6 minutes on 2 cores and 24 GB).
 
 ``--model mlp`` is ``depth`` Linear(width, width)+ReLU blocks and a 10-class head in one
 ``nn.Sequential`` (16 x 4096^2 fp32: 1.07 GB of weights: weight-heavy); ``--model resnet18`` the CIFAR
-ResNet-18 of the recipes (45 MB of weights; at ``--batch 256`` activation-heavy). Cross-entropy, SGD
-with momentum (one state tensor per parameter) or Adam (two). Every configuration runs in fresh
+ResNet-18 of the recipes (45 MB of weights; at ``--batch 256`` activation-heavy); ``--model gpt2`` a
+``transformers`` ``GPT2LMHeadModel`` of 8 blocks 512 wide (8 heads, 1024 tokens' vocabulary) on
+``--batch`` rows of 256 tokens, trained with AdamW whatever ``--optimizer`` says (the
+``LightningModule`` of ``tests/user_modules.py``). Cross-entropy, SGD with momentum (one state tensor
+per parameter) or Adam (two). Every configuration runs in fresh
 processes (a process's peak is its own):
 
 - ``plain``: Lightning on one process (``strategy="auto"``);
@@ -128,6 +131,16 @@ class ResNet(ImageClassifier):
         super().__init__("resnet18", optimizer="sgd" if optimizer == "sgd" else "adamw")
 
 
+GPT2_SHAPE = {"n_layer": 8, "n_embd": 512, "n_head": 8, "vocab_size": 1024, "n_positions": 256}
+GPT2_TOKENS = 256
+
+
+def _gpt2() -> L.LightningModule:
+    from tests.user_modules import HuggingFaceGPT2
+
+    return HuggingFaceGPT2(**GPT2_SHAPE)
+
+
 class DeepMLP(L.LightningModule):
     def __init__(self, width: int, depth: int, optimizer: str) -> None:
         super().__init__()
@@ -180,21 +193,26 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
         default_root_dir=root,
     )
     with trainer.init_module(empty_init=kind == "pipe-meta"):
-        model = (
-            ResNet(options.optimizer)
-            if options.model == "resnet18"
-            else DeepMLP(options.width, options.depth, options.optimizer)
-        )
+        if options.model == "resnet18":
+            model: L.LightningModule = ResNet(options.optimizer)
+        elif options.model == "gpt2":
+            model = _gpt2()
+        else:
+            model = DeepMLP(options.width, options.depth, options.optimizer)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = options.batch * options.steps
-    shape = (3, 32, 32) if options.model == "resnet18" else (options.width,)
-    data = TensorDataset(torch.randn(rows, *shape), torch.randint(0, 10, (rows,)))
+    if options.model == "gpt2":
+        data = TensorDataset(torch.randint(0, GPT2_SHAPE["vocab_size"], (rows, GPT2_TOKENS)))
+    else:
+        shape = (3, 32, 32) if options.model == "resnet18" else (options.width,)
+        data = TensorDataset(torch.randn(rows, *shape), torch.randint(0, 10, (rows,)))
     trainer.fit(model, DataLoader(data, batch_size=options.batch))
     peaks.stop()
     holds = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     predicted = getattr(trainer.strategy, "predicted_memory", None)  # its stages' (the plan's) + its rings
-    copies = 2 + _OPTIMIZER_COPIES[options.optimizer] + (1 if kind == "ddp" else 0)
-    mlp = options.model == "mlp"  # the ResNet's activations are not estimated here: the plan predicts them
+    optimizer = "adam" if options.model == "gpt2" else options.optimizer
+    copies = 2 + _OPTIMIZER_COPIES[optimizer] + (1 if kind == "ddp" else 0)
+    mlp = options.model == "mlp"  # the others' activations are not estimated here: the plan predicts them
     activations = 2 * (2 * options.depth + 1) * options.batch * options.width * 4 if mlp else 0
     expected = base + holds * copies + activations
     return {
@@ -223,7 +241,7 @@ def _parts(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["mlp", "resnet18"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "resnet18", "gpt2"], default="mlp")
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--optimizer", choices=sorted(_OPTIMIZER_COPIES), default="sgd")
@@ -245,11 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     runs = [("plain", 1), *(("ddp", p) for p in options.ddp)]
     runs += [(kind, p) for p in options.pipe for kind in ("pipe", "pipe-meta")]
     runs = [(kind, p) for kind, p in runs if kind in options.kinds]
-    model = (
-        "CIFAR ResNet-18"
-        if options.model == "resnet18"
-        else f"{options.depth} x Linear({options.width}, {options.width}) + head"
-    )
+    model = {
+        "resnet18": "CIFAR ResNet-18",
+        "gpt2": f"transformers GPT-2 {GPT2_SHAPE}, {GPT2_TOKENS} tokens, AdamW",
+    }.get(options.model, f"{options.depth} x Linear({options.width}, {options.width}) + head")
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default")
     print(
         f"model: {model}, {options.optimizer}, batch {options.batch}, {options.steps} steps, "
