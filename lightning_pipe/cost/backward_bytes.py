@@ -4,9 +4,10 @@ A plan counts a stage's weights, their gradients and optimizer state, and the ac
 micro-batch in flight saves (:mod:`lightning_pipe.cost.memory`). While one of its layers runs its
 backward, the stage also holds the gradient of the layer's output, the gradient of its input as it
 is made, and whatever the backward computes in between (a convolution's transposed products, a
-normalisation's intermediate sums), less the saved activations it frees as it goes. On torchvision's
-ResNet-18 at 32x32 (``bench/memory.py``, 2 processes, 128 rows a micro-batch) each rank allocated
-8-18% more than its plan without this: about four activations of the first convolutions.
+normalisation's intermediate sums), less the saved activations it frees as it goes. On the CIFAR
+ResNet-18 of ``bench/memory.py`` (2 processes, 128 rows a micro-batch) each rank allocated 8-18% more
+than its plan without this, about four activations of the first convolutions, and 1-9% more with
+it (a stage adds its largest layer's: :meth:`~lightning_pipe.cost.memory.MemoryModel.transient_bytes`).
 
 :func:`backward_peak` measures it, the same way on every device: every storage an operator's output
 owns without sharing it with one of the operator's inputs is a new allocation (seen at the dispatcher,
