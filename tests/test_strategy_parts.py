@@ -24,7 +24,7 @@ from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.strategy.contract import Call, pipeline_model
+from lightning_pipe.strategy.contract import Call, pipeline_model, refuse_too_few_traced
 from lightning_pipe.strategy.log_relay import RING_BYTES, LogRelay, SharedMemoryRelay, open_log_relay
 from lightning_pipe.strategy.logs import Record, combine, recording
 from lightning_pipe.strategy.topology import Topology
@@ -176,18 +176,26 @@ class _GoogLeNetModule(L.LightningModule):
 
 def test_a_module_run_whole_that_leaves_too_few_layers_is_named_with_its_reason_and_the_way_out() -> None:
     """GoogLeNet runs other operations in training than in evaluation, so it runs whole: one layer
-    for two stages. The refusal names the module (not the heads inside it), why, and what to change;
-    built without the heads, the same module is split."""
+    for two stages. The refusal names the module (not the heads inside it), why, where in its code the
+    modes part, and what to change; built without the heads, the same module is split."""
     x = torch.randn(2, 3, 64, 64)
+    model = pipeline_model(_GoogLeNetModule(), Call((x,)), stages=2)
     with pytest.raises(PlanningError) as refused:
-        pipeline_model(_GoogLeNetModule(), Call((x,)), stages=2)
+        refuse_too_few_traced(model, stages=2)  # what the strategy does for straight stages
     message = str(refused.value)
     assert message.startswith("2 stages, but forward gives 1 layer: net runs whole, as one layer's part, because its ")
-    assert "forward records other operations in eval mode" in message
+    # where the modes part: GoogLeNet's own line (torchvision's files are not torch's, whose frames are skipped)
+    assert "forward records other operations in eval mode from " in message
+    assert f"{inspect.getsourcefile(torchvision.models.GoogLeNet)}:" in message and "self.aux1(x)" in message
     assert "aux_logits=False" in message and "configure_pipeline(self)" in message
+    # one stage takes the one layer; the module run whole is still named, with why (the set-up says it)
+    refuse_too_few_traced(model, stages=1)
+    assert list(model.run_whole) == ["net"]
+    assert "forward records other operations in eval mode" in model.run_whole["net"]
     module = _GoogLeNetModule()
     module.net = torchvision.models.googlenet(init_weights=False, num_classes=10, aux_logits=False)
-    assert len(pipeline_model(module, Call((x,)), stages=2).layers) >= 2
+    split = pipeline_model(module, Call((x,)), stages=2)
+    assert len(split.layers) >= 2 and split.run_whole == {}
 
 
 def test_the_prediction_shares_the_machine_by_the_contention_given() -> None:

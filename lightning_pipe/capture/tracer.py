@@ -128,7 +128,8 @@ def _is_user(filename: str) -> bool:
     known = _USER.get(filename)
     if known is None:
         path = os.path.abspath(filename)
-        known = _USER[filename] = not (path.startswith(_TORCH) or path.startswith(_HERE) or filename.startswith("<"))
+        inside = (_TORCH + os.sep, _HERE + os.sep)  # the separator: torchvision's files are the user's, not torch's
+        known = _USER[filename] = not (path.startswith(inside) or filename.startswith("<"))
     return known
 
 

@@ -33,7 +33,7 @@ from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PipelineRuntimeError, PlanningError
 from lightning_pipe.util.nested import flatten, tensors
 
-__all__ = ["HOOK", "Call", "Entry", "PipelineModel", "pipeline_model"]
+__all__ = ["HOOK", "Call", "Entry", "PipelineModel", "modules_run_whole", "pipeline_model", "refuse_too_few_traced"]
 
 HOOK = "configure_pipeline"
 
@@ -148,6 +148,12 @@ class PipelineModel:
             )
         return tuple(found)
 
+    @property
+    def run_whole(self) -> dict[str, str]:
+        """The modules run whole, each inside one layer, as their forward cannot be traced, with why
+        (:func:`modules_run_whole`; none for ``configure_pipeline``'s chain)."""
+        return {} if self.captured is None else modules_run_whole(self.captured)
+
     def branches(self) -> bool:
         """Whether the captured layers could run in another order (:mod:`~lightning_pipe.capture.layer_order`)."""
         return self.captured is not None and branches(self.captured.graph, self.captured.grouped)
@@ -214,16 +220,22 @@ def pipeline_model(module: nn.Module, call: Call, stages: int) -> PipelineModel:
         return PipelineModel(layers, [type(layer).__name__ for layer in layers])
     with uncompiled(module):
         captured = capture(module, call.args, call.kwargs, stages=stages)
-    _refuse_too_few_traced(captured, stages)
     return PipelineModel(list(captured.layers), [spec.name for spec in captured.specs], captured)
 
 
-def _refuse_too_few_traced(captured: CapturedForward, stages: int) -> None:
-    """Refuse a capture with fewer layers than ``stages`` where modules whose forward cannot be
-    traced ran whole, naming them and why: the plan's "more stages than layers" would not say."""
-    leaves = captured.graph.leaves  # the outermost of them: a module inside one runs whole with it
-    whole = {path: why for path, why in leaves.items() if not any(path.startswith(f"{other}.") for other in leaves)}
-    count = len(captured.layers)
+def modules_run_whole(captured: CapturedForward) -> dict[str, str]:
+    """The modules of ``captured`` whose forward could not be traced, each run whole inside one layer,
+    with why: the outermost of them (a module inside one runs whole with it)."""
+    leaves = captured.graph.leaves
+    return {path: why for path, why in leaves.items() if not any(path.startswith(f"{other}.") for other in leaves)}
+
+
+def refuse_too_few_traced(model: PipelineModel, stages: int) -> None:
+    """Refuse ``model`` with fewer layers than ``stages`` (straight stages, one layer at least each)
+    where modules whose forward cannot be traced ran whole, naming them and why: the plan's "more
+    stages than layers" would not say."""
+    whole = model.run_whole
+    count = len(model.layers)
     if not whole or count >= stages:
         return
     listed = "; ".join(f"{path}: {reason}" for path, reason in whole.items())
