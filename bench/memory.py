@@ -210,8 +210,7 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
     peaks.stop()
     holds = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     predicted = getattr(trainer.strategy, "predicted_memory", None)  # its stages' (the plan's) + its rings
-    optimizer = "adam" if options.model == "gpt2" else options.optimizer
-    copies = 2 + _OPTIMIZER_COPIES[optimizer] + (1 if kind == "ddp" else 0)
+    copies = 2 + _OPTIMIZER_COPIES[options.optimizer] + (1 if kind == "ddp" else 0)
     mlp = options.model == "mlp"  # the others' activations are not estimated here: the plan predicts them
     activations = 2 * (2 * options.depth + 1) * options.batch * options.width * 4 if mlp else 0
     expected = base + holds * copies + activations
@@ -258,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         "--release-memory", action="store_true", help="the pipeline's release_memory=True (its runs only)"
     )
     options = parser.parse_args(argv)
+    if options.model == "gpt2":  # its LightningModule trains with AdamW (two states per parameter)
+        options.optimizer = "adam"
     if options.mmap_threshold is not None:  # read by glibc when each (spawned) process starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(options.mmap_threshold)
     runs = [("plain", 1), *(("ddp", p) for p in options.ddp)]
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = [(kind, p) for kind, p in runs if kind in options.kinds]
     model = {
         "resnet18": "CIFAR ResNet-18",
-        "gpt2": f"transformers GPT-2 {GPT2_SHAPE}, {GPT2_TOKENS} tokens, AdamW",
+        "gpt2": f"transformers GPT-2 {GPT2_SHAPE}, {GPT2_TOKENS} tokens",
     }.get(options.model, f"{options.depth} x Linear({options.width}, {options.width}) + head")
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default")
     print(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -247,6 +247,20 @@ def _bounds_from_balance(balance: Sequence[int], layers: int, stages: int) -> tu
     return tuple((start, start + n - 1) for start, n in zip(starts, balance, strict=True))
 
 
+def _run_whole_said(whole: Mapping[str, str]) -> str:
+    """The modules run whole (path -> why) as the refusal of more stages than layers says them."""
+    if not whole:
+        return ""
+    listed = "; ".join(f"{path}: {why}" for path, why in whole.items())
+    return (
+        f"{', '.join(whole)} run{'s' if len(whole) == 1 else ''} whole, inside one layer, because "
+        f"{'its' if len(whole) == 1 else 'their'} forward cannot be traced ({listed}). A module whose forward runs "
+        "other operations in training than in evaluation (torchvision's GoogLeNet and Inception-v3 with "
+        "aux_logits=True compute their auxiliary heads in training only) runs whole: build it to run the same "
+        "operations in both (aux_logits=False), or define configure_pipeline(self) returning the ordered layers. "
+    )
+
+
 def plan_stages(
     layers: Sequence[nn.Module],
     sample: Any,
@@ -258,17 +272,20 @@ def plan_stages(
     names: Sequence[str] | None = None,
     seconds: dict[str, float] | None = None,
     runs_on: torch.device | None = None,
+    whole: Mapping[str, str] | None = None,
 ) -> StagePlan:
     """Split ``layers`` (named ``names``) into straight stages, one per worker, or — with
     ``replicate`` (``1f1b_rr``) — into stages replicated over ``workers`` workers (see the module
-    docstring). The time spent profiling is added to ``seconds['profile']`` (:func:`timed`)."""
+    docstring). The time spent profiling is added to ``seconds['profile']`` (:func:`timed`).
+    ``whole``: the modules run whole inside a layer, with why (their forward could not be traced),
+    which a refusal of more stages than layers names."""
     if workers > len(layers) and not replicate:
         shown = f" ({', '.join(names)})" if names is not None else ""
         raise PlanningError(
             f"{workers} stages but the model has {len(layers)} layer{'s' if len(layers) != 1 else ''}{shown}: a stage "
-            f"holds at least one layer. Train it on at most {len(layers)} device{'s' if len(layers) != 1 else ''} "
-            "(devices=1 needs no pipeline: strategy='auto'), or pipeline a model with more layers (a forward that "
-            "calls more modules)"
+            f"holds at least one layer. {_run_whole_said(whole or {})}Train it on at most {len(layers)} "
+            f"device{'s' if len(layers) != 1 else ''} (devices=1 needs no pipeline: strategy='auto'), or pipeline a "
+            "model with more layers (a forward that calls more modules)"
         )
     known = None if names is None else tuple(names)
     if options.balance is not None:

@@ -17,14 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import PlanRequest, partition
-from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict
+from lightning_pipe.planning import PREDICTED_STEPS, PlanOptions, StagePlan, plan_stages, predict
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, make_schedule, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.strategy.contract import Call, pipeline_model, refuse_too_few_traced
+from lightning_pipe.strategy.contract import Call, pipeline_model
 from lightning_pipe.strategy.log_relay import RING_BYTES, LogRelay, SharedMemoryRelay, open_log_relay
 from lightning_pipe.strategy.logs import Record, combine, recording
 from lightning_pipe.strategy.topology import Topology
@@ -180,18 +181,18 @@ def test_a_module_run_whole_that_leaves_too_few_layers_is_named_with_its_reason_
     modes part, and what to change; built without the heads, the same module is split."""
     x = torch.randn(2, 3, 64, 64)
     model = pipeline_model(_GoogLeNetModule(), Call((x,)), stages=2)
-    with pytest.raises(PlanningError) as refused:
-        refuse_too_few_traced(model, stages=2)  # what the strategy does for straight stages
+    assert list(model.run_whole) == ["net"]  # what the set-up names
+    with pytest.raises(PlanningError) as refused:  # as the strategy plans it, the modules run whole given
+        cpu = torch.device("cpu")
+        plan_stages(model.layers, x, 2, PlanOptions(), MemoryModel(), cpu, names=model.names, whole=model.run_whole)
     message = str(refused.value)
-    assert message.startswith("2 stages, but forward gives 1 layer: net runs whole, as one layer's part, because its ")
+    assert message.startswith(
+        "2 stages but the model has 1 layer (net): a stage holds at least one layer. net runs whole, inside one "
+        "layer, because its forward cannot be traced (net: forward records other operations in eval mode from "
+    )
     # where the modes part: GoogLeNet's own line (torchvision's files are not torch's, whose frames are skipped)
-    assert "forward records other operations in eval mode from " in message
     assert f"{inspect.getsourcefile(torchvision.models.GoogLeNet)}:" in message and "self.aux1(x)" in message
     assert "aux_logits=False" in message and "configure_pipeline(self)" in message
-    # one stage takes the one layer; the module run whole is still named, with why (the set-up says it)
-    refuse_too_few_traced(model, stages=1)
-    assert list(model.run_whole) == ["net"]
-    assert "forward records other operations in eval mode" in model.run_whole["net"]
     module = _GoogLeNetModule()
     module.net = torchvision.models.googlenet(init_weights=False, num_classes=10, aux_logits=False)
     split = pipeline_model(module, Call((x,)), stages=2)

@@ -342,18 +342,18 @@ def _profile_layer(
     with backward or nullcontext():
         kept = _split_backward(layer, leaf, output)
     _clear_grads(leaf)
-    _free_gradients(layer)
+    first = warmup > 0 or estimated  # measured in the first warm-up run, or with nothing timed after it
+    transient = _backward_bytes(layer, leaf) if first else 0
     if rate is not None:
         assert forward is not None and backward is not None
         forward_seconds = forward.get_total_flops() / rate
         backward_seconds = backward.get_total_flops() / rate
-        transient = _backward_bytes(layer, leaf)
     else:
-        transient = _backward_bytes(layer, leaf) if warmup else 0  # a warm-up run of its own
         for _ in range(warmup - 1):
             _timed_run(layer, leaf, device)
         forward_seconds, backward_seconds, _ = _timed_run(layer, leaf, device)
-        transient = transient if warmup else _backward_bytes(layer, leaf)
+    if not first:  # no warm-up asked: after the timed run, which stays the layer's first
+        transient = _backward_bytes(layer, leaf)
     _free_gradients(layer)
     cost = LayerCost(
         name=label,

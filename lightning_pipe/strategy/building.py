@@ -49,7 +49,7 @@ from lightning_pipe.schedule.ir import COMPUTE, Schedule
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.choosing import Chosen
 from lightning_pipe.strategy.compiling import StageCompilation
-from lightning_pipe.strategy.contract import Call, PipelineModel, pipeline_model, refuse_too_few_traced
+from lightning_pipe.strategy.contract import Call, PipelineModel, pipeline_model
 from lightning_pipe.strategy.differences import differences
 from lightning_pipe.strategy.effects import watch_attributes
 from lightning_pipe.strategy.logs import Record, recording
@@ -322,10 +322,8 @@ class PipelineBuilding:
             )
         if None in names:
             raise PlanningError(f"rank {names.index(None)} could not capture forward (its error is in its log)")
-        if model.run_whole:
-            if self._auto is None and not self._replicated:  # straight stages of at least one layer each
-                refuse_too_few_traced(model, self.stages)
-            listed = "; ".join(f"{path} ({why})" for path, why in model.run_whole.items())
+        if whole := model.run_whole:
+            listed = "; ".join(f"{path} ({why})" for path, why in whole.items())
             rank_zero_info(f"Run whole, each inside one layer, as their forward cannot be traced: {listed}")
         return self._in_order(model, first) if model.branches() and self.stages > 1 else model
 
@@ -430,6 +428,7 @@ class PipelineBuilding:
                             names=model.names,
                             seconds=self.setup_seconds,
                             runs_on=self.root_device,
+                            whole=model.run_whole,
                         )
 
                     options = self._within_limit(self._plan_options(len(model.layers)))

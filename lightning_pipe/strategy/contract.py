@@ -33,7 +33,7 @@ from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PipelineRuntimeError, PlanningError
 from lightning_pipe.util.nested import flatten, tensors
 
-__all__ = ["HOOK", "Call", "Entry", "PipelineModel", "modules_run_whole", "pipeline_model", "refuse_too_few_traced"]
+__all__ = ["HOOK", "Call", "Entry", "PipelineModel", "modules_run_whole", "pipeline_model"]
 
 HOOK = "configure_pipeline"
 
@@ -228,25 +228,6 @@ def modules_run_whole(captured: CapturedForward) -> dict[str, str]:
     with why: the outermost of them (a module inside one runs whole with it)."""
     leaves = captured.graph.leaves
     return {path: why for path, why in leaves.items() if not any(path.startswith(f"{other}.") for other in leaves)}
-
-
-def refuse_too_few_traced(model: PipelineModel, stages: int) -> None:
-    """Refuse ``model`` with fewer layers than ``stages`` (straight stages, one layer at least each)
-    where modules whose forward cannot be traced ran whole, naming them and why: the plan's "more
-    stages than layers" would not say."""
-    whole = model.run_whole
-    count = len(model.layers)
-    if not whole or count >= stages:
-        return
-    listed = "; ".join(f"{path}: {reason}" for path, reason in whole.items())
-    raise PlanningError(
-        f"{stages} stages, but forward gives {count} layer{'s' if count != 1 else ''}: {', '.join(whole)} "
-        f"run{'s' if len(whole) == 1 else ''} whole, as one layer's part, because "
-        f"{'its' if len(whole) == 1 else 'their'} forward cannot be traced ({listed}). A module whose forward "
-        "runs other operations in training than in evaluation (torchvision's GoogLeNet and Inception-v3 with "
-        "aux_logits=True compute their auxiliary heads in training only) runs whole: build it to run the same "
-        f"operations in both (aux_logits=False), or define {HOOK}(self) returning the ordered layers"
-    )
 
 
 def _single_input(call: Call) -> Any:
