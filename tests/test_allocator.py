@@ -54,16 +54,47 @@ def test_freed_blocks_go_back_to_the_system_only_when_released() -> None:
     assert all(given > _BLOCKS * 0.95 for _, given in released)
 
 
+_SETTLE = """
+import sys
+import torch
+from lightning_pipe.runtime.allocator import mallinfo, settle_heap
+
+if sys.argv[1] == "settle":
+    assert settle_heap()
+for mib in (4, 9, 16, 30):
+    mapped = mallinfo().hblks
+    block = torch.ones(mib << 18)
+    print(mallinfo().hblks - mapped)
+    del block
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's dynamic mmap threshold")
+@pytest.mark.timeout(150)
+def test_a_settled_heap_serves_blocks_below_32_mib_from_itself() -> None:
+    """A fresh process maps each new largest block on its own (and faults its pages in at each use
+    until the threshold has risen past it); settled, every block below 31 MiB comes from the heap."""
+    runs = {}
+    for mode in ("default", "settle"):
+        done = subprocess.run(
+            [sys.executable, "-c", _SETTLE, mode], capture_output=True, text=True, timeout=120, check=True
+        )
+        runs[mode] = [int(line) for line in done.stdout.split()]
+    assert runs == {"default": [1, 1, 1, 1], "settle": [0, 0, 0, 0]}
+
+
 def test_the_strategy_releases_freed_memory_when_asked_or_within_a_memory_limit(monkeypatch) -> None:
-    calls: list[bool] = []
-    monkeypatch.setattr(strategy_module, "release_freed_memory", lambda: calls.append(True) or True)
+    """Released, or else settled (the profile measured in the state the steps run in); never both."""
+    calls: list[str] = []
+    monkeypatch.setattr(strategy_module, "release_freed_memory", lambda: calls.append("released") or True)
+    monkeypatch.setattr(strategy_module, "settle_heap", lambda: calls.append("settled") or True)
     cpu = [torch.device("cpu")]
     cases = [({}, False), ({"memory_limit": "1GB"}, True), ({"memory_limit": "1GB", "release_memory": False}, False)]
     cases.append(({"release_memory": True}, True))
     for options, expected in cases:
         calls.clear()
-        PipelineStrategy(parallel_devices=cpu, **options)._release_freed_memory()
-        assert calls == ([True] if expected else []), options
+        PipelineStrategy(parallel_devices=cpu, **options)._set_up_heap()
+        assert calls == (["released"] if expected else ["settled"]), options
 
 
 def test_release_memory_must_be_a_bool_or_none() -> None:

@@ -5,8 +5,9 @@ of near-equal cost then swap sides of a cut: two identical runs could get differ
 profile the strategy measures is therefore saved under a key of everything that decides the layers'
 costs — the layers (their names and ``repr``: types and hyper-parameters), their parameters' and
 buffers' shapes and dtypes, the micro-batch's shapes and dtypes, the device, the timed runs per layer,
-the versions of torch and of this package, and what a layer's record holds — and a later run with
-the same key plans from it, deterministically (autotuning caches work this way: cuDNN's benchmark
+the versions of torch and of this package, what a layer's record holds, and on the CPU the state
+of the C library's heap it was measured in (:func:`~lightning_pipe.runtime.allocator.settle_heap`) —
+and a later run with the same key plans from it, deterministically (autotuning caches work this way: cuDNN's benchmark
 mode, Triton's). A layer, batch size, device or torch of another kind gives another key; an edited
 ``forward`` body that keeps the layers' shapes does not: delete the file, or pass
 ``profile_cache=False``, to measure afresh.
@@ -115,6 +116,7 @@ def profile_key(
         "torch": torch.__version__,
         "lightning_pipe": package,
         "measures": [field.name for field in fields(LayerCost)],  # a profile kept before a field was measured lacks it
+        "heap": "settled" if device.type == "cpu" else None,  # glibc's heap as the steps find it (runtime/allocator.py)
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 

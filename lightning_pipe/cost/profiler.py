@@ -44,6 +44,11 @@ is 0.6-1.0x its real profile's time (``tests/test_flop_rate.py``, ``bench/estima
 4096-wide layers at 16 rows 0.2-0.3x (its thin products are bound by memory, not by the matmul's
 rate); layers without counted FLOPs (element-wise ones) estimate at 0.
 
+On the CPU, glibc's heap is first settled (:func:`~lightning_pipe.runtime.allocator.settle_heap`): a
+fresh process faults in the pages of every block of a few MiB (a layer's gradients) at each backward
+until its mmap threshold has risen, a run does so only in its first steps, so the profile is
+measured as the steps will run.
+
 Every run feeds the layer a fresh ``clone()`` of its input, so in-place layers (``ReLU(inplace=True)``)
 work and never corrupt the input of later runs. Inputs of layers after the first require grad when
 floating point, as they would in a pipeline; the first layer's input keeps ``requires_grad`` as given.
@@ -70,6 +75,7 @@ from lightning_pipe.cost.flop_rate import flop_rate, synchronize
 from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.cost.saved_bytes import saved_bytes, storage_key
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.allocator import settle_heap
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.util.nested import map_tensors, nbytes, tensors
 
@@ -126,6 +132,8 @@ def profile_layers(
         runs_on = _rate_device(rate_device, named)
         rate = flop_rate(runs_on, _compute_dtype(named, sample))
         meta = {"flops_per_second": rate, "rate_device": str(runs_on)}
+    if target.type == "cpu":
+        settle_heap()  # as the steps will find glibc's heap (:mod:`lightning_pipe.runtime.allocator`)
     costs = []
     with _profiling_session(model, [layer for _, layer in named], target):
         first = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)

@@ -10,6 +10,16 @@ every block of at least that size is mapped on its own and unmapped when freed: 
 follows the allocated bytes, which is what a plan predicts (and what
 ``torch.cuda.max_memory_allocated`` counts on a GPU). The price is paid in time: each such block's
 pages are faulted in (and zeroed) again when it is next allocated.
+
+Without a fixed threshold, what a block of a few MiB costs depends on the heap's history: until a
+block near glibc's largest dynamic threshold (32 MiB) has been freed, the heap's free top is trimmed
+back to the system at twice the threshold reached so far, and a layer whose gradients are a few MiB
+faults its pages in at every backward. A run reaches the settled state within its first steps; a
+profile measured before it did not: torchvision's ResNet-18 at 32x32, its ``layer4`` at 4 rows a
+micro-batch, profiled at 31-35 ms a backward on one thread of a 2-core machine and ran at 12-13 ms in
+the pipeline (11.5-13 ms alone once settled; ``docs/measurements.md``, *The heap settled before the
+profile*). :func:`settle_heap` puts a process in the state a run settles in, before anything is
+timed.
 """
 
 from __future__ import annotations
@@ -17,10 +27,14 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["RELEASE_THRESHOLD", "MallInfo", "mallinfo", "release_freed_memory"]
+__all__ = ["RELEASE_THRESHOLD", "SETTLED_THRESHOLD", "MallInfo", "mallinfo", "release_freed_memory", "settle_heap"]
 
 RELEASE_THRESHOLD = 4 * 1024 * 1024
 """Blocks of this many bytes or more go back to the system when freed (activations, gradients)."""
+
+SETTLED_THRESHOLD = (32 << 20) - (1 << 20)
+"""Bytes of the block :func:`settle_heap` maps and frees: below glibc's largest dynamic mmap
+threshold (``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB on 64-bit systems), above anything it starts from."""
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 _MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()  # noqa: SIM905
@@ -63,3 +77,22 @@ def release_freed_memory(threshold: int = RELEASE_THRESHOLD) -> bool:
     only: elsewhere nothing changes)."""
     libc = _glibc()
     return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+
+
+def settle_heap() -> bool:
+    """Raise glibc's dynamic mmap threshold to about :data:`SETTLED_THRESHOLD` (and its trim threshold
+    to twice that), as a run's first steps do when they free a large block: blocks below it then come
+    from the heap and are reused without faulting their pages in again. Maps and frees one block of
+    that size, touching none of its pages. Returns whether it could (glibc only). After
+    :func:`release_freed_memory` (a fixed threshold) it changes nothing: glibc no longer adjusts."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    block = libc.malloc(SETTLED_THRESHOLD)
+    if not block:
+        return False
+    libc.free(block)
+    return True
