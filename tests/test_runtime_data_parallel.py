@@ -8,11 +8,16 @@ rules whose weight version does not depend on the micro-batch (sync, 2BW).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime import weights
 from lightning_pipe.runtime.executor import PipelineExecutor
 from lightning_pipe.runtime.launch import run_local
 from lightning_pipe.schedule import make_schedule
@@ -22,7 +27,8 @@ PIPELINES = [[0, 1], [2, 3]]
 STEPS = 4
 
 
-def _worker(rank: int, family: str) -> dict[int, list[torch.Tensor]]:
+def _worker(rank: int, family: str, bucket_bytes: int = weights.BUCKET_BYTES) -> dict[int, list[torch.Tensor]]:
+    weights.BUCKET_BYTES = bucket_bytes
     pipeline = next(p for p, ranks in enumerate(PIPELINES) if rank in ranks)
     executor = PipelineExecutor(
         lambda k: make_schedule(family, 2, 2, k),
@@ -46,11 +52,20 @@ def _union() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("family", "rule"), [("1f1b", sync), ("2bw", one_step_late)])
-def test_pipelines_average_their_gradients(family: str, rule) -> None:
+@pytest.mark.parametrize(
+    ("family", "rule", "bucket_bytes"),
+    [
+        ("1f1b", sync, weights.BUCKET_BYTES),
+        ("2bw", one_step_late, weights.BUCKET_BYTES),
+        ("1f1b", sync, 1),
+        ("1f1b", sync, 300),
+    ],
+)
+def test_pipelines_average_their_gradients(family: str, rule, bucket_bytes: int) -> None:
     """Two 2-stage pipelines on 4 processes end with the reference's parameters on every rank, and
-    not with what one pipeline alone would train (the averaging is real)."""
-    results = run_local(_worker, 4, family, timeout=100)
+    not with what one pipeline alone would train (the averaging is real); with every gradient summed
+    where it lies (``bucket_bytes=1``), or packed a few at a time (300), as with all packed in one."""
+    results = run_local(_worker, 4, family, bucket_bytes, timeout=100)
     expected = reference(build_stages(2), _union(), 4, rule, "sgd")
     alone = reference(build_stages(2), batches(STEPS, seed=1), 2, rule, "sgd")
     for rank, result in enumerate(results):
@@ -78,3 +93,41 @@ def _bad_pipelines_worker(rank: int) -> str:
 def test_pipelines_must_partition_the_ranks() -> None:
     for message in run_local(_bad_pipelines_worker, 3, timeout=50):
         assert "pipelines [[0, 1], [1, 2]] must hold every rank 0..2 exactly once" in message
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.integers(1, 600), max_size=30), st.integers(4, 2000))
+def test_buckets_keep_every_gradient_once_in_order_within_the_size(sizes: list[int], bucket_bytes: int) -> None:
+    """Every gradient once: one of at least the bucket size alone, the others packed in order (past
+    the large ones between them), a pack closed only when the next small gradient would take it
+    over the size."""
+    grads = [torch.zeros(n) for n in sizes]
+    saved, weights.BUCKET_BYTES = weights.BUCKET_BYTES, bucket_bytes
+    try:
+        buckets = weights._buckets(grads)
+    finally:
+        weights.BUCKET_BYTES = saved
+
+    def nbytes(grad: torch.Tensor) -> int:
+        return grad.numel() * grad.element_size()
+
+    def ids(kept: list[torch.Tensor]) -> list[int]:
+        return [id(g) for g in kept]
+
+    flat = [g for bucket in buckets for g in bucket]
+    assert sorted(ids(flat)) == sorted(ids(grads))
+    for large in (True, False):
+        assert ids([g for g in flat if (nbytes(g) >= bucket_bytes) is large]) == ids(
+            [g for g in grads if (nbytes(g) >= bucket_bytes) is large]
+        )
+    packs = []
+    for bucket in buckets:
+        sizes_in = [g.numel() * g.element_size() for g in bucket]
+        if sizes_in[0] >= bucket_bytes:
+            assert len(bucket) == 1
+        else:
+            assert max(sizes_in) < bucket_bytes and sum(sizes_in) <= bucket_bytes
+        packs.append(None if sizes_in[0] >= bucket_bytes else sum(sizes_in))
+    packed = [(total, bucket) for total, bucket in zip(packs, buckets, strict=True) if total is not None]
+    for (total, _), (_, bucket) in itertools.pairwise(packed):
+        assert total + nbytes(bucket[0]) > bucket_bytes

@@ -44,7 +44,16 @@ __all__ = ["StageWeights", "WeightCopy"]
 
 _Sum = tuple[dist.Work, torch.Tensor, list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]]]
 """A sum over a stage's replicas under way: the presence counts' all-reduce and counts, then each
-dtype's all-reduce, gradients and flat buffer."""
+bucket's all-reduce, gradients and the tensor summed (a flat buffer, or the one gradient itself)."""
+
+BUCKET_BYTES = 1 << 20
+"""A gradient of this many bytes or more is summed over the replicas where it lies; smaller ones are
+packed, in order, into flat buffers of up to this size, one all-reduce each (DDP's buckets, with
+large tensors left alone). Packing every gradient of a stage into one buffer copied them all, twice,
+and a buffer above glibc's mmap threshold (31 MiB once settled) faulted its pages in at every step:
+Rahimi's ``ddp`` on torchvision's ResNet-18 (2 CPU processes, 16 rows a micro-batch) ran the
+backward of its last stage, 34 MB of gradients, in 27.8 ms where 1F1B ran the same stage's in 14.4 ms
+(``docs/measurements.md``, *The heap settled before the profile*)."""
 
 
 class WeightCopy(dict[str, torch.Tensor]):
@@ -340,8 +349,8 @@ class StageWeights:
 
     def _start_sum(self, buffer: list[torch.Tensor | None]) -> _Sum:
         """Start summing ``buffer`` over the stage's replicas in place, not waited for: every
-        trainable weight's gradient (zeros where this replica has none) in one all-reduce per dtype,
-        and beside it how many replicas had one."""
+        trainable weight's gradient (zeros where this replica has none), by dtype in the buckets of
+        :func:`_buckets`, and beside it how many replicas had one."""
         device = self.params[0].device
         present = torch.tensor([grad is not None for grad in buffer], dtype=torch.int32, device=device)
         for index in self.trainable:
@@ -354,8 +363,9 @@ class StageWeights:
                 by_dtype.setdefault(grad.dtype, []).append(grad)
         summing = []
         for grads in by_dtype.values():
-            flat = torch.cat([grad.reshape(-1) for grad in grads])
-            summing.append((dist.all_reduce(flat, group=self.group, async_op=True), grads, flat))
+            for bucket in _buckets(grads):
+                summed = bucket[0].contiguous() if len(bucket) == 1 else torch.cat([g.reshape(-1) for g in bucket])
+                summing.append((dist.all_reduce(summed, group=self.group, async_op=True), bucket, summed))
         return counting, present, summing
 
     def _finish_sum(self, buffer: list[torch.Tensor | None], started: _Sum) -> None:
@@ -363,9 +373,10 @@ class StageWeights:
         ``None`` back (the optimizer skips it)."""
         counting, present, summing = started
         counting.wait()
-        for work, grads, flat in summing:
+        for work, grads, summed in summing:
             work.wait()
-            _unflatten(grads, flat)
+            if summed is not grads[0]:
+                _unflatten(grads, summed)
         for index in (present == 0).nonzero().flatten().tolist():
             buffer[index] = None
 
@@ -424,7 +435,30 @@ class StageWeights:
             self.optimizer.load_state_dict(state["optimizer"])
 
 
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``grads`` (of one dtype) in the groups one all-reduce sums each: a gradient of
+    :data:`BUCKET_BYTES` or more alone, the others packed in order (past the large ones between them)
+    into groups of up to that size. The groups depend only on the gradients' sizes, so every replica
+    makes the same."""
+    buckets: list[list[torch.Tensor]] = []
+    packing: list[torch.Tensor] = []
+    packed = 0
+    for grad in grads:
+        size = grad.numel() * grad.element_size()
+        if size >= BUCKET_BYTES:
+            buckets.append([grad])
+            continue
+        if packing and packed + size > BUCKET_BYTES:
+            buckets.append(packing)
+            packing, packed = [], 0
+        packing.append(grad)
+        packed += size
+    if packing:
+        buckets.append(packing)
+    return buckets
+
+
 def _unflatten(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy the summed ``flat`` back into the gradients it was made of."""
-    for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
+    for grad, summed in zip(grads, flat.reshape(-1).split([grad.numel() for grad in grads]), strict=True):
         grad.copy_(summed.view_as(grad))
