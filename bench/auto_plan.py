@@ -331,9 +331,11 @@ def _print(result: dict[str, Any]) -> None:
     table = result["table"]
     within = [row for row in table if row["error"] is not None and abs(row["error"]) <= 0.1]
     steady = [row for row in table if row["spread"] <= 0.1]
+    errors = [abs(row["error"]) for row in table if row["error"] is not None]
+    median = f", median error {statistics.median(errors):.0%}" if errors else ""
     print(
-        f"Set-up prediction within 10%: {len(within)} of {len(table)} rows; rounds of one configuration within 10% "
-        f"of each other: {len(steady)} of {len(table)} rows, and among them the prediction within 10% on "
+        f"Set-up prediction within 10%: {len(within)} of {len(table)} rows{median}; rounds of one configuration "
+        f"within 10% of each other: {len(steady)} of {len(table)} rows, and among them the prediction within 10% on "
         f"{sum(row in within for row in steady)}\n"
     )
     print("| configuration | ran | samples/s | of best | step | rounds apart | predicted | error | calibrated error |")

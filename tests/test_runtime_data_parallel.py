@@ -102,11 +102,7 @@ def test_buckets_keep_every_gradient_once_in_order_within_the_size(sizes: list[i
     the large ones between them), a pack closed only when the next small gradient would take it
     over the size."""
     grads = [torch.zeros(n) for n in sizes]
-    saved, weights.BUCKET_BYTES = weights.BUCKET_BYTES, bucket_bytes
-    try:
-        buckets = weights._buckets(grads)
-    finally:
-        weights.BUCKET_BYTES = saved
+    buckets = weights._buckets(grads, bucket_bytes)
 
     def nbytes(grad: torch.Tensor) -> int:
         return grad.numel() * grad.element_size()

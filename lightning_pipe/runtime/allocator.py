@@ -62,6 +62,9 @@ def _glibc() -> ctypes.CDLL | None:
         return None
     if hasattr(libc, "mallinfo2"):
         libc.mallinfo2.restype = MallInfo
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
     return libc
 
 
@@ -88,9 +91,6 @@ def settle_heap() -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
     block = libc.malloc(SETTLED_THRESHOLD)
     if not block:
         return False

@@ -363,7 +363,7 @@ class StageWeights:
                 by_dtype.setdefault(grad.dtype, []).append(grad)
         summing = []
         for grads in by_dtype.values():
-            for bucket in _buckets(grads):
+            for bucket in _buckets(grads, BUCKET_BYTES):
                 summed = bucket[0].contiguous() if len(bucket) == 1 else torch.cat([g.reshape(-1) for g in bucket])
                 summing.append((dist.all_reduce(summed, group=self.group, async_op=True), bucket, summed))
         return counting, present, summing
@@ -435,24 +435,24 @@ class StageWeights:
             self.optimizer.load_state_dict(state["optimizer"])
 
 
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``grads`` (of one dtype) in the groups one all-reduce sums each: a gradient of
-    :data:`BUCKET_BYTES` or more alone, the others packed in order (past the large ones between them)
-    into groups of up to that size. The groups depend only on the gradients' sizes, so every replica
+def _buckets(grads: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+    """``grads`` (of one dtype) in the groups one all-reduce sums each: a gradient of ``size`` bytes
+    or more alone, the others packed in order (past the large ones between them) into groups of up to
+    ``size`` bytes. The groups depend only on the gradients' sizes, so every replica
     makes the same."""
     buckets: list[list[torch.Tensor]] = []
     packing: list[torch.Tensor] = []
     packed = 0
     for grad in grads:
-        size = grad.numel() * grad.element_size()
-        if size >= BUCKET_BYTES:
+        nbytes = grad.numel() * grad.element_size()
+        if nbytes >= size:
             buckets.append([grad])
             continue
-        if packing and packed + size > BUCKET_BYTES:
+        if packing and packed + nbytes > size:
             buckets.append(packing)
             packing, packed = [], 0
         packing.append(grad)
-        packed += size
+        packed += nbytes
     if packing:
         buckets.append(packing)
     return buckets

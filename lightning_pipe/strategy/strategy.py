@@ -91,7 +91,7 @@ from lightning_pipe.planning import (
     StagePlan,
 )
 from lightning_pipe.runtime import PipelineExecutor
-from lightning_pipe.runtime.allocator import release_freed_memory, settle_heap
+from lightning_pipe.runtime.allocator import release_freed_memory
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.loss_scaling import refuse_without_flush
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES, SUGGESTED_FLUSHING
@@ -463,7 +463,7 @@ class PipelineStrategy(
         atexit.unregister(close_process_groups)  # registered once per process, however many fits
         atexit.register(close_process_groups)
         self._place_threads()  # pin_cpus (.calibrating)
-        self._set_up_heap()
+        self._release_freed_memory()
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
@@ -478,19 +478,14 @@ class PipelineStrategy(
         open_strategy_groups([self._objects, *own, *positions])
         self._failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
 
-    def _set_up_heap(self) -> None:
-        """CPU training (glibc), before anything is profiled: with ``release_memory`` (by default:
-        within a ``memory_limit``) freed blocks of 4 MiB or more go back to the system
-        (:func:`release_freed_memory`); without, the heap is settled (:func:`settle_heap`), so the
-        profile is measured in the state the steps run in."""
-        if self.root_device.type != "cpu":
-            return
+    def _release_freed_memory(self) -> None:
+        """CPU training with ``release_memory`` (by default: within a ``memory_limit``): freed blocks
+        of 4 MiB or more go back to the system (:func:`release_freed_memory`). Without, glibc's heap
+        is left to settle, as the profiler measures it (:func:`~lightning_pipe.runtime.allocator.settle_heap`)."""
         wanted = self.release_memory
         if wanted is None:
             wanted = self.plan_options.memory_limit is not None
-        if not wanted:
-            settle_heap()
-        elif release_freed_memory():
+        if wanted and self.root_device.type == "cpu" and release_freed_memory():
             rank_zero_info(
                 "CPU training: freed blocks of 4 MiB or more go back to the system (glibc's mmap threshold), so each "
                 "process's resident memory follows the planned memory; steps pay the page faults "
