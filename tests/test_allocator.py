@@ -84,15 +84,17 @@ def test_a_settled_heap_serves_blocks_below_32_mib_from_itself() -> None:
 
 
 def test_the_strategy_releases_freed_memory_when_asked_or_within_a_memory_limit(monkeypatch) -> None:
-    calls: list[bool] = []
-    monkeypatch.setattr(strategy_module, "release_freed_memory", lambda: calls.append(True) or True)
+    """Released, or else settled (the steps run in the state the profile was measured in); never both."""
+    calls: list[str] = []
+    monkeypatch.setattr(strategy_module, "release_freed_memory", lambda: calls.append("released") or True)
+    monkeypatch.setattr(strategy_module, "settle_heap", lambda: calls.append("settled") or True)
     cpu = [torch.device("cpu")]
     cases = [({}, False), ({"memory_limit": "1GB"}, True), ({"memory_limit": "1GB", "release_memory": False}, False)]
     cases.append(({"release_memory": True}, True))
     for options, expected in cases:
         calls.clear()
-        PipelineStrategy(parallel_devices=cpu, **options)._release_freed_memory()
-        assert calls == ([True] if expected else []), options
+        PipelineStrategy(parallel_devices=cpu, **options)._set_up_heap()
+        assert calls == (["released"] if expected else ["settled"]), options
 
 
 def test_release_memory_must_be_a_bool_or_none() -> None:

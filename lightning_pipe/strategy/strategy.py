@@ -91,7 +91,7 @@ from lightning_pipe.planning import (
     StagePlan,
 )
 from lightning_pipe.runtime import PipelineExecutor
-from lightning_pipe.runtime.allocator import release_freed_memory
+from lightning_pipe.runtime.allocator import release_freed_memory, settle_heap
 from lightning_pipe.runtime.failure import FailureBoard
 from lightning_pipe.runtime.loss_scaling import refuse_without_flush
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES, SUGGESTED_FLUSHING
@@ -463,7 +463,7 @@ class PipelineStrategy(
         atexit.unregister(close_process_groups)  # registered once per process, however many fits
         atexit.register(close_process_groups)
         self._place_threads()  # pin_cpus (.calibrating)
-        self._release_freed_memory()
+        self._set_up_heap()
         # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
         # same position of every pipeline (reductions of logged values)
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
@@ -478,14 +478,21 @@ class PipelineStrategy(
         open_strategy_groups([self._objects, *own, *positions])
         self._failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
 
-    def _release_freed_memory(self) -> None:
-        """CPU training with ``release_memory`` (by default: within a ``memory_limit``): freed blocks
-        of 4 MiB or more go back to the system (:func:`release_freed_memory`). Without, glibc's heap
-        is left to settle, as the profiler measures it (:func:`~lightning_pipe.runtime.allocator.settle_heap`)."""
+    def _set_up_heap(self) -> None:
+        """CPU training (glibc), in every process: with ``release_memory`` (by default: within a
+        ``memory_limit``) freed blocks of 4 MiB or more go back to the system
+        (:func:`release_freed_memory`); without, the heap is settled (:func:`settle_heap`), as the
+        profiler measured the layers. A run's steps do not settle it reliably by themselves: on 2
+        processes torchvision's ResNet-18 at 8 rows a micro-batch ran GPipe and 1F1B on 4 at 176-179 ms
+        a step unsettled, 96-105 ms settled (``bench/auto_plan.py``, docs/measurements.md)."""
+        if self.root_device.type != "cpu":
+            return
         wanted = self.release_memory
         if wanted is None:
             wanted = self.plan_options.memory_limit is not None
-        if wanted and self.root_device.type == "cpu" and release_freed_memory():
+        if not wanted:
+            settle_heap()
+        elif release_freed_memory():
             rank_zero_info(
                 "CPU training: freed blocks of 4 MiB or more go back to the system (glibc's mmap threshold), so each "
                 "process's resident memory follows the planned memory; steps pay the page faults "
