@@ -332,6 +332,7 @@ def search(
     extra_copies: float = EXTRA_COPIES["momentum"],
     network: Network | None = None,
     contention: float = 1.0,
+    reduce_overlap: float = 1.0,
     max_splits: int = DEFAULT_MAX_SPLITS,
     names: Sequence[str] | None = None,
     base: ScheduleOptions | None = None,
@@ -358,6 +359,9 @@ def search(
         update: each stage's optimizer step (none: free).
         extra_copies, network, contention: the memory model's optimizer copies, the network of
             :func:`~lightning_pipe.partition.evaluate` and the simulator's contention.
+        reduce_overlap: the share of replicas' all-reduce that runs beside the compute
+            (``StageCosts.reduce_overlap``), where no calibration of a replicating family prices the
+            candidate (:meth:`~lightning_pipe.cost.calibrated.Calibration.reduce_overlap`).
         names: the layers' names, kept in each candidate's stage plan.
         base: the options every family is searched with besides its family, ``m`` and rule (slack,
             virtual stages, CDP's form, ...); a family they do not fit on ``workers`` is left out.
@@ -422,7 +426,10 @@ def search(
                 updates = None if update is None else update.stages(bounds)
                 kept = None if calibrations is None else calibrations(family, m)
                 rate, fixed = (scale, action_seconds) if kept is None else (kept.scale, kept.fixed)
-                simulation = predict(stage_plan, options, m, contention, flags, fixed, updates, rate)
+                overlap = reduce_overlap if kept is None else kept.reduce_overlap(reduce_overlap)
+                simulation = predict(
+                    stage_plan, options, m, contention, flags, fixed, updates, rate, reduce_overlap=overlap
+                )
                 assert simulation is not None
                 found.append(
                     Candidate(

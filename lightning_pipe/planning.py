@@ -43,7 +43,7 @@ from lightning_pipe.schedule.in_flight import stage_in_flight
 from lightning_pipe.schedule.ir import Schedule
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
-from lightning_pipe.schedule.stage_costs import check_contention
+from lightning_pipe.schedule.stage_costs import check_contention, check_reduce_overlap
 from lightning_pipe.tables import placement_table, plan_table, simulation_table
 from lightning_pipe.util.units import format_bytes
 from lightning_pipe.worker_memory import WorkerMemory
@@ -110,6 +110,8 @@ class PlanOptions:
         bandwidth: bytes per second between devices (``inf``: communication is free).
         contention: how many times slower an action runs while every device computes, for the
             prediction (``StageCosts.contention``; 1: devices share nothing, e.g. GPUs).
+        reduce_overlap: the share of replicas' all-reduce of gradients that runs beside the compute,
+            for the prediction (``StageCosts.reduce_overlap``; 1: all of it, e.g. GPUs).
         profile: a saved profile (JSON or PipeDream ``graph.txt``) to use instead of profiling.
         plan: a plan from ``lightning-pipe plan --json`` to use as is.
         balance: layers per stage (e.g. ``[3, 2]``), instead of planning.
@@ -128,6 +130,7 @@ class PlanOptions:
     memory_limit: float | None = None
     bandwidth: float = float("inf")
     contention: float = 1.0
+    reduce_overlap: float = 1.0
     profile: str | None = None
     plan: str | None = None
     balance: Sequence[int] | None = None
@@ -144,6 +147,7 @@ class PlanOptions:
         if sum(x is not None for x in (self.plan, self.balance)) > 1:
             raise PlanningError("give at most one of plan= and balance=")
         check_contention(self.contention)
+        check_reduce_overlap(self.reduce_overlap)
         check_tolerance(self.tolerance, "plan_tolerance")
         _check_counts("balance", self.balance, "layers")
         _check_counts("stage_replicas", self.stage_replicas, "workers")
@@ -539,6 +543,7 @@ def predict(
     update: Sequence[float] | None = None,
     scale: float = 1.0,
     bandwidth: float | None = None,
+    reduce_overlap: float = 1.0,
 ) -> Simulation | None:
     """The schedule simulated with the plan's measured costs (``None`` without a profile), on devices
     sharing one machine by ``contention``; a stage recomputing (``recompute``: all, or per stage) runs its
@@ -546,7 +551,8 @@ def predict(
     ``scale`` × its profile + ``action_seconds`` (what a run measured beyond the profile:
     :class:`~lightning_pipe.cost.calibrated.Calibration`), and each stage's update ``update`` seconds
     (:class:`~lightning_pipe.cost.update_rate.UpdatePrices`; none: free); messages travel at the plan's
-    bandwidth, or at ``bandwidth`` when given."""
+    bandwidth, or at ``bandwidth`` when given, and ``reduce_overlap`` of a replicas' all-reduce runs
+    beside the compute (``StageCosts.reduce_overlap``)."""
     if stage_plan.plan is None:
         return None
     costs = StageCosts.from_plan(stage_plan.plan.to_dict(), replicated=stage_plan.replicas is not None)
@@ -557,7 +563,15 @@ def predict(
     ]
     updates = None if update is None else list(update)
     links = costs.bandwidth if bandwidth is None else bandwidth
-    costs = replace(costs, forward=forward, backward=backward, contention=contention, update=updates, bandwidth=links)
+    costs = replace(
+        costs,
+        forward=forward,
+        backward=backward,
+        contention=contention,
+        update=updates,
+        bandwidth=links,
+        reduce_overlap=reduce_overlap,
+    )
     return simulate(schedule_of(stage_plan, schedule, microbatches)(PREDICTED_STEPS), costs, early_gradients=True)
 
 

@@ -25,6 +25,7 @@ from lightning_pipe.auto import (
 )
 from lightning_pipe.cost.calibrated import Calibration
 from lightning_pipe.cost.memory import EXTRA_COPIES, MemoryModel
+from lightning_pipe.cost.network import Network
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import PlanRequest, evaluate, partition
@@ -247,6 +248,30 @@ def test_each_family_and_count_is_priced_with_its_own_calibration(
         same = search(costs, WORKERS, scale=alone.scale, action_seconds=alone.fixed, **space_alone)
         match = next(c for c in same if c.bounds == candidate.bounds and c.replicas == candidate.replicas)
         assert math.isclose(candidate.step_seconds, match.step_seconds, rel_tol=1e-12)
+
+
+def test_replicas_all_reduce_is_priced_beside_the_compute_as_measured_or_as_their_calibration_ran() -> None:
+    """Rahimi's ``ddp`` pays its all-reduce: the less of it runs beside the compute
+    (``reduce_overlap``), the longer its step, unless a calibration measured on a replicating family
+    prices it (its actions carry the all-reduces: priced beside the compute). A pipeline's step does
+    not change: it reduces nothing."""
+    costs = ChainCosts.from_lists([1.0] * 4, [2.0] * 4, params=[4.0, 4.0, 8.0, 8.0])
+    space = {"families": ["1f1b", "ddp"], "microbatches": (2,), "recompute": False, "network": Network(2.0)}
+
+    def steps(**arguments: object) -> dict[tuple[str, tuple], float]:
+        found = search(costs, WORKERS, **space, **arguments)  # type: ignore[arg-type]
+        return {(c.family, c.bounds): c.step_seconds for c in found}
+
+    beside, half, none = (steps(reduce_overlap=share) for share in (1.0, 0.5, 0.0))
+    for key in beside:
+        if key[0] == "ddp":
+            assert beside[key] < half[key] < none[key]
+        else:
+            assert beside[key] == half[key] == none[key]
+    replicas = Calibration(1.0, 0.0, 0.0, replicating=True)
+    assert steps(reduce_overlap=0.0, calibrations=lambda family, m: replicas) == beside
+    piped = Calibration(1.0, 0.0, 0.0)
+    assert steps(reduce_overlap=0.0, calibrations=lambda family, m: piped) == none
 
 
 def test_beyond_max_splits_the_partitioners_split_and_its_neighbours() -> None:

@@ -116,8 +116,11 @@ def test_the_closest_calibration_kept_is_read_back(tmp_path: Path) -> None:
     assert path == calibration_path(tmp_path, "key") and path.exists()
     assert kept_calibration(tmp_path, "key", RunShape("gpipe", 4)) == piped == kept_calibration(tmp_path, "key")
     assert "measured on 1f1b m=4, 2026-11-27" in str(piped)
-    replicas = Calibration(2.5, 0.0, 1e-3, "ddp m=2, 2026-11-27")
+    replicas = Calibration(2.5, 0.0, 1e-3, "ddp m=2, 2026-11-27", replicating=True)
     keep_calibration(tmp_path, "key", RunShape("ddp", 16), replicas)
+    # read back as measured on replicas (the family says so): all-reduces priced as they ran then
+    assert kept_calibration(tmp_path, "key", RunShape("ddp", 16)).reduce_overlap(0.2) == 1.0
+    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)).reduce_overlap(0.2) == 0.2
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)) == piped  # its own, not the last run's
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 16)) == piped  # the rows of replicas: the family
     assert kept_calibration(tmp_path, "key", RunShape("fsdp", 16)) == replicas  # the same rows and kind

@@ -28,6 +28,7 @@ KNOWN_KEYS = [
     "latency",
     "overhead",
     "overlap",
+    "reduce_overlap",
     "saved_bytes",
     "update",
     "weight_bytes",
@@ -233,6 +234,36 @@ def test_a_reduce_from_an_early_backward_waits_for_its_weight_gradients() -> Non
     early = simulate(schedule, costs, early_gradients=True)
     assert early.makespan == 14.0
     assert _times(early)[(0, "1UPDATE")] == (14.0, 14.0)
+
+
+@pytest.mark.parametrize(("reduce_overlap", "makespan"), [(1.0, 14.0), (0.5, 15.0), (0.0, 20.0)])
+def test_the_share_of_an_all_reduce_beside_the_compute_keeps_its_senders_busy(
+    reduce_overlap: float, makespan: float
+) -> None:
+    """DDP, 2 stages, 2 micro-batches (as above), F = 1, B = 2, weight bytes [4, 10] at 1 byte/s: each
+    worker runs 0F 1F 1B 0B and the updates; a stage's all-reduce takes its bytes' seconds from the end
+    of the backward that made the gradient, and keeps that worker busy for ``1 - reduce_overlap`` of it.
+
+    All beside the compute: 1B 2-4, 0B 4-6; stage 1 arrives at 4 + 10 = 14, stage 0 at 6 + 4 = 10:
+    makespan 14. Half: 1B 2-4, busy until 4 + 5 = 9; 0B 9-11, busy until 13; stage 0 arrives at
+    11 + 4 = 15: makespan 15. None: 1B 2-4, busy until 14; 0B 14-16; stage 0 arrives at 20. The
+    blocked seconds are not busy (as a blocking sender's)."""
+    costs = StageCosts.uniform(2, weight_bytes=[4.0, 10.0], bandwidth=1.0, reduce_overlap=reduce_overlap)
+    sim = simulate(make_schedule("ddp", 2, 2), costs)
+    assert sim.makespan == makespan
+    start = {1.0: 4.0, 0.5: 9.0, 0.0: 14.0}[reduce_overlap]
+    assert _times(sim)[(0, "0B0v0")] == (start, start + 2.0) == _times(sim)[(1, "0B1v0")]
+    assert sim.busy == [6.0, 6.0]
+
+
+def test_the_share_of_an_all_reduce_beside_the_compute_leaves_pipelines_as_they_are() -> None:
+    """No all-reduce, nothing blocked: a pipeline's activations and gradients still overlap."""
+    costs = {"forward": [1.0, 1.0], "backward": [2.0, 2.0], "activation_bytes": [4.0, 4.0], "bandwidth": 2.0}
+    for family in ("gpipe", "1f1b", "2bw"):
+        schedule = make_schedule(family, 2, 4)
+        assert _times(simulate(schedule, StageCosts(**costs, reduce_overlap=0.0))) == _times(
+            simulate(schedule, StageCosts(**costs))
+        )
 
 
 def test_the_steady_step_is_the_mean_spacing_of_the_later_half_of_the_steps() -> None:
@@ -447,3 +478,9 @@ def test_a_plans_stage_costs_are_numbers(change: dict[str, object], message: str
         StageCosts.from_plan({"stages": [{**_STAGE, **change}]}, source="p.json")
     with pytest.raises(PlanningError, match=r"^p\.json: bandwidth_bytes_per_second must be bytes per second or null"):
         StageCosts.from_plan({"stages": [_STAGE], "bandwidth_bytes_per_second": "fast"}, source="p.json")
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, math.nan, math.inf, True])
+def test_a_reduce_overlap_outside_zero_to_one_is_refused(value: float) -> None:
+    with pytest.raises(PlanningError, match=r"^costs: reduce_overlap must be a share from 0 .* to 1 .*, got "):
+        StageCosts.uniform(2, reduce_overlap=value)

@@ -119,6 +119,7 @@ CONSTRUCTOR_REFUSALS = [
     ({"start_method": "fork"}, r"start_method must be one of 'popen', 'spawn', 'forkserver'; got 'fork'"),
     ({"contention": 0.5}, r"^contention must be a finite factor >= 1 \(1: no sharing\), got 0.5$"),
     ({"contention": "2"}, r"^contention must be a finite factor >= 1 \(1: no sharing\), got '2'$"),
+    ({"reduce_overlap": 1.5}, r"^reduce_overlap must be a share from 0 \(all-reduces keep the workers busy\) .*1.5$"),
     ({"schedule": "1f1b_star", "period": -1}, r"^period must be a number > 0, or None; got -1$"),
     ({"schedule": "kperiodic", "k": 0}, r"^k must be a whole number >= 1, or None; got 0$"),
     ({"slack": -1}, r"^slack must be a whole number >= 0; got -1$"),

@@ -180,6 +180,7 @@ def test_checkpoints_found_by_name_or_elsewhere_are_left_to_lightning(tmp_path: 
         ("pipeline.balance=[3,0]", r"^every balance entry must be a whole number of layers >= 1; got 0$"),
         ("pipeline.stages=0", r"^stages must be a whole number >= 1, or None; got 0$"),
         ("pipeline.contention=0.5", r"^contention must be a finite factor >= 1"),
+        ("pipeline.reduce_overlap=2", r"^reduce_overlap must be a share from 0"),
         ("pipeline.plan=none.json", r"^cannot read the plan none.json: No such file or directory$"),
         ("pipeline.profile=none.json", r"^cannot read the profile none.json: No such file or directory$"),
         ("pipeline.pin_cpus=maybe", r"^pin_cpus must be True, False or 'auto' \(tried in the first .*got 'maybe'"),

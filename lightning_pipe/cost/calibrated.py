@@ -145,12 +145,17 @@ class Calibration:
     the busiest worker's actions and ``per_step``, whichever is longer (on 2 CPU processes an MLP's
     2BW steps measured 0.68x 1F1B's, where adding ``per_step`` to both predicted them equal).
 
-    ``measured_on`` names the configuration and the date the calibration was measured on, when kept."""
+    ``measured_on`` names the configuration and the date the calibration was measured on, when kept;
+    ``replicating`` says whether it was measured on a family of :data:`REPLICATING_FAMILIES`: its
+    actions then ran beside their replicas' all-reduces and carry what those took from them, so a
+    prediction priced with it runs the all-reduces beside the compute (``StageCosts.reduce_overlap``
+    = 1), where one priced with a pipeline's takes the share measured among the ranks."""
 
     scale: float
     fixed: float
     per_step: float
     measured_on: str = ""
+    replicating: bool = False
 
     def __post_init__(self) -> None:
         for name in ("scale", "fixed", "per_step"):
@@ -159,11 +164,25 @@ class Calibration:
                 raise PlanningError(f"calibration {name} must be a finite number >= 0, got {value!r}")
 
     @classmethod
-    def fitted(cls, scale: float, fixed: float, running: Priced, measured: float, measured_on: str = "") -> Calibration:
+    def fitted(
+        cls,
+        scale: float,
+        fixed: float,
+        running: Priced,
+        measured: float,
+        measured_on: str = "",
+        replicating: bool = False,
+    ) -> Calibration:
         """The calibration whose ``per_step`` makes ``running``'s predicted step the ``measured`` one
         (none, where the simulated step is longer already)."""
         beside = running.step_seconds if running.flushes else running.busiest_seconds
-        return cls(scale, fixed, max(measured - beside, 0.0), measured_on)
+        return cls(scale, fixed, max(measured - beside, 0.0), measured_on, replicating)
+
+    def reduce_overlap(self, measured: float) -> float:
+        """The share of an all-reduce beside the compute to price with this calibration: all of it
+        when it was measured on a replicating family (its actions carry what the all-reduces took),
+        else the ``measured`` share."""
+        return 1.0 if self.replicating else measured
 
     def seconds(self, candidate: Priced) -> float:
         """``candidate``'s predicted seconds per training step: its ``step_seconds`` (priced with
@@ -244,7 +263,8 @@ def kept_calibration(directory: Path | None, key: str, shape: RunShape | None = 
         found = closest_kept(list(json.loads(calibration_path(directory, key).read_text())["runs"]), shape)
         if found is None:
             return None
-        return Calibration(**{k: found[k] for k in ("scale", "fixed", "per_step", "measured_on")})
+        values = {k: found[k] for k in ("scale", "fixed", "per_step", "measured_on")}
+        return Calibration(**values, replicating=found.get("family") in REPLICATING_FAMILIES)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanningError):
         return None
 
@@ -261,7 +281,8 @@ def keep_calibration(directory: Path | None, key: str, shape: RunShape, found: C
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         entries = []
     written = time.strftime("%Y-%m-%d %H:%M:%S")
-    entries.append({**asdict(shape), **asdict(found), "written": written})
+    measured = {k: v for k, v in asdict(found).items() if k != "replicating"}  # the family says it
+    entries.append({**asdict(shape), **measured, "written": written})
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:

@@ -63,7 +63,7 @@ class _Replay:
         }
         self.previous_start = [0.0] * workers
         self.left: dict[Node, float] = {}  # when the early input gradient of a cool-down backward left
-        # messages an action sends or receives; seconds a blocking sender spends sending per action
+        # messages an action sends or receives; seconds its sender stays busy after it
         self.messages, self.sending = message_costs(self.schedule, self.graph, self.costs)
 
     def transfer(self, worker: int, dep: Node, action: Action, label: str) -> float:

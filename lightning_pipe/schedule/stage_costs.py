@@ -5,7 +5,8 @@ halves), update, the extra pass of a backward that adds into its step's weight g
 (:func:`adds_gradients` says which do), the bytes it sends, keeps and holds, and the network: a message
 takes ``latency + bytes / bandwidth`` and costs the processors at both ends ``overhead`` seconds of
 their own time (the *o* of the LogP model, Culler et al. 1993). ``contention`` says how much workers
-sharing one machine slow each other (processor sharing, :mod:`lightning_pipe.schedule.simulate`).
+sharing one machine slow each other (processor sharing, :mod:`lightning_pipe.schedule.simulate`), and
+``reduce_overlap`` how much of an all-reduce of gradients runs beside their compute.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule.ir import Action, Kind
 
-__all__ = ["StageCosts", "adds_gradients", "check_contention"]
+__all__ = ["StageCosts", "adds_gradients", "check_contention", "check_reduce_overlap"]
 
 
-_SCALARS = ("bandwidth", "latency", "overhead", "contention")
+_SCALARS = ("bandwidth", "latency", "overhead", "contention", "reduce_overlap")
 _PLAN_FIELDS = ("forward_seconds", "backward_seconds", "output_bytes", "saved_bytes", "param_bytes")
 
 
@@ -49,6 +50,12 @@ class StageCosts:
             alone: the workers share one machine's cores and memory bandwidth (1: they do not, e.g.
             one GPU each). With ``n`` of ``W`` workers computing, each runs ``1 + (contention - 1)
             (n - 1) / (W - 1)`` times slower than alone; an action's cost is its time alone.
+        reduce_overlap: the share of an all-reduce of a stage's gradients (a message to an update)
+            that runs beside the workers' compute, from 1 (all of it: a GPU's collectives on a stream
+            of their own, the default) to 0 (none: the collective's threads take the processors the
+            compute runs on, as on CPU processes filling a machine's cores). The rest of its
+            seconds keeps each worker that sends it busy after the backward that made the gradient
+            (:func:`~lightning_pipe.runtime.link_speed.allreduce_overlap` measures it).
     """
 
     forward: Sequence[float]
@@ -65,6 +72,7 @@ class StageCosts:
     overhead: float = 0.0
     overlap: bool = True
     contention: float = 1.0
+    reduce_overlap: float = 1.0
 
     @classmethod
     def uniform(cls, stages: int, forward: float = 1.0, backward: float = 2.0, **kwargs: object) -> StageCosts:
@@ -75,7 +83,8 @@ class StageCosts:
     def from_dict(cls, document: object, source: str = "costs") -> StageCosts:
         """Costs from JSON: ``{"forward": [...], "backward": [...]}`` plus any optional per-stage list
         (``input_grad``, ``weight_grad``, ``update``, ``accumulate``, ``activation_bytes``,
-        ``saved_bytes``, ``weight_bytes``) and ``bandwidth``/``latency``/``overhead``/``contention``/``overlap``."""
+        ``saved_bytes``, ``weight_bytes``) and ``bandwidth``/``latency``/``overhead``/``contention``/
+        ``reduce_overlap``/``overlap``."""
         if not isinstance(document, dict) or "forward" not in document or "backward" not in document:
             raise PlanningError(f'{source}: a costs file is a JSON object with "forward" and "backward" lists')
         known = {f for f in cls.__dataclass_fields__}
@@ -146,6 +155,7 @@ class StageCosts:
             if not math.isfinite(value) or value < 0:
                 raise PlanningError(f"costs: {name} must be a finite number of seconds >= 0, got {value!r}")
         check_contention(self.contention, "costs: ")
+        check_reduce_overlap(self.reduce_overlap, "costs: ")
 
     def _check_accumulate(self) -> None:
         """:attr:`accumulate` may be negative (measured beside fewer busy workers), never below the
@@ -197,6 +207,15 @@ def check_contention(value: float, prefix: str = "") -> None:
     """Refuse a :attr:`StageCosts.contention` below 1 or not finite."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value < math.inf:
         raise PlanningError(f"{prefix}contention must be a finite factor >= 1 (1: no sharing), got {value!r}")
+
+
+def check_reduce_overlap(value: float, prefix: str = "") -> None:
+    """Refuse a :attr:`StageCosts.reduce_overlap` outside 0..1."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise PlanningError(
+            f"{prefix}reduce_overlap must be a share from 0 (all-reduces keep the workers busy) to 1 (they run "
+            f"beside the compute), got {value!r}"
+        )
 
 
 def adds_gradients(actions: Iterable[Action]) -> list[bool]:

@@ -73,8 +73,10 @@ def is_message(node: Node, dep: Node, label: str) -> bool:
 
 
 def message_costs(schedule: Schedule, graph: Graph, costs: StageCosts) -> tuple[dict[Node, int], dict[Node, float]]:
-    """Per action, the messages it sends or receives (each costs it ``overhead``), and the seconds a
-    blocking sender (``overlap=False``) spends sending."""
+    """Per action, the messages it sends or receives (each costs it ``overhead``), and the seconds its
+    sender stays busy after it: every message's, for a blocking sender (``overlap=False``); else the
+    share of its gradients' all-reduce that does not run beside compute (``1 - reduce_overlap``: one
+    all-reduce, however many replicas it reaches)."""
     messages: dict[Node, int] = defaultdict(int)
     sending: dict[Node, float] = defaultdict(float)
     for node, deps in graph.deps.items():
@@ -83,10 +85,14 @@ def message_costs(schedule: Schedule, graph: Graph, costs: StageCosts) -> tuple[
             if is_message(node, dep, label):
                 messages[node] += 1
                 messages[dep] += 1
+                category = category_of(action, label)
+                if costs.overlap and (category != "reduce" or costs.reduce_overlap == 1):
+                    continue
+                nbytes = edge_bytes(costs, action, schedule.orders[dep[0]][dep[1]], category)
                 if not costs.overlap:
-                    source = schedule.orders[dep[0]][dep[1]]
-                    nbytes = edge_bytes(costs, action, source, category_of(action, label))
                     sending[dep] += costs.transfer(nbytes)
+                else:
+                    sending[dep] = max(sending[dep], (1 - costs.reduce_overlap) * costs.transfer(nbytes))
     return messages, sending
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.capture.generation_cache import CACHE_OFF, generation_cache_off
 from lightning_pipe.capture.verify import verify_chain
+from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES
 from lightning_pipe.cost.profile_file import load_profile
 from lightning_pipe.cost.profiler import given_names
 from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
@@ -41,7 +42,7 @@ from lightning_pipe.planning import (
 )
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.batches import NO_BATCH_DIMENSION, rows_of, split_batch
-from lightning_pipe.runtime.link_speed import allreduce_bandwidth
+from lightning_pipe.runtime.link_speed import allreduce_bandwidth, allreduce_overlap
 from lightning_pipe.runtime.loss_scaling import LossScale
 from lightning_pipe.runtime.shared_memory_sizes import shared_memory_capacity
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
@@ -396,6 +397,9 @@ class PipelineBuilding:
             self._measure_machine()  # every rank: collectives
         elif self._links_measured and self.world_size > 1:  # for the prediction (planned as documented: free)
             links = allreduce_bandwidth(self.root_device)
+            if self._overlap_measured and self.options.family in REPLICATING_FAMILIES:
+                overlap = allreduce_overlap(self.root_device)
+                self.plan_options = dataclasses.replace(self.plan_options, reduce_overlap=overlap)
         if self.global_rank == 0:
             profiled = not meta and self.plan_options.profile is None  # a calibration relates a run to a profile
             kept_in = self.plan_options.cache if profiled else None
@@ -405,7 +409,15 @@ class PipelineBuilding:
                 else run_shape(self.options.family, batch_rows, self.microbatches, self._pinned())
             )
             self.step_prices = StepPrices.of(  # auto: the last kept, then each candidate's closest (.choosing)
-                model.layers, model.names, optimizer, self.root_device, kept_in, shape, batch_rows, links
+                model.layers,
+                model.names,
+                optimizer,
+                self.root_device,
+                kept_in,
+                shape,
+                batch_rows,
+                links,
+                self.plan_options.reduce_overlap,
             )
             try:
                 if not meta:  # a model on the meta device has no values to compare

@@ -51,7 +51,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe.auto import Candidate, ranking_table, search
-from lightning_pipe.cost.calibrated import Calibration, calibration, separated
+from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, Calibration, calibration, separated
 from lightning_pipe.cost.profile_cache import forget_profile, profile_disagrees
 from lightning_pipe.planning import StagePlan
 from lightning_pipe.runtime.affinity import pin_threads, place_threads
@@ -269,12 +269,16 @@ class PipelineCalibration:
         assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
         scale, fixed = separated(self._profiled(self.stage_plan), actions(compute), actions(in_run))
         basis, arguments = self._searched
+        replicating = self.schedule_options.family in REPLICATING_FAMILIES
+        if replicating:  # the running actions carry what its all-reduces took (Calibration.reduce_overlap)
+            arguments = {**arguments, "reduce_overlap": 1.0}
         ranked = search(basis.chain, self.workers, action_seconds=fixed, scale=scale, **arguments)
         running = next((c for c in ranked if self._runs(c)), None)
         if running is None:
             rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: the running configuration is not priced")
             return []
-        found = Calibration.fitted(scale, fixed, running, statistics.median(_intervals(self._step_starts)[since:]))
+        median = statistics.median(_intervals(self._step_starts)[since:])
+        found = Calibration.fitted(scale, fixed, running, median, replicating=replicating)
         self.calibration, self.candidates = found, sorted(ranked, key=found.seconds)
         predicted = self.calibrated_step_seconds = found.seconds(running)
         chosen = trial_candidates(self.candidates, running, found.seconds)

@@ -49,7 +49,7 @@ from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.planning import PlanOptions, StagePlan, optimizer_copies, profile_costs, timed
 from lightning_pipe.runtime.batches import rows_of, split_batch
 from lightning_pipe.runtime.contention import measure_contention
-from lightning_pipe.runtime.link_speed import allreduce_bandwidth
+from lightning_pipe.runtime.link_speed import allreduce_bandwidth, allreduce_overlap
 from lightning_pipe.schedule import rules_of
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.profile_basis import ProfileBasis
@@ -202,6 +202,7 @@ class PipelineChoosing:
             "profile_microbatches": parts,
             "extra_copies": optimizer_copies(optimizer),
             "network": Network(options.bandwidth),
+            "reduce_overlap": options.reduce_overlap,
             "names": model.names,
             "base": self.schedule_options,
             "update": self.step_prices.update,
@@ -248,19 +249,24 @@ class PipelineChoosing:
 
     def _measure_machine(self) -> None:
         """Every rank, for what was not given: the all-reduce bandwidth among the ranks
-        (:func:`~lightning_pipe.runtime.link_speed.allreduce_bandwidth`) and how much slower the ranks
+        (:func:`~lightning_pipe.runtime.link_speed.allreduce_bandwidth`), how much slower the ranks
         compute all at once than alone (:func:`~lightning_pipe.runtime.contention.measure_contention`)
-        become the ones planned with."""
+        and how much of an all-reduce runs beside their compute
+        (:func:`~lightning_pipe.runtime.link_speed.allreduce_overlap`) become the ones planned with."""
         measured: dict[str, float] = {}
         if self._links_measured:
             measured["bandwidth"] = allreduce_bandwidth(self.root_device)
         if self._contention_measured:
             measured["contention"] = measure_contention(self._objects, self.root_device)
+        if self._overlap_measured:
+            measured["reduce_overlap"] = allreduce_overlap(self.root_device)
         if not measured:
             return
         self.plan_options = dataclasses.replace(self.plan_options, **measured)
         said = [f"links {format_bandwidth(measured['bandwidth'])} (an all-reduce)"] if "bandwidth" in measured else []
         said += [f"contention {measured['contention']:.2f}"] if "contention" in measured else []
+        if "reduce_overlap" in measured:
+            said.append(f"{measured['reduce_overlap']:.0%} of an all-reduce beside the compute")
         rank_zero_info(f"Measured among the ranks: {', '.join(said)}")
 
     def _run_chosen(self, chosen: Chosen) -> None:

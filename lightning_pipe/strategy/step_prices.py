@@ -23,7 +23,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_pipe.cost.calibrated import Calibration, RunShape, keep_calibration, kept_calibration, separated
+from lightning_pipe.cost.calibrated import (
+    REPLICATING_FAMILIES,
+    Calibration,
+    RunShape,
+    keep_calibration,
+    kept_calibration,
+    separated,
+)
 from lightning_pipe.cost.profile_cache import profile_key
 from lightning_pipe.cost.update_rate import UpdatePrices, update_rate
 from lightning_pipe.planning import StagePlan, predict
@@ -66,8 +73,10 @@ class StepPrices:
     step, ``None``: not priced), ``kept`` (the calibration an earlier fit kept under ``key`` in
     ``directory``, ``None``: none), ``bandwidth`` (the links measured among the ranks, which the
     prediction prices messages and all-reduces at where the plan was made without them; ``None``:
-    the plan's), and the rows of the fit's batches (``batch_rows``: the micro-batch size of what it
-    keeps)."""
+    the plan's), the share of an all-reduce measured beside the compute among the ranks
+    (``reduce_overlap``, ``StageCosts.reduce_overlap``: a calibration kept from a replicating family
+    carries its all-reduces already, :meth:`Calibration.reduce_overlap`), and the rows of the fit's
+    batches (``batch_rows``: the micro-batch size of what it keeps)."""
 
     update: UpdatePrices | None = None
     kept: Calibration | None = None
@@ -75,6 +84,7 @@ class StepPrices:
     key: str = ""
     bandwidth: float | None = None
     batch_rows: int = 0
+    reduce_overlap: float = 1.0
 
     @classmethod
     def of(
@@ -87,6 +97,7 @@ class StepPrices:
         shape: RunShape | None,
         batch_rows: int,
         bandwidth: float | None = None,
+        reduce_overlap: float = 1.0,
     ) -> StepPrices:
         """The prices of ``layers`` trained with ``optimizer`` on ``device``, the calibration kept in
         ``directory`` (the profile cache; ``None``: nothing kept or read) closest to ``shape`` (the last
@@ -101,6 +112,7 @@ class StepPrices:
             key,
             bandwidth,
             batch_rows,
+            reduce_overlap,
         )
 
     def closest(self, family: str, microbatches: int, pinned: bool | None) -> Calibration | None:
@@ -142,6 +154,7 @@ class StepPrices:
             self.updates(stage_plan),
             self.scale,
             self.bandwidth,
+            self.reduce_overlap if self.kept is None else self.kept.reduce_overlap(self.reduce_overlap),
         )
         if simulation is None:
             return None, None
@@ -186,8 +199,10 @@ def measured_calibration(
     (:func:`~lightning_pipe.cost.calibrated.separated`); the time beyond the actions is what the
     median of ``step_seconds`` leaves over ``stage_plan`` predicted with them (and ``prices``' updates
     and links), so that the running configuration is predicted at its measured step."""
+    replicating = options.family in REPLICATING_FAMILIES
     scale, fixed = separated(profiled, actions(compute), actions(until_next))
-    fitted = replace(prices, kept=Calibration(scale, fixed, 0.0))
+    fitted = replace(prices, kept=Calibration(scale, fixed, 0.0, replicating=replicating))
     simulation, _ = fitted.predict(stage_plan, options, microbatches, 1.0, recompute)
     assert simulation is not None
-    return Calibration.fitted(scale, fixed, Predicted.of(simulation), statistics.median(step_seconds), measured_on)
+    median = statistics.median(step_seconds)
+    return Calibration.fitted(scale, fixed, Predicted.of(simulation), median, measured_on, replicating)

@@ -198,6 +198,11 @@ class PipelineStrategy(
             device computes (processes sharing one machine's cores and memory bandwidth); default 1,
             devices that share nothing, or with ``schedule="auto"`` measured
             (:func:`~lightning_pipe.runtime.contention.measure_contention`).
+        reduce_overlap: for the prediction, the share of the replicas' all-reduce of gradients that
+            runs beside their compute (1: all of it, as a GPU's collectives on their own stream; 0:
+            none, as gloo's threads on CPU processes filling the cores); default measured among
+            the ranks where replicas sum gradients, or with ``schedule="auto"``
+            (:func:`~lightning_pipe.runtime.link_speed.allreduce_overlap`), else 1.
         recompute: recompute activations in the backward instead of keeping them; ``"auto"`` (the
             default with ``schedule="auto"``): the stages that need it to fit ``memory_limit`` do.
         profile: a saved profile to plan with instead of profiling.
@@ -267,6 +272,7 @@ class PipelineStrategy(
         memory_limit: float | str | None = None,
         bandwidth: float | str | None = None,
         contention: float | None = None,
+        reduce_overlap: float | None = None,
         recompute: bool | Literal["auto"] | None = None,
         profile: str | None = None,
         plan: str | None = None,
@@ -314,6 +320,7 @@ class PipelineStrategy(
             memory_limit=None if memory_limit is None else parse_option("memory_limit", memory_limit, parse_bytes),
             bandwidth=float("inf") if bandwidth is None else parse_option("bandwidth", bandwidth, parse_bandwidth),
             contention=1.0 if contention is None else contention,
+            reduce_overlap=1.0 if reduce_overlap is None else reduce_overlap,
             profile=profile,
             plan=plan,
             balance=balance,
@@ -340,6 +347,7 @@ class PipelineStrategy(
         self._searched: tuple[ProfileBasis, dict[str, Any]] | None = None  # rank 0, auto: the profiles, the arguments
         # schedule="auto": what was not given is measured before planning (.choosing)
         self._links_measured, self._contention_measured = bandwidth is None, contention is None
+        self._overlap_measured = reduce_overlap is None
         self._calibrated = self._auto is None  # the in-run costs have re-ranked the candidates (.calibrating)
         self.planned_step_seconds: float | None = None  # rank 0: the running one's, at set-up or switch
         self.calibrated_step_seconds: float | None = None  # rank 0: the running one's, by the in-run costs

@@ -126,6 +126,7 @@ def strategy(cfg: DictConfig, multirun: bool) -> PipelineStrategy:
         recompute=_plain(cfg.memory.recompute),
         bandwidth=pipe.bandwidth,
         contention=pipe.contention,
+        reduce_overlap=pipe.reduce_overlap,
         profile=pipe.profile,
         plan=pipe.plan,
         profile_cache=pipe.profile_cache,

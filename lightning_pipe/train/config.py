@@ -98,6 +98,7 @@ class PipelineConfig:
     data_parallel: int | None = None  # copies of the pipeline (devices = workers x copies)
     bandwidth: str | None = None  # between stages, e.g. 10Gbit/s (default: free transfers)
     contention: float | None = None  # slowdown of a stage while every process computes (null: 1; measured if auto)
+    reduce_overlap: float | None = None  # share of replicas' all-reduce beside the compute, 0..1 (null: measured)
     profile: str | None = None  # a saved profile to plan from (lightning-pipe profile)
     plan: str | None = None  # a saved plan to run (lightning-pipe plan)
     profile_cache: bool = True  # keep the measured profile for the next run ($LIGHTNING_PIPE_CACHE, ~/.cache)
