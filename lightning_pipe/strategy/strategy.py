@@ -487,12 +487,10 @@ class PipelineStrategy(
         self._failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
 
     def _set_up_heap(self) -> None:
-        """CPU training (glibc), in every process: with ``release_memory`` (by default: within a
-        ``memory_limit``) freed blocks of 4 MiB or more go back to the system
-        (:func:`release_freed_memory`); without, the heap is settled (:func:`settle_heap`), as the
-        profiler measured the layers. A run's steps do not settle it reliably by themselves: on 2
-        processes torchvision's ResNet-18 at 8 rows a micro-batch ran GPipe and 1F1B on 4 at 176-179 ms
-        a step unsettled, 96-105 ms settled (``bench/auto_plan.py``, docs/measurements.md)."""
+        """CPU training (glibc), every process: with ``release_memory`` (by default: within a
+        ``memory_limit``) freed blocks of 4 MiB or more go back to the system; without, the heap is
+        settled as the profiler measured the layers in (the steps alone do not settle it reliably:
+        docs/strategy.md)."""
         if self.root_device.type != "cpu":
             return
         wanted = self.release_memory
