@@ -426,7 +426,7 @@ def search(
                 updates = None if update is None else update.stages(bounds)
                 kept = None if calibrations is None else calibrations(family, m)
                 rate, fixed = (scale, action_seconds) if kept is None else (kept.scale, kept.fixed)
-                overlap = reduce_overlap if kept is None else kept.reduce_overlap(reduce_overlap)
+                overlap = Calibration.reduce_overlap(kept, reduce_overlap)
                 simulation = predict(
                     stage_plan, options, m, contention, flags, fixed, updates, rate, reduce_overlap=overlap
                 )

@@ -119,8 +119,9 @@ def test_the_closest_calibration_kept_is_read_back(tmp_path: Path) -> None:
     replicas = Calibration(2.5, 0.0, 1e-3, "ddp m=2, 2026-11-27", replicating=True)
     keep_calibration(tmp_path, "key", RunShape("ddp", 16), replicas)
     # read back as measured on replicas (the family says so): all-reduces priced as they ran then
-    assert kept_calibration(tmp_path, "key", RunShape("ddp", 16)).reduce_overlap(0.2) == 1.0
-    assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)).reduce_overlap(0.2) == 0.2
+    assert Calibration.reduce_overlap(kept_calibration(tmp_path, "key", RunShape("ddp", 16)), 0.2) == 1.0
+    assert Calibration.reduce_overlap(kept_calibration(tmp_path, "key", RunShape("1f1b", 8)), 0.2) == 0.2
+    assert Calibration.reduce_overlap(None, 0.2) == 0.2
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 8)) == piped  # its own, not the last run's
     assert kept_calibration(tmp_path, "key", RunShape("1f1b", 16)) == piped  # the rows of replicas: the family
     assert kept_calibration(tmp_path, "key", RunShape("fsdp", 16)) == replicas  # the same rows and kind

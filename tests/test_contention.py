@@ -9,11 +9,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.contention import measure_contention
 from lightning_pipe.runtime.launch import run_local
-from lightning_pipe.runtime.link_speed import allreduce_overlap
+from lightning_pipe.runtime.link_speed import allreduce_overlap, overlap_share
 
 
 def _measured(rank: int) -> tuple[float, float]:
@@ -69,3 +71,18 @@ def test_two_processes_agree_on_one_share_of_an_all_reduce_beside_their_compute(
 def test_an_overlap_measurement_of_nothing_is_refused(nbytes: int, repeats: int) -> None:
     with pytest.raises(PlanningError, match=r"must be a whole number"):
         allreduce_overlap(torch.device("cpu"), nbytes=nbytes, repeats=repeats)
+
+
+@given(st.floats(1e-4, 1.0), st.floats(1e-4, 1.0), st.floats(0.0, 1.0))
+def test_the_overlap_share_runs_from_the_sum_to_the_longer_alone(alone: float, working: float, hidden: float) -> None:
+    """An all-reduce of which ``hidden`` ran beside compute at least as long: the two together take
+    the compute plus the rest of the all-reduce, and the share reads ``hidden`` back. Together as long
+    as their sum reads 0, as long as the compute alone 1 (where the compute is the longer); noise
+    past either end is clipped."""
+    working = max(working, alone)
+    together = working + (1 - hidden) * alone
+    assert math.isclose(overlap_share(alone, working, together), hidden, abs_tol=1e-9)
+    assert math.isclose(overlap_share(alone, working, working + alone), 0.0, abs_tol=1e-9)
+    assert math.isclose(overlap_share(alone, working, working), 1.0, abs_tol=1e-9)
+    assert overlap_share(alone, working, working + 2 * alone) == 0.0
+    assert overlap_share(alone, working, working / 2) == 1.0

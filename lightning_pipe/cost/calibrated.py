@@ -178,11 +178,12 @@ class Calibration:
         beside = running.step_seconds if running.flushes else running.busiest_seconds
         return cls(scale, fixed, max(measured - beside, 0.0), measured_on, replicating)
 
-    def reduce_overlap(self, measured: float) -> float:
-        """The share of an all-reduce beside the compute to price with this calibration: all of it
+    @staticmethod
+    def reduce_overlap(calibration: Calibration | None, measured: float) -> float:
+        """The share of an all-reduce beside the compute to price with ``calibration``: all of it
         when it was measured on a replicating family (its actions carry what the all-reduces took),
-        else the ``measured`` share."""
-        return 1.0 if self.replicating else measured
+        else (or with none) the ``measured`` share."""
+        return 1.0 if calibration is not None and calibration.replicating else measured
 
     def seconds(self, candidate: Priced) -> float:
         """``candidate``'s predicted seconds per training step: its ``step_seconds`` (priced with

@@ -13,8 +13,8 @@ priced pessimistically.
 :func:`allreduce_overlap` measures how much of such an all-reduce runs beside the ranks' compute
 (``StageCosts.reduce_overlap``): a GPU's collectives run on a stream of their own, while on CPU
 processes that fill a machine's cores the collective's threads take the processors the compute runs
-on (2 gloo processes on 2 cores: torchvision's ResNet-18 ran Rahimi's ``ddp`` 33% slower than a
-simulation with its all-reduces beside the compute predicted, ``bench/auto_plan.py``).
+on (2 gloo processes on 2 cores: a simulation with its all-reduces beside the compute predicted
+the step of Rahimi's ``ddp`` on torchvision's ResNet-18 33% short, ``bench/auto_plan.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lightning_pipe.cost.flop_rate import matmul_seconds, matmul_size, synchronize
 from lightning_pipe.errors import check_whole
 
-__all__ = ["MEASURED_BYTES", "allreduce_bandwidth", "allreduce_overlap"]
+__all__ = ["MEASURED_BYTES", "allreduce_bandwidth", "allreduce_overlap", "overlap_share"]
 
 MEASURED_BYTES = 16 * 2**20
 """Bytes reduced per timed all-reduce: a stage's gradients, about, and large enough that the latency
@@ -103,11 +103,19 @@ def allreduce_overlap(device: torch.device, group: Any = None, nbytes: int = MEA
         compute()
         reducing.wait()
 
-    products = max(1, math.ceil(2 * timed(reduce) / statistics.median(matmul_seconds(device, size, torch.float32, 3))))
+    product = max(statistics.median(matmul_seconds(device, size, torch.float32, 3)), 1e-9)
+    products = max(1, math.ceil(2 * timed(reduce) / product))
     timed(compute)
     timed(both)
     runs = [(timed(reduce), timed(compute), timed(both)) for _ in range(repeats)]
     alone, working, together = (statistics.median(column) for column in zip(*runs, strict=True))
-    share = torch.tensor([min(max((working + alone - together) / max(alone, 1e-9), 0.0), 1.0)], device=device)
+    share = torch.tensor([overlap_share(alone, working, together)], device=device)
     dist.all_reduce(share, op=dist.ReduceOp.MIN, group=group)
     return float(share.item())
+
+
+def overlap_share(alone: float, working: float, together: float) -> float:
+    """The share of an all-reduce of ``alone`` seconds that ran beside ``working`` seconds of compute,
+    the two taking ``together`` seconds at once: ``(working + alone - together) / alone``, clipped to
+    0..1 (0: the sum of the two, 1: no longer than the compute alone; noise can put it outside)."""
+    return min(max((working + alone - together) / max(alone, 1e-12), 0.0), 1.0)

@@ -395,8 +395,9 @@ class PipelineBuilding:
         links = None
         if self._auto is not None:
             self._measure_machine()  # every rank: collectives
-        elif self._links_measured and self.world_size > 1:  # for the prediction (planned as documented: free)
-            links = allreduce_bandwidth(self.root_device)
+        elif self.world_size > 1:  # for the prediction (planned as documented: links free)
+            if self._links_measured:
+                links = allreduce_bandwidth(self.root_device)
             if self._overlap_measured and self.options.family in REPLICATING_FAMILIES:
                 overlap = allreduce_overlap(self.root_device)
                 self.plan_options = dataclasses.replace(self.plan_options, reduce_overlap=overlap)

@@ -269,16 +269,14 @@ class PipelineCalibration:
         assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
         scale, fixed = separated(self._profiled(self.stage_plan), actions(compute), actions(in_run))
         basis, arguments = self._searched
-        replicating = self.schedule_options.family in REPLICATING_FAMILIES
-        if replicating:  # the running actions carry what its all-reduces took (Calibration.reduce_overlap)
-            arguments = {**arguments, "reduce_overlap": 1.0}
-        ranked = search(basis.chain, self.workers, action_seconds=fixed, scale=scale, **arguments)
+        in_run = Calibration(scale, fixed, 0.0, replicating=self.schedule_options.family in REPLICATING_FAMILIES)
+        ranked = search(basis.chain, self.workers, calibrations=lambda family, m: in_run, **arguments)
         running = next((c for c in ranked if self._runs(c)), None)
         if running is None:
             rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: the running configuration is not priced")
             return []
         median = statistics.median(_intervals(self._step_starts)[since:])
-        found = Calibration.fitted(scale, fixed, running, median, replicating=replicating)
+        found = Calibration.fitted(scale, fixed, running, median, replicating=in_run.replicating)
         self.calibration, self.candidates = found, sorted(ranked, key=found.seconds)
         predicted = self.calibrated_step_seconds = found.seconds(running)
         chosen = trial_candidates(self.candidates, running, found.seconds)

@@ -154,7 +154,7 @@ class StepPrices:
             self.updates(stage_plan),
             self.scale,
             self.bandwidth,
-            self.reduce_overlap if self.kept is None else self.kept.reduce_overlap(self.reduce_overlap),
+            Calibration.reduce_overlap(self.kept, self.reduce_overlap),
         )
         if simulation is None:
             return None, None
