@@ -18,7 +18,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.auto import Candidate, microbatch_costs
+from lightning_pipe.auto import DELAYED_FAMILIES, Candidate, microbatch_costs
 from lightning_pipe.cost.calibrated import (
     Calibration,
     RunShape,
@@ -37,12 +37,17 @@ from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.calibrating import (
     CONFIRM_WITHIN,
+    MAX_TRIAL_STEPS,
     SWITCH_GAIN,
     TRIAL_MARGIN,
-    TRIALS,
+    TRIAL_SECONDS,
+    TRIAL_STEPS,
     Trial,
     Trials,
+    closest_calibration,
     trial_candidates,
+    trial_kind,
+    trial_steps,
 )
 from lightning_pipe.strategy.choosing import Chosen
 from lightning_pipe.strategy.profile_basis import ProfileBasis
@@ -353,37 +358,117 @@ def test_the_rate_and_the_time_between_actions_are_measured_apart(
         separated(profiled, compute, [])
 
 
-@settings(max_examples=150, deadline=None)
+FAMILIES = ["1f1b", "gpipe", "ddp", "1f1b_rr", "zb_h1", "2bw", "cdp"]
+
+
+def _on(family: str, step: float, microbatches: int) -> Candidate:
+    candidate = _candidate(family, step, step)
+    return dataclasses.replace(candidate, schedule=ScheduleOptions(family=family, microbatches=microbatches))
+
+
+@settings(max_examples=300, deadline=None)
 @given(
-    st.lists(
-        st.tuples(st.sampled_from(["1f1b", "gpipe", "ddp", "2bw", "cdp"]), st.floats(0.5, 2.0)), min_size=1, max_size=10
-    ),
-    st.integers(0, 9),
+    st.lists(st.tuples(st.sampled_from(FAMILIES), st.floats(0.5, 2.0), st.sampled_from([2, 4])), max_size=12),
+    st.lists(st.tuples(st.sampled_from(FAMILIES), st.sampled_from([2, 4])), min_size=1, max_size=3),
+    st.floats(0.5, 2.0),
+    st.integers(0, 3),
 )
 def test_the_trials_are_the_best_of_each_family_within_the_margin_and_both_kinds(
-    priced: list[tuple[str, float]], which: int
+    priced: list[tuple[str, float, int]], measured: list[tuple[str, int]], fastest: float, places: int
 ) -> None:
-    """Brute force: one per other family (the running family's best when 5% faster), in the order
-    priced, within 15% of the running one, three at most; the best of the other kind (flushing or
-    not) always among them when one was priced."""
-    ranked = sorted((_candidate(family, step, step) for family, step in priced), key=lambda c: c.step_seconds)
-    running = ranked[which % len(ranked)]
-    chosen = trial_candidates(ranked, running, lambda c: c.step_seconds)
-    limit = running.step_seconds * (1 + TRIAL_MARGIN)
-    expected: list[Candidate] = []
+    """Whatever was measured already: at most ``places``, one per family, in the order priced; a
+    family measured, or priced from a run of its kind on as many micro-batches, only when 5% faster
+    than the fastest measured; any other within 15% of it; every candidate passed over for no reason
+    of these would have overflowed the places; and the best of a kind (flushing or not) that neither
+    ran nor made it takes the last place."""
+    ranked = sorted((_on(family, step, m) for family, step, m in priced), key=lambda c: c.step_seconds)
+    chosen = trial_candidates(ranked, fastest, lambda c: c.step_seconds, measured, places)
+    ran = {family for family, _ in measured}
+    alike = {(trial_kind(family), m) for family, m in measured}
+
+    def known(c: Candidate) -> bool:
+        return c.family in ran or (trial_kind(c.family), c.microbatches) in alike
+
+    def allowed(c: Candidate) -> bool:
+        if known(c):
+            return c.step_seconds <= fastest * (1 - SWITCH_GAIN)
+        return c.step_seconds <= fastest * (1 + TRIAL_MARGIN)
+
+    measured_kinds = {family not in DELAYED_FAMILIES for family in ran}
+    last = chosen[-1:]
+    special = [c for c in last if c.flushes not in measured_kinds | {c.flushes for c in chosen[:-1]}]
+    regular = [c for c in chosen if c not in special]
+    assert len(chosen) <= places and len({c.family for c in chosen}) == len(chosen)
+    assert not {c.family for c in chosen} & ran
+    assert all(allowed(c) for c in regular)
+    assert [ranked.index(c) for c in regular] == sorted(ranked.index(c) for c in regular)
+    if special:  # the best of a kind neither measured nor otherwise chosen
+        assert special[0] == next(c for c in ranked if c.flushes == special[0].flushes)
     for candidate in ranked:
-        faster = candidate.step_seconds <= running.step_seconds * (1 - SWITCH_GAIN)
-        own = candidate.family == running.family and not faster
-        if candidate is running or own or candidate.family in {c.family for c in expected}:
+        if candidate in chosen or not allowed(candidate) or candidate.family in ran:
             continue
-        if candidate.step_seconds <= limit and len(expected) < TRIALS:
-            expected.append(candidate)
-    others = [c for c in ranked if c.flushes != running.flushes]
-    if others and all(c.flushes == running.flushes for c in expected):
-        expected = [*expected[: TRIALS - 1], others[0]]
-    assert chosen == expected
-    assert len(chosen) <= TRIALS and running not in chosen
-    assert not others or any(c.flushes != running.flushes for c in chosen)
+        earlier = [c for c in regular if ranked.index(c) < ranked.index(candidate)]
+        # passed over: its family taken by a better one, or the places full
+        taken = {c.family for c in chosen if ranked.index(c) < ranked.index(candidate)}
+        assert candidate.family in taken or len(earlier) + len(special) >= places
+    if places > 0:
+        assert {c.flushes for c in ranked} <= measured_kinds | {c.flushes for c in chosen}
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(FAMILIES), st.sampled_from([2, 4]), st.booleans()), min_size=1, max_size=5),
+    st.sampled_from(FAMILIES),
+    st.sampled_from([2, 4]),
+)
+def test_a_trial_is_priced_with_the_calibration_of_what_ran_closest_to_it(
+    ran: list[tuple[str, int, bool]], family: str, microbatches: int
+) -> None:
+    """Brute force: the calibration of a measured trial of the same family and count, else of the same
+    kind and count, else the same family, else kind, else replication, else count; the last measured
+    among equals; trials without a calibration passed over, and none at all refused."""
+    trials = [
+        Trial(
+            StagePlan(((0, 0), (1, 1))),
+            Chosen(ScheduleOptions(f, microbatches=m), (False, False)),
+            f"{f} m={m}",
+            0.1,
+            Calibration(1.0 + index, 0.0, 0.0) if calibrated else None,
+        )
+        for index, (f, m, calibrated) in enumerate(ran)
+    ]
+    known = [t for t in trials if t.calibration is not None]
+    if not known:
+        with pytest.raises(PlanningError, match="no trial measured a calibration"):
+            closest_calibration(trials, family, microbatches)
+        return
+    kind = trial_kind(family)
+    tests = [
+        lambda f, m: f == family and m == microbatches,
+        lambda f, m: trial_kind(f) == kind and m == microbatches,
+        lambda f, m: f == family,
+        lambda f, m: trial_kind(f) == kind,
+        lambda f, m: trial_kind(f)[0] == kind[0],
+        lambda f, m: m == microbatches,
+    ]
+    pool = known
+    for test in tests:  # narrowed by each test in turn, where some trial passes it
+        passing = [t for t in pool if test(t.chosen.schedule.family, t.chosen.schedule.microbatches)]
+        pool = passing or pool
+    assert closest_calibration(trials, family, microbatches) is pool[-1].calibration
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e-5, 10.0), st.floats(1e-5, 10.0))
+def test_a_trial_lasts_a_quarter_second_in_steps_within_its_bounds(seconds: float, longer: float) -> None:
+    """Enough steps to fill :data:`TRIAL_SECONDS` where that takes :data:`TRIAL_STEPS` to
+    :data:`MAX_TRIAL_STEPS`; slower steps never get more; no usable time gives the least."""
+    steps = trial_steps(seconds)
+    assert TRIAL_STEPS <= steps <= MAX_TRIAL_STEPS
+    assert steps * seconds >= TRIAL_SECONDS * (1 - 1e-9) or steps == MAX_TRIAL_STEPS
+    assert steps == TRIAL_STEPS or (steps - 1) * seconds < TRIAL_SECONDS
+    assert trial_steps(seconds + longer) <= steps
+    assert trial_steps(0.0) == trial_steps(math.nan) == trial_steps(math.inf) == TRIAL_STEPS
 
 
 def _trial(index: int, seconds: float | None) -> Trial:

@@ -25,17 +25,19 @@ from lightning_pipe.schedule import StageCosts
 from lightning_pipe.strategy.calibrating import (
     CALIBRATE_AFTER,
     CONFIRM_WITHIN,
+    MAX_TRIAL_STEPS,
     PIN_STEPS,
     TRIAL_STEPS,
     TRIALS,
     WARM_UP,
     Trial,
+    Trials,
 )
 from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, Chosen
 from tests.lightning_cases import Chain, Placements, final_state, loader, placements, plain_fit, trainer
 from tests.user_modules import GPTModule
 
-BATCHES = CALIBRATE_AFTER + PIN_STEPS + (TRIALS + 2) * (WARM_UP + TRIAL_STEPS + 1) + 3  # every trial, two again
+BATCHES = CALIBRATE_AFTER + PIN_STEPS + (TRIALS + 2) * (WARM_UP + MAX_TRIAL_STEPS + 1) + 3  # every trial, two again
 
 
 class _Switching(PipelineStrategy):
@@ -54,6 +56,11 @@ class _Switching(PipelineStrategy):
         picked = [others[0], next(c for c in others if c.bounds != others[0].bounds)]
         self.tried = [c.bounds for c in picked]
         return [Trial(c.stage_plan, Chosen.of(c, self.schedule_options), c.label) for c in picked]
+
+    def _to_try_next(self, trials: Trials) -> list[Trial]:
+        """Priced again after each trial as any run is, the forced trials kept."""
+        self.repriced = [t.label for t in super()._to_try_next(trials)]
+        return trials.waiting
 
 
 def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -76,6 +83,7 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
                 "bounds": strategy.stage_plan.bounds,
                 "before": getattr(strategy, "before", None),
                 "tried": getattr(strategy, "tried", None),
+                "repriced": getattr(strategy, "repriced", None),
                 "trials": None if measured is None else [t.seconds for t in measured],
                 "trial_bounds": None if measured is None else [t.stage_plan.bounds for t in measured],
                 "settled_step": strategy.settled_step,
@@ -163,6 +171,7 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
     means = {b: statistics.fmean(t for t, c in zip(seconds, bounds, strict=True) if c == b) for b in splits}
     assert switched["bounds"] == min(means, key=means.__getitem__)
     assert switched["microbatches"] == 2
+    assert switched["repriced"] is not None and results[1][2]["repriced"] is None  # rank 0 priced after each trial
     seconds, own = switched["own_trial"]
     if own is None:  # the first configuration, measured once: priced with the run's calibration
         assert switched["planned"] == pytest.approx(switched["priced_as_run"], rel=1e-9)

@@ -18,9 +18,13 @@ simulated actions is measured, and every candidate is priced again. The predicti
 family to another (on 2 CPU processes a replicated model's actions ran 1.8x its profile, a
 pipeline's far less: ``bench/auto_plan.py``), so the decision is measured: up to :data:`TRIALS`
 other configurations, the best priced of each family predicted faster or no more than
-:data:`TRIAL_MARGIN` slower than the one running, are tried one after the other for
-:data:`TRIAL_STEPS` steps each (after :data:`WARM_UP` steps that build and warm the pipeline), and
-the run goes on with the one whose median step was shortest, the one that ran first included; where
+:data:`TRIAL_MARGIN` slower than the one running (:func:`trial_candidates`), are tried one after the
+other for :func:`trial_steps` steps each (after :data:`WARM_UP` steps that build and warm the
+pipeline). After each, the candidates are priced again, each with what the trial closest to it in
+kind measured (:func:`closest_calibration`), and the places left go to those that still make the
+margin: a configuration of a kind that ran is tried only when predicted :data:`SWITCH_GAIN` faster
+than the fastest measured. The run goes on with the one whose median step was shortest, the one
+that ran first included; where
 the two fastest came within :data:`CONFIRM_WITHIN` of each other, both are measured once more in the
 other order (the machine's drift then weighs on both alike) and the mean of each one's two medians
 decides. The configuration the run goes on with is then predicted (``planned_step_seconds``) with
@@ -50,9 +54,10 @@ from dataclasses import dataclass
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_pipe.auto import Candidate, ranking_table, search
-from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, Calibration, calibration, separated
+from lightning_pipe.auto import DELAYED_FAMILIES, Candidate, ranking_table, search
+from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, Calibration, calibration, family_kind, separated
 from lightning_pipe.cost.profile_cache import forget_profile, profile_disagrees
+from lightning_pipe.errors import PlanningError
 from lightning_pipe.planning import StagePlan
 from lightning_pipe.runtime.affinity import pin_threads, place_threads
 from lightning_pipe.schedule import StageCosts
@@ -65,16 +70,21 @@ __all__ = [
     "CALIBRATE_AFTER",
     "CONFIRM_WITHIN",
     "KEPT_AFTER",
+    "MAX_TRIAL_STEPS",
     "PIN_STEPS",
     "SWITCH_GAIN",
     "TRIALS",
     "TRIAL_MARGIN",
+    "TRIAL_SECONDS",
     "TRIAL_STEPS",
     "PinTrial",
     "PipelineCalibration",
     "Trial",
     "Trials",
+    "closest_calibration",
     "trial_candidates",
+    "trial_kind",
+    "trial_steps",
 ]
 
 CALIBRATE_AFTER = 8
@@ -91,7 +101,12 @@ TRIAL_MARGIN = 0.15
 """A configuration predicted at most this much slower than the one running is tried: the calibrated
 predictions of another family were off by up to 25% (``bench/auto_plan.py``), the measurement is not."""
 TRIAL_STEPS = 4
-"""Steps a configuration is tried for (after the :data:`WARM_UP` steps that build and warm it)."""
+"""Steps a configuration is tried for at least (after the :data:`WARM_UP` steps that build and warm it)."""
+TRIAL_SECONDS = 0.25
+"""Seconds a configuration is tried for at least, in steps of the one running at the calibration
+(:func:`trial_steps`)."""
+MAX_TRIAL_STEPS = 16
+"""Steps a configuration is tried for at most."""
 KEPT_AFTER = 4
 """Settled steps (after :data:`WARM_UP`) a fit needs to keep its calibration for the next fit."""
 TRIALS = 3
@@ -132,6 +147,7 @@ class Trials:
     measured: list[Trial]
     waiting: list[Trial]
     confirmed: bool = False
+    steps: int = TRIAL_STEPS
 
     def _means(self) -> dict[tuple[object, ...], tuple[float, Trial]]:
         """Each configuration's mean over its measured medians, with its first trial."""
@@ -172,29 +188,88 @@ class Trials:
         return [dataclasses.replace(firsts[key], seconds=None) for key in pair]
 
 
+def trial_kind(family: str) -> tuple[bool, ...]:
+    """What a trial's calibration prices reliably: the families of its kind
+    (:func:`~lightning_pipe.cost.calibrated.family_kind`) that flush as it does or not (what the time
+    beyond the actions overlaps depends on it: on 2 CPU processes an MLP's 2BW steps ran 0.68-0.86x its
+    1F1B's, which one calibration priced alike, ``bench/auto_plan.py``)."""
+    return (*family_kind(family), family not in DELAYED_FAMILIES)
+
+
 def trial_candidates(
-    ranked: Sequence[Candidate], running: Candidate, seconds: Callable[[Candidate], float]
+    ranked: Sequence[Candidate],
+    fastest: float,
+    seconds: Callable[[Candidate], float],
+    measured: Sequence[tuple[str, int]],
+    places: int,
 ) -> list[Candidate]:
-    """The configurations to try against ``running``, best first by ``seconds`` (the calibrated
-    prediction; ``ranked`` sorted by it): the best of each other family predicted no more than
-    :data:`TRIAL_MARGIN` slower, and of the running family when :data:`SWITCH_GAIN` faster;
-    :data:`TRIALS` at most. Where the families that flush and those that do not were both searched
-    and none of the other kind made the margin, the best of the other kind takes the last place: the
-    two kinds' predictions differ most in what they leave out (the time beyond the actions overlaps
-    the others' compute only without a flush), and on an MLP whose steps are mostly that time the
-    best measured family was once left out, 0.91 of the best (``bench/auto_plan.py``)."""
-    predicted = seconds(running)
+    """The configurations to try next, best first by ``seconds`` (each one's calibrated prediction;
+    ``ranked`` sorted by it), against ``fastest`` (the shortest step measured so far), after the
+    configurations ``measured`` (family and micro-batch count each, the one running first):
+
+    - one per family, ``places`` at most;
+    - of a family measured already, or priced from a configuration of its kind (:func:`trial_kind`) on
+      as many micro-batches that ran, only when predicted :data:`SWITCH_GAIN` faster: its prediction
+      carries what such a run measured (on 2 CPU processes an MLP's 1F1B-RR on 2 micro-batches, priced
+      from its ``ddp`` run, came out 4% long; the pipelines priced from it 40% long);
+    - any other when predicted no more than :data:`TRIAL_MARGIN` slower: a calibration measured on
+      another kind prices it up to 25% off (``bench/auto_plan.py``);
+    - where the families that flush and those that do not were both searched and none of one kind
+      ran or made the margin, the best of it takes the last place: the two kinds' predictions
+      differ most in what they leave out (the time beyond the actions overlaps the others' compute
+      only without a flush), and on an MLP whose steps are mostly that time the best measured family
+      was once left out, 0.91 of the best (``bench/auto_plan.py``)."""
+    families = {family for family, _ in measured}
+    alike = {(trial_kind(family), m) for family, m in measured}
     chosen: list[Candidate] = []
     for candidate in ranked:
-        if len(chosen) == TRIALS or seconds(candidate) > predicted * (1 + TRIAL_MARGIN):
+        if len(chosen) >= places or seconds(candidate) > fastest * (1 + TRIAL_MARGIN):
             break
-        taken = {running.family} if seconds(candidate) > predicted * (1 - SWITCH_GAIN) else set()
-        if candidate is not running and candidate.family not in taken | {c.family for c in chosen}:
+        known = candidate.family in families or (trial_kind(candidate.family), candidate.microbatches) in alike
+        faster = seconds(candidate) <= fastest * (1 - SWITCH_GAIN)
+        if (faster or not known) and candidate.family not in families | {c.family for c in chosen}:
             chosen.append(candidate)
-    other = next((c for c in ranked if c.flushes != running.flushes), None)
-    if other is not None and all(c.flushes == running.flushes for c in chosen):
-        chosen = [*chosen[: TRIALS - 1], other]
+    kinds = {family not in DELAYED_FAMILIES for family in families} | {c.flushes for c in chosen}
+    other = next((c for c in ranked if c.flushes not in kinds), None)
+    if other is not None and places > 0:
+        chosen = [*chosen[: places - 1], other]
     return chosen
+
+
+def _closeness(trial: Trial, family: str, microbatches: int) -> tuple[bool, ...]:
+    """How well ``trial``'s calibration prices ``family`` on ``microbatches``: the same family and
+    count, the same kind (:func:`trial_kind`) and count, the same family, the same kind, the same
+    replication, the same count."""
+    theirs = trial.chosen.schedule.family
+    same = trial.chosen.schedule.microbatches == microbatches
+    kinds = trial_kind(theirs), trial_kind(family)
+    alike, replicated = kinds[0] == kinds[1], kinds[0][0] == kinds[1][0]
+    return same and theirs == family, same and alike, theirs == family, alike, replicated, same
+
+
+def closest_calibration(measured: Sequence[Trial], family: str, microbatches: int) -> Calibration:
+    """The calibration of the ``measured`` trial that prices ``family`` on ``microbatches`` best
+    (:func:`_closeness`; among equals the one measured last); trials without one are passed over.
+
+    Raises:
+        PlanningError: none of them has a calibration."""
+    known = [(index, t) for index, t in enumerate(measured) if t.calibration is not None]
+    if not known:
+        raise PlanningError("no trial measured a calibration to price the configurations with")
+    _, trial = max(known, key=lambda item: (_closeness(item[1], family, microbatches), item[0]))
+    assert trial.calibration is not None
+    return trial.calibration
+
+
+def trial_steps(step_seconds: float) -> int:
+    """Steps each configuration is tried for, where the one running took ``step_seconds`` a step:
+    :data:`TRIAL_STEPS`, or as many as fill :data:`TRIAL_SECONDS`, :data:`MAX_TRIAL_STEPS` at most.
+    A median of four steps of a few milliseconds moves with the machine's jitter: on 2 CPU processes
+    an MLP's 2BW on 2 micro-batches measured 4.4 ms in one trial and 6.3 ms in another, and the
+    steps cost next to nothing beside a trial's rebuild (``bench/auto_plan.py``)."""
+    if not step_seconds > 0:
+        return TRIAL_STEPS
+    return max(TRIAL_STEPS, min(MAX_TRIAL_STEPS, math.ceil(TRIAL_SECONDS / step_seconds)))
 
 
 def _intervals(starts: Sequence[float]) -> list[float]:
@@ -225,7 +300,7 @@ class PipelineCalibration:
         """After the pinning trial (``pin_cpus="auto"``) and :data:`CALIBRATE_AFTER` steps (once per
         fit): re-rank with the in-run costs and try other configurations when they are predicted
         faster, or within the predictions' error (:meth:`_to_try`); after :data:`WARM_UP` +
-        :data:`TRIAL_STEPS` steps of each, go on with the fastest as measured (:meth:`_judge_trial`).
+        :func:`trial_steps` steps of each, go on with the fastest as measured (:meth:`_judge_trial`).
         Every decision is a collective, taken at the same step on every rank (:meth:`_meet`)."""
         executor = self.executor
         if executor is None:
@@ -256,16 +331,16 @@ class PipelineCalibration:
         measured = self.broadcast(statistics.median(_intervals(self._step_starts)[since:]))
         running = Chosen(self.schedule_options, tuple(self._recompute_flags()))
         assert self.stage_plan is not None
-        self.trials = Trials([Trial(self.stage_plan, running, self._label(), measured), tried[0]], tried[1:])
+        first = Trial(
+            self.stage_plan, running, self._label(), measured, self.calibration if self.global_rank == 0 else None
+        )
+        self.trials = Trials([first, tried[0]], tried[1:], steps=trial_steps(measured))
         self._switch(tried[0].stage_plan, tried[0].chosen)
 
     def _to_try(self, compute: StageCosts, in_run: StageCosts, since: int) -> list[Trial]:
         """Rank 0: the configurations to try, by the candidates priced again with what steps
-        ``since`` on measured (said either way): the best priced of each other family predicted no
-        more than :data:`TRIAL_MARGIN` slower than the running one (the predictions may be off by that
-        much across families, ``bench/auto_plan.py``), and the best of the running family when it is
-        predicted :data:`SWITCH_GAIN` faster; :data:`TRIALS` at most, best first
-        (:func:`trial_candidates`)."""
+        ``since`` on measured (said either way): :func:`trial_candidates` against the running one,
+        :data:`TRIALS` at most, best first."""
         assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
         scale, fixed = separated(self._profiled(self.stage_plan), actions(compute), actions(in_run))
         basis, arguments = self._searched
@@ -279,17 +354,46 @@ class PipelineCalibration:
         found = Calibration.fitted(scale, fixed, running, median, replicating=in_run.replicating)
         self.calibration, self.candidates = found, sorted(ranked, key=found.seconds)
         predicted = self.calibrated_step_seconds = found.seconds(running)
-        chosen = trial_candidates(self.candidates, running, found.seconds)
+        chosen = trial_candidates(
+            self.candidates, predicted, found.seconds, [(running.family, running.microbatches)], TRIALS
+        )
         if not chosen:
             rank_zero_info(f"Calibration after {CALIBRATE_AFTER} steps: {found}; keeping {running.label}")
             return []
         said = ", ".join(f"{c.label} (predicted {found.seconds(c) / predicted - 1:+.0%})" for c in chosen)
         rank_zero_info(
             f"Calibration after {CALIBRATE_AFTER} steps: {found}; trying {said} against {running.label} (running) "
-            f"for {TRIAL_STEPS} steps each, then keeping the fastest as measured\n"
+            f"for {trial_steps(median)} steps each, then keeping the fastest as measured\n"
             f"{ranking_table(self.candidates, SHOWN, found.seconds)}"
         )
         return [Trial(c.stage_plan, Chosen.of(c, self.schedule_options), c.label) for c in chosen]
+
+    def _to_try_next(self, trials: Trials) -> list[Trial]:
+        """Rank 0, after a trial: the configurations to try in the places left, every candidate priced
+        again with the calibration of the trial that prices it best (:func:`closest_calibration`:
+        what ran of its family or kind measured beyond the profile); said where they changed."""
+        assert self._searched is not None
+        basis, arguments = self._searched
+        measured = trials.measured
+
+        def closest(family: str, microbatches: int) -> Calibration:
+            return closest_calibration(measured, family, microbatches)
+
+        def seconds(candidate: Candidate) -> float:
+            return closest(candidate.family, candidate.microbatches).seconds(candidate)
+
+        ranked = sorted(search(basis.chain, self.workers, calibrations=closest, **arguments), key=seconds)
+        fastest = min(trials.seconds_of(t) for t in measured)
+        ran = [(t.chosen.schedule.family, t.chosen.schedule.microbatches or 1) for t in measured]
+        chosen = trial_candidates(ranked, fastest, seconds, ran, TRIALS - (len(measured) - 1))
+        following = [Trial(c.stage_plan, Chosen.of(c, self.schedule_options), c.label) for c in chosen]
+        if [t.label for t in following] != [t.label for t in trials.waiting]:
+            said = ", ".join(f"{c.label} (predicted {seconds(c) / fastest - 1:+.0%})" for c in chosen) or "none"
+            rank_zero_info(
+                f"Priced again with what {measured[-1].label} measured ({measured[-1].calibration}): trying {said} "
+                f"against the fastest so far ({format_seconds(fastest)})"
+            )
+        return following
 
     def _keep_calibration(self) -> None:
         """At the end of a fit (every rank: a collective): what the running configuration's settled
@@ -331,22 +435,24 @@ class PipelineCalibration:
         )
 
     def _judge_trial(self, trials: Trials) -> None:
-        """Every rank, after :data:`WARM_UP` + :data:`TRIAL_STEPS` steps of the configuration tried:
+        """Every rank, after :data:`WARM_UP` + ``trials.steps`` steps of the configuration tried:
         record its median step (rank 0's) and what it measured beyond the profile, then try the next
         one, or go on with the fastest measured, predicted with what its own steps measured."""
         intervals = _intervals(self._step_starts)[WARM_UP:]
-        if len(intervals) < TRIAL_STEPS:
+        if len(intervals) < trials.steps:
             return
         self._meet()
         trying = trials.measured[-1]
         seconds = self.broadcast(statistics.median(intervals))
         trials.measured[-1] = dataclasses.replace(trying, seconds=seconds, calibration=self._measured_calibration())
+        if not trials.confirmed:
+            trials.waiting = self.broadcast(self._to_try_next(trials) if self.global_rank == 0 else [])
         if not trials.waiting:
             trials.waiting = trials.again()  # the same on every rank: rank 0's medians, broadcast
             if trials.waiting:
                 said = " and ".join(t.label for t in trials.waiting)
                 rank_zero_info(
-                    f"Tried for {TRIAL_STEPS} steps each (medians): {self._tried(trials)}; {said} are within "
+                    f"Tried for {trials.steps} steps each (medians): {self._tried(trials)}; {said} are within "
                     f"{CONFIRM_WITHIN:.0%} of each other: measuring them again, in the other order"
                 )
         if trials.waiting:
@@ -359,7 +465,7 @@ class PipelineCalibration:
             return
         best = trials.best()
         rank_zero_info(
-            f"Tried for {TRIAL_STEPS} steps each (medians): {self._tried(trials)}; going on with {best.label}"
+            f"Tried for {trials.steps} steps each (medians): {self._tried(trials)}; going on with {best.label}"
             + (f" ({format_seconds(trials.seconds_of(best))}, the mean of its two)" if trials.confirmed else "")
         )
         if _configuration(best) != _configuration(trials.measured[-1]):
