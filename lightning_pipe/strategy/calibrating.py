@@ -190,9 +190,9 @@ class Trials:
 
 def trial_kind(family: str) -> tuple[bool, ...]:
     """What a trial's calibration prices reliably: the families of its kind
-    (:func:`~lightning_pipe.cost.calibrated.family_kind`) that flush as it does or not (what the time
-    beyond the actions overlaps depends on it: on 2 CPU processes an MLP's 2BW steps ran 0.68-0.86x its
-    1F1B's, which one calibration priced alike, ``bench/auto_plan.py``)."""
+    (:func:`~lightning_pipe.cost.calibrated.family_kind`) that flush as it does, or not: where the
+    time beyond the actions goes depends on it (on 2 CPU processes an MLP's 2BW steps measured 0.68x
+    its 1F1B's, where one calibration priced them alike: :class:`~lightning_pipe.cost.calibrated.Calibration`)."""
     return (*family_kind(family), family not in DELAYED_FAMILIES)
 
 
@@ -211,7 +211,7 @@ def trial_candidates(
     - of a family measured already, or priced from a configuration of its kind (:func:`trial_kind`) on
       as many micro-batches that ran, only when predicted :data:`SWITCH_GAIN` faster: its prediction
       carries what such a run measured (on 2 CPU processes an MLP's 1F1B-RR on 2 micro-batches, priced
-      from its ``ddp`` run, came out 4% long; the pipelines priced from it 40% long);
+      from its ``ddp`` run, came out 5% long; its pipelines priced from that run about 90% long);
     - any other when predicted no more than :data:`TRIAL_MARGIN` slower: a calibration measured on
       another kind prices it up to 25% off (``bench/auto_plan.py``);
     - where the families that flush and those that do not were both searched and none of one kind
