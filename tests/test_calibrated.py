@@ -38,6 +38,7 @@ from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.strategy.calibrating import (
     CONFIRM_WITHIN,
     MAX_TRIAL_STEPS,
+    OWN_TIME_SHARE,
     SWITCH_GAIN,
     TRIAL_MARGIN,
     TRIAL_SECONDS,
@@ -45,6 +46,7 @@ from lightning_pipe.strategy.calibrating import (
     Trial,
     Trials,
     closest_calibration,
+    stale_profile_rate,
     trial_candidates,
     trial_kind,
     trial_steps,
@@ -469,6 +471,29 @@ def test_a_trial_lasts_a_quarter_second_in_steps_within_its_bounds(seconds: floa
     assert steps == TRIAL_STEPS or (steps - 1) * seconds < TRIAL_SECONDS
     assert trial_steps(seconds + longer) <= steps
     assert trial_steps(0.0) == trial_steps(math.nan) == trial_steps(math.inf) == TRIAL_STEPS
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(1e-4, 1e-2), min_size=2, max_size=8, unique=True),
+    st.floats(0.3, 3.0),
+    st.floats(0.0, 0.02),
+)
+def test_a_kept_profile_is_judged_stale_by_the_rate_of_the_work_only_where_it_shows(
+    profiled: list[float], rate: float, fixed: float
+) -> None:
+    """Actions measured at ``rate ×`` their profile + ``fixed`` each: the rate is said where it is more
+    than 15% off and the fixed time is at most half the actions' time; nothing where it is within
+    15%, or where the fixed time is most of it (the rate not told apart from it)."""
+    assume(max(profiled) > 1.5 * min(profiled))  # a line needs actions of different lengths
+    measured = [rate * seconds + fixed for seconds in profiled]
+    got = stale_profile_rate(profiled, measured)
+    hidden = fixed * len(measured) > OWN_TIME_SHARE * sum(measured)
+    assume(abs(abs(rate - 1) - 0.15) > 1e-6)  # not on the tolerance's edge
+    if hidden or abs(rate - 1) <= 0.15:
+        assert got is None
+    else:
+        assert got is not None and math.isclose(got, rate, rel_tol=1e-6)
 
 
 def _trial(index: int, seconds: float | None) -> Trial:

@@ -71,6 +71,7 @@ __all__ = [
     "CONFIRM_WITHIN",
     "KEPT_AFTER",
     "MAX_TRIAL_STEPS",
+    "OWN_TIME_SHARE",
     "PIN_STEPS",
     "SWITCH_GAIN",
     "TRIALS",
@@ -82,6 +83,7 @@ __all__ = [
     "Trial",
     "Trials",
     "closest_calibration",
+    "stale_profile_rate",
     "trial_candidates",
     "trial_kind",
     "trial_steps",
@@ -270,6 +272,27 @@ def trial_steps(step_seconds: float) -> int:
     if not step_seconds > 0:
         return TRIAL_STEPS
     return max(TRIAL_STEPS, min(MAX_TRIAL_STEPS, math.ceil(TRIAL_SECONDS / step_seconds)))
+
+
+OWN_TIME_SHARE = 0.5
+"""The share of a run's action time beyond which the runtime's own time per action hides the rate
+of their work (:func:`stale_profile_rate`)."""
+
+
+def stale_profile_rate(profiled: Sequence[float], measured: Sequence[float]) -> float | None:
+    """The rate of a run's actions against a kept profile (each stage's forward, then backward, the
+    contention taken out of ``measured``), where it says the profile is stale: more than 15% off
+    (:func:`~lightning_pipe.cost.profile_cache.profile_disagrees`). What an action costs whatever
+    its rows (the runtime's own work) is fitted apart (:func:`~lightning_pipe.cost.calibrated.calibration`),
+    since profiling again would not change it; and where that makes more than :data:`OWN_TIME_SHARE`
+    of the actions' time, the rate of their work is not told apart from it and nothing is said: a
+    line through four actions of about a millisecond had read an MLP's run as 0.06-0.45x its profile
+    in each of 8 fits, so that every fit measured the profile anew (on 2 CPU processes,
+    ``bench/auto_plan.py --models mlp --against "2bw m=2 pinned"``)."""
+    rate, fixed = calibration(profiled, measured)
+    if fixed * len(measured) > OWN_TIME_SHARE * math.fsum(measured):
+        return None
+    return rate if profile_disagrees(profiled, [rate * seconds for seconds in profiled]) else None
 
 
 def _intervals(starts: Sequence[float]) -> list[float]:
@@ -524,15 +547,14 @@ class PipelineCalibration:
         """Rank 0: mark the kept profiles stale (:func:`~lightning_pipe.cost.profile_cache.forget_profile`)
         when the rate of this run's actions, with the contention it measured taken out, is more than
         15% off the profile's (:func:`~lightning_pipe.cost.profile_cache.profile_disagrees`): a profile
-        taken on a busier or other machine. What an action costs whatever its rows (the runtime's
-        own work) is fitted apart, since profiling again would not change it."""
+        taken on a busier or other machine (:func:`stale_profile_rate`)."""
         assert self.stage_plan is not None and self._searched is not None
         factor = self._searched[0].factor(self.microbatches)
         profiled = [seconds / factor for seconds in self._profiled(self.stage_plan)]  # the kept profile's
         contention = self.plan_options.contention
         measured = [seconds / contention for seconds in [*compute.forward, *compute.backward]]
-        rate, _ = calibration(profiled, measured)
-        if not profile_disagrees(profiled, [rate * seconds for seconds in profiled]):
+        rate = stale_profile_rate(profiled, measured)
+        if rate is None:
             return
         small = self._searched[1]["small"]
         reason = f"a run measured its layers {rate:.2f}x as long as this profile"
