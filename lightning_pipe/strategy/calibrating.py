@@ -4,8 +4,9 @@
 **Pinning** (``pin_cpus="auto"``, CPU training on Linux): whether each process's threads run
 faster on cores of their own depends on the model and the schedule (on 2 cores it made 2BW and CDP
 1.14-1.18x faster, and torchvision's ResNet-18 0.74x as fast), and no profile taken one process at a
-time shows it. So it is measured: steps 3-7 run unpinned, then :data:`PIN_STEPS` steps pinned (the
-first left out while the threads move), and the placement whose median step was shorter is kept.
+time shows it. So it is measured: steps 3-7 run unpinned, then :data:`PIN_STEPS` steps pinned, or
+one more than fill :data:`TRIAL_SECONDS` at the unpinned steps' pace (:func:`trial_steps`; the first
+left out while the threads move), and the placement whose median step was shorter is kept.
 
 **Calibration.** A profile taken layer by layer misses what the run adds to each micro-batch (the
 executor's own time, messages, the other processes computing at the same time), and a kept profile
@@ -98,7 +99,7 @@ settled steps: ``bench/auto_plan.py``)."""
 SWITCH_GAIN = 0.05
 """How much faster (predicted) another configuration of the running family must be to be tried."""
 PIN_STEPS = 5
-"""Steps run pinned in the pinning trial (the first left out; the last's time is not known yet)."""
+"""Steps run pinned in the pinning trial at least (the first left out; the last's time is not known yet)."""
 TRIAL_MARGIN = 0.15
 """A configuration predicted at most this much slower than the one running is tried: the calibrated
 predictions of another family were off by up to 25% (``bench/auto_plan.py``), the measurement is not."""
@@ -302,10 +303,12 @@ def _intervals(starts: Sequence[float]) -> list[float]:
 
 @dataclass
 class PinTrial:
-    """``pin_cpus="auto"``: the unpinned steps' median, the first pinned step, the decision."""
+    """``pin_cpus="auto"``: the unpinned steps' median, the first pinned step, how many run pinned
+    (the first left out), the decision."""
 
     start: int | None = None
     unpinned: float | None = None
+    steps: int = PIN_STEPS
     pinned: bool | None = None
 
     @classmethod
@@ -618,15 +621,16 @@ class PipelineCalibration:
 
     def _try_pinning(self, trial: PinTrial, step: int) -> None:
         """The pinning trial (every rank; rank 0's step times decide): pin after the unpinned steps,
-        and after :data:`PIN_STEPS` pinned ones keep the faster placement."""
+        and after ``trial.steps`` pinned ones keep the faster placement."""
         intervals = _intervals(self._step_starts)
         if trial.start is None:
             self._meet()
             trial.unpinned = self.broadcast(statistics.median(intervals[WARM_UP:]))
+            trial.steps = max(PIN_STEPS, trial_steps(trial.unpinned) + 1)  # the same on every rank
             pin_threads(self.local_rank, self.num_processes)
             trial.start = step
             return
-        if step < trial.start + PIN_STEPS:
+        if step < trial.start + trial.steps:
             return
         self._meet()
         pinned = self.broadcast(statistics.median(intervals[trial.start + 1 :]))
