@@ -38,9 +38,8 @@ from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, 
 from tests.lightning_cases import Chain, Placements, final_state, loader, placements, plain_fit, trainer
 from tests.user_modules import GPTModule
 
-BATCHES = (
-    CALIBRATE_AFTER + MAX_TRIAL_STEPS + 1 + (TRIALS + 2) * (WARM_UP + MAX_TRIAL_STEPS + 1) + 3
-)  # every trial, two again
+# the pinning trial (each side at its longest, one more left out), every trial and two again
+BATCHES = WARM_UP + 2 * MAX_TRIAL_STEPS + 2 + (TRIALS + 2) * (WARM_UP + MAX_TRIAL_STEPS + 1) + 3
 
 
 class _Switching(PipelineStrategy):
@@ -96,7 +95,9 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
                 "predicted_memory": strategy.predicted_memory,
                 "ranked": [(c.step_seconds, c.family, c.peak_memory_bytes) for c in strategy.candidates],
                 "pinned": None if strategy._pin_trial is None else strategy._pin_trial.pinned,
-                "pin_trial": None if (pin := strategy._pin_trial) is None else (pin.unpinned, pin.steps),
+                "pin_trial": None
+                if (pin := strategy._pin_trial) is None
+                else (pin.unpinned, pin.steps, pin.unpinned_steps),
                 "cores": placed.during,
                 "cores_after": placements(),
                 "gloo_threads": _gloo_threads(),
@@ -189,8 +190,10 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
         assert len(set(threads[1:])) == 1, threads
     pinned = {results[rank][3]["pinned"] for rank in range(2)}
     assert len(pinned) == 1 and pinned <= {True, False}  # rank 0's measurement decides for all
-    unpinned, steps = results[0][3]["pin_trial"]  # pinned for a quarter second at the unpinned pace, on every rank
-    assert results[1][3]["pin_trial"] == (unpinned, steps) and steps == max(PIN_STEPS, trial_steps(unpinned) + 1)
+    unpinned, steps, before = results[0][3]["pin_trial"]  # each side a quarter second at its pace, on every rank
+    assert results[1][3]["pin_trial"] == (unpinned, steps, before)
+    assert steps == max(PIN_STEPS, trial_steps(unpinned) + 1)
+    assert TRIAL_STEPS <= before <= MAX_TRIAL_STEPS
     every = [tuple(sorted(os.sched_getaffinity(0)))]
     for rank in range(2):
         cores = results[rank][3]["cores"]

@@ -4,9 +4,10 @@
 **Pinning** (``pin_cpus="auto"``, CPU training on Linux): whether each process's threads run
 faster on cores of their own depends on the model and the schedule (on 2 cores it made 2BW and CDP
 1.14-1.18x faster, and torchvision's ResNet-18 0.74x as fast), and no profile taken one process at a
-time shows it. So it is measured: steps 3-7 run unpinned, then :data:`PIN_STEPS` steps pinned, or
-one more than fill :data:`TRIAL_SECONDS` at the unpinned steps' pace (:func:`trial_steps`; the first
-left out while the threads move), and the placement whose median step was shorter is kept.
+time shows it. So it is measured: from step 3 on, as many steps as fill :data:`TRIAL_SECONDS` at the
+pace of steps 3-7 (:func:`trial_steps`: 4-16) run unpinned, then as many pinned at theirs, one more
+left out while the threads move (:data:`PIN_STEPS` at least), and the placement whose median step was
+shorter is kept.
 
 **Calibration.** A profile taken layer by layer misses what the run adds to each micro-batch (the
 executor's own time, messages, the other processes computing at the same time), and a kept profile
@@ -303,9 +304,10 @@ def _intervals(starts: Sequence[float]) -> list[float]:
 
 @dataclass
 class PinTrial:
-    """``pin_cpus="auto"``: the unpinned steps' median, the first pinned step, how many run pinned
-    (the first left out), the decision."""
+    """``pin_cpus="auto"``: how many steps run unpinned, their median, the first pinned step, how
+    many run pinned (the first left out), the decision."""
 
+    unpinned_steps: int | None = None
     start: int | None = None
     unpinned: float | None = None
     steps: int = PIN_STEPS
@@ -620,10 +622,16 @@ class PipelineCalibration:
         self._step_seconds, self._step_starts = [], []
 
     def _try_pinning(self, trial: PinTrial, step: int) -> None:
-        """The pinning trial (every rank; rank 0's step times decide): pin after the unpinned steps,
-        and after ``trial.steps`` pinned ones keep the faster placement."""
+        """The pinning trial (every rank; rank 0's step times decide): pin after ``trial.unpinned_steps``
+        unpinned steps (from :data:`WARM_UP`), and after ``trial.steps`` pinned ones keep the faster
+        placement; both as many as fill :data:`TRIAL_SECONDS` (:func:`trial_steps`)."""
         intervals = _intervals(self._step_starts)
         if trial.start is None:
+            if trial.unpinned_steps is None:  # at the first call: the pace, and so the steps each side runs
+                self._meet()
+                trial.unpinned_steps = trial_steps(self.broadcast(statistics.median(intervals[WARM_UP:])))
+            if len(intervals) - WARM_UP < trial.unpinned_steps:  # the same count on every rank
+                return
             self._meet()
             trial.unpinned = self.broadcast(statistics.median(intervals[WARM_UP:]))
             trial.steps = max(PIN_STEPS, trial_steps(trial.unpinned) + 1)  # the same on every rank
