@@ -107,8 +107,7 @@ predictions of another family were off by up to 25% (``bench/auto_plan.py``), th
 TRIAL_STEPS = 4
 """Steps a configuration is tried for at least (after the :data:`WARM_UP` steps that build and warm it)."""
 TRIAL_SECONDS = 0.25
-"""Seconds a configuration is tried for at least, in steps of the one running at the calibration
-(:func:`trial_steps`)."""
+"""Seconds a trial, and each side of the pinning trial, lasts at least (:func:`trial_steps`)."""
 MAX_TRIAL_STEPS = 16
 """Steps a configuration is tried for at most."""
 KEPT_AFTER = 4
@@ -304,8 +303,7 @@ def _intervals(starts: Sequence[float]) -> list[float]:
 
 @dataclass
 class PinTrial:
-    """``pin_cpus="auto"``: how many steps run unpinned, their median, the first pinned step, how
-    many run pinned (the first left out), the decision."""
+    """``pin_cpus="auto"``: steps run unpinned, their median, the first pinned, how many pinned, the decision."""
 
     unpinned_steps: int | None = None
     start: int | None = None
@@ -359,16 +357,14 @@ class PipelineCalibration:
         measured = self.broadcast(statistics.median(_intervals(self._step_starts)[since:]))
         running = Chosen(self.schedule_options, tuple(self._recompute_flags()))
         assert self.stage_plan is not None
-        first = Trial(
-            self.stage_plan, running, self._label(), measured, self.calibration if self.global_rank == 0 else None
-        )
+        kept = self.calibration if self.global_rank == 0 else None  # what the run measured, on rank 0
+        first = Trial(self.stage_plan, running, self._label(), measured, kept)
         self.trials = Trials([first, tried[0]], tried[1:], steps=trial_steps(measured))
         self._switch(tried[0].stage_plan, tried[0].chosen)
 
     def _to_try(self, compute: StageCosts, in_run: StageCosts, since: int) -> list[Trial]:
-        """Rank 0: the configurations to try, by the candidates priced again with what steps
-        ``since`` on measured (said either way): :func:`trial_candidates` against the running one,
-        :data:`TRIALS` at most, best first."""
+        """Rank 0: the configurations to try (:func:`trial_candidates`), the candidates priced again
+        with what steps ``since`` on measured (said either way)."""
         assert self.stage_plan is not None and self.stage_plan.plan is not None and self._searched is not None
         scale, fixed = separated(self._profiled(self.stage_plan), actions(compute), actions(in_run))
         basis, arguments = self._searched
@@ -492,9 +488,10 @@ class PipelineCalibration:
                 self._switch(following.stage_plan, following.chosen)
             return
         best = trials.best()
+        twice = sum(_configuration(t) == _configuration(best) for t in trials.measured) > 1
         rank_zero_info(
             f"Tried for {trials.steps} steps each (medians): {self._tried(trials)}; going on with {best.label}"
-            + (f" ({format_seconds(trials.seconds_of(best))}, the mean of its two)" if trials.confirmed else "")
+            + (f" ({format_seconds(trials.seconds_of(best))}, the mean of its two)" if twice else "")
         )
         if _configuration(best) != _configuration(trials.measured[-1]):
             self._switch(best.stage_plan, best.chosen, trials.calibration_of(best))
@@ -627,7 +624,7 @@ class PipelineCalibration:
         placement; both as many as fill :data:`TRIAL_SECONDS` (:func:`trial_steps`)."""
         intervals = _intervals(self._step_starts)
         if trial.start is None:
-            if trial.unpinned_steps is None:  # at the first call: the pace, and so the steps each side runs
+            if trial.unpinned_steps is None:  # at the first call: the pace, and so the steps run unpinned
                 self._meet()
                 trial.unpinned_steps = trial_steps(self.broadcast(statistics.median(intervals[WARM_UP:])))
             if len(intervals) - WARM_UP < trial.unpinned_steps:  # the same count on every rank
