@@ -88,12 +88,12 @@ from trainer_runs import Classifier, timed_trainer
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
-from lightning_pipe.strategy.calibrating import MAX_TRIAL_STEPS, TRIALS, WARM_UP
+from lightning_pipe.strategy.calibrating import MAX_TRIAL_STEPS, SETTLED_BY, WARM_UP
 from lightning_pipe.zoo.models import build_chain
 
 FAMILIES = ("gpipe", "1f1b", "zb_h1", "interleaved", "ddp", "2bw", "cdp")
 PICK = "auto"
-PICK_WARMUP = WARM_UP + 2 * MAX_TRIAL_STEPS + 2 + (TRIALS + 3) * (WARM_UP + MAX_TRIAL_STEPS + 1)
+PICK_WARMUP = SETTLED_BY + WARM_UP + MAX_TRIAL_STEPS + 1
 """Steps the pick may take to settle: the pinning trial, calibration, every trial, the closest two
 measured again, and the switch to the fastest (its steps are timed from :data:`WARM_UP` steps after it
 settled, at the earliest here)."""

@@ -27,8 +27,8 @@ from lightning_pipe.strategy.calibrating import (
     CONFIRM_WITHIN,
     MAX_TRIAL_STEPS,
     PIN_STEPS,
+    SETTLED_BY,
     TRIAL_STEPS,
-    TRIALS,
     WARM_UP,
     Trial,
     Trials,
@@ -38,8 +38,7 @@ from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, 
 from tests.lightning_cases import Chain, Placements, final_state, loader, placements, plain_fit, trainer
 from tests.user_modules import GPTModule
 
-# the pinning trial (each side at its longest, one more left out), every trial and two again
-BATCHES = WARM_UP + 2 * MAX_TRIAL_STEPS + 2 + (TRIALS + 2) * (WARM_UP + MAX_TRIAL_STEPS + 1) + 3
+BATCHES = SETTLED_BY + 3
 
 
 class _Switching(PipelineStrategy):

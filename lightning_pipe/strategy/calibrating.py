@@ -22,21 +22,19 @@ pipeline's far less: ``bench/auto_plan.py``), so the decision is measured: up to
 other configurations, the best priced of each family predicted faster or no more than
 :data:`TRIAL_MARGIN` slower than the one running (:func:`trial_candidates`), are tried one after the
 other for :func:`trial_steps` steps each (after :data:`WARM_UP` steps that build and warm the
-pipeline). After each, the candidates are priced again, each with what the trial closest to it in
-kind measured (:func:`closest_calibration`), and the places left go to those that still make the
-margin: a configuration of a kind that ran is tried only when predicted :data:`SWITCH_GAIN` faster
-than the fastest measured. The run goes on with the one whose median step was shortest, the one
-that ran first included; where
-the two fastest came within :data:`CONFIRM_WITHIN` of each other, both are measured once more in the
-other order (the machine's drift then weighs on both alike) and the mean of each one's two medians
-decides. The configuration the run goes on with is then predicted (``planned_step_seconds``) with
-what its own trial's steps measured beyond the profile, not with the calibration of the one that ran
-first: on 2 CPU processes an MLP's calibration taken running one family priced the steps of the
-configuration it went on with 43-92% long (``bench/auto_plan.py --pairs``). A
-switch finishes the steps in flight (a drain), gathers the model's weights and every parameter's
-optimizer state by name, rebuilds the pipeline on the new split and schedule, and gives each rank
-back its stages' weights and states, as a resume on another split does. A synchronous run that
-switches, and back, ends with plain Lightning's parameters (``tests/test_strategy_auto.py``).
+pipeline); after each, the places left are filled again, every candidate priced with what the
+trial closest to it measured (:func:`closest_calibration`). The run goes on with the one whose
+median step was shortest, the one that ran first included; where the two fastest came within
+:data:`CONFIRM_WITHIN` of each other, both are measured once more in the other order (the
+machine's drift then weighs on both alike) and the mean of each one's two medians decides. The
+configuration the run goes on with is then predicted (``planned_step_seconds``) with what its own
+trial's steps measured beyond the profile, not with the calibration of the one that ran first: on 2
+CPU processes an MLP's calibration taken running one family priced the steps of the configuration it
+went on with 43-92% long (``bench/auto_plan.py --pairs``). A switch finishes the steps in flight (a
+drain), gathers the model's weights and every parameter's optimizer state by name, rebuilds the
+pipeline on the new split and schedule, and gives each rank back its stages' weights and states, as
+a resume on another split does. A synchronous run that switches, and back, ends with plain
+Lightning's parameters (``tests/test_strategy_auto.py``).
 
 :class:`PipelineCalibration` holds these as methods of :class:`~lightning_pipe.strategy.PipelineStrategy`
 (one of the parts the strategy's class is assembled from, each a module of its own).
@@ -45,6 +43,7 @@ switches, and back, ends with plain Lightning's parameters (``tests/test_strateg
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -57,7 +56,14 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe.auto import DELAYED_FAMILIES, Candidate, ranking_table, search
-from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, Calibration, calibration, family_kind, separated
+from lightning_pipe.cost.calibrated import (
+    REPLICATING_FAMILIES,
+    Calibration,
+    calibration,
+    closest_kept,
+    family_kind,
+    separated,
+)
 from lightning_pipe.cost.profile_cache import forget_profile, profile_disagrees
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.planning import StagePlan
@@ -65,7 +71,7 @@ from lightning_pipe.runtime.affinity import pin_threads, place_threads
 from lightning_pipe.schedule import StageCosts
 from lightning_pipe.strategy.after_fit import fill
 from lightning_pipe.strategy.choosing import AUTO, SHOWN, Chosen
-from lightning_pipe.strategy.step_prices import actions, measured_calibration
+from lightning_pipe.strategy.step_prices import actions, measured_calibration, run_shape
 from lightning_pipe.util.units import format_seconds
 
 __all__ = [
@@ -75,6 +81,7 @@ __all__ = [
     "MAX_TRIAL_STEPS",
     "OWN_TIME_SHARE",
     "PIN_STEPS",
+    "SETTLED_BY",
     "SWITCH_GAIN",
     "TRIALS",
     "TRIAL_MARGIN",
@@ -115,6 +122,9 @@ KEPT_AFTER = 4
 TRIALS = 3
 """Other configurations tried at most, one per family: the calibrated predictions of the families
 were off from each other by more than the differences between them (``bench/auto_plan.py``)."""
+SETTLED_BY = WARM_UP + 2 * MAX_TRIAL_STEPS + 2 + (TRIALS + 2) * (WARM_UP + MAX_TRIAL_STEPS + 1)
+"""The most steps a fit takes to settle on its configuration: the pinning trial at its longest, every
+trial, and the closest two measured again."""
 CONFIRM_WITHIN = 0.10
 """The two fastest trials closer than this are measured once more each, in the other order, and
 decided by the mean of their two medians: a trial measured early and one measured late differ by the
@@ -191,11 +201,10 @@ class Trials:
         return [dataclasses.replace(firsts[key], seconds=None) for key in pair]
 
 
-def trial_kind(family: str) -> tuple[bool, ...]:
-    """What a trial's calibration prices reliably: the families of its kind
-    (:func:`~lightning_pipe.cost.calibrated.family_kind`) that flush as it does, or not: where the
-    time beyond the actions goes depends on it (on 2 CPU processes an MLP's 2BW steps measured 0.68x
-    its 1F1B's, where one calibration priced them alike: :class:`~lightning_pipe.cost.calibrated.Calibration`)."""
+def trial_kind(family: object) -> tuple[bool, ...]:
+    """What a trial's calibration prices reliably: the families of its kind (:func:`family_kind`)
+    that flush as it does, or not: where the time beyond the actions goes depends on it (an MLP's 2BW
+    steps measured 0.68x its 1F1B's, which one calibration priced alike: :class:`Calibration`)."""
     return (*family_kind(family), family not in DELAYED_FAMILIES)
 
 
@@ -211,17 +220,15 @@ def trial_candidates(
     configurations ``measured`` (family and micro-batch count each, the one running first):
 
     - one per family, ``places`` at most;
-    - of a family measured already, or priced from a configuration of its kind (:func:`trial_kind`) on
-      as many micro-batches that ran, only when predicted :data:`SWITCH_GAIN` faster: its prediction
-      carries what such a run measured (on 2 CPU processes an MLP's 1F1B-RR on 2 micro-batches, priced
-      from its ``ddp`` run, came out 5% long; its pipelines priced from that run about 90% long);
+    - of a family that ran, or of a kind (:func:`trial_kind`) that ran on as many micro-batches, only
+      when predicted :data:`SWITCH_GAIN` faster: a run of its kind priced it (an MLP's 1F1B-RR priced
+      from its ``ddp`` run came out 5% long, its pipelines priced from that run about 90% long);
     - any other when predicted no more than :data:`TRIAL_MARGIN` slower: a calibration measured on
       another kind prices it up to 25% off (``bench/auto_plan.py``);
-    - where the families that flush and those that do not were both searched and none of one kind
-      ran or made the margin, the best of it takes the last place: the two kinds' predictions
-      differ most in what they leave out (the time beyond the actions overlaps the others' compute
-      only without a flush), and on an MLP whose steps are mostly that time the best measured family
-      was once left out, 0.91 of the best (``bench/auto_plan.py``)."""
+    - where none of the families that flush, or of those that do not, ran or made the margin, the
+      best of that kind takes the last place: the two kinds' predictions differ most in what they
+      leave out (the time beyond the actions overlaps the others' compute only without a flush; an
+      MLP's best family was once left out, 0.91 of the best: ``bench/auto_plan.py``)."""
     families = {family for family, _ in measured}
     alike = {(trial_kind(family), m) for family, m in measured}
     chosen: list[Candidate] = []
@@ -239,57 +246,45 @@ def trial_candidates(
     return chosen
 
 
-def _closeness(trial: Trial, family: str, microbatches: int) -> tuple[bool, ...]:
-    """How well ``trial``'s calibration prices ``family`` on ``microbatches``: the same family and
-    count, the same kind (:func:`trial_kind`) and count, the same family, the same kind, the same
-    replication, the same count."""
-    theirs = trial.chosen.schedule.family
-    same = trial.chosen.schedule.microbatches == microbatches
-    kinds = trial_kind(theirs), trial_kind(family)
-    alike, replicated = kinds[0] == kinds[1], kinds[0][0] == kinds[1][0]
-    return same and theirs == family, same and alike, theirs == family, alike, replicated, same
-
-
-def closest_calibration(measured: Sequence[Trial], family: str, microbatches: int) -> Calibration:
-    """The calibration of the ``measured`` trial that prices ``family`` on ``microbatches`` best
-    (:func:`_closeness`; among equals the one measured last); trials without one are passed over.
+def closest_calibration(measured: Sequence[Trial], family: str, microbatches: int, batch_rows: int) -> Calibration:
+    """The calibration of the ``measured`` trial closest to ``family`` on ``microbatches`` of
+    ``batch_rows`` by the rule kept calibrations are looked up by (:func:`closest_kept`, with
+    :func:`trial_kind`; the last measured among equals), trials without one passed over.
 
     Raises:
         PlanningError: none of them has a calibration."""
-    known = [(index, t) for index, t in enumerate(measured) if t.calibration is not None]
+    known = [t for t in measured if t.calibration is not None]
     if not known:
         raise PlanningError("no trial measured a calibration to price the configurations with")
-    _, trial = max(known, key=lambda item: (_closeness(item[1], family, microbatches), item[0]))
-    assert trial.calibration is not None
-    return trial.calibration
+    shapes = [run_shape(t.chosen.schedule.family, batch_rows, t.chosen.schedule.microbatches or 1, None) for t in known]
+    entries: list[dict[str, object]] = [{"family": shape.family, "rows": shape.rows} for shape in shapes]
+    found = closest_kept(entries, run_shape(family, batch_rows, microbatches, None), trial_kind)
+    calibration = next(t.calibration for t, entry in zip(known, entries, strict=True) if entry is found)
+    assert calibration is not None
+    return calibration
 
 
 def trial_steps(step_seconds: float) -> int:
-    """Steps each configuration is tried for, where the one running took ``step_seconds`` a step:
-    :data:`TRIAL_STEPS`, or as many as fill :data:`TRIAL_SECONDS`, :data:`MAX_TRIAL_STEPS` at most.
-    A median of four steps of a few milliseconds moves with the machine's jitter: on 2 CPU processes
-    an MLP's 2BW on 2 micro-batches measured 4.4 ms in one trial and 6.3 ms in another, and the
-    steps cost next to nothing beside a trial's rebuild (``bench/auto_plan.py``)."""
+    """Steps each configuration is tried for at a pace of ``step_seconds``: :data:`TRIAL_STEPS`, or as
+    many as fill :data:`TRIAL_SECONDS`, :data:`MAX_TRIAL_STEPS` at most. A median of four steps of a
+    few ms moves with the machine's jitter (an MLP's 2BW on 2 micro-batches measured 4.4 ms in one
+    trial, 6.3 ms in another: ``bench/auto_plan.py``); such steps cost little beside a rebuild."""
     if not step_seconds > 0:
         return TRIAL_STEPS
     return max(TRIAL_STEPS, min(MAX_TRIAL_STEPS, math.ceil(TRIAL_SECONDS / step_seconds)))
 
 
 OWN_TIME_SHARE = 0.5
-"""The share of a run's action time beyond which the runtime's own time per action hides the rate
-of their work (:func:`stale_profile_rate`)."""
+"""The share of the actions' time beyond which the runtime's own hides their rate (:func:`stale_profile_rate`)."""
 
 
 def stale_profile_rate(profiled: Sequence[float], measured: Sequence[float]) -> float | None:
     """The rate of a run's actions against a kept profile (each stage's forward, then backward, the
-    contention taken out of ``measured``), where it says the profile is stale: more than 15% off
-    (:func:`~lightning_pipe.cost.profile_cache.profile_disagrees`). What an action costs whatever
-    its rows (the runtime's own work) is fitted apart (:func:`~lightning_pipe.cost.calibrated.calibration`),
-    since profiling again would not change it; and where that makes more than :data:`OWN_TIME_SHARE`
-    of the actions' time, the rate of their work is not told apart from it and nothing is said: a
-    line through four actions of about a millisecond had read an MLP's run as 0.06-0.45x its profile
-    in each of 8 fits, so that every fit measured the profile anew (on 2 CPU processes,
-    ``bench/auto_plan.py --models mlp --against "2bw m=2 pinned"``)."""
+    contention taken out of ``measured``) where it is more than 15% off (:func:`profile_disagrees`).
+    The runtime's own time per action is fitted apart (:func:`calibration`): profiling again would
+    not change it; where it is more than :data:`OWN_TIME_SHARE` of the actions' time, the rate is not
+    told apart from it and nothing is said (a line through an MLP's four ~1 ms actions read its run
+    at 0.06-0.45x the profile in each of 8 fits: ``bench/auto_plan.py --models mlp``)."""
     rate, fixed = calibration(profiled, measured)
     if fixed * len(measured) > OWN_TIME_SHARE * math.fsum(measured):
         return None
@@ -357,8 +352,7 @@ class PipelineCalibration:
         measured = self.broadcast(statistics.median(_intervals(self._step_starts)[since:]))
         running = Chosen(self.schedule_options, tuple(self._recompute_flags()))
         assert self.stage_plan is not None
-        kept = self.calibration if self.global_rank == 0 else None  # what the run measured, on rank 0
-        first = Trial(self.stage_plan, running, self._label(), measured, kept)
+        first = Trial(self.stage_plan, running, self._label(), measured, self.calibration)  # rank 0's, as measured
         self.trials = Trials([first, tried[0]], tried[1:], steps=trial_steps(measured))
         self._switch(tried[0].stage_plan, tried[0].chosen)
 
@@ -393,15 +387,18 @@ class PipelineCalibration:
         return [Trial(c.stage_plan, Chosen.of(c, self.schedule_options), c.label) for c in chosen]
 
     def _to_try_next(self, trials: Trials) -> list[Trial]:
-        """Rank 0, after a trial: the configurations to try in the places left, every candidate priced
-        again with the calibration of the trial that prices it best (:func:`closest_calibration`:
-        what ran of its family or kind measured beyond the profile); said where they changed."""
+        """Rank 0, after a trial: what to try in the places left, each candidate priced again with the
+        calibration of the trial closest to it (:func:`closest_calibration`); said where it changed."""
         assert self._searched is not None
         basis, arguments = self._searched
         measured = trials.measured
+        places = TRIALS - (len(measured) - 1)
+        if places <= 0:  # every place taken: nothing to price
+            return []
 
+        @functools.cache  # one lookup per family and count, for the search and the ranking alike
         def closest(family: str, microbatches: int) -> Calibration:
-            return closest_calibration(measured, family, microbatches)
+            return closest_calibration(measured, family, microbatches, self.step_prices.batch_rows)
 
         def seconds(candidate: Candidate) -> float:
             return closest(candidate.family, candidate.microbatches).seconds(candidate)
@@ -409,7 +406,7 @@ class PipelineCalibration:
         ranked = sorted(search(basis.chain, self.workers, calibrations=closest, **arguments), key=seconds)
         fastest = min(trials.seconds_of(t) for t in measured)
         ran = [(t.chosen.schedule.family, t.chosen.schedule.microbatches or 1) for t in measured]
-        chosen = trial_candidates(ranked, fastest, seconds, ran, TRIALS - (len(measured) - 1))
+        chosen = trial_candidates(ranked, fastest, seconds, ran, places)
         following = [Trial(c.stage_plan, Chosen.of(c, self.schedule_options), c.label) for c in chosen]
         if [t.label for t in following] != [t.label for t in trials.waiting]:
             said = ", ".join(f"{c.label} (predicted {seconds(c) / fastest - 1:+.0%})" for c in chosen) or "none"
@@ -624,13 +621,16 @@ class PipelineCalibration:
         placement; both as many as fill :data:`TRIAL_SECONDS` (:func:`trial_steps`)."""
         intervals = _intervals(self._step_starts)
         if trial.start is None:
-            if trial.unpinned_steps is None:  # at the first call: the pace, and so the steps run unpinned
-                self._meet()
-                trial.unpinned_steps = trial_steps(self.broadcast(statistics.median(intervals[WARM_UP:])))
-            if len(intervals) - WARM_UP < trial.unpinned_steps:  # the same count on every rank
+            steps = trial.unpinned_steps  # None at the first call: the pace then gives it
+            if steps is not None and len(intervals) - WARM_UP < steps:  # the same count on every rank
                 return
             self._meet()
-            trial.unpinned = self.broadcast(statistics.median(intervals[WARM_UP:]))
+            median = self.broadcast(statistics.median(intervals[WARM_UP:]))
+            if steps is None:
+                trial.unpinned_steps = trial_steps(median)
+                if len(intervals) - WARM_UP < trial.unpinned_steps:
+                    return
+            trial.unpinned = median
             trial.steps = max(PIN_STEPS, trial_steps(trial.unpinned) + 1)  # the same on every rank
             pin_threads(self.local_rank, self.num_processes)
             trial.start = step
