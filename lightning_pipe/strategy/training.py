@@ -174,12 +174,15 @@ class TrainingHooks:
         return result
 
     def drain(self) -> None:
-        """Finish the steps in flight (a collective; nothing for a flushing schedule); their logs are
-        kept for the next training step."""
-        if self.executor is not None:
-            self._collect_relayed()
+        """Finish the steps in flight (a collective; nothing for a flushing schedule), then receive the
+        logs the last call left in flight; their logs are kept for the next training step. In that
+        order: a rank may still be inside its last call, waiting for a collective this rank makes only
+        in its drain (a tied weight's gradient sum), before it posts the logs this rank waits for (a
+        fit stopped between epochs' ends, by ``EarlyStopping`` or ``trainer.should_stop``, hung so)."""
         if self.executor is not None and self.executor.calls:
             self.executor.drain()
+        if self.executor is not None:
+            self._collect_relayed()
 
     def on_validation_start(self) -> None:
         self.drain()

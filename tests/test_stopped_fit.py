@@ -1,0 +1,66 @@
+"""A fit stopped between the ends of its epoch (``trainer.should_stop``, as ``EarlyStopping`` and
+users' callbacks set it) ends on every rank at the same step under every delayed schedule, a tied
+weight's gradient sum owed by a step still in flight included."""
+
+from __future__ import annotations
+
+import csv
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.runtime import run_local
+from tests.lightning_cases import trainer
+from tests.user_modules import GPTModule
+
+BATCHES, STOP_AT = 12, 5
+
+
+class _StopAt(L.Callback):
+    """Sets ``trainer.should_stop`` after ``steps`` batches, and counts the batches run."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.ran = steps, 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.ran += 1
+        if self.ran >= self.steps:
+            trainer.should_stop = True
+
+
+def _worker(rank: int, root: str, families: list[str]) -> list[int]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    ran = []
+    for family in families:
+        torch.manual_seed(0)
+        tokens = torch.randint(0, 64, (8 * BATCHES, 17), generator=torch.Generator().manual_seed(1))
+        data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+        strategy = PipelineStrategy(family, microbatches=2, profile_cache=False, timeout=timedelta(seconds=30))
+        stop = _StopAt(STOP_AT)
+        trainer(Path(root) / family, strategy, 2, callbacks=[stop]).fit(GPTModule(), data)
+        ran.append(stop.ran)
+    return ran
+
+
+@pytest.mark.timeout(240)
+def test_a_fit_stopped_mid_epoch_ends_on_every_rank_with_tied_weights(tmp_path: Path) -> None:
+    """A GPT whose embedding and head share their weight, under CDP, PipeDream and 2BW, stopped after
+    5 of its 12 batches: every rank ends after the same 5 steps. The end of the fit drains the steps
+    in flight before it waits for their logs: a rank can still be in its last call, owing the tied
+    weight's gradient sum that the other makes in its drain (CDP and PipeDream hung until the timeout
+    when the logs were awaited first). A delayed schedule logs each step's loss with the next step;
+    the last one's comes in the drain, where Lightning takes no more logs: 4 of the 5 are logged."""
+    families = ["cdp", "pipedream", "2bw"]
+    results = run_local(_worker, 2, str(tmp_path), families, timeout=200)
+    assert results == [[STOP_AT] * len(families)] * 2
+    for family in families:
+        with open(tmp_path / family / "metrics.csv") as rows:
+            steps = [int(row["step"]) for row in csv.DictReader(rows) if row.get("train_loss")]
+        assert steps == list(range(1, STOP_AT)), family
