@@ -35,10 +35,12 @@ from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict, schedul
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, simulate
 from lightning_pipe.schedule.options import ScheduleOptions
-from lightning_pipe.strategy.calibrating import (
+from lightning_pipe.strategy.calibrating import OWN_TIME_SHARE, stale_profile_rate
+from lightning_pipe.strategy.choosing import Chosen
+from lightning_pipe.strategy.profile_basis import ProfileBasis
+from lightning_pipe.strategy.trials import (
     CONFIRM_WITHIN,
     MAX_TRIAL_STEPS,
-    OWN_TIME_SHARE,
     SWITCH_GAIN,
     TRIAL_MARGIN,
     TRIAL_SECONDS,
@@ -46,13 +48,10 @@ from lightning_pipe.strategy.calibrating import (
     Trial,
     Trials,
     closest_calibration,
-    stale_profile_rate,
     trial_candidates,
     trial_kind,
     trial_steps,
 )
-from lightning_pipe.strategy.choosing import Chosen
-from lightning_pipe.strategy.profile_basis import ProfileBasis
 from tests.lightning_cases import Chain, loader, trainer
 
 

@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -22,8 +23,9 @@ from lightning_pipe.cost.calibrated import Calibration
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts
-from lightning_pipe.strategy.calibrating import (
-    CALIBRATE_AFTER,
+from lightning_pipe.strategy.calibrating import CALIBRATE_AFTER
+from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, Chosen
+from lightning_pipe.strategy.trials import (
     CONFIRM_WITHIN,
     MAX_TRIAL_STEPS,
     PIN_STEPS,
@@ -34,11 +36,28 @@ from lightning_pipe.strategy.calibrating import (
     Trials,
     trial_steps,
 )
-from lightning_pipe.strategy.choosing import DEFAULT_MICROBATCHES, AutoOptions, Chosen
 from tests.lightning_cases import Chain, Placements, final_state, loader, placements, plain_fit, trainer
 from tests.user_modules import GPTModule
 
-BATCHES = SETTLED_BY + 3
+BATCHES = SETTLED_BY + WARM_UP + 1
+"""Batches of a fit's data: as many as any fit may take to settle, and a few more. Each fit ends
+:data:`WARM_UP` steps after it settled (:class:`_UntilSettled`)."""
+
+
+class _UntilSettled(L.Callback):
+    """Ends the fit :data:`WARM_UP` steps after the strategy settled on its configuration (every rank
+    at the same step: the decisions are broadcast), and counts the steps run."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.stop_at: int | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.steps += 1
+        if self.stop_at is None and trainer.strategy.settled:
+            self.stop_at = self.steps + WARM_UP
+        if self.stop_at is not None and self.steps >= self.stop_at:
+            trainer.should_stop = True
 
 
 class _Switching(PipelineStrategy):
@@ -71,8 +90,8 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
         model = Chain()
         kind = _Switching if case.get("switch") else PipelineStrategy
         strategy = kind(schedule="auto", profile_cache=False, **case.get("strategy", {}))
-        placed = Placements()
-        run = trainer(Path(root) / case["name"], strategy, 2, callbacks=[placed])
+        placed, until = Placements(), _UntilSettled()
+        run = trainer(Path(root) / case["name"], strategy, 2, callbacks=[placed, until])
         run.fit(model, loader(BATCHES))
         measured = None if strategy.trials is None else strategy.trials.measured
         found.append(
@@ -88,6 +107,7 @@ def _worker(rank: int, root: str, cases: list[dict[str, Any]]) -> list[dict[str,
                 "trials": None if measured is None else [t.seconds for t in measured],
                 "trial_bounds": None if measured is None else [t.stage_plan.bounds for t in measured],
                 "settled_step": strategy.settled_step,
+                "steps": until.steps,
                 "planned": strategy.planned_step_seconds,
                 "priced_as_run": _priced_as_run(strategy),
                 "own_trial": _own_trial(strategy),
@@ -147,8 +167,12 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
         {"name": "pin", "strategy": {"pin_cpus": "auto"}},
     ]
     results = run_local(_worker, 2, str(tmp_path), cases, timeout=240)
-    expected = plain_fit(tmp_path / "plain", {"batches": BATCHES})["final"]
     for index, case in enumerate(cases):
+        steps = results[0][index]["steps"]  # ended once settled: as many steps of plain Lightning
+        said = {key: results[0][index][key] for key in ("steps", "settled_step", "trials", "family", "microbatches")}
+        assert results[1][index]["steps"] == steps < BATCHES, (case["name"], said)
+        plain = {"batches": BATCHES, "trainer": {"max_steps": steps}}
+        expected = plain_fit(tmp_path / f"plain_{case['name']}", plain)["final"]
         for rank in range(2):
             got = results[rank][index]
             for name, value in expected.items():
@@ -184,6 +208,7 @@ def test_auto_runs_the_winner_as_plain_lightning_and_a_switch_carries_the_state(
         if own.per_step > 0:
             assert switched["planned"] == pytest.approx(seconds, rel=1e-9)
     assert CALIBRATE_AFTER + WARM_UP + TRIAL_STEPS < switched["settled_step"] < BATCHES  # the second tried or later
+    assert all(results[0][index]["settled_step"] <= SETTLED_BY for index in range(len(cases)))  # the bound holds
     for rank in range(2):  # fit after fit, the groups of the fits before are closed and collected: no growth
         threads = [found["gloo_threads"] for found in results[rank]]
         assert len(set(threads[1:])) == 1, threads
@@ -248,7 +273,7 @@ def _tied_worker(rank: int, root: str) -> dict[str, Any]:
     strategy = _Retrying(
         "cdp", microbatches=[2, 4], pin_cpus="auto", profile_cache=False, timeout=timedelta(seconds=60)
     )
-    trainer(Path(root), strategy, 2).fit(GPTModule(), data)
+    trainer(Path(root), strategy, 2, callbacks=[_UntilSettled()]).fit(GPTModule(), data)
     measured = strategy.trials.measured
     return {
         "trials": [t.seconds for t in measured],

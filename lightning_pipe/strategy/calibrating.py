@@ -4,10 +4,10 @@
 **Pinning** (``pin_cpus="auto"``, CPU training on Linux): whether each process's threads run
 faster on cores of their own depends on the model and the schedule (on 2 cores it made 2BW and CDP
 1.14-1.18x faster, and torchvision's ResNet-18 0.74x as fast), and no profile taken one process at a
-time shows it. So it is measured: from step 3 on, as many steps as fill :data:`TRIAL_SECONDS` at the
-pace of steps 3-7 (:func:`trial_steps`: 4-16) run unpinned, then as many pinned at theirs, one more
-left out while the threads move (:data:`PIN_STEPS` at least), and the placement whose median step was
-shorter is kept.
+time shows it. So it is measured: from step 3 on, as many steps as fill
+:data:`~.trials.TRIAL_SECONDS` at the pace of steps 3-7 (:func:`~.trials.trial_steps`) run unpinned,
+then as many pinned, one more left out while the threads move, and the placement whose median step
+was shorter is kept (:class:`~.trials.PinTrial`).
 
 **Calibration.** A profile taken layer by layer misses what the run adds to each micro-batch (the
 executor's own time, messages, the other processes computing at the same time), and a kept profile
@@ -16,25 +16,15 @@ as warm-up), or after the pinning trial, the stage costs the run measured
 (:meth:`~lightning_pipe.runtime.PipelineExecutor.measured_costs`) give ``scale × profile + fixed``
 per forward and backward (the rate of their compute against the profile's, and the executor's own
 time per action: :func:`~lightning_pipe.cost.calibrated.separated`), the step's time beyond its
-simulated actions is measured, and every candidate is priced again. The predictions transfer imperfectly from one
-family to another (on 2 CPU processes a replicated model's actions ran 1.8x its profile, a
-pipeline's far less: ``bench/auto_plan.py``), so the decision is measured: up to :data:`TRIALS`
-other configurations, the best priced of each family predicted faster or no more than
-:data:`TRIAL_MARGIN` slower than the one running (:func:`trial_candidates`), are tried one after the
-other for :func:`trial_steps` steps each (after :data:`WARM_UP` steps that build and warm the
-pipeline); after each, the places left are filled again, every candidate priced with what the
-trial closest to it measured (:func:`closest_calibration`). The run goes on with the one whose
-median step was shortest, the one that ran first included; where the two fastest came within
-:data:`CONFIRM_WITHIN` of each other, both are measured once more in the other order (the
-machine's drift then weighs on both alike) and the mean of each one's two medians decides. The
-configuration the run goes on with is then predicted (``planned_step_seconds``) with what its own
-trial's steps measured beyond the profile, not with the calibration of the one that ran first: on 2
-CPU processes an MLP's calibration taken running one family priced the steps of the configuration it
-went on with 43-92% long (``bench/auto_plan.py --pairs``). A switch finishes the steps in flight (a
-drain), gathers the model's weights and every parameter's optimizer state by name, rebuilds the
-pipeline on the new split and schedule, and gives each rank back its stages' weights and states, as
-a resume on another split does. A synchronous run that switches, and back, ends with plain
-Lightning's parameters (``tests/test_strategy_auto.py``).
+simulated actions is measured, and every candidate is priced again. The others worth it are then
+tried (:mod:`.trials`: which, for how long, and which won), and the run goes on with the fastest as
+measured. Its step is then predicted (``planned_step_seconds``) with what its own trial measured
+beyond the profile: an MLP's calibration taken on another family priced it 43-92% long
+(``bench/auto_plan.py --pairs``). A switch finishes the steps in flight (a drain), gathers the
+model's weights and every parameter's optimizer state by name, rebuilds the pipeline on the new split
+and schedule, and gives each rank back its stages' weights and states, as a resume on another split
+does. A synchronous run that switches, and back, ends with plain Lightning's parameters
+(``tests/test_strategy_auto.py``).
 
 :class:`PipelineCalibration` holds these as methods of :class:`~lightning_pipe.strategy.PipelineStrategy`
 (one of the parts the strategy's class is assembled from, each a module of its own).
@@ -49,231 +39,40 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_pipe.auto import DELAYED_FAMILIES, Candidate, ranking_table, search
-from lightning_pipe.cost.calibrated import (
-    REPLICATING_FAMILIES,
-    Calibration,
-    calibration,
-    closest_kept,
-    family_kind,
-    separated,
-)
+from lightning_pipe.auto import Candidate, ranking_table, search
+from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, Calibration, calibration, separated
 from lightning_pipe.cost.profile_cache import forget_profile, profile_disagrees
-from lightning_pipe.errors import PlanningError
 from lightning_pipe.planning import StagePlan
 from lightning_pipe.runtime.affinity import pin_threads, place_threads
 from lightning_pipe.schedule import StageCosts
 from lightning_pipe.strategy.after_fit import fill
-from lightning_pipe.strategy.choosing import AUTO, SHOWN, Chosen
-from lightning_pipe.strategy.step_prices import actions, measured_calibration, run_shape
+from lightning_pipe.strategy.choosing import SHOWN, Chosen
+from lightning_pipe.strategy.step_prices import actions, measured_calibration
+from lightning_pipe.strategy.trials import (
+    CONFIRM_WITHIN,
+    PIN_STEPS,
+    TRIALS,
+    WARM_UP,
+    PinTrial,
+    Trial,
+    Trials,
+    closest_calibration,
+    configuration,
+    trial_candidates,
+    trial_steps,
+)
 from lightning_pipe.util.units import format_seconds
 
-__all__ = [
-    "CALIBRATE_AFTER",
-    "CONFIRM_WITHIN",
-    "KEPT_AFTER",
-    "MAX_TRIAL_STEPS",
-    "OWN_TIME_SHARE",
-    "PIN_STEPS",
-    "SETTLED_BY",
-    "SWITCH_GAIN",
-    "TRIALS",
-    "TRIAL_MARGIN",
-    "TRIAL_SECONDS",
-    "TRIAL_STEPS",
-    "PinTrial",
-    "PipelineCalibration",
-    "Trial",
-    "Trials",
-    "closest_calibration",
-    "stale_profile_rate",
-    "trial_candidates",
-    "trial_kind",
-    "trial_steps",
-]
+__all__ = ["CALIBRATE_AFTER", "KEPT_AFTER", "OWN_TIME_SHARE", "PipelineCalibration", "stale_profile_rate"]
 
 CALIBRATE_AFTER = 8
 """Steps run before the in-run costs re-rank the candidates (steps 3-7 measured)."""
-WARM_UP = 3
-"""Steps left out of the in-run costs, and of a trial's: a fit's first steps, and the steps after a
-rebuild, run slower than the settled ones (the trials' medians against the same configurations'
-settled steps: ``bench/auto_plan.py``)."""
-SWITCH_GAIN = 0.05
-"""How much faster (predicted) another configuration of the running family must be to be tried."""
-PIN_STEPS = 5
-"""Steps run pinned in the pinning trial at least (the first left out; the last's time is not known yet)."""
-TRIAL_MARGIN = 0.15
-"""A configuration predicted at most this much slower than the one running is tried: the calibrated
-predictions of another family were off by up to 25% (``bench/auto_plan.py``), the measurement is not."""
-TRIAL_STEPS = 4
-"""Steps a configuration is tried for at least (after the :data:`WARM_UP` steps that build and warm it)."""
-TRIAL_SECONDS = 0.25
-"""Seconds a trial, and each side of the pinning trial, lasts at least (:func:`trial_steps`)."""
-MAX_TRIAL_STEPS = 16
-"""Steps a configuration is tried for at most."""
 KEPT_AFTER = 4
 """Settled steps (after :data:`WARM_UP`) a fit needs to keep its calibration for the next fit."""
-TRIALS = 3
-"""Other configurations tried at most, one per family: the calibrated predictions of the families
-were off from each other by more than the differences between them (``bench/auto_plan.py``)."""
-SETTLED_BY = WARM_UP + 2 * MAX_TRIAL_STEPS + 2 + (TRIALS + 2) * (WARM_UP + MAX_TRIAL_STEPS + 1)
-"""The most steps a fit takes to settle on its configuration: the pinning trial at its longest, every
-trial, and the closest two measured again."""
-CONFIRM_WITHIN = 0.10
-"""The two fastest trials closer than this are measured once more each, in the other order, and
-decided by the mean of their two medians: a trial measured early and one measured late differ by the
-machine's drift as well (on 2 shared CPU cores GPT-2's pick, ``ddp`` on 2 micro-batches, measured
-150 ms in its trial and ran 179 ms settled, where the best configuration of the grid ran 147 ms:
-``bench/auto_plan.py``)."""
-
-
-@dataclass(frozen=True)
-class Trial:
-    """A configuration tried after calibration (the one running then first): its plan and options,
-    its label, and once measured its median step and what its steps measured beyond the profile
-    (``calibration``; rank 0's, ``None`` where not priced)."""
-
-    stage_plan: StagePlan
-    chosen: Chosen
-    label: str
-    seconds: float | None = None
-    calibration: Calibration | None = None
-
-
-def _configuration(trial: Trial) -> tuple[object, ...]:
-    """What a trial runs: its split, replicas, schedule and recomputing stages."""
-    return trial.stage_plan.bounds, trial.stage_plan.replicas, trial.chosen
-
-
-@dataclass
-class Trials:
-    """The trials of a run: those measured (the one running first, then each tried; a configuration
-    measured again appears again) and those to try; ``confirmed`` once the closest two were measured
-    again (:meth:`again`)."""
-
-    measured: list[Trial]
-    waiting: list[Trial]
-    confirmed: bool = False
-    steps: int = TRIAL_STEPS
-
-    def _means(self) -> dict[tuple[object, ...], tuple[float, Trial]]:
-        """Each configuration's mean over its measured medians, with its first trial."""
-        found: dict[tuple[object, ...], list[Trial]] = {}
-        for trial in self.measured:
-            found.setdefault(_configuration(trial), []).append(trial)
-        return {
-            key: (statistics.fmean(t.seconds if t.seconds is not None else math.inf for t in trials), trials[0])
-            for key, trials in found.items()
-        }
-
-    def best(self) -> Trial:
-        """The configuration with the shortest step: its medians' mean, where it was measured twice."""
-        return min(self._means().values(), key=lambda pair: pair[0])[1]
-
-    def seconds_of(self, trial: Trial) -> float:
-        """``trial``'s configuration's mean median step."""
-        return self._means()[_configuration(trial)][0]
-
-    def calibration_of(self, trial: Trial) -> Calibration | None:
-        """What ``trial``'s configuration measured beyond the profile when it last ran."""
-        found = [t.calibration for t in self.measured if _configuration(t) == _configuration(trial)]
-        return next((c for c in reversed(found) if c is not None), None)
-
-    def again(self) -> list[Trial]:
-        """Once, after the first pass: the two fastest configurations when they are within
-        :data:`CONFIRM_WITHIN` of each other, to be measured again in the other order (the one
-        measured last first: it may be running already); none otherwise."""
-        if self.confirmed:
-            return []
-        self.confirmed = True
-        ranked = sorted(self._means().items(), key=lambda item: item[1][0])
-        if len(ranked) < 2 or ranked[1][1][0] > ranked[0][1][0] * (1 + CONFIRM_WITHIN):
-            return []
-        order = {_configuration(t): i for i, t in enumerate(self.measured)}  # the last measurement of each
-        pair = sorted((key for key, _ in ranked[:2]), key=order.__getitem__, reverse=True)
-        firsts = {key: trial for key, (_, trial) in ranked[:2]}
-        return [dataclasses.replace(firsts[key], seconds=None) for key in pair]
-
-
-def trial_kind(family: object) -> tuple[bool, ...]:
-    """What a trial's calibration prices reliably: the families of its kind (:func:`family_kind`)
-    that flush as it does, or not: where the time beyond the actions goes depends on it (an MLP's 2BW
-    steps measured 0.68x its 1F1B's, which one calibration priced alike: :class:`Calibration`)."""
-    return (*family_kind(family), family not in DELAYED_FAMILIES)
-
-
-def trial_candidates(
-    ranked: Sequence[Candidate],
-    fastest: float,
-    seconds: Callable[[Candidate], float],
-    measured: Sequence[tuple[str, int]],
-    places: int,
-) -> list[Candidate]:
-    """The configurations to try next, best first by ``seconds`` (each one's calibrated prediction;
-    ``ranked`` sorted by it), against ``fastest`` (the shortest step measured so far), after the
-    configurations ``measured`` (family and micro-batch count each, the one running first):
-
-    - one per family, ``places`` at most;
-    - of a family that ran, or of a kind (:func:`trial_kind`) that ran on as many micro-batches, only
-      when predicted :data:`SWITCH_GAIN` faster: a run of its kind priced it (an MLP's 1F1B-RR priced
-      from its ``ddp`` run came out 5% long, its pipelines priced from that run about 90% long);
-    - any other when predicted no more than :data:`TRIAL_MARGIN` slower: a calibration measured on
-      another kind prices it up to 25% off (``bench/auto_plan.py``);
-    - where none of the families that flush, or of those that do not, ran or made the margin, the
-      best of that kind takes the last place: the two kinds' predictions differ most in what they
-      leave out (the time beyond the actions overlaps the others' compute only without a flush; an
-      MLP's best family was once left out, 0.91 of the best: ``bench/auto_plan.py``)."""
-    families = {family for family, _ in measured}
-    alike = {(trial_kind(family), m) for family, m in measured}
-    chosen: list[Candidate] = []
-    for candidate in ranked:
-        if len(chosen) >= places or seconds(candidate) > fastest * (1 + TRIAL_MARGIN):
-            break
-        known = candidate.family in families or (trial_kind(candidate.family), candidate.microbatches) in alike
-        faster = seconds(candidate) <= fastest * (1 - SWITCH_GAIN)
-        if (faster or not known) and candidate.family not in families | {c.family for c in chosen}:
-            chosen.append(candidate)
-    kinds = {family not in DELAYED_FAMILIES for family in families} | {c.flushes for c in chosen}
-    other = next((c for c in ranked if c.flushes not in kinds), None)
-    if other is not None and places > 0:
-        chosen = [*chosen[: places - 1], other]
-    return chosen
-
-
-def closest_calibration(measured: Sequence[Trial], family: str, microbatches: int, batch_rows: int) -> Calibration:
-    """The calibration of the ``measured`` trial closest to ``family`` on ``microbatches`` of
-    ``batch_rows`` by the rule kept calibrations are looked up by (:func:`closest_kept`, with
-    :func:`trial_kind`; the last measured among equals), trials without one passed over.
-
-    Raises:
-        PlanningError: none of them has a calibration."""
-    known = [t for t in measured if t.calibration is not None]
-    if not known:
-        raise PlanningError("no trial measured a calibration to price the configurations with")
-    shapes = [run_shape(t.chosen.schedule.family, batch_rows, t.chosen.schedule.microbatches or 1, None) for t in known]
-    entries: list[dict[str, object]] = [{"family": shape.family, "rows": shape.rows} for shape in shapes]
-    found = closest_kept(entries, run_shape(family, batch_rows, microbatches, None), trial_kind)
-    calibration = next(t.calibration for t, entry in zip(known, entries, strict=True) if entry is found)
-    assert calibration is not None
-    return calibration
-
-
-def trial_steps(step_seconds: float) -> int:
-    """Steps each configuration is tried for at a pace of ``step_seconds``: :data:`TRIAL_STEPS`, or as
-    many as fill :data:`TRIAL_SECONDS`, :data:`MAX_TRIAL_STEPS` at most. A median of four steps of a
-    few ms moves with the machine's jitter (an MLP's 2BW on 2 micro-batches measured 4.4 ms in one
-    trial, 6.3 ms in another: ``bench/auto_plan.py``); such steps cost little beside a rebuild."""
-    if not step_seconds > 0:
-        return TRIAL_STEPS
-    return max(TRIAL_STEPS, min(MAX_TRIAL_STEPS, math.ceil(TRIAL_SECONDS / step_seconds)))
-
-
 OWN_TIME_SHARE = 0.5
 """The share of the actions' time beyond which the runtime's own hides their rate (:func:`stale_profile_rate`)."""
 
@@ -294,24 +93,6 @@ def stale_profile_rate(profiled: Sequence[float], measured: Sequence[float]) -> 
 def _intervals(starts: Sequence[float]) -> list[float]:
     """The seconds of each step whose start and next start are known."""
     return [b - a for a, b in itertools.pairwise(starts)]
-
-
-@dataclass
-class PinTrial:
-    """``pin_cpus="auto"``: steps run unpinned, their median, the first pinned, how many pinned, the decision."""
-
-    unpinned_steps: int | None = None
-    start: int | None = None
-    unpinned: float | None = None
-    steps: int = PIN_STEPS
-    pinned: bool | None = None
-
-    @classmethod
-    def of(cls, pin_cpus: object, device: torch.device) -> PinTrial | None:
-        """A trial for ``pin_cpus="auto"`` on a CPU device of a system that places threads (Linux)."""
-        if pin_cpus != AUTO or device.type != "cpu" or not hasattr(os, "sched_setaffinity"):
-            return None
-        return cls()
 
 
 class PipelineCalibration:
@@ -479,18 +260,18 @@ class PipelineCalibration:
         if trials.waiting:
             following = trials.waiting.pop(0)
             trials.measured.append(following)
-            if _configuration(following) == _configuration(trying):  # running already: measure on
+            if configuration(following) == configuration(trying):  # running already: measure on
                 self._restart_steps()
             else:
                 self._switch(following.stage_plan, following.chosen)
             return
         best = trials.best()
-        twice = sum(_configuration(t) == _configuration(best) for t in trials.measured) > 1
+        twice = sum(configuration(t) == configuration(best) for t in trials.measured) > 1
         rank_zero_info(
             f"Tried for {trials.steps} steps each (medians): {self._tried(trials)}; going on with {best.label}"
             + (f" ({format_seconds(trials.seconds_of(best))}, the mean of its two)" if twice else "")
         )
-        if _configuration(best) != _configuration(trials.measured[-1]):
+        if configuration(best) != configuration(trials.measured[-1]):
             self._switch(best.stage_plan, best.chosen, trials.calibration_of(best))
         else:
             self._predict_running(trials.calibration_of(best))
@@ -523,6 +304,17 @@ class PipelineCalibration:
         if self._cores_before is not None:
             place_threads(self._cores_before)
             self._cores_before = None
+
+    @property
+    def settled(self) -> bool:
+        """Whether the configuration running is the one the fit goes on with: no pinning trial
+        (``pin_cpus="auto"``), calibration or trial (``schedule="auto"``) to come. The same on every
+        rank at every step (the decisions are rank 0's, broadcast); ``settled_step`` steps ran before
+        the configuration was built (a timing callback starts :data:`WARM_UP` steps later)."""
+        pin, trials = self._pin_trial, self.trials
+        if (pin is not None and pin.pinned is None) or not self._calibrated:
+            return False
+        return trials is None or (not trials.waiting and trials.measured[-1].seconds is not None)
 
     def _pinned(self) -> bool | None:
         """Whether each process's threads run pinned to cores of their own: ``None`` while

@@ -83,6 +83,7 @@ from lightning_pipe.capture.compiled import (
     set_aside_calls,
     settings_of,
 )
+from lightning_pipe.cost.calibrated import Calibration
 from lightning_pipe.cost.profile_cache import profile_directory
 from lightning_pipe.errors import PlanningError, check_whole
 from lightning_pipe.planning import (
@@ -106,7 +107,7 @@ from lightning_pipe.strategy.arguments import (
     parse_option,
 )
 from lightning_pipe.strategy.building import PipelineBuilding
-from lightning_pipe.strategy.calibrating import Calibration, PinTrial, PipelineCalibration, Trials
+from lightning_pipe.strategy.calibrating import PipelineCalibration
 from lightning_pipe.strategy.checkpointing import CheckpointHooks
 from lightning_pipe.strategy.choosing import AUTO, AutoOptions, PipelineChoosing
 from lightning_pipe.strategy.collectives import Collectives, close_process_groups, open_strategy_groups
@@ -128,6 +129,7 @@ from lightning_pipe.strategy.signals import Signals
 from lightning_pipe.strategy.step_prices import StepPrices
 from lightning_pipe.strategy.topology import Topology, TopologyHooks
 from lightning_pipe.strategy.training import TrainingHooks, reads_step_outputs
+from lightning_pipe.strategy.trials import PinTrial, Trials
 from lightning_pipe.util.units import parse_bandwidth, parse_bytes
 
 __all__ = ["PipelineStrategy"]
@@ -400,8 +402,7 @@ class PipelineStrategy(
         self.ring_bytes = 0  # this rank's shared-memory rings (resident from the start: part of predicted_memory)
         self._step_seconds: list[float] = []  # each training step's executor.step, in seconds
         self._step_starts: list[float] = []  # when each training step began (time.perf_counter)
-        # the last set-up's seconds by phase on this rank (printed by rank 0): capture, verify, profile, plan (rank
-        # 0's partition and prediction; elsewhere the wait for them), executor (the rest) and their total
+        # this rank's last set-up, seconds per phase: capture, verify, profile, plan (or its wait), executor, total
         self.setup_seconds: dict[str, float] = {}
         self._posted: Any = None
         self._log_relay: LogRelay | None = None  # opened in setup_environment, closed at teardown
@@ -472,8 +473,7 @@ class PipelineStrategy(
         atexit.register(close_process_groups)
         self._place_threads()  # pin_cpus (.calibrating)
         self._set_up_heap()
-        # pickled objects on the CPU: every rank's (states), each pipeline's (logs); the ranks at the
-        # same position of every pipeline (reductions of logged values)
+        # pickled objects on the CPU: every rank's states, each pipeline's logs, reductions of logged values
         self._objects = dist.new_group(backend="gloo", timeout=self._timeout)
         ring = RING_BYTES if self.shared_memory_bytes is None else min(RING_BYTES, self.shared_memory_bytes)
         self._log_relay = open_log_relay(
