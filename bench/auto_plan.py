@@ -12,11 +12,14 @@ configuration of the grid — schedule family × micro-batches ``m`` × pinning 
 ``PipelineStrategy(family, microbatches=m, pin_cpus=...)``, and once with ``PipelineStrategy("auto",
 rule="delayed", pin_cpus="auto")``: the pick (every family may be chosen, each with its own rule; the
 pinning tried during the run). Each configuration of the grid runs ``--warmup`` steps and then
-``--steps`` timed ones (the wall time between rank 0's ``on_train_batch_end`` calls; a non-flushing
-schedule's last batch drains and is left out). The pick is timed once it has settled: after its
-pinning trial, calibration and the configurations it tried (:mod:`lightning_pipe.strategy.calibrating`),
-from two steps after it built the one it went on with, as a long run spends nearly all its steps
-there; the ``settled`` column says how many steps that took (what the trials cost is theirs).
+as many timed ones as fill ``--seconds`` at its pace, ``--steps`` at least (the wall time between rank
+0's ``on_train_batch_end`` calls; a non-flushing schedule's last batch drains and is left out; the pace
+is the configuration's step in the rounds before, else the step of the fit run before it: a median of
+six steps of a few milliseconds moves with the machine's jitter). The pick is timed once it has
+settled: after its pinning trial, calibration and the configurations it tried
+(:mod:`lightning_pipe.strategy.calibrating`), from :data:`WARM_UP` steps after it built the one it went
+on with, as a long run spends nearly all its steps there; the ``settled`` column says how many steps
+that took (what the trials cost is theirs).
 ``--rounds`` rounds each run every configuration and
 the pick one after the other in the same pair of processes, so a round's figures share one state of
 the machine.
@@ -52,7 +55,8 @@ measuring the grid, chosen on the other rounds and timed in the same round as th
 
 ``--pairs N`` then measures the pick against the grid's best configuration (the fastest over the rounds)
 ``N`` times more, in pairs run back to back in one pair of processes — best then pick, then pick then
-best, alternately — each timed over ``--pair-steps`` steps, and gives the median of the pairs' ratios:
+best, alternately — each timed over ``--seconds``, ``--pair-steps`` steps at least, and gives the
+median of the pairs' ratios:
 the machine drifts 15-26% over one fit here (``bench/step_drift.py``), so a ratio of two trainings run
 seconds apart is what it moves least. Each of the pick's trainings searches anew, so the pairs also
 show how often it chooses which configuration. ``--against NAME`` leaves the grid out and pairs the
@@ -67,6 +71,7 @@ import argparse
 import itertools
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -80,23 +85,20 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/user_modules.py: the transformers
 
-from trainer_runs import Classifier, timed_trainer
+from trainer_runs import Classifier, StepTimes, timed_trainer
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
-from lightning_pipe.strategy.calibrating import MAX_TRIAL_STEPS, SETTLED_BY, WARM_UP
+from lightning_pipe.strategy.trials import SETTLED_BY, WARM_UP
 from lightning_pipe.zoo.models import build_chain
 
 FAMILIES = ("gpipe", "1f1b", "zb_h1", "interleaved", "ddp", "2bw", "cdp")
 PICK = "auto"
-PICK_WARMUP = SETTLED_BY + WARM_UP + MAX_TRIAL_STEPS + 1
-"""Steps the pick may take to settle: the pinning trial, calibration, every trial, the closest two
-measured again, and the switch to the fastest (its steps are timed from :data:`WARM_UP` steps after it
-settled, at the earliest here)."""
 
 
 @dataclass(frozen=True)
@@ -167,24 +169,73 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warmup: int) -> list[dict[str, Any]]:
+class _Cycled(Dataset):
+    """``batches`` batches of ``rows`` samples, cycling through a pool of 8 batches' worth: as long as a
+    fit may need, in the memory of 8 batches."""
+
+    def __init__(self, entry: Model, batches: int) -> None:
+        self.pool = entry.data(entry.rows * 8)
+        self.length = entry.rows * batches
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return tuple(tensor[index % len(tensor)] for tensor in self.pool)
+
+
+class _Stop(L.Callback):
+    """Ends the fit once ``steps`` steps are timed from ``warmup`` steps on, and from :data:`WARM_UP`
+    steps after the configuration the strategy went on with was built, and one more (a non-flushing
+    schedule's last batch drains and is left out). Every rank stops at the same step."""
+
+    def __init__(self, strategy: PipelineStrategy, timer: StepTimes, warmup: int, steps: int) -> None:
+        self.strategy, self.timer, self.warmup, self.steps = strategy, timer, warmup, steps
+        self.start: int | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.start is None and self.strategy.settled:
+            self.start = max(self.warmup, self.strategy.settled_step + WARM_UP)
+        if self.start is not None and len(self.timer.ends) >= self.start + self.steps + 2:
+            trainer.should_stop = True
+
+
+def _timed_steps(steps: int, seconds: float, pace: float | None) -> int:
+    """``steps`` at least, and as many as fill ``seconds`` at ``pace`` seconds a step (where known)."""
+    return steps if pace is None else max(steps, math.ceil(seconds / pace))
+
+
+def _fits(
+    rank: int, model: str, configs: list[dict[str, Any]], paces: list[float | None], args: argparse.Namespace
+) -> list[dict[str, Any]]:
     """Worker: one training per configuration, one after the other in this pair of processes; rank 0's
-    timed steps, the printed prediction, the calibrated one and the configuration that ran."""
+    timed steps, the printed prediction, the calibrated one and the configuration that ran. Each is
+    timed for ``args.steps`` steps at least and ``args.seconds`` at its pace in ``paces`` (a step's
+    seconds measured before), else at the pace of the fit before (rank 0's, broadcast between fits)."""
     os.environ["LOCAL_RANK"] = str(rank)
     _quiet()
     entry = MODELS[model]
-    found = []
-    for config in configs:
-        first = PICK_WARMUP if config["schedule"] == PICK else warmup
-        data = TensorDataset(*entry.data(entry.rows * (first + WARM_UP + steps + 2)))
+    found: list[dict[str, Any]] = []
+    for config, pace in zip(configs, paces, strict=True):
+        if pace is None and found:
+            pace = found[-1]["step"]
+            if rank != 0:  # each rank its own clock: every rank must time as many steps
+                pace = None
+            shared = [pace]
+            dist.broadcast_object_list(shared, src=0)  # between fits: no step in flight
+            pace = shared[0]
+        steps = _timed_steps(args.steps, args.seconds, pace)
+        first = SETTLED_BY if config["schedule"] == PICK else args.warmup  # the pick's: the most it may take
         strategy = PipelineStrategy(**config, start_method="popen")
         trainer, timer = timed_trainer(strategy, "auto_plan_")
+        stop = _Stop(strategy, timer, args.warmup, steps)
+        trainer.callbacks.append(stop)
+        data = _Cycled(entry, first + WARM_UP + steps + 2)
         trainer.fit(entry.build(), DataLoader(data, batch_size=entry.rows, drop_last=True))
-        start = max(first, strategy.settled_step + WARM_UP)  # the configuration it went on with, warm
-        timed = timer.ends[start : start + steps + 1]
-        if len(timed) < steps + 1 or start + steps + 1 >= len(timer.ends):  # the last batch drains: left out
+        start = stop.start
+        if start is None or start + steps + 1 >= len(timer.ends):  # the last batch drains: left out
             raise RuntimeError(f"{config}: settled at step {strategy.settled_step}, too late for {steps} timed steps")
-        intervals = [b - a for a, b in itertools.pairwise(timed)]
+        intervals = [b - a for a, b in itertools.pairwise(timer.ends[start : start + steps + 1])]
         trial = strategy._pin_trial
         calibration = strategy.calibration
         priced = [] if calibration is None else strategy.candidates
@@ -193,6 +244,7 @@ def _fits(rank: int, model: str, configs: list[dict[str, Any]], steps: int, warm
         found.append(
             {
                 "step": statistics.median(intervals),
+                "timed": steps,
                 "predicted": strategy.planned_step_seconds,
                 "calibrated": strategy.calibrated_step_seconds,
                 "label": label,
@@ -245,7 +297,8 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, dict[str, Any]]] = []
     for index in range(args.rounds):
         order = configs[index % len(configs) :] + configs[: index % len(configs)]  # rotated: no fixed neighbours
-        results = run_local(_fits, 2, model, [c for _, c in order], args.steps, args.warmup, timeout=args.timeout)[0]
+        paces = [statistics.median(r[name]["step"] for r in rounds) if rounds else None for name, _ in order]
+        results = run_local(_fits, 2, model, [c for _, c in order], paces, args, timeout=args.timeout)[0]
         rounds.append({name: result for (name, _), result in zip(order, results, strict=True)})
     table = []
     for name, _ in configs:
@@ -287,14 +340,18 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def measure_pairs(model: str, best: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure_pairs(
+    model: str, best: str, args: argparse.Namespace, measured: dict[str, float] | None = None
+) -> dict[str, Any]:
     """The pick against the grid's ``best`` configuration in ``args.pairs`` pairs run back to back,
-    the order alternating; the median of the pairs' ratios (best's step over the pick's)."""
+    the order alternating; the median of the pairs' ratios (best's step over the pick's). Each is
+    timed for ``args.pair_steps`` steps at least and ``args.seconds`` at its step in the grid
+    (``measured``, by name), else at the pace of the fit before."""
     configs = dict(_configs(args.families, args.microbatches, not args.no_pinning))
     order = [name for index in range(args.pairs) for name in ((best, PICK) if index % 2 == 0 else (PICK, best))]
-    results = run_local(
-        _fits, 2, model, [configs[name] for name in order], args.pair_steps, args.warmup, timeout=args.timeout
-    )[0]
+    paces = [(measured or {}).get(name) for name in order]
+    paired = argparse.Namespace(**{**vars(args), "steps": args.pair_steps})
+    results = run_local(_fits, 2, model, [configs[name] for name in order], paces, paired, timeout=args.timeout)[0]
     pairs = [dict(zip(order[i : i + 2], results[i : i + 2], strict=True)) for i in range(0, len(order), 2)]
     ratios = [pair[best]["step"] / pair[PICK]["step"] for pair in pairs]
     return {
@@ -419,11 +476,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--no-pinning", action="store_true", help="the grid and the pick unpinned only")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per training")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per training, at least")
+    parser.add_argument(
+        "--seconds", type=float, default=0.5, help="timed seconds per training, at least (at its pace measured before)"
+    )
     parser.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (the pick: until settled)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=0, help="then the pick and the grid's best, paired")
-    parser.add_argument("--pair-steps", type=int, default=12, help="timed steps per training of a pair")
+    parser.add_argument("--pair-steps", type=int, default=12, help="timed steps per training of a pair, at least")
     parser.add_argument(
         "--against", help="no grid: the pick paired with this configuration of it (e.g. 'cdp m=2 pinned')"
     )
@@ -454,7 +514,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.pairs:
                 grid = [row for row in result["table"] if row["configuration"] != PICK]
                 best = min(grid, key=lambda row: row["measured_step"])["configuration"]
-                result["pairs"] = measure_pairs(model, best, args)
+                steps = {row["configuration"]: row["measured_step"] for row in result["table"]}
+                result["pairs"] = measure_pairs(model, best, args, steps)
         result["seconds"] = time.perf_counter() - start
         results.append(result)
     _print_summary([result for result in results if "table" in result])

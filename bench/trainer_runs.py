@@ -3,8 +3,10 @@ step clock, and a quiet Trainer on 2 CPU processes (imported by the scripts besi
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
+from multiprocessing import util
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,9 @@ def quiet_trainer(root: str | Path, callbacks: list[L.Callback], **options: Any)
 
 def timed_trainer(strategy: Any, prefix: str, **options: Any) -> tuple[L.Trainer, StepTimes]:
     """A quiet Trainer (:func:`quiet_trainer`) on 2 CPU devices, its steps clocked; the pipeline's
-    end-of-fit report goes to a new directory named ``prefix...``."""
+    end-of-fit report goes to a new directory named ``prefix...``, removed when the process exits."""
     timer = StepTimes()
     root = tempfile.mkdtemp(prefix=prefix)
+    # a worker of run_local ends through os._exit: multiprocessing's finalizers run there, atexit's do not
+    util.Finalize(None, shutil.rmtree, args=(root,), kwargs={"ignore_errors": True}, exitpriority=0)
     return quiet_trainer(root, [timer], accelerator="cpu", devices=2, strategy=strategy, **options), timer
