@@ -70,8 +70,9 @@ TRIAL_SECONDS = 0.25
 """Seconds a trial, and each side of the pinning trial, lasts at least (:func:`trial_steps`)."""
 MAX_TRIAL_STEPS = 64
 """Steps a configuration is tried for at most: steps of 4 ms and longer fill :data:`TRIAL_SECONDS`
-(with 16 at most, an MLP's steps of 3-7 ms on 2 CPU processes were tried for 50-110 ms, where the
-medians of 25 steps of one configuration ranged over 6.8-7.3 ms in one fit: ``bench/auto_plan.py``)."""
+(with 16 at most, ``bench/auto_plan.py``'s MLP, steps of 3-7 ms on 2 CPU processes, was tried for
+50-110 ms; its steps spread 15-20% about their median, and the medians of 25 steps of one fixed
+configuration ranged over 6.8-7.3 ms in one fit of 300 steps, 2026-11-29)."""
 TRIALS = 3
 """Other configurations tried at most, one per family: the calibrated predictions of the families
 were off from each other by more than the differences between them (``bench/auto_plan.py``)."""
