@@ -1,6 +1,7 @@
 """A fit stopped between the ends of its epoch (``trainer.should_stop``, as ``EarlyStopping`` and
-users' callbacks set it) ends on every rank at the same step under every delayed schedule, a tied
-weight's gradient sum owed by a step still in flight included."""
+users' callbacks set it), or validated there (``val_check_interval``), goes on or ends on every rank
+at the same step under every delayed schedule, a tied weight's gradient sum owed by a step still in
+flight included."""
 
 from __future__ import annotations
 
@@ -35,16 +36,22 @@ class _StopAt(L.Callback):
             trainer.should_stop = True
 
 
-def _worker(rank: int, root: str, families: list[str]) -> list[int]:
+def _tokens(batches: int) -> DataLoader:
+    tokens = torch.randint(0, 64, (8 * batches, 17), generator=torch.Generator().manual_seed(1))
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+
+
+def _worker(rank: int, root: str, families: list[str], validate_every: int | None) -> list[int]:
+    """Each family's fit of the GPT: stopped after :data:`STOP_AT` batches, or run whole and
+    validated every ``validate_every`` batches; the batches each ran."""
     os.environ["LOCAL_RANK"] = str(rank)
     ran = []
     for family in families:
         torch.manual_seed(0)
-        tokens = torch.randint(0, 64, (8 * BATCHES, 17), generator=torch.Generator().manual_seed(1))
-        data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
         strategy = PipelineStrategy(family, microbatches=2, profile_cache=False, timeout=timedelta(seconds=30))
-        stop = _StopAt(STOP_AT)
-        trainer(Path(root) / family, strategy, 2, callbacks=[stop]).fit(GPTModule(), data)
+        stop = _StopAt(STOP_AT if validate_every is None else BATCHES)
+        run = trainer(Path(root) / family, strategy, 2, callbacks=[stop], val_check_interval=validate_every)
+        run.fit(GPTModule(), _tokens(BATCHES), _tokens(2) if validate_every else None)
         ran.append(stop.ran)
     return ran
 
@@ -58,9 +65,24 @@ def test_a_fit_stopped_mid_epoch_ends_on_every_rank_with_tied_weights(tmp_path: 
     when the logs were awaited first). A delayed schedule logs each step's loss with the next step;
     the last one's comes in the drain, where Lightning takes no more logs: 4 of the 5 are logged."""
     families = ["cdp", "pipedream", "2bw"]
-    results = run_local(_worker, 2, str(tmp_path), families, timeout=200)
+    results = run_local(_worker, 2, str(tmp_path), families, None, timeout=200)
     assert results == [[STOP_AT] * len(families)] * 2
     for family in families:
         with open(tmp_path / family / "metrics.csv") as rows:
             steps = [int(row["step"]) for row in csv.DictReader(rows) if row.get("train_loss")]
         assert steps == list(range(1, STOP_AT)), family
+
+
+@pytest.mark.timeout(240)
+def test_a_fit_validated_mid_epoch_goes_on_on_every_rank_with_tied_weights(tmp_path: Path) -> None:
+    """The same GPT under CDP and PipeDream, validated after batches 5 and 10 of 12
+    (``val_check_interval=5``) and at the epoch's end: validation drains the steps in flight first,
+    as the end of a fit does, and every rank runs all 12 batches and logs the three validations (both
+    hung until the timeout at the first validation when the logs were awaited before the drain)."""
+    families = ["cdp", "pipedream"]
+    results = run_local(_worker, 2, str(tmp_path), families, 5, timeout=200)
+    assert results == [[BATCHES] * len(families)] * 2
+    for family in families:
+        with open(tmp_path / family / "metrics.csv") as rows:
+            validated = [int(row["step"]) for row in csv.DictReader(rows) if row.get("val_loss")]
+        assert len(validated) == 3, family
