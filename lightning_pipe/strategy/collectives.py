@@ -66,10 +66,22 @@ class Collectives:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(group)
 
+    def _between_steps(self) -> None:
+        """Before a collective of every rank that Lightning or a callback makes between steps
+        (``ModelCheckpoint``, ``EarlyStopping``, ``Timer``): finish the steps in flight where this
+        pipeline sums a tied weight's gradients across ranks. A rank may still be inside its last
+        call, in that sum, which the others make only in their next call: a collective now would
+        wait for it, and it for them (CDP and PipeDream on a GPT saving a checkpoint mid-epoch hung
+        so). Without ties across ranks the calls hold no collective and keep running on."""
+        executor = self.executor
+        if executor is not None and executor.calls and any(tie.group is not None for tie in executor.ties):
+            self.drain()
+
     def barrier(self, name: str | None = None) -> None:
         """Lightning's barrier; a rank that failed meanwhile is named (its error raised here)."""
         if not (dist.is_available() and dist.is_initialized()):
             return
+        self._between_steps()
         try:
             dist.barrier()
         except RuntimeError as error:
@@ -80,6 +92,7 @@ class Collectives:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
             return obj
+        self._between_steps()
         box = [obj]
         try:
             dist.broadcast_object_list(box, src)
@@ -107,6 +120,7 @@ class Collectives:
         (``all``) or any."""
         if not (dist.is_available() and dist.is_initialized()):
             return decision
+        self._between_steps()
         votes = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(votes)
         return bool(votes == self.world_size) if all else bool(votes)
