@@ -217,11 +217,8 @@ def _fits(
     entry = MODELS[model]
     found: list[dict[str, Any]] = []
     for config, pace in zip(configs, paces, strict=True):
-        if pace is None and found:
-            pace = found[-1]["step"]
-            if rank != 0:  # each rank its own clock: every rank must time as many steps
-                pace = None
-            shared = [pace]
+        if pace is None and found:  # each rank its own clock: rank 0's, so that every rank times as many steps
+            shared = [found[-1]["step"]]
             dist.broadcast_object_list(shared, src=0)  # between fits: no step in flight
             pace = shared[0]
         steps = _timed_steps(args.steps, args.seconds, pace)
@@ -244,7 +241,6 @@ def _fits(
         found.append(
             {
                 "step": statistics.median(intervals),
-                "timed": steps,
                 "predicted": strategy.planned_step_seconds,
                 "calibrated": strategy.calibrated_step_seconds,
                 "label": label,

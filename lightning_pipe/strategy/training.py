@@ -179,10 +179,11 @@ class TrainingHooks:
         order: a rank may still be inside its last call, waiting for a collective this rank makes only
         in its drain (a tied weight's gradient sum), before it posts the logs this rank waits for (a
         fit stopped between epochs' ends, by ``EarlyStopping`` or ``trainer.should_stop``, hung so)."""
-        if self.executor is not None and self.executor.calls:
+        if self.executor is None:
+            return
+        if self.executor.calls:
             self.executor.drain()
-        if self.executor is not None:
-            self._collect_relayed()
+        self._collect_relayed()
 
     def on_validation_start(self) -> None:
         self.drain()
