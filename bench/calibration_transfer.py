@@ -5,8 +5,8 @@ picks the kept calibration closest to a configuration (``RunShape.closeness`` in
 Run: ``python bench/calibration_transfer.py [DIR ...]`` (default: the directories ``bench/auto_plan.py``
 kept its profiles and calibrations in, ``$TMPDIR/auto_plan_profiles_*``; seconds).
 
-A calibration file lists the fits of one model in the order they were kept (a shape kept again moves
-to the end). Each fit of a family no earlier fit of the model ran is priced, as that fit's set-up
+A calibration file lists the fits of one model in the order they were kept (the last five of each
+shape). Each fit of a family no earlier fit of the model ran is priced, as that fit's set-up
 prediction was, from the calibrations kept before it; each rule picks one, and the table gives how far
 the picked calibration's rate (``scale``: the in-run actions over the profile) lies from the rate the
 fit itself then measured, ``|picked / own - 1|``: its median, its mean and the fits within 10%, over

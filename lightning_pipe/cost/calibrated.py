@@ -14,12 +14,18 @@ what the runtime adds (``bench/auto_plan.py``, ``docs/measurements.md``).
 A calibration is kept under a key of the layers, their parameters, the device and the versions of
 torch and this package (:func:`~lightning_pipe.cost.profile_cache.profile_key` without a micro-batch):
 what a run adds does not depend on the micro-batch's rows the way the profile does, and the next run
-may split it into another count. One is kept per schedule family, micro-batch size and pinning
-(:class:`RunShape`), and a prediction takes the closest kept: the same family and size, else the same
+may split it into another count. Calibrations are kept per schedule family, micro-batch size and
+pinning (:class:`RunShape`), and a prediction takes the closest shape kept: the same family and size, else the same
 size (the same profile) measured on the same kind of family (:func:`family_kind`: replicating stages
 or not, one stage per worker or several, each backward one action or two), else the same size and
 replication, else the same family, else the same kind, else the same replication, else the same size,
-else the last kept; at each, the same pinning first. What a run adds depends on all of these:
+else the last kept; at each, the same pinning first. The last :data:`KEPT_PER_SHAPE` fits of a
+shape are kept, and a prediction takes the lower median of each of their figures (:func:`typical`): one fit
+run through a slow stretch of the machine no longer prices every later fit of its shape (on 2 CPU
+processes a CIFAR ResNet-18's 2BW and CDP fits that ran 1.4-1.7x their usual step kept rates of 1.70x
+and 1.75x the profile, where the same configurations measured 1.17x and 1.20x in the next round, and
+the next fits priced with them came out 24-40% long: ``bench/auto_plan.py``, ``docs/measurements.md``).
+What a run adds depends on all of these:
 replicas that all-reduce their gradients every step (Rahimi's ``ddp``) spend in their actions the
 waits for the slowest replica, a pipeline does not (on 2 CPU processes an MLP's ``ddp`` run measured
 its actions 2.5x its profile, its 1F1B runs 0.6-1.3x; its 2BW steps, predicted from the
@@ -42,6 +48,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +62,7 @@ from lightning_pipe.schedule.options import LOOPED_FAMILIES, PLACED_FAMILIES
 from lightning_pipe.util.units import format_seconds
 
 __all__ = [
+    "KEPT_PER_SHAPE",
     "REPLICATING_FAMILIES",
     "Calibration",
     "Kind",
@@ -67,8 +75,17 @@ __all__ = [
     "keep_calibration",
     "kept_calibration",
     "separated",
+    "typical",
 ]
 
+
+_FIGURES = ("scale", "fixed", "per_step")
+"""A calibration's measured figures."""
+
+KEPT_PER_SHAPE = 5
+"""The fits of one shape (:class:`RunShape`) whose calibrations are kept: their median (:func:`typical`)
+leaves out up to two measured through a slow stretch of the machine, and follows a lasting change of
+its speed within three fits."""
 
 Kind = Callable[[object], tuple[bool, ...]]
 """What tells schedule families apart for a calibration's lookup (:func:`family_kind`)."""
@@ -158,7 +175,7 @@ class Calibration:
     replicating: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("scale", "fixed", "per_step"):
+        for name in _FIGURES:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise PlanningError(f"calibration {name} must be a finite number >= 0, got {value!r}")
@@ -255,30 +272,51 @@ def closest_kept(
     return max(enumerate(entries), key=lambda item: (shape.closeness(item[1], kind) if shape else (), item[0]))[1]
 
 
+def typical(entries: Sequence[dict[str, object]]) -> Calibration:
+    """The calibration of kept ``entries`` of one shape (at least one): each figure (``scale``,
+    ``fixed``, ``per_step``) the lower median of theirs (:func:`statistics.median_low`: of two, the
+    smaller; a machine's slow stretches only lengthen what a fit measures), measured on the last's
+    configuration."""
+    if not entries:
+        raise PlanningError("a typical calibration needs one kept entry at least")
+    last = entries[-1]
+    figures = {name: statistics.median_low(float(entry[name]) for entry in entries) for name in _FIGURES}
+    said = str(last["measured_on"])
+    if len(entries) > 1:
+        said = f"{said}; each figure the median of this configuration's last {len(entries)} fits"
+    return Calibration(**figures, measured_on=said, replicating=last.get("family") in REPLICATING_FAMILIES)
+
+
 def kept_calibration(directory: Path | None, key: str, shape: RunShape | None = None) -> Calibration | None:
-    """The calibration kept for ``key`` in ``directory`` closest to ``shape`` (:func:`closest_kept`);
-    ``None``: none kept, none readable, or no directory (a run without a profile cache keeps nothing)."""
+    """The calibration kept for ``key`` in ``directory`` closest to ``shape`` (:func:`closest_kept`):
+    the :func:`typical` one of the fits kept of the shape found; ``None``: none kept, none readable, or
+    no directory (a run without a profile cache keeps nothing)."""
     if directory is None:
         return None
     try:
-        found = closest_kept(list(json.loads(calibration_path(directory, key).read_text())["runs"]), shape)
+        entries = list(json.loads(calibration_path(directory, key).read_text())["runs"])
+        found = closest_kept(entries, shape)
         if found is None:
             return None
-        values = {k: found[k] for k in ("scale", "fixed", "per_step", "measured_on")}
-        return Calibration(**values, replicating=found.get("family") in REPLICATING_FAMILIES)
+        alike = RunShape(str(found.get("family")), found.get("rows"), found.get("pinned"))
+        return typical([entry for entry in entries if alike.matches(entry)])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanningError):
         return None
 
 
 def keep_calibration(directory: Path | None, key: str, shape: RunShape, found: Calibration) -> Path | None:
     """Keep ``found``, measured running ``shape``, for ``key`` in ``directory`` as the last kept
-    (replacing the one kept for the same shape; the file is replaced atomically); the file, or
-    ``None`` where it could not be written (the run goes on without keeping it)."""
+    (with the last :data:`KEPT_PER_SHAPE` - 1 kept for the same shape: the oldest beyond them is
+    dropped; the file is replaced atomically); the file, or ``None`` where it could not be written (the
+    run goes on without keeping it)."""
     if directory is None:
         return None
     path = calibration_path(directory, key)
     try:
-        entries = [e for e in json.loads(path.read_text())["runs"] if not shape.matches(e)]
+        entries = list(json.loads(path.read_text())["runs"])
+        alike = [index for index, entry in enumerate(entries) if shape.matches(entry)]
+        dropped = set(alike[: max(len(alike) - (KEPT_PER_SHAPE - 1), 0)])
+        entries = [entry for index, entry in enumerate(entries) if index not in dropped]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         entries = []
     written = time.strftime("%Y-%m-%d %H:%M:%S")
