@@ -205,6 +205,20 @@ def _timed_steps(steps: int, seconds: float, pace: float | None) -> int:
     return steps if pace is None else max(steps, math.ceil(seconds / pace))
 
 
+WARM_UP_FIT: dict[str, Any] = {"schedule": "gpipe", "microbatches": 2, "profile_cache": False}
+"""The fit each pair of processes runs first, to warm them, keeping nothing (no profile, no calibration)."""
+
+
+def _warm_up(entry: Model, args: argparse.Namespace) -> None:
+    """A fit of :data:`WARM_UP_FIT`, untimed and keeping nothing. Without it the first fit of a pair of
+    processes was timed, and kept its calibration, over steps that still paid for loading, allocating
+    and starting threads: the MLP's first fit measured 59% over its prediction (2026-11-30, at
+    ``383e0f0``), and priced the fits of its family after it long."""
+    trainer, _ = timed_trainer(PipelineStrategy(**WARM_UP_FIT, start_method="popen"), "auto_plan_")
+    data = _Cycled(entry, args.warmup + args.steps + 10)
+    trainer.fit(entry.build(), DataLoader(data, batch_size=entry.rows, drop_last=True))
+
+
 def _fits(
     rank: int, model: str, configs: list[dict[str, Any]], paces: list[float | None], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
@@ -215,6 +229,7 @@ def _fits(
     os.environ["LOCAL_RANK"] = str(rank)
     _quiet()
     entry = MODELS[model]
+    _warm_up(entry, args)
     found: list[dict[str, Any]] = []
     for config, pace in zip(configs, paces, strict=True):
         if pace is None and found:  # each rank its own clock: rank 0's, so that every rank times as many steps
