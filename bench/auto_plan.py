@@ -22,7 +22,8 @@ on with, as a long run spends nearly all its steps there; the ``settled`` column
 that took (what the trials cost is theirs).
 ``--rounds`` rounds each run every configuration and
 the pick one after the other in the same pair of processes, so a round's figures share one state of
-the machine.
+the machine. Each pair of processes first runs an untimed fit that keeps nothing (:data:`WARM_UP_FIT`), so
+that the first fit measured is not timed, nor calibrated, over steps that still load and allocate.
 
 Models (batches of ``rows`` samples):
 
