@@ -278,6 +278,9 @@ def test_nothing_kept_or_unreadable_is_no_calibration(tmp_path: Path) -> None:
     negative = {"scale": 1, "fixed": -1, "per_step": 0, "measured_on": ""}
     calibration_path(tmp_path, "negative").write_text(json.dumps({"runs": [negative]}))
     assert kept_calibration(tmp_path, "negative") is None
+    for odd in (True, "1.2", None):  # a figure no fit writes: none read
+        calibration_path(tmp_path, "odd").write_text(json.dumps({"runs": [{**negative, "fixed": 0, "scale": odd}]}))
+        assert kept_calibration(tmp_path, "odd") is None
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert (

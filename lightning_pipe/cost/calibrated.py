@@ -280,7 +280,7 @@ def typical(entries: Sequence[dict[str, object]]) -> Calibration:
     if not entries:
         raise PlanningError("a typical calibration needs one kept entry at least")
     last = entries[-1]
-    figures = {name: statistics.median_low(float(entry[name]) for entry in entries) for name in _FIGURES}
+    figures = {name: statistics.median_low(entry[name] for entry in entries) for name in _FIGURES}  # checked below
     said = str(last["measured_on"])
     if len(entries) > 1:
         said = f"{said}; each figure the median of this configuration's last {len(entries)} fits"
