@@ -213,7 +213,7 @@ WARM_UP_FIT: dict[str, Any] = {"schedule": "gpipe", "microbatches": 2, "profile_
 def _warm_up(entry: Model, args: argparse.Namespace) -> None:
     """A fit of :data:`WARM_UP_FIT`, untimed and keeping nothing. Without it the first fit of a pair of
     processes was timed, and kept its calibration, over steps that still paid for loading, allocating
-    and starting threads: the MLP's first fit measured 59% over its prediction (2026-11-30, at
+    and starting threads: the MLP's first fit was predicted 59% short of its step (2026-11-30, at
     ``383e0f0``), and priced the fits of its family after it long."""
     trainer, _ = timed_trainer(PipelineStrategy(**WARM_UP_FIT, start_method="popen"), "auto_plan_")
     data = _Cycled(entry, args.warmup + args.steps + 10)
