@@ -211,7 +211,8 @@ WARM_UP_FIT: dict[str, Any] = {"schedule": "gpipe", "microbatches": 2, "profile_
 
 
 def _warm_up(entry: Model, args: argparse.Namespace) -> None:
-    """A fit of :data:`WARM_UP_FIT`, untimed and keeping nothing. Without it the first fit of a pair of
+    """A fit of :data:`WARM_UP_FIT`, untimed and keeping nothing, as long as the shortest timed fit and
+    10 steps more. Without it the first fit of a pair of
     processes was timed, and kept its calibration, over steps that still paid for loading, allocating
     and starting threads: the MLP's first fit was predicted 59% short of its step (2026-11-30, at
     ``383e0f0``), and priced the fits of its family after it long."""

@@ -12,8 +12,8 @@ the picked calibration's rate (``scale``: the in-run actions over the profile) l
 fit itself then measured, ``|picked / own - 1|``: its median, its mean and the fits within 10%, over
 every such fit and over those where the rules picked differently. The rate is what carries from one
 family to another; the time beyond the actions (``per_step``) is fitted against each run's own
-simulation and is left out. The rules, each taking the last kept among the closest, the same pinning
-first:
+simulation and is left out. The rules, each pricing with the fits kept of the closest shape (their
+median, as the package does: ``closest_fits``, ``typical``), the same pinning first:
 
 - ``replication``: the same family and rows, else the same rows and replication (Rahimi's placed
   families and 1F1B-RR against the pipelines), else the same family, else the same replication, else
@@ -36,7 +36,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, Kind, RunShape, closest_kept, family_kind
+from lightning_pipe.cost.calibrated import (
+    REPLICATING_FAMILIES,
+    Calibration,
+    Kind,
+    RunShape,
+    closest_fits,
+    family_kind,
+    typical,
+)
 from lightning_pipe.schedule.options import LOOPED_FAMILIES
 
 Entry = dict[str, object]
@@ -59,11 +67,10 @@ def first_fits(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
                 yield entry, earlier
 
 
-def picked(kind: Kind, entry: Entry, earlier: list[Entry]) -> Entry:
-    """The calibration the rule telling families apart by ``kind`` picks for ``entry`` among ``earlier``."""
-    found = closest_kept(earlier, RunShape(str(entry["family"]), int(entry["rows"]), bool(entry["pinned"])), kind)
-    assert found is not None
-    return found
+def picked(kind: Kind, entry: Entry, earlier: list[Entry]) -> Calibration:
+    """The calibration the rule telling families apart by ``kind`` prices ``entry`` with from ``earlier``."""
+    shape = RunShape(str(entry["family"]), int(entry["rows"]), bool(entry["pinned"]))
+    return typical(closest_fits(earlier, shape, kind))
 
 
 def _summary(errors: list[float]) -> str:
@@ -84,10 +91,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("no calibration kept there: run bench/auto_plan.py first, or name its directories")
     picks = {name: [picked(kind, entry, earlier) for entry, earlier in fits] for name, kind in KINDS.items()}
     errors = {
-        name: [abs(float(p["scale"]) / float(entry["scale"]) - 1) for p, (entry, _) in zip(chosen, fits, strict=True)]
+        name: [abs(p.scale / float(entry["scale"]) - 1) for p, (entry, _) in zip(chosen, fits, strict=True)]
         for name, chosen in picks.items()
     }
-    differ = [i for i in range(len(fits)) if len({id(chosen[i]) for chosen in picks.values()}) > 1]
+    differ = [i for i in range(len(fits)) if len({chosen[i] for chosen in picks.values()}) > 1]
     print(f"{len(fits)} first fits of a family, {len(files)} calibration files in {len(directories)} directories")
     print("| rule | all: median | mean | within 10% | where the rules differ: median | mean | within 10% |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -201,7 +201,7 @@ def test_the_last_fits_of_a_shape_are_kept_and_priced_by_their_median(
 ) -> None:
     """Brute force over fits of two shapes kept in any order: each shape keeps its last
     :data:`KEPT_PER_SHAPE` fits, in the order kept, and is priced with the lower median of each figure
-    of them; the other shape's fits do not move it."""
+    of them; the other shape's fits do not move it, and price it where it has none."""
     shapes = {False: RunShape("2bw", 8), True: RunShape("2bw", 8, pinned=True)}
     with tempfile.TemporaryDirectory() as directory:
         for pinned, scale, fixed, per_step in fits:
@@ -210,9 +210,9 @@ def test_the_last_fits_of_a_shape_are_kept_and_priced_by_their_median(
         for pinned, shape in shapes.items():
             last = [fit[1:] for fit in fits if fit[0] == pinned][-KEPT_PER_SHAPE:]
             assert [(r["scale"], r["fixed"], r["per_step"]) for r in runs if r["pinned"] == pinned] == last
+            priced_by = last or [fit[1:] for fit in fits if fit[0] != pinned][-KEPT_PER_SHAPE:]  # none: the other's
             found = kept_calibration(Path(directory), "key", shape)
-            if last:
-                assert _figures(found) == tuple(statistics.median_low(figure) for figure in zip(*last, strict=True))
+            assert _figures(found) == tuple(statistics.median_low(figure) for figure in zip(*priced_by, strict=True))
 
 
 _SHAPES = st.builds(
@@ -630,17 +630,16 @@ def test_the_transfer_bench_replays_the_calibrations_kept(tmp_path: Path, capsys
     (the last kept of its replication) by the coarse rule, from 1F1B's (one stage per worker) by the
     package's."""
     runs = [
-        {"family": "1f1b", "rows": 8, "pinned": False, "scale": 2.0},
-        {"family": "interleaved", "rows": 8, "pinned": False, "scale": 3.4},
-        {"family": "2bw", "rows": 8, "pinned": False, "scale": 2.1},
+        {"family": family, "rows": 8, "pinned": False, "scale": scale, "fixed": 0, "per_step": 0, "measured_on": family}
+        for family, scale in (("1f1b", 2.0), ("interleaved", 3.4), ("2bw", 2.1))
     ]
     (tmp_path / "calibration-key.json").write_text(json.dumps({"runs": runs}))
     bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "calibration_transfer.py"))
     fits = list(bench["first_fits"]([tmp_path / "calibration-key.json"]))
     assert [entry["family"] for entry, _ in fits] == ["interleaved", "2bw"]
     kinds = bench["KINDS"]
-    assert bench["picked"](kinds["replication"], *fits[1])["family"] == "interleaved"
-    assert bench["picked"](kinds["+ split backward (the package's)"], *fits[1])["family"] == "1f1b"
+    assert bench["picked"](kinds["replication"], *fits[1]).measured_on == "interleaved"
+    assert bench["picked"](kinds["+ split backward (the package's)"], *fits[1]).measured_on == "1f1b"
     bench["main"]([str(tmp_path)])
     table = capsys.readouterr().out
     assert "2 first fits of a family" in table

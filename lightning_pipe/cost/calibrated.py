@@ -24,7 +24,8 @@ shape are kept, and a prediction takes the lower median of each of their figures
 run through a slow stretch of the machine no longer prices every later fit of its shape (on 2 CPU
 processes a CIFAR ResNet-18's 2BW and CDP fits that ran 1.4-1.7x their usual step kept rates of 1.70x
 and 1.75x the profile, where the same configurations measured 1.17x and 1.20x in the next round, and
-the next fits priced with them came out 24-40% long: ``bench/auto_plan.py``, ``docs/measurements.md``).
+the chain's set-up predictions priced with them missed by 13-40% on five rows: ``bench/auto_plan.py``,
+``docs/measurements.md``).
 What a run adds depends on all of these:
 replicas that all-reduce their gradients every step (Rahimi's ``ddp``) spend in their actions the
 waits for the slowest replica, a pipeline does not (on 2 CPU processes an MLP's ``ddp`` run measured
@@ -70,6 +71,7 @@ __all__ = [
     "RunShape",
     "calibration",
     "calibration_path",
+    "closest_fits",
     "closest_kept",
     "family_kind",
     "keep_calibration",
@@ -248,7 +250,7 @@ class RunShape:
 
     def matches(self, entry: dict[str, object]) -> bool:
         """Whether a kept ``entry`` was measured running this very shape."""
-        return (entry.get("family"), entry.get("rows"), entry.get("pinned")) == (self.family, self.rows, self.pinned)
+        return _shape_of(entry) == (self.family, self.rows, self.pinned)
 
     def closeness(self, entry: dict[str, object], kind: Kind = family_kind) -> tuple[bool, ...]:
         """How close a kept ``entry`` comes: the same family and rows, then the same rows (the same
@@ -272,6 +274,20 @@ def closest_kept(
     return max(enumerate(entries), key=lambda item: (shape.closeness(item[1], kind) if shape else (), item[0]))[1]
 
 
+def _shape_of(entry: dict[str, object]) -> tuple[object, object, object]:
+    """The family, rows and pinning a kept ``entry`` was measured running."""
+    return entry.get("family"), entry.get("rows"), entry.get("pinned")
+
+
+def closest_fits(
+    entries: Sequence[dict[str, object]], shape: RunShape | None, kind: Kind = family_kind
+) -> list[dict[str, object]]:
+    """The kept ``entries`` measured running the shape closest to ``shape`` (:func:`closest_kept`
+    with ``kind``), in the order kept; none where nothing is kept."""
+    found = closest_kept(entries, shape, kind)
+    return [] if found is None else [entry for entry in entries if _shape_of(entry) == _shape_of(found)]
+
+
 def typical(entries: Sequence[dict[str, object]]) -> Calibration:
     """The calibration of kept ``entries`` of one shape (at least one): each figure (``scale``,
     ``fixed``, ``per_step``) the lower median of theirs (:func:`statistics.median_low`: of two, the
@@ -288,18 +304,14 @@ def typical(entries: Sequence[dict[str, object]]) -> Calibration:
 
 
 def kept_calibration(directory: Path | None, key: str, shape: RunShape | None = None) -> Calibration | None:
-    """The calibration kept for ``key`` in ``directory`` closest to ``shape`` (:func:`closest_kept`):
-    the :func:`typical` one of the fits kept of the shape found; ``None``: none kept, none readable, or
+    """The calibration kept for ``key`` in ``directory`` closest to ``shape``: the :func:`typical` one
+    of the :func:`closest_fits`; ``None``: none kept, none readable, or
     no directory (a run without a profile cache keeps nothing)."""
     if directory is None:
         return None
     try:
-        entries = list(json.loads(calibration_path(directory, key).read_text())["runs"])
-        found = closest_kept(entries, shape)
-        if found is None:
-            return None
-        alike = RunShape(str(found.get("family")), found.get("rows"), found.get("pinned"))
-        return typical([entry for entry in entries if alike.matches(entry)])
+        fits = closest_fits(list(json.loads(calibration_path(directory, key).read_text())["runs"]), shape)
+        return typical(fits) if fits else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanningError):
         return None
 
