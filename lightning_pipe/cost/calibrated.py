@@ -53,7 +53,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -76,6 +76,7 @@ __all__ = [
     "family_kind",
     "keep_calibration",
     "kept_calibration",
+    "other_cuts",
     "separated",
     "typical",
 ]
@@ -303,21 +304,59 @@ def typical(entries: Sequence[dict[str, object]]) -> Calibration:
     return Calibration(**figures, measured_on=said, replicating=last.get("family") in REPLICATING_FAMILIES)
 
 
-def kept_calibration(directory: Path | None, key: str, shape: RunShape | None = None) -> Calibration | None:
+def kept_calibration(
+    directory: Path | None, key: str, shape: RunShape | None = None, model: str | None = None
+) -> Calibration | None:
     """The calibration kept for ``key`` in ``directory`` closest to ``shape``: the :func:`typical` one
-    of the :func:`closest_fits`; ``None``: none kept, none readable, or
-    no directory (a run without a profile cache keeps nothing)."""
+    of the :func:`closest_fits`. Where nothing is kept for ``key``, those kept for the other cuts of
+    ``model`` into layers (:func:`~lightning_pipe.cost.profile_cache.model_key`; :func:`other_cuts`).
+    ``None``: none kept, none readable, or no directory (a run without a profile cache keeps nothing)."""
     if directory is None:
         return None
+    entries, said = _runs(calibration_path(directory, key)), ""
+    if not entries and model is not None:
+        entries, said = other_cuts(directory, model), "; kept by a fit of another cut of this model into layers"
     try:
-        fits = closest_fits(list(json.loads(calibration_path(directory, key).read_text())["runs"]), shape)
-        return typical(fits) if fits else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanningError):
+        fits = closest_fits(entries, shape)
+        found = typical(fits) if fits else None
+    except (ValueError, KeyError, TypeError, AttributeError, PlanningError):
         return None
+    return None if found is None else replace(found, measured_on=found.measured_on + said)
 
 
-def keep_calibration(directory: Path | None, key: str, shape: RunShape, found: Calibration) -> Path | None:
-    """Keep ``found``, measured running ``shape``, for ``key`` in ``directory`` as the last kept
+def other_cuts(directory: Path, model: str) -> list[dict[str, object]]:
+    """The calibrations kept in ``directory`` for every cut of ``model`` into layers, in the order
+    written. A capture cuts a model finer to have layers for more stages (interleaved schedules hold
+    two a worker), which is another profile and another key: its first fit, with none kept under
+    that key, is priced with what the model's fits at another cut measured, not with the profile alone
+    (on 2 CPU processes the grid's first interleaved configuration of torchvision's ResNet-18, the
+    transformer and GPT-2, cut finer and predicted from the profile alone in one of its two rounds,
+    came out 14%, 9% and 7% short: ``bench/auto_plan.py``, ``docs/measurements.md``)."""
+    found: list[dict[str, object]] = []
+    for path in sorted(directory.glob(f"{CALIBRATION_PREFIX}*.json")):
+        try:
+            kept = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(kept, dict) and kept.get("model") == model:
+            found += _runs(path)
+    return sorted(found, key=lambda entry: str(entry.get("written", "")))
+
+
+def _runs(path: Path) -> list[dict[str, object]]:
+    """The kept entries of the calibration file ``path`` (none where it is missing or unreadable)."""
+    try:
+        runs = json.loads(path.read_text())["runs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [entry for entry in runs if isinstance(entry, dict)] if isinstance(runs, list) else []
+
+
+def keep_calibration(
+    directory: Path | None, key: str, shape: RunShape, found: Calibration, model: str | None = None
+) -> Path | None:
+    """Keep ``found``, measured running ``shape``, for ``key`` (a cut of ``model`` into layers:
+    :func:`other_cuts`) in ``directory`` as the last kept
     (with the last :data:`KEPT_PER_SHAPE` - 1 kept for the same shape: the oldest beyond them is
     dropped; the file is replaced atomically); the file, or ``None`` where it could not be written (the
     run goes on without keeping it)."""
@@ -337,7 +376,7 @@ def keep_calibration(directory: Path | None, key: str, shape: RunShape, found: C
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
-            json.dump({"runs": entries}, handle, indent=1)
+            json.dump({"runs": entries} if model is None else {"model": model, "runs": entries}, handle, indent=1)
             temporary = Path(handle.name)
         os.replace(temporary, path)
     except OSError:

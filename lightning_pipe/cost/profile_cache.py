@@ -58,6 +58,7 @@ __all__ = [
     "default_directory",
     "forget_profile",
     "kept_here",
+    "model_key",
     "profile_directory",
     "profile_disagrees",
     "profile_key",
@@ -94,10 +95,7 @@ def profile_key(
     layers: Sequence[nn.Module], names: Sequence[str] | None, sample: Any, device: torch.device, repeats: int
 ) -> str:
     """A digest of what decides the layers' measured costs (the module docstring lists it)."""
-    try:
-        package = version("lightning_pipe")
-    except PackageNotFoundError:  # run from a source tree without installing it
-        package = "source"
+    package = _package_version()
     described = {
         "layers": [
             {
@@ -119,6 +117,28 @@ def profile_key(
         "heap": "settled" if device.type == "cpu" else None,  # glibc's heap as the steps find it (runtime/allocator.py)
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def model_key(layers: Sequence[nn.Module], device: torch.device) -> str:
+    """A digest of the model ``layers`` make up, however it is cut into layers: the shapes and dtypes
+    of its tensors (parameters and buffers, each once, in sorted order), the device and the versions
+    of torch and this package. Two cuts of one model share it (a capture cuts finer to have layers
+    for more stages); so do two models of the same tensors, which a run costs alike."""
+    unique = {id(t): t for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+    described = {
+        "tensors": sorted((list(t.shape), str(t.dtype)) for t in unique.values()),
+        "device": _device_name(device),
+        "torch": torch.__version__,
+        "lightning_pipe": _package_version(),
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _package_version() -> str:
+    try:
+        return version("lightning_pipe")
+    except PackageNotFoundError:  # run from a source tree without installing it
+        return "source"
 
 
 def _device_name(device: torch.device) -> str:

@@ -31,7 +31,7 @@ from lightning_pipe.cost.calibrated import (
     kept_calibration,
     separated,
 )
-from lightning_pipe.cost.profile_cache import profile_key
+from lightning_pipe.cost.profile_cache import model_key, profile_key
 from lightning_pipe.cost.update_rate import UpdatePrices, update_rate
 from lightning_pipe.planning import StagePlan, predict
 from lightning_pipe.schedule import StageCosts
@@ -75,8 +75,10 @@ class StepPrices:
     prediction prices messages and all-reduces at where the plan was made without them; ``None``:
     the plan's), the share of an all-reduce measured beside the compute among the ranks
     (``reduce_overlap``, ``StageCosts.reduce_overlap``: a calibration kept from a replicating family
-    carries its all-reduces already, :meth:`Calibration.reduce_overlap`), and the rows of the fit's
-    batches (``batch_rows``: the micro-batch size of what it keeps)."""
+    carries its all-reduces already, :meth:`Calibration.reduce_overlap`), the rows of the fit's
+    batches (``batch_rows``: the micro-batch size of what it keeps), and the model's key however it is
+    cut into layers (``model``: where nothing is kept under ``key``, the calibrations of its other
+    cuts price the fit, :func:`~lightning_pipe.cost.calibrated.other_cuts`)."""
 
     update: UpdatePrices | None = None
     kept: Calibration | None = None
@@ -85,6 +87,7 @@ class StepPrices:
     bandwidth: float | None = None
     batch_rows: int = 0
     reduce_overlap: float = 1.0
+    model: str | None = None
 
     @classmethod
     def of(
@@ -104,22 +107,23 @@ class StepPrices:
         kept, for ``None``), the rows of the fit's batches, and the links measured."""
         floating = [p.dtype for layer in layers for p in layer.parameters() if p.is_floating_point()]
         rate = update_rate(optimizer, device, floating[0]) if floating else None
-        key = profile_key(layers, names, (), device, 0)
+        key, model = profile_key(layers, names, (), device, 0), model_key(layers, device)
         return cls(
             UpdatePrices.of(rate, layers),
-            kept_calibration(directory, key, shape),
+            kept_calibration(directory, key, shape, model),
             directory,
             key,
             bandwidth,
             batch_rows,
             reduce_overlap,
+            model,
         )
 
     def closest(self, family: str, microbatches: int, pinned: bool | None) -> Calibration | None:
         """The calibration kept closest to ``family`` on ``microbatches`` micro-batches, ``pinned`` or
         not (:func:`~lightning_pipe.cost.calibrated.kept_calibration`)."""
         shape = run_shape(family, self.batch_rows, microbatches, pinned)
-        return kept_calibration(self.directory, self.key, shape)
+        return kept_calibration(self.directory, self.key, shape, self.model)
 
     @property
     def scale(self) -> float:
@@ -178,7 +182,7 @@ class StepPrices:
         threads ``pinned`` or not, for the next fit of this model
         (:func:`~lightning_pipe.cost.calibrated.keep_calibration`)."""
         shape = run_shape(family, self.batch_rows, microbatches, pinned)
-        return keep_calibration(self.directory, self.key, shape, found)
+        return keep_calibration(self.directory, self.key, shape, found, self.model)
 
 
 def measured_calibration(
