@@ -11,21 +11,22 @@ on the same machine predicts its step with them from the start (:func:`kept_cali
 processes the profile alone predicted the steps of a 6-block transformer 12-30% short, all of it
 what the runtime adds (``bench/auto_plan.py``, ``docs/measurements.md``).
 
-A calibration is kept under a key of the layers, their parameters, the device and the versions of
-torch and this package (:func:`~lightning_pipe.cost.profile_cache.profile_key` without a micro-batch):
-what a run adds does not depend on the micro-batch's rows the way the profile does, and the next run
-may split it into another count. Calibrations are kept per schedule family, micro-batch size and
-pinning (:class:`RunShape`), and a prediction takes the closest shape kept: the same family and size, else the same
-size (the same profile) measured on the same kind of family (:func:`family_kind`: replicating stages
-or not, one stage per worker or several, each backward one action or two), else the same size and
-replication, else the same family, else the same kind, else the same replication, else the same size,
-else the last kept; at each, the same pinning first. The last :data:`KEPT_PER_SHAPE` fits of a
-shape are kept, and a prediction takes the lower median of each of their figures (:func:`typical`): one fit
-run through a slow stretch of the machine no longer prices every later fit of its shape (on 2 CPU
-processes a CIFAR ResNet-18's 2BW and CDP fits that ran 1.4-1.7x their usual step kept rates of 1.70x
-and 1.75x the profile, where the same configurations measured 1.17x and 1.20x in the next round, and
-the chain's set-up predictions priced with them missed by 13-40% on five rows: ``bench/auto_plan.py``,
-``docs/measurements.md``).
+A calibration is kept under a key of the layers, their parameters, the device and the versions of torch and
+this package (:func:`~lightning_pipe.cost.profile_cache.profile_key` without a micro-batch): what a run adds
+does not depend on the micro-batch's rows the way the profile does, and the next run may split it into
+another count. A fit of another cut of the model into layers, with nothing kept under its own key, is priced
+with what the model's other cuts kept (:func:`other_cuts`). Calibrations are kept per schedule family,
+micro-batch size and pinning (:class:`RunShape`), and a prediction takes the closest shape kept: the same
+family and size, else the same size (the same profile) measured on the same kind of family
+(:func:`family_kind`: replicating stages or not, one stage per worker or several, each backward one action
+or two), else the same size and replication, else the same family, else the same kind, else the same
+replication, else the same size, else the last kept; at each, the same pinning first. The last
+:data:`KEPT_PER_SHAPE` fits of a shape are kept, and a prediction takes the lower median of each of their
+figures (:func:`typical`): one fit run through a slow stretch of the machine no longer prices every later
+fit of its shape (on 2 CPU processes a CIFAR ResNet-18's 2BW and CDP fits that ran 1.4-1.7x their usual step
+kept rates of 1.70x and 1.75x the profile, where the same configurations measured 1.17x and 1.20x in the
+next round, and the chain's set-up predictions priced with them missed by 13-40% on five rows:
+``bench/auto_plan.py``, ``docs/measurements.md``).
 What a run adds depends on all of these:
 replicas that all-reduce their gradients every step (Rahimi's ``ddp``) spend in their actions the
 waits for the slowest replica, a pipeline does not (on 2 CPU processes an MLP's ``ddp`` run measured
