@@ -314,7 +314,7 @@ def kept_calibration(
     ``None``: none kept, none readable, or no directory (a run without a profile cache keeps nothing)."""
     if directory is None:
         return None
-    entries, said = _runs(calibration_path(directory, key)), ""
+    entries, said = _entries(_read(calibration_path(directory, key))), ""
     if not entries and model is not None:
         entries, said = other_cuts(directory, model), "; kept by a fit of another cut of this model into layers"
     try:
@@ -335,21 +335,23 @@ def other_cuts(directory: Path, model: str) -> list[dict[str, object]]:
     came out 14%, 9% and 7% short: ``bench/auto_plan.py``, ``docs/measurements.md``)."""
     found: list[dict[str, object]] = []
     for path in sorted(directory.glob(f"{CALIBRATION_PREFIX}*.json")):
-        try:
-            kept = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+        kept = _read(path)
         if isinstance(kept, dict) and kept.get("model") == model:
-            found += _runs(path)
+            found += _entries(kept)
     return sorted(found, key=lambda entry: str(entry.get("written", "")))
 
 
-def _runs(path: Path) -> list[dict[str, object]]:
-    """The kept entries of the calibration file ``path`` (none where it is missing or unreadable)."""
+def _read(path: Path) -> object:
+    """The content of the calibration file ``path`` (``None`` where it is missing or unreadable)."""
     try:
-        runs = json.loads(path.read_text())["runs"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _entries(kept: object) -> list[dict[str, object]]:
+    """The entries a calibration file's content ``kept`` holds (none where it holds no list of them)."""
+    runs = kept.get("runs") if isinstance(kept, dict) else None
     return [entry for entry in runs if isinstance(entry, dict)] if isinstance(runs, list) else []
 
 
@@ -364,13 +366,10 @@ def keep_calibration(
     if directory is None:
         return None
     path = calibration_path(directory, key)
-    try:
-        entries = list(json.loads(path.read_text())["runs"])
-        alike = [index for index, entry in enumerate(entries) if shape.matches(entry)]
-        dropped = set(alike[: max(len(alike) - (KEPT_PER_SHAPE - 1), 0)])
-        entries = [entry for index, entry in enumerate(entries) if index not in dropped]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        entries = []
+    entries = _entries(_read(path))  # an unreadable file is replaced
+    alike = [index for index, entry in enumerate(entries) if shape.matches(entry)]
+    dropped = set(alike[: max(len(alike) - (KEPT_PER_SHAPE - 1), 0)])
+    entries = [entry for index, entry in enumerate(entries) if index not in dropped]
     written = time.strftime("%Y-%m-%d %H:%M:%S")
     measured = {k: v for k, v in asdict(found).items() if k != "replicating"}  # the family says it
     entries.append({**asdict(shape), **measured, "written": written})
