@@ -16,8 +16,8 @@ as many timed ones as fill ``--seconds`` at its pace, ``--steps`` at least (the 
 0's ``on_train_batch_end`` calls; a non-flushing schedule's last batch drains and is left out; the pace
 is the configuration's step in the rounds before, else the step of the fit run before it: a median of
 six steps of a few milliseconds moves with the machine's jitter, and so does one of half a second: the
-MLP's rows, timed over 0.5 s, came within 10% of themselves in the other round on 29 of 43 rows, and
-over 2 s on 39, 2026-11-30). The pick is timed once it has
+MLP's rows, timed over 0.5 s, came within 10% of themselves in the other round on 29 of 43 rows; over
+2 s on 39 in a run of the MLP alone and on 33 in a run of the whole zoo, 2026-11-30). The pick is timed once it has
 settled: after its pinning trial, calibration and the configurations it tried
 (:mod:`lightning_pipe.strategy.calibrating`), from :data:`WARM_UP` steps after it built the one it went
 on with, as a long run spends nearly all its steps there; the ``settled`` column says how many steps

@@ -100,3 +100,6 @@ def test_a_fit_of_another_cut_reads_what_the_first_cut_kept(tmp_path: Path) -> N
     assert second.key != first.key
     assert second.kept == dataclasses.replace(found, measured_on=found.measured_on + OTHER_CUT)
     assert second.closest("gpipe", 2, False) == second.kept
+    calibration_path(tmp_path, first.key).unlink()  # what was kept is read once, when the fit sets up
+    assert second.closest("gpipe", 2, False) == second.kept
+    assert StepPrices.of(fine, None, None, CPU, tmp_path, RunShape("interleaved", 4), 8).kept is None

@@ -67,6 +67,7 @@ __all__ = [
     "KEPT_PER_SHAPE",
     "REPLICATING_FAMILIES",
     "Calibration",
+    "KeptFits",
     "Kind",
     "Priced",
     "RunShape",
@@ -77,6 +78,7 @@ __all__ = [
     "family_kind",
     "keep_calibration",
     "kept_calibration",
+    "kept_fits",
     "other_cuts",
     "separated",
     "typical",
@@ -305,24 +307,42 @@ def typical(entries: Sequence[dict[str, object]]) -> Calibration:
     return Calibration(**figures, measured_on=said, replicating=last.get("family") in REPLICATING_FAMILIES)
 
 
+@dataclass(frozen=True)
+class KeptFits:
+    """What earlier fits of a model kept (:func:`kept_fits`), read once: the ``entries`` in the order
+    kept, and what the set-up report adds to a calibration priced from them (``said``: that they were
+    kept for another cut of the model into layers)."""
+
+    entries: tuple[dict[str, object], ...] = ()
+    said: str = ""
+
+    def closest(self, shape: RunShape | None) -> Calibration | None:
+        """The :func:`typical` calibration of the :func:`closest_fits` to ``shape`` (the last kept's
+        shape for ``None``); ``None`` where nothing is kept or what is kept is no calibration."""
+        try:
+            fits = closest_fits(self.entries, shape)
+            found = typical(fits) if fits else None
+        except (KeyError, TypeError, PlanningError):  # a figure or a name missing, or not a number
+            return None
+        return None if found is None else replace(found, measured_on=found.measured_on + self.said)
+
+
+def kept_fits(directory: Path, key: str, model: str | None = None) -> KeptFits:
+    """The fits kept for ``key`` in ``directory``; where none is, those kept for the other cuts of
+    ``model`` into layers (:func:`~lightning_pipe.cost.profile_cache.model_key`; :func:`other_cuts`)."""
+    entries = _entries(_read(calibration_path(directory, key)))
+    if not entries and model is not None:
+        return KeptFits(tuple(other_cuts(directory, model)), "; kept by a fit of another cut of this model into layers")
+    return KeptFits(tuple(entries))
+
+
 def kept_calibration(
     directory: Path | None, key: str, shape: RunShape | None = None, model: str | None = None
 ) -> Calibration | None:
-    """The calibration kept for ``key`` in ``directory`` closest to ``shape``: the :func:`typical` one
-    of the :func:`closest_fits`. Where nothing is kept for ``key``, those kept for the other cuts of
-    ``model`` into layers (:func:`~lightning_pipe.cost.profile_cache.model_key`; :func:`other_cuts`).
-    ``None``: none kept, none readable, or no directory (a run without a profile cache keeps nothing)."""
-    if directory is None:
-        return None
-    entries, said = _entries(_read(calibration_path(directory, key))), ""
-    if not entries and model is not None:
-        entries, said = other_cuts(directory, model), "; kept by a fit of another cut of this model into layers"
-    try:
-        fits = closest_fits(entries, shape)
-        found = typical(fits) if fits else None
-    except (ValueError, KeyError, TypeError, AttributeError, PlanningError):
-        return None
-    return None if found is None else replace(found, measured_on=found.measured_on + said)
+    """The calibration kept for ``key`` (else for ``model``'s other cuts) in ``directory`` closest to
+    ``shape`` (:func:`kept_fits`, :meth:`KeptFits.closest`); ``None``: none kept, none readable, or no
+    directory (a run without a profile cache keeps nothing)."""
+    return None if directory is None else kept_fits(directory, key, model).closest(shape)
 
 
 def other_cuts(directory: Path, model: str) -> list[dict[str, object]]:

@@ -116,14 +116,14 @@ def profile_key(
         "measures": [field.name for field in fields(LayerCost)],  # a profile kept before a field was measured lacks it
         "heap": "settled" if device.type == "cpu" else None,  # glibc's heap as the steps find it (runtime/allocator.py)
     }
-    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
+    return _digest(described)
 
 
 def model_key(layers: Sequence[nn.Module], device: torch.device) -> str:
     """A digest of the model ``layers`` make up, however it is cut into layers: the shapes and dtypes
     of its tensors (parameters and buffers, each once, in sorted order), the device and the versions
     of torch and this package. Two cuts of one model share it (a capture cuts finer to have layers
-    for more stages); so do two models of the same tensors, which a run costs alike."""
+    for more stages); two models of the same tensors share it too."""
     unique = {id(t): t for layer in layers for t in (*layer.parameters(), *layer.buffers())}
     described = {
         "tensors": sorted((list(t.shape), str(t.dtype)) for t in unique.values()),
@@ -131,6 +131,11 @@ def model_key(layers: Sequence[nn.Module], device: torch.device) -> str:
         "torch": torch.__version__,
         "lightning_pipe": _package_version(),
     }
+    return _digest(described)
+
+
+def _digest(described: dict[str, Any]) -> str:
+    """A key of what ``described`` holds (its JSON, keys sorted)."""
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
 

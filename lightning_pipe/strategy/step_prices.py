@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,9 +26,10 @@ from torch import nn
 from lightning_pipe.cost.calibrated import (
     REPLICATING_FAMILIES,
     Calibration,
+    KeptFits,
     RunShape,
     keep_calibration,
-    kept_calibration,
+    kept_fits,
     separated,
 )
 from lightning_pipe.cost.profile_cache import model_key, profile_key
@@ -78,7 +79,8 @@ class StepPrices:
     carries its all-reduces already, :meth:`Calibration.reduce_overlap`), the rows of the fit's
     batches (``batch_rows``: the micro-batch size of what it keeps), and the model's key however it is
     cut into layers (``model``: where nothing is kept under ``key``, the calibrations of its other
-    cuts price the fit, :func:`~lightning_pipe.cost.calibrated.other_cuts`)."""
+    cuts price the fit, :func:`~lightning_pipe.cost.calibrated.other_cuts`), and every fit kept
+    (``fits``, read once at set-up: ``kept`` and :meth:`closest` price from them)."""
 
     update: UpdatePrices | None = None
     kept: Calibration | None = None
@@ -88,6 +90,7 @@ class StepPrices:
     batch_rows: int = 0
     reduce_overlap: float = 1.0
     model: str | None = None
+    fits: KeptFits = field(default_factory=KeptFits)
 
     @classmethod
     def of(
@@ -108,22 +111,23 @@ class StepPrices:
         floating = [p.dtype for layer in layers for p in layer.parameters() if p.is_floating_point()]
         rate = update_rate(optimizer, device, floating[0]) if floating else None
         key, model = profile_key(layers, names, (), device, 0), model_key(layers, device)
+        fits = KeptFits() if directory is None else kept_fits(directory, key, model)
         return cls(
             UpdatePrices.of(rate, layers),
-            kept_calibration(directory, key, shape, model),
+            fits.closest(shape),
             directory,
             key,
             bandwidth,
             batch_rows,
             reduce_overlap,
             model,
+            fits,
         )
 
     def closest(self, family: str, microbatches: int, pinned: bool | None) -> Calibration | None:
         """The calibration kept closest to ``family`` on ``microbatches`` micro-batches, ``pinned`` or
-        not (:func:`~lightning_pipe.cost.calibrated.kept_calibration`)."""
-        shape = run_shape(family, self.batch_rows, microbatches, pinned)
-        return kept_calibration(self.directory, self.key, shape, self.model)
+        not, among what earlier fits kept (read once, when the fit set up: ``fits``)."""
+        return self.fits.closest(run_shape(family, self.batch_rows, microbatches, pinned))
 
     @property
     def scale(self) -> float:
