@@ -64,16 +64,18 @@ measuring the grid, chosen on the other rounds and timed in the same round as th
 best, alternately — each timed over ``--seconds``, ``--pair-steps`` steps at least, and gives the
 median of the pairs' ratios:
 the machine drifts 15-26% over one fit here (``bench/step_drift.py``), so a ratio of two trainings run
-seconds apart is what it moves least. Each of the pick's trainings searches anew, so the pairs also
-show how often it chooses which configuration. ``--against NAME`` leaves the grid out and pairs the
-pick with the configuration ``NAME`` (as the grid names it): the first pick then has only what
-the one fit before it kept, as a user's second fit.
+seconds apart is what it moves least; with the interval of the pairs' ratios that holds their median
+at 90% or more (:mod:`median_interval`: with 4 pairs, the smallest to the largest, 87.5%). Each of the
+pick's trainings searches anew, so the pairs also show how often it chooses which configuration.
+``--against NAME`` leaves the grid out and pairs the pick with the configuration ``NAME`` (as the grid
+names it): the first pick then has only what the one fit before it kept, as a user's second fit.
 Absolute figures are this machine's (both processes share its cores); the fractions carry over.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import logging
@@ -96,6 +98,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/user_modules.py: the transformers
 
+from median_interval import MedianInterval, median_interval
 from trainer_runs import Classifier, StepTimes, timed_trainer
 
 from lightning_pipe import PipelineStrategy
@@ -382,6 +385,7 @@ def measure_pairs(
     return {
         "best": best,
         "pick_of_best": statistics.median(ratios),
+        "interval": dataclasses.asdict(median_interval(ratios)),
         "per_pair": ratios,
         "pick_ran": [pair[PICK]["label"] for pair in pairs],
         "pick_error": [_error(pair[PICK]["predicted"], pair[PICK]["step"]) for pair in pairs],
@@ -477,6 +481,7 @@ def _print_pairs(paired: list[dict[str, Any]]) -> None:
         "model",
         "grid's best",
         "pick / best, paired (median)",
+        "interval of the median",
         "each pair",
         "the pick ran",
         "pick's prediction",
@@ -486,6 +491,7 @@ def _print_pairs(paired: list[dict[str, Any]]) -> None:
         pairs = result["pairs"]
         print(
             f"| {result['model']} | {pairs['best']} | {pairs['pick_of_best']:.2f} | "
+            f"{MedianInterval(**pairs['interval'])} | "
             + ", ".join(f"{r:.2f}" for r in pairs["per_pair"])
             + f" | {'; '.join(pairs['pick_ran'])} | "
             + ", ".join(_percent(e) for e in pairs["pick_error"])
