@@ -33,7 +33,6 @@ from lightning_pipe.cost.calibrated import (
 )
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
-from lightning_pipe.partition import evaluate
 from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict, schedule_of
 from lightning_pipe.runtime import run_local
 from lightning_pipe.schedule import StageCosts, simulate
@@ -56,6 +55,7 @@ from lightning_pipe.strategy.trials import (
     trial_steps,
 )
 from tests.lightning_cases import Chain, loader, trainer
+from tests.stage_plans import one_layer_per_stage
 
 
 @settings(max_examples=60, deadline=None)
@@ -295,14 +295,6 @@ def test_a_calibration_refuses_what_no_run_measures(field: str) -> None:
         Calibration(**values)
 
 
-def _stage_plan(forward: list[float], backward: list[float]) -> StagePlan:
-    """One layer per stage, planned as the strategy plans (activations of 1 kB, weights of 10 kB)."""
-    n = len(forward)
-    costs = ChainCosts.from_lists(forward, backward, activation=[1e3] * n, params=[1e4] * n)
-    plan = evaluate(costs, [[s] for s in range(n)], partitioner="auto", devices=n)
-    return StagePlan(tuple((s, s) for s in range(n)), plan, costs)
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.tuples(st.floats(1e-3, 1.0), st.floats(1e-3, 1.0), st.floats(0.0, 0.1)), min_size=2, max_size=3),
@@ -318,7 +310,7 @@ def test_the_prediction_prices_the_run_beyond_the_profile_as_the_simulator_would
     """Oracle: the schedule simulated with each action at ``scale`` × its profile + ``fixed``, each
     stage's update and the links given, built by hand."""
     forward, backward, update = (list(column) for column in zip(*stages, strict=True))
-    plan = _stage_plan(forward, backward)
+    plan = one_layer_per_stage(forward, backward)
     options = ScheduleOptions(family=family, microbatches=m).on_workers(len(stages))
     got = predict(plan, options, m, 1.0, False, fixed, update, scale, bandwidth)
     costs = StageCosts(

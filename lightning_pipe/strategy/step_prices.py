@@ -209,7 +209,8 @@ def measured_calibration(
     median leaves over ``stage_plan`` simulated with them (and ``prices``' updates and links).
 
     Where the actions as measured predict a longer step than the run's, with nothing beyond them,
-    their rate is brought down to the one that predicts the run's step (:func:`_rate_for`): one rate
+    their rate is brought down to the one that predicts the run's step (:func:`_rate_for`), and no
+    time beyond the actions is kept (a flushing family priced with it would add all of it): one rate
     for every stage prices the stage that bounds the step at the stages' mean, and a run whose
     stages' rates differ then predicts its own step long (torchvision's ResNet-18: a 2BW fit on 8
     micro-batches kept its actions at 1.79x the profile, and the next fits on 8 micro-batches ran
@@ -227,8 +228,8 @@ def measured_calibration(
     def shortest(rate: float) -> float:  # the step predicted at ``rate`` with nothing beyond the actions
         return Calibration(rate, fixed, 0.0).seconds(simulated(rate))
 
-    if shortest(scale) > median:
-        scale = _rate_for(shortest, median, scale)
+    if shortest(scale) > median:  # nothing measured beyond the actions: none is priced
+        return Calibration(_rate_for(shortest, median, scale), fixed, 0.0, measured_on, replicating)
     return Calibration.fitted(scale, fixed, simulated(scale), median, measured_on, replicating)
 
 
