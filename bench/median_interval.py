@@ -3,9 +3,9 @@ measured on a shared machine are neither normal nor free of outliers.
 
 Of ``n`` independent draws, each falls below the true median with probability one half, so the
 number below it is binomial (n, 1/2), and the ``k``-th smallest and ``k``-th largest draws bracket the
-median with probability ``1 - 2 P(B < k)``: the interval of the sign test. With 4 draws the widest, from the smallest to
-the largest, holds 87.5%; with 8, from the second to the seventh, 93%; with 16, from the fifth to the
-twelfth, 92%.
+median with probability ``1 - 2 P(B < k)``: the interval of the sign test. With 4 draws the widest,
+from the smallest to the largest, holds 87.5%; with 8, from the second to the seventh, 93%; with 16,
+from the fifth to the twelfth, 92%.
 """
 
 from __future__ import annotations

@@ -225,12 +225,14 @@ def measured_calibration(
         assert simulation is not None
         return Predicted.of(simulation)
 
-    def shortest(rate: float) -> float:  # the step predicted at ``rate`` with nothing beyond the actions
-        return Calibration(rate, fixed, 0.0).seconds(simulated(rate))
+    def shortest(rate: float, running: Predicted | None = None) -> float:
+        """The step predicted at ``rate`` with nothing beyond the actions (``running``: simulated at it)."""
+        return Calibration(rate, fixed, 0.0).seconds(running or simulated(rate))
 
-    if shortest(scale) > median:  # nothing measured beyond the actions: none is priced
+    running = simulated(scale)
+    if shortest(scale, running) > median:  # nothing measured beyond the actions: none is priced
         return Calibration(_rate_for(shortest, median, scale), fixed, 0.0, measured_on, replicating)
-    return Calibration.fitted(scale, fixed, simulated(scale), median, measured_on, replicating)
+    return Calibration.fitted(scale, fixed, running, median, measured_on, replicating)
 
 
 RATE_STEPS = 20
