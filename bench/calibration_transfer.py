@@ -22,32 +22,42 @@ median, as the package does: ``closest_fits``, ``typical``), the same pinning fi
   telling one stage per worker from several (interleaved, looped BFS);
 - ``+ split backward`` (the package's rule): the kind also telling a backward in two actions (ZB-H1)
   from one.
+
+A second table asks which fits to price a shape new to the model with (a family, rows and pinning no
+earlier fit ran, its family perhaps run before at other rows or pinning): those of the one closest
+shape, the last kept among the equally close (the package's, ``closest_fits``), or those of every
+shape as close, pooled (their lower median, the last five).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_pipe.cost.calibrated import (
+    KEPT_PER_SHAPE,
     REPLICATING_FAMILIES,
     Calibration,
     Kind,
     RunShape,
     closest_fits,
+    closest_kept,
     family_kind,
     typical,
 )
 from lightning_pipe.schedule.options import LOOPED_FAMILIES
 
 Entry = dict[str, object]
+Rule = Callable[[Entry, list[Entry]], Calibration]
+"""What prices a fit from the fits kept before it."""
 
 KINDS: dict[str, Kind] = {
     "replication": lambda family: (family in REPLICATING_FAMILIES,),
@@ -67,10 +77,38 @@ def first_fits(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
                 yield entry, earlier
 
 
+def new_shapes(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
+    """Each fit of a shape (family, rows, pinning) new to its model, with the fits kept before it."""
+    for path in files:
+        runs = json.loads(path.read_text())["runs"]
+        for index, entry in enumerate(runs):
+            earlier = runs[:index]
+            if earlier and not any(_shape(entry).matches(other) for other in earlier):
+                yield entry, earlier
+
+
+def _shape(entry: Entry) -> RunShape:
+    return RunShape(str(entry["family"]), int(entry["rows"]), bool(entry["pinned"]))
+
+
 def picked(kind: Kind, entry: Entry, earlier: list[Entry]) -> Calibration:
     """The calibration the rule telling families apart by ``kind`` prices ``entry`` with from ``earlier``."""
-    shape = RunShape(str(entry["family"]), int(entry["rows"]), bool(entry["pinned"]))
-    return typical(closest_fits(earlier, shape, kind))
+    return typical(closest_fits(earlier, _shape(entry), kind))
+
+
+def pooled(entry: Entry, earlier: list[Entry]) -> Calibration:
+    """The calibration of the last :data:`KEPT_PER_SHAPE` fits in ``earlier`` of every shape as close to
+    ``entry``'s as the closest (``RunShape.closeness``)."""
+    shape = _shape(entry)
+    level = shape.closeness(closest_kept(earlier, shape))
+    return typical([other for other in earlier if shape.closeness(other) == level][-KEPT_PER_SHAPE:])
+
+
+SHAPE_RULES: dict[str, Rule] = {
+    "the closest shape (the package's)": lambda entry, earlier: picked(family_kind, entry, earlier),
+    "every shape as close, pooled": pooled,
+}
+"""Which kept fits price a shape new to the model."""
 
 
 def _summary(errors: list[float]) -> str:
@@ -89,13 +127,22 @@ def main(argv: list[str] | None = None) -> None:
     fits = list(first_fits(files))
     if not fits:
         parser.error("no calibration kept there: run bench/auto_plan.py first, or name its directories")
-    picks = {name: [picked(kind, entry, earlier) for entry, earlier in fits] for name, kind in KINDS.items()}
+    print(f"{len(fits)} first fits of a family, {len(files)} calibration files in {len(directories)} directories")
+    _table(fits, {name: functools.partial(picked, kind) for name, kind in KINDS.items()})
+    shapes = list(new_shapes(files))
+    print(f"\n{len(shapes)} first fits of a shape")
+    _table(shapes, SHAPE_RULES)
+
+
+def _table(fits: list[tuple[Entry, list[Entry]]], rules: dict[str, Rule]) -> None:
+    """How far the rate each rule prices each of ``fits`` with lies from the fit's own, over every fit
+    and over those where the rules picked differently."""
+    picks = {name: [rule(entry, earlier) for entry, earlier in fits] for name, rule in rules.items()}
     errors = {
         name: [abs(p.scale / float(entry["scale"]) - 1) for p, (entry, _) in zip(chosen, fits, strict=True)]
         for name, chosen in picks.items()
     }
     differ = [i for i in range(len(fits)) if len({chosen[i] for chosen in picks.values()}) > 1]
-    print(f"{len(fits)} first fits of a family, {len(files)} calibration files in {len(directories)} directories")
     print("| rule | all: median | mean | within 10% | where the rules differ: median | mean | within 10% |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, found in errors.items():
