@@ -3,7 +3,10 @@
 :func:`capture` is the whole step: trace (:mod:`.graph`, :mod:`.tracer`), group into layers and build
 them (:mod:`.layers`); where the layers branch, :meth:`CapturedForward.reordered` lays them out in
 another topological order (:mod:`.layer_order`). The strategy then profiles the layers, partitions
-them into stages and verifies the chain (:mod:`.verify`).
+them into stages and verifies the chain (:mod:`.verify`). Around the trace: :mod:`.compiled` (a
+``torch.compile``d module's original modules and settings), :mod:`.generation_cache` (``transformers``'
+cache off while capturing), :mod:`.module_attributes` (attributes ``forward`` reads, read live or
+checked for a change) and :mod:`.describe` (the captured ``forward`` in words).
 """
 
 from __future__ import annotations

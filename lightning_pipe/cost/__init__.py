@@ -5,8 +5,10 @@ for the backward from :mod:`.saved_bytes`; a meta-device model's times from its 
 rate of :mod:`.flop_rate`) into cost records (:mod:`.records`), which profile files save and load
 (:mod:`.profile_file`, PipeDream's ``graph.txt`` through :mod:`.pipedream_graph`) and runs keep
 (:mod:`.profile_cache`, with the load of :mod:`.machine_load` they were measured under). The
-memory model of a stage under a schedule (:mod:`.memory`) and the network between devices
-(:mod:`.network`) complete what a partitioner weighs.
+memory model of a stage under a schedule (:mod:`.memory`, a layer's backward from
+:mod:`.backward_bytes`) and the network between devices (:mod:`.network`) complete what a partitioner
+weighs. The printed prediction also prices each stage's optimizer update (:mod:`.update_rate`) and what
+earlier runs measured beyond the profile (:mod:`.calibrated`).
 """
 
 from lightning_pipe.cost.memory import MemoryModel

@@ -5,6 +5,11 @@ memory model, network) and returns a :class:`Plan` evaluated by one common defin
 (:func:`evaluate`). Use :func:`partition` with a name from :data:`PARTITIONERS`. A branching graph
 (:class:`~lightning_pipe.cost.pipedream_graph.LayerDag`) is split over its antichains by
 :func:`lightning_pipe.partition.antichain.antichain_plan`, outside the registry (its docstring says why).
+Its modules: :mod:`.request` (what a partitioner is asked), :mod:`.plan` (the plan and its evaluation),
+:mod:`.plan_file` (plan files read back); the partitioners :mod:`.balanced` (uniform, params, time,
+flops), :mod:`.contiguous` (optimal, with replication and memory limits), :mod:`.pipedream` (PipeDream's
+and Black GPipe's), :mod:`.noncontiguous` (Beaumont et al. §6), :mod:`.exact` (the brute-force oracle)
+and :mod:`.antichain`.
 """
 
 from __future__ import annotations

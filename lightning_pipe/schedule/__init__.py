@@ -2,7 +2,18 @@
 
 :func:`make_schedule` builds a family by name, assigns the weight versions of its update rule and
 validates it (:func:`build_schedule` also returns the validated dependency graph);
-:func:`~lightning_pipe.schedule.simulate.simulate` predicts it.
+:func:`~lightning_pipe.schedule.simulate.simulate` predicts it. Its modules, by what they do:
+
+- **the IR**: :mod:`.ir` (each worker's ordered actions), :mod:`.options` (a schedule's options),
+  :mod:`.graph` (who waits for whom), :mod:`.validate`, :mod:`.versions` (the weight version each
+  action uses, by update rule), :mod:`.lower` (the messages spelt out);
+- **the families**: :mod:`.pipeline` (GPipe, 1F1B, interleaved and looped), :mod:`.zero_bubble`,
+  :mod:`.early` (backwards that send their input gradient first), :mod:`.asynchronous` (PipeDream,
+  2BW), :mod:`.beaumont` (1F1B* and k-periodic), :mod:`.cyclic` (CDP), :mod:`.master` (Rahimi's
+  ``w(s, b, d)``, made into orders by :mod:`.greedy`), :mod:`.one_device` (every stage on one device);
+- **prediction**: :mod:`.stage_costs` (what each action costs), :mod:`.simulate` and
+  :mod:`.simulation` (the replay and what it predicts), :mod:`.traffic` and :mod:`.backlog` (its
+  messages), :mod:`.in_flight` and :mod:`.peak_memory` (its memory), :mod:`.draw` (the pictures).
 """
 
 from __future__ import annotations
