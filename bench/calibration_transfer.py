@@ -26,7 +26,9 @@ median, as the package does: ``closest_fits``, ``typical``), the same pinning fi
 A second table asks which fits to price a shape new to the model with (a family, rows and pinning no
 earlier fit ran, its family perhaps run before at other rows or pinning): those of the one closest
 shape, the last kept among the equally close (the package's, ``closest_fits``), or those of every
-shape as close, pooled (their lower median, the last five).
+shape as close, pooled (their lower median, the last five). A third asks it of a shape kept before:
+its own fits (the package's), or the last fit of its rows and kind whatever its pinning, or the last
+of another family: how much of a fit's rate is the machine's drift since its shape last ran.
 """
 
 from __future__ import annotations
@@ -67,24 +69,29 @@ KINDS: dict[str, Kind] = {
 """How each rule tells families apart; every rule ranks with ``RunShape.closeness``."""
 
 
-def first_fits(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
-    """Each fit of a family new to its model, with the fits kept before it, from calibration ``files``."""
+def _fits(files: list[Path], which: Callable[[Entry, list[Entry]], bool]) -> Iterator[tuple[Entry, list[Entry]]]:
+    """Each fit in calibration ``files`` that ``which`` takes, with the fits of its model kept before it."""
     for path in files:
         runs = json.loads(path.read_text())["runs"]
         for index, entry in enumerate(runs):
             earlier = runs[:index]
-            if earlier and all(other["family"] != entry["family"] for other in earlier):
+            if earlier and which(entry, earlier):
                 yield entry, earlier
+
+
+def first_fits(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
+    """Each fit of a family new to its model, with the fits kept before it, from calibration ``files``."""
+    return _fits(files, lambda entry, earlier: all(other["family"] != entry["family"] for other in earlier))
 
 
 def new_shapes(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
     """Each fit of a shape (family, rows, pinning) new to its model, with the fits kept before it."""
-    for path in files:
-        runs = json.loads(path.read_text())["runs"]
-        for index, entry in enumerate(runs):
-            earlier = runs[:index]
-            if earlier and not any(_shape(entry).matches(other) for other in earlier):
-                yield entry, earlier
+    return _fits(files, lambda entry, earlier: not any(_shape(entry).matches(other) for other in earlier))
+
+
+def kept_shapes(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
+    """Each fit of a shape its model kept fits of before, with the fits kept before it."""
+    return _fits(files, lambda entry, earlier: any(_shape(entry).matches(other) for other in earlier))
 
 
 def _shape(entry: Entry) -> RunShape:
@@ -111,6 +118,27 @@ SHAPE_RULES: dict[str, Rule] = {
 """Which kept fits price a shape new to the model."""
 
 
+def latest(entry: Entry, earlier: list[Entry], other_family: bool = False) -> Calibration:
+    """The last fit in ``earlier`` of ``entry``'s rows and kind (:func:`family_kind`), whatever its
+    pinning (``other_family``: of another family than ``entry``'s), else the package's pick."""
+    alike = [
+        other
+        for other in earlier
+        if other["rows"] == entry["rows"]
+        and family_kind(other["family"]) == family_kind(entry["family"])
+        and not (other_family and other["family"] == entry["family"])
+    ]
+    return typical(alike[-1:]) if alike else picked(family_kind, entry, earlier)
+
+
+AGAIN_RULES: dict[str, Rule] = {
+    "its shape's fits (the package's)": lambda entry, earlier: picked(family_kind, entry, earlier),
+    "the last fit of its rows and kind": latest,
+    "the last of another family": lambda entry, earlier: latest(entry, earlier, other_family=True),
+}
+"""Which kept fits price a shape kept before: its own, or the most recent of its kind (the machine's drift)."""
+
+
 def _summary(errors: list[float]) -> str:
     if not errors:
         return "- | - | -"
@@ -132,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     shapes = list(new_shapes(files))
     print(f"\n{len(shapes)} first fits of a shape")
     _table(shapes, SHAPE_RULES)
+    again = list(kept_shapes(files))
+    print(f"\n{len(again)} fits of a shape kept before")
+    _table(again, AGAIN_RULES)
 
 
 def _table(fits: list[tuple[Entry, list[Entry]]], rules: dict[str, Rule]) -> None:

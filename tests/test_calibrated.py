@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import os
-import runpy
 import statistics
 import tempfile
 from datetime import timedelta
@@ -614,49 +613,3 @@ def test_a_kept_calibration_prices_the_same_actions_on_either_profile(
     assert (converted.fixed, converted.per_step) == (kept.fixed, kept.per_step)
     assert math.isclose(basis.to_layers(converted, m).scale, kept.scale, rel_tol=1e-9)
     assert basis.to_chain(None, m) is None
-
-
-def test_the_transfer_bench_replays_the_calibrations_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``bench/calibration_transfer.py`` prices each fit of a family new to the model from the fits kept
-    before it: a 2BW fit kept after a 1F1B and an interleaved one is priced from the interleaved one
-    (the last kept of its replication) by the coarse rule, from 1F1B's (one stage per worker) by the
-    package's."""
-    runs = [
-        {"family": family, "rows": 8, "pinned": False, "scale": scale, "fixed": 0, "per_step": 0, "measured_on": family}
-        for family, scale in (("1f1b", 2.0), ("interleaved", 3.4), ("2bw", 2.1))
-    ]
-    (tmp_path / "calibration-key.json").write_text(json.dumps({"runs": runs}))
-    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "calibration_transfer.py"))
-    fits = list(bench["first_fits"]([tmp_path / "calibration-key.json"]))
-    assert [entry["family"] for entry, _ in fits] == ["interleaved", "2bw"]
-    kinds = bench["KINDS"]
-    assert bench["picked"](kinds["replication"], *fits[1]).measured_on == "interleaved"
-    assert bench["picked"](kinds["+ split backward (the package's)"], *fits[1]).measured_on == "1f1b"
-    bench["main"]([str(tmp_path)])
-    table = capsys.readouterr().out
-    assert "2 first fits of a family" in table
-    assert "| replication | 52% | 52% | 0 of 2 | 62% | 62% | 0 of 1 |" in table  # 3.4 / 2.1 and 2.0 / 3.4
-    assert "| + split backward (the package's) | 23% | 23% | 1 of 2 | 5% | 5% | 1 of 1 |" in table
-
-
-def test_the_transfer_bench_replays_shapes_new_to_the_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``bench/calibration_transfer.py``'s second table prices each fit of a shape new to the model: a
-    2BW fit kept after a 1F1B and a GPipe one, both of its kind and rows, is priced from the last of
-    them (GPipe's) by the package's rule, from the lower median of both by the pooled one."""
-    runs = [
-        {"family": family, "rows": 8, "pinned": False, "scale": scale, "fixed": 0, "per_step": 0, "measured_on": family}
-        for family, scale in (("1f1b", 2.0), ("gpipe", 2.6), ("2bw", 2.1))
-    ]
-    (tmp_path / "calibration-key.json").write_text(json.dumps({"runs": runs}))
-    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "calibration_transfer.py"))
-    shapes = list(bench["new_shapes"]([tmp_path / "calibration-key.json"]))
-    assert [entry["family"] for entry, _ in shapes] == ["gpipe", "2bw"]
-    package, pooled = bench["SHAPE_RULES"].values()
-    assert package(*shapes[1]).measured_on == "gpipe"
-    assert pooled(*shapes[1]).scale == 2.0
-    bench["main"]([str(tmp_path)])
-    table = capsys.readouterr().out
-    assert "2 first fits of a shape" in table
-    # 2.0 / 2.6 and 2.6 / 2.1; pooled, 2.0 / 2.6 and 2.0 / 2.1
-    assert "| the closest shape (the package's) | 23% | 23% | 0 of 2 | 24% | 24% | 0 of 1 |" in table
-    assert "| every shape as close, pooled | 14% | 14% | 1 of 2 | 5% | 5% | 1 of 1 |" in table
