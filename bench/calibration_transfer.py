@@ -1,6 +1,6 @@
-"""How well the calibration a fit of one schedule family kept prices a fit of another: the rule that
-picks the kept calibration closest to a configuration (``RunShape.closeness`` in
-``lightning_pipe/cost/calibrated.py``) against coarser rules, replayed on the calibrations real fits kept.
+"""How well the calibrations earlier fits kept price the next fit: the rule that picks the kept
+calibration closest to a configuration (``RunShape.closeness`` in ``lightning_pipe/cost/calibrated.py``)
+against other rules, replayed on the calibrations real fits kept.
 
 Run: ``python bench/calibration_transfer.py [DIR ...]`` (default: the directories ``bench/auto_plan.py``
 kept its profiles and calibrations in, ``$TMPDIR/auto_plan_profiles_*``; seconds).
