@@ -147,17 +147,26 @@ def test_the_heap_alive_at_the_start_is_frozen_out_of_later_collections() -> Non
 def test_a_heap_frozen_before_is_left_as_it_is() -> None:
     """Objects frozen before the executor (a forkserver's imports: ``frozen_preload``) stay frozen
     through it and after it, and nothing is added to them; a cycle made meanwhile is still freed by
-    the aligned collection."""
+    the aligned collection. The frozen count may fall meanwhile: a frozen object is still freed when
+    its last reference goes, as the test runner's own threads let some go (2 of 863428 in one run)."""
     gc.unfreeze()
+    kept = [[] for _ in range(100)]  # alive before the executor starts
     gc.freeze()
     frozen = gc.get_freeze_count()
-    collection = AlignedCollection(3)
+
+    def left_as_it_is() -> None:
+        assert gc.get_freeze_count() <= frozen  # nothing added
+        assert not any(item is kept for item in gc.get_objects())  # still frozen: in no generation
+
     try:
-        assert gc.get_freeze_count() == frozen
-        _assert_full_frees_a_new_cycle(collection)
+        collection = AlignedCollection(3)
+        try:
+            left_as_it_is()
+            _assert_full_frees_a_new_cycle(collection)
+        finally:
+            collection.close()
+        left_as_it_is()
     finally:
-        collection.close()
-        assert gc.get_freeze_count() == frozen
         gc.unfreeze()
 
 
