@@ -25,7 +25,7 @@ median, as the package does: ``closest_fits``, ``typical``), the same pinning fi
 
 A second table asks which fits to price a shape new to the model with (a family, rows and pinning no
 earlier fit ran, its family perhaps run before at other rows or pinning): those of the one closest
-shape, the last kept among the equally close (the package's, ``closest_fits``), or those of every
+shape, the last kept among the equally close (the package's, ``KeptFits.closest``), or those of every
 shape as close, pooled (their lower median, the last five). A third asks it of a shape kept before:
 its own fits (the package's), or the last fit of its rows and kind whatever its pinning, or the last
 of another family: how much of a fit's rate is the machine's drift since its shape last ran.
@@ -48,6 +48,7 @@ from lightning_pipe.cost.calibrated import (
     KEPT_PER_SHAPE,
     REPLICATING_FAMILIES,
     Calibration,
+    KeptFits,
     Kind,
     RunShape,
     closest_fits,
@@ -69,29 +70,33 @@ KINDS: dict[str, Kind] = {
 """How each rule tells families apart; every rule ranks with ``RunShape.closeness``."""
 
 
-def _fits(files: list[Path], which: Callable[[Entry, list[Entry]], bool]) -> Iterator[tuple[Entry, list[Entry]]]:
-    """Each fit in calibration ``files`` that ``which`` takes, with the fits of its model kept before it."""
-    for path in files:
-        runs = json.loads(path.read_text())["runs"]
+def histories(files: list[Path]) -> list[list[Entry]]:
+    """The fits each calibration file of ``files`` lists, in the order kept (one model each)."""
+    return [json.loads(path.read_text())["runs"] for path in files]
+
+
+def _fits(kept: list[list[Entry]], which: Callable[[Entry, list[Entry]], bool]) -> Iterator[tuple[Entry, list[Entry]]]:
+    """Each fit of the ``kept`` histories that ``which`` takes, with the fits of its model kept before it."""
+    for runs in kept:
         for index, entry in enumerate(runs):
             earlier = runs[:index]
             if earlier and which(entry, earlier):
                 yield entry, earlier
 
 
-def first_fits(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
-    """Each fit of a family new to its model, with the fits kept before it, from calibration ``files``."""
-    return _fits(files, lambda entry, earlier: all(other["family"] != entry["family"] for other in earlier))
+def first_fits(kept: list[list[Entry]]) -> Iterator[tuple[Entry, list[Entry]]]:
+    """Each fit of a family new to its model, with the fits kept before it."""
+    return _fits(kept, lambda entry, earlier: all(other["family"] != entry["family"] for other in earlier))
 
 
-def new_shapes(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
+def new_shapes(kept: list[list[Entry]]) -> Iterator[tuple[Entry, list[Entry]]]:
     """Each fit of a shape (family, rows, pinning) new to its model, with the fits kept before it."""
-    return _fits(files, lambda entry, earlier: not any(_shape(entry).matches(other) for other in earlier))
+    return _fits(kept, lambda entry, earlier: not any(_shape(entry).matches(other) for other in earlier))
 
 
-def kept_shapes(files: list[Path]) -> Iterator[tuple[Entry, list[Entry]]]:
+def kept_shapes(kept: list[list[Entry]]) -> Iterator[tuple[Entry, list[Entry]]]:
     """Each fit of a shape its model kept fits of before, with the fits kept before it."""
-    return _fits(files, lambda entry, earlier: any(_shape(entry).matches(other) for other in earlier))
+    return _fits(kept, lambda entry, earlier: any(_shape(entry).matches(other) for other in earlier))
 
 
 def _shape(entry: Entry) -> RunShape:
@@ -103,6 +108,13 @@ def picked(kind: Kind, entry: Entry, earlier: list[Entry]) -> Calibration:
     return typical(closest_fits(earlier, _shape(entry), kind))
 
 
+def package(entry: Entry, earlier: list[Entry]) -> Calibration:
+    """The package's own lookup (``KeptFits.closest``): the fits of the shape kept closest to ``entry``'s."""
+    found = KeptFits(tuple(earlier)).closest(_shape(entry))
+    assert found is not None, "a fit with fits kept before it is priced"
+    return found
+
+
 def pooled(entry: Entry, earlier: list[Entry]) -> Calibration:
     """The calibration of the last :data:`KEPT_PER_SHAPE` fits in ``earlier`` of every shape as close to
     ``entry``'s as the closest (``RunShape.closeness``)."""
@@ -112,7 +124,7 @@ def pooled(entry: Entry, earlier: list[Entry]) -> Calibration:
 
 
 SHAPE_RULES: dict[str, Rule] = {
-    "the closest shape (the package's)": lambda entry, earlier: picked(family_kind, entry, earlier),
+    "the closest shape (the package's)": package,
     "every shape as close, pooled": pooled,
 }
 """Which kept fits price a shape new to the model."""
@@ -128,11 +140,11 @@ def latest(entry: Entry, earlier: list[Entry], other_family: bool = False) -> Ca
         and family_kind(other["family"]) == family_kind(entry["family"])
         and not (other_family and other["family"] == entry["family"])
     ]
-    return typical(alike[-1:]) if alike else picked(family_kind, entry, earlier)
+    return typical(alike[-1:]) if alike else package(entry, earlier)
 
 
 AGAIN_RULES: dict[str, Rule] = {
-    "its shape's fits (the package's)": lambda entry, earlier: picked(family_kind, entry, earlier),
+    "its shape's fits (the package's)": package,
     "the last fit of its rows and kind": latest,
     "the last of another family": lambda entry, earlier: latest(entry, earlier, other_family=True),
 }
@@ -152,15 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     directories = args.directories or sorted(Path(tempfile.gettempdir()).glob("auto_plan_profiles_*"))
     files = [path for directory in directories for path in sorted(directory.glob("calibration-*.json"))]
-    fits = list(first_fits(files))
+    kept = histories(files)
+    fits = list(first_fits(kept))
     if not fits:
         parser.error("no calibration kept there: run bench/auto_plan.py first, or name its directories")
     print(f"{len(fits)} first fits of a family, {len(files)} calibration files in {len(directories)} directories")
     _table(fits, {name: functools.partial(picked, kind) for name, kind in KINDS.items()})
-    shapes = list(new_shapes(files))
+    shapes = list(new_shapes(kept))
     print(f"\n{len(shapes)} first fits of a shape")
     _table(shapes, SHAPE_RULES)
-    again = list(kept_shapes(files))
+    again = list(kept_shapes(kept))
     print(f"\n{len(again)} fits of a shape kept before")
     _table(again, AGAIN_RULES)
 

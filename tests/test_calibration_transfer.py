@@ -38,7 +38,7 @@ def test_first_fits_of_a_family(tmp_path: Path, capsys: pytest.CaptureFixture[st
     after a 1F1B and an interleaved one is priced from the interleaved one (the last kept of its
     replication) by the coarse rule, from 1F1B's (one stage per worker) by the package's."""
     path, bench = _kept(tmp_path, [("1f1b", False, 2.0), ("interleaved", False, 3.4), ("2bw", False, 2.1)])
-    fits = list(bench["first_fits"]([path]))
+    fits = list(bench["first_fits"](bench["histories"]([path])))
     assert [entry["family"] for entry, _ in fits] == ["interleaved", "2bw"]
     kinds = bench["KINDS"]
     assert bench["picked"](kinds["replication"], *fits[1]).measured_on == "interleaved"
@@ -55,7 +55,7 @@ def test_first_fits_of_a_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str
     kind and rows, is priced from the last of them (GPipe's) by the package's rule, from the lower
     median of both by the pooled one."""
     path, bench = _kept(tmp_path, [("1f1b", False, 2.0), ("gpipe", False, 2.6), ("2bw", False, 2.1)])
-    shapes = list(bench["new_shapes"]([path]))
+    shapes = list(bench["new_shapes"](bench["histories"]([path])))
     assert [entry["family"] for entry, _ in shapes] == ["gpipe", "2bw"]
     package, pooled = bench["SHAPE_RULES"].values()
     assert package(*shapes[1]).measured_on == "gpipe"
@@ -73,7 +73,7 @@ def test_fits_of_a_shape_kept_before(tmp_path: Path, capsys: pytest.CaptureFixtu
     of its rows and kind whatever its pinning, or the last of another family."""
     fits = [("1f1b", False, 2.0), ("2bw", False, 2.4), ("1f1b", True, 2.3), ("1f1b", False, 2.5)]
     path, bench = _kept(tmp_path, fits)
-    again = list(bench["kept_shapes"]([path]))
+    again = list(bench["kept_shapes"](bench["histories"]([path])))
     assert [(entry["family"], entry["scale"]) for entry, _ in again] == [("1f1b", 2.5)]
     assert [rule(*again[0]).scale for rule in bench["AGAIN_RULES"].values()] == [2.0, 2.3, 2.4]
     bench["main"]([str(tmp_path)])

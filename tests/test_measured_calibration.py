@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe.cost.calibrated import Calibration, separated
@@ -19,11 +19,14 @@ from tests.stage_plans import one_layer_per_stage
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.tuples(st.floats(1e-3, 1.0), st.floats(1e-3, 1.0), st.floats(0.5, 2.5)), min_size=2, max_size=3),
-    st.floats(0.0, 1e-3),
+    st.floats(0.0, 0.05),
     st.floats(0.3, 2.0),
     st.sampled_from(["gpipe", "1f1b", "2bw", "cdp"]),
     st.integers(2, 6),
 )
+@example([(0.1, 0.2, 1.0), (0.1, 0.2, 1.5)], 1e-4, 1.5, "1f1b", 2)  # room beyond the actions
+@example([(0.1, 0.2, 1.0), (0.1, 0.2, 1.5)], 1e-4, 0.5, "1f1b", 2)  # the rate brought down
+@example([(1e-3, 1e-3, 1.0), (1e-3, 1e-3, 1.0)], 0.02, 0.3, "gpipe", 4)  # the executor's own time alone is longer
 def test_the_running_configuration_is_predicted_at_its_measured_step(
     stages: list[tuple[float, float, float]], own: float, share: float, family: str, m: int
 ) -> None:
