@@ -28,7 +28,9 @@ earlier fit ran, its family perhaps run before at other rows or pinning): those 
 shape, the last kept among the equally close (the package's, ``KeptFits.closest``), or those of every
 shape as close, pooled (their lower median, the last five). A third asks it of a shape kept before:
 its own fits (the package's), or the last fit of its rows and kind whatever its pinning, or the last
-of another family: how much of a fit's rate is the machine's drift since its shape last ran.
+of another family: how much of a fit's rate is the machine's drift since its shape last ran. The
+package's rule follows half of that drift, as later fits of the kind measured it (``machine_drift``);
+both tables also give the same fits with no drift followed, and the third with all of it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,6 +57,7 @@ from lightning_pipe.cost.calibrated import (
     closest_fits,
     closest_kept,
     family_kind,
+    machine_drift,
     typical,
 )
 from lightning_pipe.schedule.options import LOOPED_FAMILIES
@@ -109,10 +113,25 @@ def picked(kind: Kind, entry: Entry, earlier: list[Entry]) -> Calibration:
 
 
 def package(entry: Entry, earlier: list[Entry]) -> Calibration:
-    """The package's own lookup (``KeptFits.closest``): the fits of the shape kept closest to ``entry``'s."""
+    """The package's own lookup (``KeptFits.closest``): the fits of the shape kept closest to ``entry``'s,
+    their rate following half the machine's drift since (``machine_drift``)."""
     found = KeptFits(tuple(earlier)).closest(_shape(entry))
     assert found is not None, "a fit with fits kept before it is priced"
     return found
+
+
+def undrifted(entry: Entry, earlier: list[Entry]) -> Calibration:
+    """The fits of the shape kept closest to ``entry``'s as they are (the package's before 2026-11-30)."""
+    return picked(family_kind, entry, earlier)
+
+
+def all_drift(entry: Entry, earlier: list[Entry]) -> Calibration:
+    """The fits of the shape kept closest to ``entry``'s, their rate following all of the machine's drift
+    since (``machine_drift``), not half."""
+    fits = closest_fits(earlier, _shape(entry))
+    since = max(index for index, other in enumerate(earlier) if other is fits[-1])
+    found = typical(fits)
+    return replace(found, scale=found.scale * machine_drift(earlier, since, family_kind(entry["family"])))
 
 
 def pooled(entry: Entry, earlier: list[Entry]) -> Calibration:
@@ -125,6 +144,7 @@ def pooled(entry: Entry, earlier: list[Entry]) -> Calibration:
 
 SHAPE_RULES: dict[str, Rule] = {
     "the closest shape (the package's)": package,
+    "the closest shape, no drift followed": undrifted,
     "every shape as close, pooled": pooled,
 }
 """Which kept fits price a shape new to the model."""
@@ -145,6 +165,8 @@ def latest(entry: Entry, earlier: list[Entry], other_family: bool = False) -> Ca
 
 AGAIN_RULES: dict[str, Rule] = {
     "its shape's fits (the package's)": package,
+    "its shape's fits, no drift followed": undrifted,
+    "its shape's fits, all the drift followed": all_drift,
     "the last fit of its rows and kind": latest,
     "the last of another family": lambda entry, earlier: latest(entry, earlier, other_family=True),
 }

@@ -200,16 +200,17 @@ def test_the_last_fits_of_a_shape_are_kept_and_priced_by_their_median(
 ) -> None:
     """Brute force over fits of two shapes kept in any order: each shape keeps its last
     :data:`KEPT_PER_SHAPE` fits, in the order kept, and is priced with the lower median of each figure
-    of them; the other shape's fits do not move it, and price it where it has none."""
-    shapes = {False: RunShape("2bw", 8), True: RunShape("2bw", 8, pinned=True)}
+    of them; the other shape's fits, of another kind, do not move it (no drift of its kind is
+    measured), and price it where it has none."""
+    shapes = {False: RunShape("2bw", 8), True: RunShape("ddp", 8)}
     with tempfile.TemporaryDirectory() as directory:
-        for pinned, scale, fixed, per_step in fits:
-            keep_calibration(Path(directory), "key", shapes[pinned], Calibration(scale, fixed, per_step))
+        for replicated, scale, fixed, per_step in fits:
+            keep_calibration(Path(directory), "key", shapes[replicated], Calibration(scale, fixed, per_step))
         runs = json.loads(calibration_path(Path(directory), "key").read_text())["runs"]
-        for pinned, shape in shapes.items():
-            last = [fit[1:] for fit in fits if fit[0] == pinned][-KEPT_PER_SHAPE:]
-            assert [(r["scale"], r["fixed"], r["per_step"]) for r in runs if r["pinned"] == pinned] == last
-            priced_by = last or [fit[1:] for fit in fits if fit[0] != pinned][-KEPT_PER_SHAPE:]  # none: the other's
+        for replicated, shape in shapes.items():
+            last = [fit[1:] for fit in fits if fit[0] == replicated][-KEPT_PER_SHAPE:]
+            assert [(r["scale"], r["fixed"], r["per_step"]) for r in runs if r["family"] == shape.family] == last
+            priced_by = last or [fit[1:] for fit in fits if fit[0] != replicated][-KEPT_PER_SHAPE:]  # none: the other's
             found = kept_calibration(Path(directory), "key", shape)
             assert _figures(found) == tuple(statistics.median_low(figure) for figure in zip(*priced_by, strict=True))
 

@@ -26,7 +26,10 @@ figures (:func:`typical`): one fit run through a slow stretch of the machine no 
 fit of its shape (on 2 CPU processes a CIFAR ResNet-18's 2BW and CDP fits that ran 1.4-1.7x their usual step
 kept rates of 1.70x and 1.75x the profile, where the same configurations measured 1.17x and 1.20x in the
 next round, and the chain's set-up predictions priced with them missed by 13-40% on five rows:
-``bench/auto_plan.py``, ``docs/measurements.md``).
+``bench/auto_plan.py``, ``docs/measurements.md``). Those fits ran at the machine's rate of their time:
+the rate priced with follows half the drift measured since by later fits of the same kind, each against
+its own shape's fits up to then (:func:`machine_drift`; replayed over 1,975 fits of a shape kept before,
+1,680 came within 10% of their own rate, against 1,580 priced as kept: ``bench/calibration_transfer.py``).
 What a run adds depends on all of these:
 replicas that all-reduce their gradients every step (Rahimi's ``ddp``) spend in their actions the
 waits for the slowest replica, a pipeline does not (on 2 CPU processes an MLP's ``ddp`` run measured
@@ -64,6 +67,8 @@ from lightning_pipe.schedule.options import LOOPED_FAMILIES, PLACED_FAMILIES
 from lightning_pipe.util.units import format_seconds
 
 __all__ = [
+    "DRIFT_FITS",
+    "DRIFT_SHARE",
     "KEPT_PER_SHAPE",
     "REPLICATING_FAMILIES",
     "Calibration",
@@ -79,6 +84,7 @@ __all__ = [
     "keep_calibration",
     "kept_calibration",
     "kept_fits",
+    "machine_drift",
     "other_cuts",
     "separated",
     "typical",
@@ -92,6 +98,15 @@ KEPT_PER_SHAPE = 5
 """The fits of one shape (:class:`RunShape`) whose calibrations are kept: their median (:func:`typical`)
 leaves out up to two measured through a slow stretch of the machine, and follows a lasting change of
 its speed within three fits."""
+
+DRIFT_FITS = 3
+"""The latest fits whose rates tell how the machine drifted (:func:`machine_drift`: their median)."""
+
+DRIFT_SHARE = 0.5
+"""The share of the measured drift a prediction follows (its exponent): the drift is read from fits as
+noisy as the one priced, so half of it. Replayed over 1,975 fits of shapes kept before
+(``bench/calibration_transfer.py``, 2026-11-30), a rate corrected by none of it came within 10% of the
+fit's own on 1,580, by half on 1,680, by all of it on 1,635."""
 
 Kind = Callable[[object], tuple[bool, ...]]
 """What tells schedule families apart for a calibration's lookup (:func:`family_kind`)."""
@@ -318,13 +333,48 @@ class KeptFits:
 
     def closest(self, shape: RunShape | None) -> Calibration | None:
         """The :func:`typical` calibration of the :func:`closest_fits` to ``shape`` (the last kept's
-        shape for ``None``); ``None`` where nothing is kept or what is kept is no calibration."""
+        shape for ``None``), its rate following :data:`DRIFT_SHARE` of the :func:`machine_drift` of
+        ``shape``'s kind since the last of those fits; ``None`` where nothing is kept or what is kept
+        is no calibration."""
         try:
             fits = closest_fits(self.entries, shape)
-            found = typical(fits) if fits else None
+            if not fits:
+                return None
+            found = typical(fits)
+            family = shape.family if shape is not None else fits[-1].get("family")
         except (KeyError, TypeError, PlanningError):  # a figure or a name missing, or not a number
             return None
-        return None if found is None else replace(found, measured_on=found.measured_on + self.said)
+        since = max(index for index, entry in enumerate(self.entries) if entry is fits[-1])
+        drift = machine_drift(self.entries, since, family_kind(family))
+        said = found.measured_on + self.said
+        if drift == 1.0:
+            return replace(found, measured_on=said)
+        factor = drift**DRIFT_SHARE
+        said += f"; its rate x {factor:.2f} for the machine's drift since (later fits measured x {drift:.2f})"
+        return replace(found, scale=found.scale * factor, measured_on=said)
+
+
+def machine_drift(entries: Sequence[dict[str, object]], since: int, kind: tuple[bool, ...]) -> float:
+    """How much slower (above 1) or faster than at kept entry ``since`` the machine runs a family of
+    ``kind`` (:func:`family_kind`) now: the median, over the last :data:`DRIFT_FITS` fits kept after
+    ``since`` of that kind whose shape had fits kept up to ``since``, of each one's ``scale`` over the
+    :func:`typical` scale of those; 1 where there is none. The fits a prediction is priced with ran at
+    the machine's rate of their time, and on 2 shared CPU cores that rate moved between fits minutes
+    apart as much as it differs between families of one kind (``bench/calibration_transfer.py``)."""
+    ratios: list[float] = []
+    for later in reversed(entries[since + 1 :]):
+        if family_kind(later.get("family")) != kind:
+            continue
+        before = [entry for entry in entries[: since + 1] if _shape_of(entry) == _shape_of(later)]
+        try:
+            then, now = typical(before[-KEPT_PER_SHAPE:]).scale, float(later["scale"])  # type: ignore[arg-type]
+        except (KeyError, TypeError, ValueError, PlanningError):  # none before, or not a calibration
+            continue
+        if then > 0 and math.isfinite(now) and now > 0:
+            ratios.append(now / then)
+            if len(ratios) == DRIFT_FITS:
+                break
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def kept_fits(directory: Path, key: str, model: str | None = None) -> KeptFits:
