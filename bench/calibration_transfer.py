@@ -42,12 +42,12 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_pipe.cost.calibrated import (
+    DRIFT_SHARE,
     KEPT_PER_SHAPE,
     REPLICATING_FAMILIES,
     Calibration,
@@ -57,7 +57,6 @@ from lightning_pipe.cost.calibrated import (
     closest_fits,
     closest_kept,
     family_kind,
-    machine_drift,
     typical,
 )
 from lightning_pipe.schedule.options import LOOPED_FAMILIES
@@ -112,26 +111,13 @@ def picked(kind: Kind, entry: Entry, earlier: list[Entry]) -> Calibration:
     return typical(closest_fits(earlier, _shape(entry), kind))
 
 
-def package(entry: Entry, earlier: list[Entry]) -> Calibration:
+def package(entry: Entry, earlier: list[Entry], drift_share: float = DRIFT_SHARE) -> Calibration:
     """The package's own lookup (``KeptFits.closest``): the fits of the shape kept closest to ``entry``'s,
-    their rate following half the machine's drift since (``machine_drift``)."""
-    found = KeptFits(tuple(earlier)).closest(_shape(entry))
+    their rate following ``drift_share`` of the machine's drift since (``machine_drift``; the package's:
+    half; 0, the package's before 2026-11-30)."""
+    found = KeptFits(tuple(earlier)).closest(_shape(entry), drift_share)
     assert found is not None, "a fit with fits kept before it is priced"
     return found
-
-
-def undrifted(entry: Entry, earlier: list[Entry]) -> Calibration:
-    """The fits of the shape kept closest to ``entry``'s as they are (the package's before 2026-11-30)."""
-    return picked(family_kind, entry, earlier)
-
-
-def all_drift(entry: Entry, earlier: list[Entry]) -> Calibration:
-    """The fits of the shape kept closest to ``entry``'s, their rate following all of the machine's drift
-    since (``machine_drift``), not half."""
-    fits = closest_fits(earlier, _shape(entry))
-    since = max(index for index, other in enumerate(earlier) if other is fits[-1])
-    found = typical(fits)
-    return replace(found, scale=found.scale * machine_drift(earlier, since, family_kind(entry["family"])))
 
 
 def pooled(entry: Entry, earlier: list[Entry]) -> Calibration:
@@ -144,7 +130,7 @@ def pooled(entry: Entry, earlier: list[Entry]) -> Calibration:
 
 SHAPE_RULES: dict[str, Rule] = {
     "the closest shape (the package's)": package,
-    "the closest shape, no drift followed": undrifted,
+    "the closest shape, no drift followed": functools.partial(package, drift_share=0.0),
     "every shape as close, pooled": pooled,
 }
 """Which kept fits price a shape new to the model."""
@@ -165,8 +151,8 @@ def latest(entry: Entry, earlier: list[Entry], other_family: bool = False) -> Ca
 
 AGAIN_RULES: dict[str, Rule] = {
     "its shape's fits (the package's)": package,
-    "its shape's fits, no drift followed": undrifted,
-    "its shape's fits, all the drift followed": all_drift,
+    "its shape's fits, no drift followed": functools.partial(package, drift_share=0.0),
+    "its shape's fits, all the drift followed": functools.partial(package, drift_share=1.0),
     "the last fit of its rows and kind": latest,
     "the last of another family": lambda entry, earlier: latest(entry, earlier, other_family=True),
 }

@@ -5,6 +5,7 @@ measured since the priced fits ran (``machine_drift``, ``KeptFits.closest`` in
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import tempfile
 from pathlib import Path
@@ -29,6 +30,9 @@ ASKED = RunShape("gpipe", 8)
 OTHERS = [RunShape("1f1b", 8), RunShape("2bw", 8), RunShape("cdp", 8, pinned=True), RunShape("zb_h1", 4)]
 """Shapes of ``ASKED``'s kind but ``zb_h1``'s (a backward in two actions: another kind)."""
 
+NEW_OF_ITS_KIND = RunShape("pipedream", 8)
+"""A shape of ``ASKED``'s kind that the tests first run after ``ASKED``: its rate then is not known."""
+
 
 def _keep(directory: Path, fits: list[tuple[RunShape, float]]) -> None:
     for shape, scale in fits:
@@ -42,21 +46,29 @@ def _keep(directory: Path, fits: list[tuple[RunShape, float]]) -> None:
     slower=st.floats(0.5, 2.0),
     later=st.lists(st.integers(0, 2), min_size=1, max_size=4),  # a shape's fit before kept (5 kept a shape)
     noise=st.lists(st.tuples(st.sampled_from([3, 4]), st.floats(0.1, 9.0)), max_size=3),
+    order=st.randoms(use_true_random=False),
 )
 def test_a_machine_uniformly_slower_since_prices_half_of_it(
-    own: list[float], before: list[float], slower: float, later: list[int], noise: list[tuple[int, float]]
+    own: list[float],
+    before: list[float],
+    slower: float,
+    later: list[int],
+    noise: list[tuple[int, float]],
+    order: random.Random,
 ) -> None:
     """Fits of three other shapes of the kind asked, then the asked shape's own, then the others again
-    at ``slower`` times their first rate (in any order, any number of times), with fits of another kind
-    or of a shape first run after the asked one's at any rate among them: the machine drifted by
-    ``slower`` exactly, and the asked shape is priced at the lower median of its own rates times
+    at ``slower`` times their first rate (any number of times), with fits of another kind and of a shape
+    of its kind first run after the asked one's, at any rate, among them in any order: the machine
+    drifted by ``slower`` exactly, and the asked shape is priced at the lower median of its own rates times
     ``slower`` ** :data:`DRIFT_SHARE`; its other figures as they were kept."""
     with tempfile.TemporaryDirectory() as name:
         directory = Path(name)
         _keep(directory, list(zip(OTHERS[:3], before, strict=True)))
         _keep(directory, [(ASKED, scale) for scale in own])
-        _keep(directory, [(OTHERS[shape], slower * before[shape]) for shape in later])
-        _keep(directory, [(OTHERS[3] if index == 3 else RunShape("ddp", 8), scale) for index, scale in noise])
+        after = [(OTHERS[shape], slower * before[shape]) for shape in later]
+        after += [(OTHERS[3] if index == 3 else NEW_OF_ITS_KIND, scale) for index, scale in noise]
+        order.shuffle(after)
+        _keep(directory, after)
         found = kept_calibration(directory, "key", ASKED)
     assert found is not None
     assert found.scale == pytest.approx(statistics.median_low(own) * slower**DRIFT_SHARE, rel=1e-9)

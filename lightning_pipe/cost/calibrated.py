@@ -331,11 +331,11 @@ class KeptFits:
     entries: tuple[dict[str, object], ...] = ()
     said: str = ""
 
-    def closest(self, shape: RunShape | None) -> Calibration | None:
+    def closest(self, shape: RunShape | None, drift_share: float = DRIFT_SHARE) -> Calibration | None:
         """The :func:`typical` calibration of the :func:`closest_fits` to ``shape`` (the last kept's
-        shape for ``None``), its rate following :data:`DRIFT_SHARE` of the :func:`machine_drift` of
-        ``shape``'s kind since the last of those fits; ``None`` where nothing is kept or what is kept
-        is no calibration."""
+        shape for ``None``), its rate following ``drift_share`` of the :func:`machine_drift` of
+        ``shape``'s kind since the last of those fits (0: none of it); ``None`` where nothing is kept
+        or what is kept is no calibration."""
         try:
             fits = closest_fits(self.entries, shape)
             if not fits:
@@ -344,12 +344,12 @@ class KeptFits:
             family = shape.family if shape is not None else fits[-1].get("family")
         except (KeyError, TypeError, PlanningError):  # a figure or a name missing, or not a number
             return None
-        since = max(index for index, entry in enumerate(self.entries) if entry is fits[-1])
-        drift = machine_drift(self.entries, since, family_kind(family))
         said = found.measured_on + self.said
+        since = next(index for index, entry in enumerate(self.entries) if entry is fits[-1])
+        drift = machine_drift(self.entries, since, family_kind(family)) if drift_share else 1.0
         if drift == 1.0:
             return replace(found, measured_on=said)
-        factor = drift**DRIFT_SHARE
+        factor = drift**drift_share
         said += f"; its rate x {factor:.2f} for the machine's drift since (later fits measured x {drift:.2f})"
         return replace(found, scale=found.scale * factor, measured_on=said)
 
