@@ -155,17 +155,17 @@ class WindowTimer(L.Callback):
         return (self.end - self.start) / steps, self.between / steps
 
 
-def fit(model: argparse.Namespace, batches: _Batches, strategy: Any, devices: int) -> tuple[float, float]:
-    """Train one epoch of ``batches`` with Lightning: seconds per step and seconds between batches
-    (anything Lightning or the strategy writes goes to ``model.root``, a temporary directory)."""
-    timer = WindowTimer(len(batches))
-    trainer = L.Trainer(
+def trainer(strategy: Any, devices: int, callback: L.Callback, steps: int, root: str) -> L.Trainer:
+    """A Trainer of one epoch of ``steps`` batches on ``devices`` CPU processes, timed by ``callback``,
+    with nothing but the training (no logger, checkpoints, progress bar or validation), writing under
+    ``root``."""
+    return L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        callbacks=[timer],
+        callbacks=[callback],
         max_epochs=1,
-        max_steps=len(batches),
+        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -173,9 +173,15 @@ def fit(model: argparse.Namespace, batches: _Batches, strategy: Any, devices: in
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
-        default_root_dir=model.root,
+        default_root_dir=root,
     )
-    trainer.fit(MLP(model), loader(batches))
+
+
+def fit(model: argparse.Namespace, batches: _Batches, strategy: Any, devices: int) -> tuple[float, float]:
+    """Train one epoch of ``batches`` with Lightning: seconds per step and seconds between batches
+    (anything Lightning or the strategy writes goes to ``model.root``, a temporary directory)."""
+    timer = WindowTimer(len(batches))
+    trainer(strategy, devices, timer, len(batches), model.root).fit(MLP(model), loader(batches))
     assert torch.get_num_threads() == 1, "Lightning changed the thread count"
     return timer.result()
 

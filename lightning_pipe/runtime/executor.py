@@ -51,6 +51,7 @@ from lightning_pipe.runtime.shared_memory_sizes import link_sizes, shared_memory
 from lightning_pipe.runtime.stage_relays import Relays
 from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
 from lightning_pipe.runtime.ties import find_ties, tie_groups
+from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.transport import Transport, post_ahead
 from lightning_pipe.runtime.updates import Updates
 from lightning_pipe.runtime.versions_kept import VersionsKept
@@ -225,7 +226,7 @@ class PipelineExecutor:
         self.batches = MiniBatches(self.rank, m, self.device, self.needs_inputs, self.needs_targets, self.memory)
         self.early_gradients = early_gradients and self.schedule.flush
         self._calls_cache: dict[tuple[int, int], list[Action]] = {}
-        self.timeline: deque[Interval] = deque(maxlen=timeline_length)
+        self.timeline = Timeline(timeline_length)
         self._run_index = -1  # the run (a call or a drain) under way, counted from 0: each interval's ``call``
         self.garbage = AlignedCollection(gc_every)
         self.updates = Updates(
@@ -447,7 +448,7 @@ class PipelineExecutor:
         ``overhead``, ``activation_bytes``, ...); ``to_next``: an action lasts until the worker's next one
         starts (:func:`~lightning_pipe.runtime.calibration.measured_seconds`). A collective: every rank
         must call it."""
-        timeline, stages = self.timeline, self.schedule.stages
+        timeline, stages = self.timeline.since(since_step), self.schedule.stages
         return gathered_stage_costs(
             timeline, self.weights, self.group, self.world, stages, since_step, (to_next,), **network
         )[0]
@@ -456,7 +457,13 @@ class PipelineExecutor:
         """:meth:`measured_costs` both ways from one gather: the actions alone, and each until the
         worker's next one starts (the executor's own time included). A collective."""
         compute, until_next = gathered_stage_costs(
-            self.timeline, self.weights, self.group, self.world, self.schedule.stages, since_step, (False, True)
+            self.timeline.since(since_step),
+            self.weights,
+            self.group,
+            self.world,
+            self.schedule.stages,
+            since_step,
+            (False, True),
         )
         return compute, until_next
 

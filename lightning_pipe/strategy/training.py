@@ -207,7 +207,7 @@ class TrainingHooks:
             return
         since = executor.origin - STEPS_SHOWN
         in_run = executor.measured_costs(since_step=since)
-        timelines = self._gather([i for i in executor.timeline if i.action.step >= since])
+        timelines = self._gather([i for i in executor.timeline.since(since) if i.action.step >= since])
         trainer = self.lightning_module.trainer
         logged = trainer.log_dir  # a collective (broadcast): every rank asks
         if self.global_rank != 0:
