@@ -19,7 +19,8 @@ Its modules, by what they do:
 - **processes**: :mod:`.launch` (local processes joined by gloo; :mod:`.frozen_preload`),
   :mod:`.failure` (every rank stops when one fails), :mod:`.garbage` (collections at the same call on
   every rank), :mod:`.affinity` (threads pinned to cores), :mod:`.allocator` (glibc's heap);
-- **measured for the prediction**: :mod:`.calibration` (stage costs in a running pipeline),
+- **measured for the prediction**: :mod:`.timeline` (the actions run, kept out of the garbage
+  collector's way), :mod:`.calibration` (stage costs in a running pipeline from it),
   :mod:`.activation_memory`, :mod:`.contention`, :mod:`.link_speed`.
 """
 
