@@ -121,8 +121,10 @@ class PipelineExecutor:
         message_bytes: the bytes of one micro-batch's activation leaving each stage but the last
             (and of its gradient coming back), as a plan knows them: they size the rings.
 
-    :attr:`timeline` holds the actions run: each one's start and end (seconds since the executor was
-    made) and the seconds it waited for messages; the rest is its own compute.
+    :attr:`timeline` holds the actions run (a :class:`~lightning_pipe.runtime.timeline.Timeline`,
+    read as :class:`~lightning_pipe.schedule.simulation.Interval` objects): each one's start and end
+    (seconds since the executor was made) and the seconds it waited for messages; the rest is its own
+    compute.
     """
 
     def __init__(
