@@ -5,12 +5,12 @@ An executor records each action it runs with its start, end and waits (an
 in-run calibration, the end-of-fit report and the timelines are drawn from them. Kept as objects,
 every interval and its :class:`~lightning_pipe.schedule.ir.Action` are two more objects that every
 full collection walks (the executor collects every ``gc_every`` calls on every rank,
-:mod:`.garbage`): 100,000 intervals, the default, took 16 ms a collection in a process with nothing
-else alive; a 2-stage MLP's fit grew by twelve tracked objects a step, and its 3 ms steps took 6 ms
-by the time its timeline was full (``bench/long_fit.py``). A :class:`Timeline` keeps each interval
-as a tuple of numbers and strings instead, which CPython stops tracking at the first collection that
-meets it (0.9 ms a collection for 100,000), and makes the intervals again when they are read: a few
-times a fit.
+:mod:`.garbage`): 100,000 intervals, the default, took 17.6 ms a collection in a process with
+nothing else tracked (``bench/gc_pause.py``), and a 2-stage MLP's 3 ms steps took 6 ms by the time
+its timeline was full (``bench/long_fit.py``). A :class:`Timeline` keeps each interval as a tuple of
+numbers and strings instead, which CPython stops tracking at the first collection that meets it
+(0.6 ms a collection for 100,000), and makes the intervals again when they are read: a few times a
+fit.
 """
 
 from __future__ import annotations
