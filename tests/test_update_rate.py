@@ -110,3 +110,49 @@ def test_each_stage_is_priced_by_the_parameters_its_optimizer_steps(
         nbytes = sum(p.numel() * 4 for p in held.values())
         assert seconds == pytest.approx(rate.seconds(len(held), nbytes))
     assert UpdatePrices.of(None, layers) is None
+
+
+def test_every_timed_step_finds_the_caches_emptied() -> None:
+    """A run's update finds its weights, gradients and states evicted by the forwards and backwards
+    since the last: each step measured (the untimed ones too) comes right after a write that empties
+    the caches, and the clock runs around the step alone."""
+    events: list[str] = []
+    clock = _Clock()
+
+    class Recorded(torch.optim.SGD):
+        def step(self, closure: object = None) -> None:  # type: ignore[override]
+            events.append("step")
+            clock.now += 1.0
+
+    def timed() -> float:
+        events.append("clock")
+        return clock()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "evictor", lambda device: lambda: events.append("evict"))
+        patch.setattr(module.time, "perf_counter", timed)
+        patch.setattr(module, "_MEASURED", {})
+        assert update_rate(Recorded(nn.Linear(2, 2).parameters(), lr=0.1), CPU, torch.float32) is not None
+    one_set = ["evict", "clock", "step"] * module.WARMUP + ["evict", "clock", "step", "clock"] * module.REPEATS
+    assert events == one_set * 2
+
+
+def test_the_caches_emptied_are_at_least_twice_the_last_level_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twice the L3 the C library reports, where it reports one larger than half the floor; the floor
+    where it reports none."""
+    assert module.evicted_bytes(CPU) >= module.EVICTED_AT_LEAST
+    monkeypatch.setattr(module.os, "sysconf_names", {"SC_LEVEL3_CACHE_SIZE": 0})
+    monkeypatch.setattr(module.os, "sysconf", lambda name: 96 << 20)
+    assert module.evicted_bytes(CPU) == 192 << 20
+    monkeypatch.setattr(module.os, "sysconf", lambda name: 0)
+    assert module.evicted_bytes(CPU) == module.EVICTED_AT_LEAST
+
+
+def test_the_eviction_writes_the_whole_buffer() -> None:
+    """The buffer written is as large as asked, and each call writes every element."""
+    evict = module.evictor(CPU)
+    cells = evict.__closure__[0].cell_contents  # type: ignore[index]
+    assert cells.numel() * 4 == module.evicted_bytes(CPU)
+    before = cells.clone()
+    evict()
+    assert torch.equal(cells, before + 1)

@@ -11,7 +11,15 @@ bandwidth). :func:`update_rate` measures both with the user's optimizer class an
 device — many small tensors, then a few large ones — and solves for the two rates; a stage's update is
 then :meth:`UpdateRate.seconds` of its parameter tensors and bytes, which needs no weights (a
 meta-device model is priced as well). Each measurement is the median of :data:`REPEATS` steps after
-:data:`WARMUP`, and takes 0.05-0.1 s on the CPU here (Adam; SGD 0.02 s), once per process.
+:data:`WARMUP`, once per process.
+
+Each timed step starts with the device's caches emptied (:func:`evicted_bytes` written first), as a
+stage's update finds them in a run: its micro-batches' forwards and backwards ran since it last
+touched its weights, gradients and states. Timed warm, step after step, the large set's 8 MiB of
+weights with their gradients and states stayed in a 32 MiB last-level cache, and priced an SGD step
+with momentum at half its time: over torchvision's ResNet-18 from ``layer4`` on (32 MiB of weights)
+1.8 ms, where it took 3.7 ms cold; measured cold, 3.4 ms (``python bench/update_price.py``,
+``docs/measurements.md``). The eviction adds about 0.1 s to a measurement on the CPU.
 
 An optimizer that cannot be rebuilt that way (a required argument other than the parameters, a step
 that needs a closure) is not priced: :func:`update_rate` returns ``None`` and the update counts 0 s,
@@ -21,9 +29,10 @@ as before it was priced.
 from __future__ import annotations
 
 import inspect
+import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +41,18 @@ from torch import nn
 
 from lightning_pipe.cost.flop_rate import synchronize
 
-__all__ = ["LARGE", "REPEATS", "SMALL", "WARMUP", "UpdatePrices", "UpdateRate", "update_rate"]
+__all__ = [
+    "EVICTED_AT_LEAST",
+    "LARGE",
+    "REPEATS",
+    "SMALL",
+    "WARMUP",
+    "UpdatePrices",
+    "UpdateRate",
+    "evicted_bytes",
+    "evictor",
+    "update_rate",
+]
 
 SMALL = (64, 1024)
 """Tensors and elements per tensor of the set that measures the cost per tensor."""
@@ -42,6 +62,34 @@ WARMUP = 2
 """Steps run before the timed ones (the optimizer's states are made at its first step)."""
 REPEATS = 5
 """Timed steps per set; the median is kept."""
+EVICTED_AT_LEAST = 64 << 20
+"""Bytes written before each timed step, at least (:func:`evicted_bytes`): twice a 32 MiB last-level
+cache, where the device does not tell its own."""
+
+
+def evicted_bytes(device: torch.device) -> int:
+    """Bytes to write on ``device`` to empty its caches: twice its last-level cache as it reports it
+    (an accelerator's L2, the CPU's L3 as the C library reads it), :data:`EVICTED_AT_LEAST` at least."""
+    cache = 0
+    if device.type == "cuda":
+        cache = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+    elif device.type == "cpu" and "SC_LEVEL3_CACHE_SIZE" in os.sysconf_names:
+        try:
+            cache = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+        except (OSError, ValueError):  # not known on this system
+            cache = 0
+    return max(EVICTED_AT_LEAST, 2 * max(cache, 0))
+
+
+def evictor(device: torch.device) -> Callable[[], None]:
+    """What empties ``device``'s caches when called: a write of :func:`evicted_bytes` (one buffer,
+    allocated once)."""
+    buffer = torch.empty(evicted_bytes(device) // 4, device=device)
+
+    def evict() -> None:
+        buffer.add_(1.0)
+
+    return evict
 
 
 @dataclass(frozen=True)
@@ -94,8 +142,9 @@ def _measured(
     kind: type[torch.optim.Optimizer], defaults: dict[str, Any], device: torch.device, dtype: torch.dtype
 ) -> UpdateRate | None:
     try:
-        small = _step_seconds(kind, defaults, device, dtype, *SMALL)
-        large = _step_seconds(kind, defaults, device, dtype, *LARGE)
+        evict = evictor(device)
+        small = _step_seconds(kind, defaults, device, dtype, *SMALL, evict)
+        large = _step_seconds(kind, defaults, device, dtype, *LARGE, evict)
     except Exception:
         return None
     element = torch.empty((), dtype=dtype).element_size()
@@ -115,14 +164,17 @@ def _step_seconds(
     dtype: torch.dtype,
     n: int,
     e: int,
+    evict: Callable[[], None],
 ) -> float:
-    """The median seconds of one step of ``kind`` over ``n`` tensors of ``e`` elements."""
+    """The median seconds of one step of ``kind`` over ``n`` tensors of ``e`` elements, each after
+    ``evict`` (the caches emptied, as a run's update finds them)."""
     params = [nn.Parameter(torch.zeros(e, device=device, dtype=dtype)) for _ in range(n)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     optimizer = kind(params, **defaults)
     times = []
     for index in range(WARMUP + REPEATS):
+        evict()
         synchronize(device)
         start = time.perf_counter()
         optimizer.step()
