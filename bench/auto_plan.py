@@ -53,7 +53,9 @@ which is printed apart, and every row from what earlier fits measured) against t
 every configuration, also the step the pick's calibration predicts for it (the pick's in-run costs:
 ``calibrated error``, where the pick priced the same split). ``rounds apart``: the spread of the
 configuration's step over the rounds (largest - smallest, over the median): what the machine's own
-noise allows a prediction. The summary gives, per model, the
+noise allows a prediction. Above the table, each fit's prediction is also held against its own step,
+in its round (a row's ``error`` holds the median of its rounds' predictions against the median of
+their steps, which the machine's drift between rounds moves apart). The summary gives, per model, the
 pick's samples/s as a fraction of the best measured configuration's: the figure of merit (goal 0.95);
 and, with two rounds or more, as a fraction of the configuration a user would have run after
 measuring the grid, chosen on the other rounds and timed in the same round as the pick (the fastest of
@@ -353,6 +355,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
                 "spread": (max(steps) - min(steps)) / step,
                 "predicted_step": statistics.median(predicted) if predicted else None,
                 "error": _error(statistics.median(predicted), step) if predicted else None,
+                "fit_errors": [_error(r[name]["predicted"], r[name]["step"]) for r in rounds],
                 "calibrated_error": _error(statistics.median(calibrated), step) if calibrated else None,
             }
         )
@@ -419,10 +422,13 @@ def _print(result: dict[str, Any]) -> None:
     steady = [row for row in table if row["spread"] <= 0.1]
     errors = [abs(row["error"]) for row in table if row["error"] is not None]
     median = f", median error {statistics.median(errors):.0%}" if errors else ""
+    fits = [e for row in table for e in row.get("fit_errors", []) if e is not None]
+    own = sum(abs(e) <= 0.1 for e in fits)
     print(
         f"Set-up prediction within 10%: {len(within)} of {len(table)} rows{median}; rounds of one configuration "
         f"within 10% of each other: {len(steady)} of {len(table)} rows, and among them the prediction within 10% on "
-        f"{sum(row in within for row in steady)}\n"
+        f"{sum(row in within for row in steady)}; each fit's prediction against its own step: within 10% on {own} "
+        f"of {len(fits)} fits\n"
     )
     print("| configuration | ran | samples/s | of best | step | rounds apart | predicted | error | calibrated error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

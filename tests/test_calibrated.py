@@ -330,10 +330,12 @@ def test_the_prediction_prices_the_run_beyond_the_profile_as_the_simulator_would
 
 def _fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
     """Worker: the same model trained four times with a profile cache in ``directory``: 1F1B on 2
-    micro-batches twice, then pinned, then ``schedule="auto"`` on 2 micro-batches; what rank 0 priced."""
+    micro-batches twice, then pinned, then ``schedule="auto"`` on 2 micro-batches; then another model
+    (wider) with 1F1B; what rank 0 priced."""
     os.environ["LOCAL_RANK"] = str(rank)
     found = []
-    for fit, (schedule, pinned) in enumerate((("1f1b", False), ("1f1b", False), ("1f1b", True), ("auto", False))):
+    fits = (("1f1b", False, 8), ("1f1b", False, 8), ("1f1b", True, 8), ("auto", False, 8), ("1f1b", False, 16))
+    for fit, (schedule, pinned, width) in enumerate(fits):
         strategy = PipelineStrategy(
             schedule,
             microbatches=[2] if schedule == "auto" else 2,
@@ -342,11 +344,14 @@ def _fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
             timeout=timedelta(seconds=60),
         )
         run = trainer(Path(root, str(fit)), strategy, 2)
-        run.fit(Chain(), loader(10))
+        run.fit(Chain(width=width), loader(10))
         prices = strategy.step_prices
         found.append(
             {
                 "kept": prices.kept,
+                "loop": prices.loop,
+                "loops_kept": [json.loads(p.read_text()) for p in Path(directory).glob("loop-*.json")],
+                "simulated": None if strategy.prediction is None else strategy.prediction.steady_step,
                 "updates": None if prices.update is None else prices.update.stages(strategy.stage_plan.bounds),
                 "planned": strategy.planned_step_seconds,
                 "bandwidth": prices.bandwidth,
@@ -366,7 +371,7 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
     fourth, ``schedule="auto"`` unpinned, prices its winner with the unpinned one, not the last kept,
     brought from the layer-by-layer profile it was kept against to the chain-timed one it plans with."""
     cache = tmp_path / "profiles"
-    first, second, third, chosen = run_local(_fits, 2, str(tmp_path), str(cache), timeout=240)[0]
+    first, second, third, chosen, other = run_local(_fits, 2, str(tmp_path), str(cache), timeout=240)[0]
     assert first["kept"] is None and first["updates"] is not None and min(first["updates"]) > 0
     assert first["bandwidth"] is not None and first["bandwidth"] > 0
     (kept_file,) = first["kept_after"]
@@ -389,6 +394,17 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
         ("1f1b", 5, False),
         ("1f1b", 5, True),
     ]
+    # every fit keeps the training loop's time per step (the file of 2 CPU processes); the first fit of
+    # another model, with no calibration of its own, prices each step with the median of those kept
+    assert first["loop"] is None and first["planned"] == first["simulated"]
+    (loops,) = chosen["loops_kept"]
+    assert [run["seconds"] for run in loops["runs"]][:3] == [
+        run["seconds"] for fit in (first, second, third) for run in fit["loops_kept"][0]["runs"][-1:]
+    ]
+    assert other["kept"] is None and other["loop"] is not None
+    assert math.isclose(other["loop"].per_step, statistics.median(run["seconds"] for run in loops["runs"]))
+    assert other["loop"].per_step > 0
+    assert math.isclose(other["planned"], other["simulated"] + other["loop"].per_step)  # 1F1B flushes
 
 
 @settings(max_examples=60, deadline=None)

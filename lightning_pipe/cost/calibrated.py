@@ -50,11 +50,8 @@ Each holds the configuration it was measured on and when.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -64,6 +61,7 @@ from typing import Protocol
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.schedule import SPLIT_BACKWARD_FAMILIES
 from lightning_pipe.schedule.options import LOOPED_FAMILIES, PLACED_FAMILIES
+from lightning_pipe.util.files import kept_document, kept_runs, replace_json
 from lightning_pipe.util.units import format_seconds
 
 __all__ = [
@@ -380,7 +378,7 @@ def machine_drift(entries: Sequence[dict[str, object]], since: int, kind: tuple[
 def kept_fits(directory: Path, key: str, model: str | None = None) -> KeptFits:
     """The fits kept for ``key`` in ``directory``; where none is, those kept for the other cuts of
     ``model`` into layers (:func:`~lightning_pipe.cost.profile_cache.model_key`; :func:`other_cuts`)."""
-    entries = _entries(_read(calibration_path(directory, key)))
+    entries = kept_runs(kept_document(calibration_path(directory, key)))
     if not entries and model is not None:
         return KeptFits(tuple(other_cuts(directory, model)), "; kept by a fit of another cut of this model into layers")
     return KeptFits(tuple(entries))
@@ -405,24 +403,10 @@ def other_cuts(directory: Path, model: str) -> list[dict[str, object]]:
     came out 14%, 9% and 7% short: ``bench/auto_plan.py``, ``docs/measurements.md``)."""
     found: list[dict[str, object]] = []
     for path in sorted(directory.glob(f"{CALIBRATION_PREFIX}*.json")):
-        kept = _read(path)
-        if isinstance(kept, dict) and kept.get("model") == model:
-            found += _entries(kept)
+        kept = kept_document(path)
+        if kept.get("model") == model:
+            found += kept_runs(kept)
     return sorted(found, key=lambda entry: str(entry.get("written", "")))
-
-
-def _read(path: Path) -> object:
-    """The content of the calibration file ``path`` (``None`` where it is missing or unreadable)."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _entries(kept: object) -> list[dict[str, object]]:
-    """The entries a calibration file's content ``kept`` holds (none where it holds no list of them)."""
-    runs = kept.get("runs") if isinstance(kept, dict) else None
-    return [entry for entry in runs if isinstance(entry, dict)] if isinstance(runs, list) else []
 
 
 def keep_calibration(
@@ -436,19 +420,13 @@ def keep_calibration(
     if directory is None:
         return None
     path = calibration_path(directory, key)
-    entries = _entries(_read(path))  # an unreadable file is replaced
+    entries = kept_runs(kept_document(path))  # an unreadable file is replaced
     alike = [index for index, entry in enumerate(entries) if shape.matches(entry)]
     dropped = set(alike[: max(len(alike) - (KEPT_PER_SHAPE - 1), 0)])
     entries = [entry for index, entry in enumerate(entries) if index not in dropped]
     written = time.strftime("%Y-%m-%d %H:%M:%S")
     measured = {k: v for k, v in asdict(found).items() if k != "replicating"}  # the family says it
     entries.append({**asdict(shape), **measured, "written": written})
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
-            json.dump({"runs": entries} if model is None else {"model": model, "runs": entries}, handle, indent=1)
-            temporary = Path(handle.name)
-        os.replace(temporary, path)
-    except OSError:
+    if not replace_json(path, {"runs": entries} if model is None else {"model": model, "runs": entries}):
         return None
     return path

@@ -50,6 +50,7 @@ from lightning_pipe.cost.machine_load import LOADED, CpuReading, current_load, l
 from lightning_pipe.cost.profile_file import load_profile, save_profile
 from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.util.files import kept_document, replace_json
 from lightning_pipe.util.nested import tensors
 
 __all__ = [
@@ -245,16 +246,12 @@ def forget_profile(costs: ChainCosts, reason: str) -> Path | None:
     if not isinstance(kept, str):
         return None
     path = Path(kept)
-    try:
-        document = json.loads(path.read_text())
-        document.setdefault("meta", {})["stale"] = reason
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
-            temporary = Path(handle.name)
-            handle.write(json.dumps(document, indent=1) + "\n")
-        os.replace(temporary, path)
-    except (OSError, ValueError, AttributeError):
+    document = kept_document(path)
+    meta = document.get("meta", {})
+    if not document or not isinstance(meta, dict):
         return None
-    return path
+    document["meta"] = {**meta, "stale": reason}
+    return path if replace_json(path, document) else None
 
 
 def profile_disagrees(

@@ -419,6 +419,7 @@ class PipelineBuilding:
                 batch_rows,
                 links,
                 self.plan_options.reduce_overlap,
+                self.world_size,
             )
             try:
                 if not meta:  # a model on the meta device has no values to compare

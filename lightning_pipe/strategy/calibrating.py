@@ -45,6 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe.auto import Candidate, ranking_table, search
 from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, Calibration, calibration, separated
+from lightning_pipe.cost.loop_time import keep_loop_seconds, loop_seconds
 from lightning_pipe.cost.profile_cache import forget_profile, profile_disagrees
 from lightning_pipe.planning import StagePlan
 from lightning_pipe.runtime.affinity import pin_threads, place_threads
@@ -200,14 +201,27 @@ class PipelineCalibration:
     def _keep_calibration(self) -> None:
         """At the end of a fit (every rank: a collective): what the running configuration's settled
         steps measured beyond the profile, kept for the next fit of this model on this machine
-        (:mod:`.step_prices`); none where fewer than :data:`KEPT_AFTER` steps settled, or the stages
-        were not profiled."""
+        (:mod:`.step_prices`), and the training loop's own time per step, for the first fit of any
+        model (:mod:`~lightning_pipe.cost.loop_time`); none where fewer than :data:`KEPT_AFTER` steps
+        settled, or (the calibration) the stages were not profiled."""
+        self._keep_loop_seconds()
         found = self._measured_calibration()
         if found is None or self.step_prices.directory is None:
             return
         if self._searched is not None:  # schedule="auto" planned with the chain-timed profile: kept against the layers'
             found = self._searched[0].to_layers(found, self.microbatches)
         self.step_prices.keep(self.options.family, self.microbatches, bool(self._pinned()), found)
+
+    def _keep_loop_seconds(self) -> None:
+        """Every rank (a collective): the loop's own time per settled step, the smallest rank's (one
+        that ends its call first waits for the others there), kept by rank 0 beside the profiles."""
+        if len(self._step_starts) < WARM_UP + KEPT_AFTER + 1:
+            return
+        own = loop_seconds(self._step_starts[WARM_UP:], self._step_seconds[WARM_UP:])
+        measured = [seconds for seconds in self._gather(own) if seconds is not None]
+        directory = self.step_prices.directory
+        if self.global_rank == 0 and directory is not None and measured:
+            keep_loop_seconds(directory, self.root_device, self.world_size, min(measured))
 
     def _measured_calibration(self) -> Calibration | None:
         """Every rank (a collective): what the running configuration's steps since its warm-up

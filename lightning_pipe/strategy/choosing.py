@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -209,8 +209,12 @@ class PipelineChoosing:
         }
         self._searched = basis, arguments
         prices = self.step_prices
+        seconds: Callable[[Candidate], float] | None = None
         if prices.kept is None:
             ranked = search(costs, self.workers, contention=options.contention, **arguments)
+            if prices.loop is not None:  # the loop's time, as earlier fits of other models measured it
+                seconds = prices.loop.seconds
+                ranked.sort(key=seconds)
         else:  # earlier runs' calibrations: each candidate priced with the one closest to its family and size
             pinned = self._pinned()
 
@@ -218,16 +222,17 @@ class PipelineChoosing:
             def closest(family: str, m: int) -> Calibration | None:
                 return basis.to_chain(prices.closest(family, m, pinned) or prices.kept, m)
 
-            def seconds(candidate: Candidate) -> float:
+            def priced(candidate: Candidate) -> float:
                 found = closest(candidate.family, candidate.microbatches)
                 return candidate.step_seconds if found is None else found.seconds(candidate)
 
+            seconds = priced
             ranked = search(costs, self.workers, calibrations=closest, **arguments)
             ranked.sort(key=seconds)
             winner = ranked[0]
             self.step_prices = dataclasses.replace(prices, kept=closest(winner.family, winner.microbatches))
         self.candidates = ranked
-        shown = ranking_table(ranked, SHOWN, None if prices.kept is None else seconds)
+        shown = ranking_table(ranked, SHOWN, seconds)
         rank_zero_info(
             f"Choosing the pipeline: {len(ranked)} configurations fit, priced in {time.perf_counter() - start:.2f} s; "
             f"the best {min(SHOWN, len(ranked))}:\n{shown}"

@@ -8,7 +8,9 @@ the layer profile. Two things a step costs are not in it:
 - **what the run adds**: the executor's own time per action, the steps' time outside their actions
   (Lightning's loop, the log relay), the profile's rate against the run's. A fit measures them over
   its settled steps and keeps them beside the profile (:mod:`lightning_pipe.cost.calibrated`); the
-  next fit of the same model on the same machine predicts with them, and says so.
+  next fit of the same model on the same machine predicts with them, and says so. A model's first fit
+  has none of its own: each of its steps is priced with the training loop's own time that earlier fits
+  of any model measured on the machine (:mod:`lightning_pipe.cost.loop_time`).
 
 :class:`StepPrices` holds both for a fit (rank 0); :func:`measured_calibration` is what a fit keeps.
 """
@@ -32,14 +34,18 @@ from lightning_pipe.cost.calibrated import (
     kept_fits,
     separated,
 )
+from lightning_pipe.cost.loop_time import kept_loop_seconds
 from lightning_pipe.cost.profile_cache import model_key, profile_key
 from lightning_pipe.cost.update_rate import UpdatePrices, update_rate
 from lightning_pipe.planning import StagePlan, predict
 from lightning_pipe.schedule import StageCosts
 from lightning_pipe.schedule.options import ScheduleOptions
 from lightning_pipe.schedule.simulation import Simulation
+from lightning_pipe.util.units import format_seconds
 
-__all__ = ["Predicted", "StepPrices", "actions", "measured_calibration", "run_shape"]
+__all__ = ["LOOP_MEASURED_ON", "Predicted", "StepPrices", "actions", "measured_calibration", "run_shape"]
+
+LOOP_MEASURED_ON = "the training loop's own time per step, as earlier fits on this machine measured it"
 
 
 def run_shape(family: str, batch_rows: int, microbatches: int, pinned: bool | None) -> RunShape:
@@ -79,8 +85,11 @@ class StepPrices:
     carries its all-reduces already, :meth:`Calibration.reduce_overlap`), the rows of the fit's
     batches (``batch_rows``: the micro-batch size of what it keeps), and the model's key however it is
     cut into layers (``model``: where nothing is kept under ``key``, the calibrations of its other
-    cuts price the fit, :func:`~lightning_pipe.cost.calibrated.other_cuts`), and every fit kept
-    (``fits``, read once at set-up: ``kept`` and :meth:`closest` price from them)."""
+    cuts price the fit, :func:`~lightning_pipe.cost.calibrated.other_cuts`), every fit kept
+    (``fits``, read once at set-up: ``kept`` and :meth:`closest` price from them), and the training
+    loop's own time per step that earlier fits on the machine kept (``loop``: a calibration of that
+    alone, which prices a configuration with no calibration of the model kept;
+    :func:`~lightning_pipe.cost.loop_time.kept_loop_seconds`)."""
 
     update: UpdatePrices | None = None
     kept: Calibration | None = None
@@ -91,6 +100,7 @@ class StepPrices:
     reduce_overlap: float = 1.0
     model: str | None = None
     fits: KeptFits = field(default_factory=KeptFits)
+    loop: Calibration | None = None
 
     @classmethod
     def of(
@@ -104,14 +114,17 @@ class StepPrices:
         batch_rows: int,
         bandwidth: float | None = None,
         reduce_overlap: float = 1.0,
+        processes: int = 1,
     ) -> StepPrices:
         """The prices of ``layers`` trained with ``optimizer`` on ``device``, the calibration kept in
         ``directory`` (the profile cache; ``None``: nothing kept or read) closest to ``shape`` (the last
-        kept, for ``None``), the rows of the fit's batches, and the links measured."""
+        kept, for ``None``), the rows of the fit's batches, the links measured, and the loop's time kept
+        for fits on ``processes`` processes of the device's kind."""
         floating = [p.dtype for layer in layers for p in layer.parameters() if p.is_floating_point()]
         rate = update_rate(optimizer, device, floating[0]) if floating else None
         key, model = profile_key(layers, names, (), device, 0), model_key(layers, device)
         fits = KeptFits() if directory is None else kept_fits(directory, key, model)
+        loop = None if directory is None else kept_loop_seconds(directory, device, processes)
         return cls(
             UpdatePrices.of(rate, layers),
             fits.closest(shape),
@@ -122,6 +135,7 @@ class StepPrices:
             reduce_overlap,
             model,
             fits,
+            None if loop is None else Calibration(1.0, 0.0, loop, LOOP_MEASURED_ON),
         )
 
     def closest(self, family: str, microbatches: int, pinned: bool | None) -> Calibration | None:
@@ -166,9 +180,10 @@ class StepPrices:
         )
         if simulation is None:
             return None, None
-        if self.kept is None:
+        beyond = self.kept or self.loop
+        if beyond is None:
             return simulation, simulation.steady_step
-        return simulation, self.kept.seconds(Predicted.of(simulation))
+        return simulation, beyond.seconds(Predicted.of(simulation))
 
     def said(self) -> str:
         """What the prediction priced beyond the profile, for the set-up report."""
@@ -177,6 +192,12 @@ class StepPrices:
             if self.update is not None
             else "no update (the optimizer could not be timed)"
         )
+        if self.kept is None and self.loop is not None:
+            return (
+                f"Predicted with the layer profile, {update}, and each step "
+                f"{format_seconds(self.loop.per_step)} of the training loop's own time, as earlier fits on this "
+                "machine measured it; no run of this model kept its calibration yet"
+            )
         if self.kept is None:
             return f"Predicted with the layer profile and {update}; no run of this model kept its calibration yet"
         return f"Predicted with the layer profile, {update}, and what an earlier run measured: {self.kept}"

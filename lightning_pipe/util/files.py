@@ -1,15 +1,17 @@
 """Reading the files a user names (profiles, plans, stage costs): a file that cannot be read, or is
-not JSON, is refused with its path and what it should have been."""
+not JSON, is refused with its path and what it should have been. And the files the package keeps for
+the next run (calibrations, the training loop's time): read leniently, replaced atomically."""
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from lightning_pipe.errors import PlanningError
 
-__all__ = ["json_kind", "parse_json", "read_json", "read_text"]
+__all__ = ["json_kind", "kept_document", "kept_runs", "parse_json", "read_json", "read_text", "replace_json"]
 
 _KINDS = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
 
@@ -41,3 +43,38 @@ def parse_json(text: str, path: str | os.PathLike[str], what: str) -> object:
 def json_kind(value: object) -> str:
     """What a JSON value is, in JSON's words: ``object``, ``list``, ``string``, ``number``, ..."""
     return "null" if value is None else _KINDS.get(type(value), type(value).__name__)
+
+
+def kept_document(path: Path) -> dict[str, object]:
+    """The JSON object a kept file holds; empty where the file is missing, unreadable or holds no
+    object (it is then replaced by the next run's)."""
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) else {}
+
+
+def kept_runs(document: dict[str, object]) -> list[dict[str, object]]:
+    """The entries of a kept file's ``{"runs": [...]}`` (:func:`kept_document`); none where it holds no
+    such list."""
+    runs = document.get("runs")
+    return [entry for entry in runs if isinstance(entry, dict)] if isinstance(runs, list) else []
+
+
+def replace_json(path: Path, document: object) -> bool:
+    """Write ``document`` as JSON to ``path`` (its directory made where missing) through a temporary
+    file beside it and an atomic rename: a run reading it at the same time finds the old file or the
+    new one. Whether it could be written (the temporary file is removed where it could not)."""
+    temporary: Path | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
+            temporary = Path(handle.name)
+            json.dump(document, handle, indent=1)
+        os.replace(temporary, path)
+    except OSError:
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
+        return False
+    return True
