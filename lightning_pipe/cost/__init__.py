@@ -7,8 +7,9 @@ rate of :mod:`.flop_rate`) into cost records (:mod:`.records`), which profile fi
 (:mod:`.profile_cache`, with the load of :mod:`.machine_load` they were measured under). The
 memory model of a stage under a schedule (:mod:`.memory`, a layer's backward from
 :mod:`.backward_bytes`) and the network between devices (:mod:`.network`) complete what a partitioner
-weighs. The printed prediction also prices each stage's optimizer update (:mod:`.update_rate`) and what
-earlier runs measured beyond the profile (:mod:`.calibrated`).
+weighs. The printed prediction also prices each stage's optimizer update (:mod:`.update_rate`), what
+earlier runs of the model measured beyond the profile (:mod:`.calibrated`), and, for a model's first
+fit, the training loop's own time earlier fits of any model measured (:mod:`.loop_time`).
 """
 
 from lightning_pipe.cost.memory import MemoryModel
