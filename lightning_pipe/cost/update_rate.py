@@ -17,9 +17,9 @@ Each timed step starts with the device's caches emptied (:func:`evicted_bytes` w
 stage's update finds them in a run: its micro-batches' forwards and backwards ran since it last
 touched its weights, gradients and states. Timed warm, step after step, the large set's 8 MiB of
 weights with their gradients and states stayed in a 32 MiB last-level cache, and priced an SGD step
-with momentum at half its time: over torchvision's ResNet-18 from ``layer4`` on (32 MiB of weights)
-1.8 ms, where it took 3.7 ms cold; measured cold, 3.4 ms (``python bench/update_price.py``,
-``docs/measurements.md``). The eviction adds about 0.1 s to a measurement on the CPU.
+with momentum at 0.6-0.7 of its time: over torchvision's ResNet-18 from ``layer4`` on (32 MiB of
+weights) 2.9 ms, where it took 4.4 ms cold; measured cold, 3.8 ms (``python bench/update_price.py``,
+``docs/measurements.md``). The writes add about 0.05 s to a measurement on the CPU.
 
 An optimizer that cannot be rebuilt that way (a required argument other than the parameters, a step
 that needs a closure) is not priced: :func:`update_rate` returns ``None`` and the update counts 0 s,
@@ -29,6 +29,7 @@ as before it was priced.
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import statistics
 import time
@@ -85,9 +86,10 @@ def evictor(device: torch.device) -> Callable[[], None]:
     """What empties ``device``'s caches when called: a write of :func:`evicted_bytes` (one buffer,
     allocated once)."""
     buffer = torch.empty(evicted_bytes(device) // 4, device=device)
+    written = itertools.count()
 
     def evict() -> None:
-        buffer.add_(1.0)
+        buffer.fill_(float(next(written)))  # written only, not read: half the traffic of an update in place
 
     return evict
 
