@@ -422,7 +422,7 @@ def _print(result: dict[str, Any]) -> None:
     steady = [row for row in table if row["spread"] <= 0.1]
     errors = [abs(row["error"]) for row in table if row["error"] is not None]
     median = f", median error {statistics.median(errors):.0%}" if errors else ""
-    fits = [e for row in table for e in row.get("fit_errors", []) if e is not None]
+    fits = [e for row in table for e in row["fit_errors"] if e is not None]
     own = sum(abs(e) <= 0.1 for e in fits)
     print(
         f"Set-up prediction within 10%: {len(within)} of {len(table)} rows{median}; rounds of one configuration "

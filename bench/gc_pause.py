@@ -50,9 +50,12 @@ def main() -> None:
     for label, kept in ways.items():
         if label == "frozen":
             gc.freeze()
-        timeline = None if kept is None else kept(maxlen=TIMELINE_LENGTH)
-        for step in range(TIMELINE_LENGTH if timeline is not None else 0):
-            timeline.append(Interval(0, Action(Kind.F, 0, step % 4, step, step), float(step), step + 0.5, 0.0, step))
+        if kept is not None:
+            timeline = kept(maxlen=TIMELINE_LENGTH)
+            for step in range(TIMELINE_LENGTH):
+                timeline.append(
+                    Interval(0, Action(Kind.F, 0, step % 4, step, step), float(step), step + 0.5, 0.0, step)
+                )
         seconds = pauses(args.repeats)
         print(
             f"{label:>20} {len(gc.get_objects()):>16} {statistics.median(seconds) * 1e3:>10.1f} "

@@ -30,6 +30,7 @@ from lightning_pipe.cost.calibrated import (
     separated,
     typical,
 )
+from lightning_pipe.cost.loop_time import loop_seconds
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.planning import PREDICTED_STEPS, StagePlan, predict, schedule_of
@@ -46,6 +47,7 @@ from lightning_pipe.strategy.trials import (
     TRIAL_MARGIN,
     TRIAL_SECONDS,
     TRIAL_STEPS,
+    WARM_UP,
     Trial,
     Trials,
     closest_calibration,
@@ -350,6 +352,7 @@ def _fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
             {
                 "kept": prices.kept,
                 "loop": prices.loop,
+                "own_loop": loop_seconds(strategy._step_starts[WARM_UP:], strategy._step_seconds[WARM_UP:]),
                 "loops_kept": [json.loads(p.read_text()) for p in Path(directory).glob("loop-*.json")],
                 "simulated": None if strategy.prediction is None else strategy.prediction.steady_step,
                 "updates": None if prices.update is None else prices.update.stages(strategy.stage_plan.bounds),
@@ -371,7 +374,8 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
     fourth, ``schedule="auto"`` unpinned, prices its winner with the unpinned one, not the last kept,
     brought from the layer-by-layer profile it was kept against to the chain-timed one it plans with."""
     cache = tmp_path / "profiles"
-    first, second, third, chosen, other = run_local(_fits, 2, str(tmp_path), str(cache), timeout=240)[0]
+    ranks = run_local(_fits, 2, str(tmp_path), str(cache), timeout=240)
+    first, second, third, chosen, other = ranks[0]
     assert first["kept"] is None and first["updates"] is not None and min(first["updates"]) > 0
     assert first["bandwidth"] is not None and first["bandwidth"] > 0
     (kept_file,) = first["kept_after"]
@@ -397,6 +401,9 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
     # every fit keeps the training loop's time per step (the file of 2 CPU processes); the first fit of
     # another model, with no calibration of its own, prices each step with the median of those kept
     assert first["loop"] is None and first["planned"] == first["simulated"]
+    for fit, ran in enumerate(("first", "second", "third")):  # each the smaller of the two ranks' own
+        (kept_then,) = ranks[0][fit]["loops_kept"]
+        assert kept_then["runs"][-1]["seconds"] == min(rank[fit]["own_loop"] for rank in ranks), ran
     (loops,) = chosen["loops_kept"]
     assert [run["seconds"] for run in loops["runs"]][:3] == [
         run["seconds"] for fit in (first, second, third) for run in fit["loops_kept"][0]["runs"][-1:]

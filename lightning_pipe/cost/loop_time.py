@@ -5,18 +5,19 @@ prediction simulates from the layer profile, and the training loop's work around
 (the batch fetched and moved, its hooks), the strategy's capture of ``training_step`` and its log relay.
 Once a fit of a model ran, its calibration holds that time (``Calibration.per_step``,
 :mod:`lightning_pipe.cost.calibrated`); the model's first fit had the profile alone, and came out short
-by it where steps are short: on 2 CPU processes an MLP's 4.0 ms steps, 1.5-1.7 ms of them between the
-executor's calls, were predicted at 2.5 ms (``bench/auto_plan.py``'s first fit, 41% short).
+by it where steps are short: on 2 CPU processes an MLP's steps of 3.5 ms spent 1.2-1.3 ms outside the
+executor's calls (``python bench/loop_time.py``), and its first fit was predicted 41% short
+(``bench/auto_plan.py``).
 
-That time depends on the machine and the loop more than on the model: 1.5-2.8 ms a step on this
-package's 2-core machine for an MLP, two ResNet-18s, a transformer and GPT-2
-(``docs/measurements.md``); the step's own code moves it too (the MLP's, 1.6 ms, priced with a
-transformer's 2.5 ms: its first fit 18% long, against 41% short with the profile alone). So every
-fit measures it (:func:`loop_seconds`, on each rank; the
-smallest rank's, as a rank that ends its call first waits there for the others) and keeps it beside
-the profiles, per device kind and number of processes (:func:`keep_loop_seconds`); a fit of a model
-with no calibration of its own prices each step with the median of the last :data:`KEPT_LOOPS` kept
-(:func:`kept_loop_seconds`).
+That time depends on the machine and the loop more than on the model: 1.9-2.5 ms a step on this
+package's 2-core machine for two ResNet-18s, a transformer and GPT-2, 1.2-1.3 ms for the MLP
+(``python bench/loop_time.py``); the step's own code moves it too (the MLP's first fit, priced with
+the others' loop, came out between 1% short, in ``bench/auto_plan.py --pairs 8``, and 28% long, in
+``bench/loop_time.py``, against 41% short with the profile alone). So every fit measures it
+(:func:`loop_seconds`, on each rank; the smallest rank's, as a rank that ends its call first waits
+there for the others) and keeps it beside the profiles, per device kind and number of processes
+(:func:`keep_loop_seconds`); a fit of a model with no calibration of its own prices each step with
+the median of the last :data:`KEPT_LOOPS` kept (:func:`kept_loop_seconds`).
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ def kept_loop_seconds(directory: Path, device: torch.device | str, processes: in
     """The median of the loop times kept for ``processes`` processes of ``device``'s kind in
     ``directory`` (:func:`keep_loop_seconds`); ``None`` where none is kept (or none readable)."""
     found = [
-        float(seconds)
+        seconds
         for run in kept_runs(kept_document(loop_path(directory, device, processes)))
-        if isinstance(seconds := run.get("seconds"), int | float) and not isinstance(seconds, bool)
+        if isinstance(seconds := run.get("seconds"), int | float)
+        and not isinstance(seconds, bool)
+        and math.isfinite(seconds)
+        and seconds >= 0
     ]
-    found = [seconds for seconds in found if math.isfinite(seconds) and seconds >= 0]
-    return statistics.median(found) if found else None
+    return float(statistics.median(found)) if found else None

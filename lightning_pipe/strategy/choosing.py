@@ -212,8 +212,8 @@ class PipelineChoosing:
         seconds: Callable[[Candidate], float] | None = None
         if prices.kept is None:
             ranked = search(costs, self.workers, contention=options.contention, **arguments)
-            if prices.loop is not None:  # the loop's time, as earlier fits of other models measured it
-                seconds = prices.loop.seconds
+            if prices.beyond is not None:  # the loop's time, as earlier fits of other models measured it
+                seconds = prices.beyond.seconds
                 ranked.sort(key=seconds)
         else:  # earlier runs' calibrations: each candidate priced with the one closest to its family and size
             pinned = self._pinned()

@@ -45,7 +45,7 @@ from lightning_pipe.util.units import format_seconds
 
 __all__ = ["LOOP_MEASURED_ON", "Predicted", "StepPrices", "actions", "measured_calibration", "run_shape"]
 
-LOOP_MEASURED_ON = "the training loop's own time per step, as earlier fits on this machine measured it"
+LOOP_MEASURED_ON = "the training loop's own time, as earlier fits on this machine measured it"
 
 
 def run_shape(family: str, batch_rows: int, microbatches: int, pinned: bool | None) -> RunShape:
@@ -144,6 +144,12 @@ class StepPrices:
         return self.fits.closest(run_shape(family, self.batch_rows, microbatches, pinned))
 
     @property
+    def beyond(self) -> Calibration | None:
+        """What prices a step beyond its simulated actions: the model's kept calibration, else the
+        loop's time earlier fits on the machine kept (``None``: neither)."""
+        return self.kept if self.kept is not None else self.loop
+
+    @property
     def scale(self) -> float:
         return 1.0 if self.kept is None else self.kept.scale
 
@@ -180,10 +186,9 @@ class StepPrices:
         )
         if simulation is None:
             return None, None
-        beyond = self.kept or self.loop
-        if beyond is None:
+        if self.beyond is None:
             return simulation, simulation.steady_step
-        return simulation, beyond.seconds(Predicted.of(simulation))
+        return simulation, self.beyond.seconds(Predicted.of(simulation))
 
     def said(self) -> str:
         """What the prediction priced beyond the profile, for the set-up report."""
@@ -194,9 +199,8 @@ class StepPrices:
         )
         if self.kept is None and self.loop is not None:
             return (
-                f"Predicted with the layer profile, {update}, and each step "
-                f"{format_seconds(self.loop.per_step)} of the training loop's own time, as earlier fits on this "
-                "machine measured it; no run of this model kept its calibration yet"
+                f"Predicted with the layer profile, {update}, and each step {format_seconds(self.loop.per_step)} of "
+                f"{self.loop.measured_on}; no run of this model kept its calibration yet"
             )
         if self.kept is None:
             return f"Predicted with the layer profile and {update}; no run of this model kept its calibration yet"
