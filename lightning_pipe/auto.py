@@ -355,10 +355,12 @@ def search(
             stage plans keep the profile's costs.
         calibrations: what an earlier run measured, for each family and micro-batch count (the
             calibration kept closest to it, ``None``: none): its rate and fixed seconds per action
-            price that family's candidates on that count in place of ``scale`` and ``action_seconds``.
+            price that family's candidates on that count in place of ``scale`` and ``action_seconds``,
+            and with no ``contention`` (a run measured it with the others computing).
         update: each stage's optimizer step (none: free).
         extra_copies, network, contention: the memory model's optimizer copies, the network of
-            :func:`~lightning_pipe.partition.evaluate` and the simulator's contention.
+            :func:`~lightning_pipe.partition.evaluate` and the simulator's contention (where no
+            calibration prices the candidate).
         reduce_overlap: the share of replicas' all-reduce that runs beside the compute
             (``StageCosts.reduce_overlap``), where no calibration of a replicating family prices the
             candidate (:meth:`~lightning_pipe.cost.calibrated.Calibration.reduce_overlap`).
@@ -427,8 +429,9 @@ def search(
                 kept = None if calibrations is None else calibrations(family, m)
                 rate, fixed = (scale, action_seconds) if kept is None else (kept.scale, kept.fixed)
                 overlap = Calibration.reduce_overlap(kept, reduce_overlap)
+                running = contention if kept is None else 1.0  # a calibration was measured running
                 simulation = predict(
-                    stage_plan, options, m, contention, flags, fixed, updates, rate, reduce_overlap=overlap
+                    stage_plan, options, m, running, flags, fixed, updates, rate, reduce_overlap=overlap
                 )
                 assert simulation is not None
                 found.append(

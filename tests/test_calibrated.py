@@ -333,14 +333,22 @@ def test_the_prediction_prices_the_run_beyond_the_profile_as_the_simulator_would
 def _fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
     """Worker: the same model trained four times with a profile cache in ``directory``: 1F1B on 2
     micro-batches twice, then pinned, then ``schedule="auto"`` on 2 micro-batches; then another model
-    (wider) with 1F1B; what rank 0 priced."""
+    (wider) with 1F1B, and a third with 1F1B searched (its split and recomputation: the search's
+    pricing); what rank 0 priced."""
     os.environ["LOCAL_RANK"] = str(rank)
     found = []
-    fits = (("1f1b", False, 8), ("1f1b", False, 8), ("1f1b", True, 8), ("auto", False, 8), ("1f1b", False, 16))
-    for fit, (schedule, pinned, width) in enumerate(fits):
+    fits = (
+        ("1f1b", 2, False, 8),
+        ("1f1b", 2, False, 8),
+        ("1f1b", 2, True, 8),
+        ("auto", [2], False, 8),
+        ("1f1b", 2, False, 16),
+        ("1f1b", [2], False, 24),
+    )
+    for fit, (schedule, microbatches, pinned, width) in enumerate(fits):
         strategy = PipelineStrategy(
             schedule,
-            microbatches=[2] if schedule == "auto" else 2,
+            microbatches=microbatches,
             profile_cache=directory,
             pin_cpus=pinned,
             timeout=timedelta(seconds=60),
@@ -352,6 +360,9 @@ def _fits(rank: int, root: str, directory: str) -> list[dict[str, Any]]:
             {
                 "kept": prices.kept,
                 "loop": prices.loop,
+                "prior": prices.prior,
+                "said": prices.said(),
+                "rates_kept": [json.loads(p.read_text()) for p in Path(directory).glob("rate-*.json")],
                 "own_loop": loop_seconds(strategy._step_starts[WARM_UP:], strategy._step_seconds[WARM_UP:]),
                 "loops_kept": [json.loads(p.read_text()) for p in Path(directory).glob("loop-*.json")],
                 "simulated": None if strategy.prediction is None else strategy.prediction.steady_step,
@@ -375,7 +386,7 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
     brought from the layer-by-layer profile it was kept against to the chain-timed one it plans with."""
     cache = tmp_path / "profiles"
     ranks = run_local(_fits, 2, str(tmp_path), str(cache), timeout=240)
-    first, second, third, chosen, other = ranks[0]
+    first, second, third, chosen, other, searched = ranks[0]
     assert first["kept"] is None and first["updates"] is not None and min(first["updates"]) > 0
     assert first["bandwidth"] is not None and first["bandwidth"] > 0
     (kept_file,) = first["kept_after"]
@@ -412,6 +423,27 @@ def test_a_fit_keeps_what_it_measured_and_the_next_fit_predicts_with_it(tmp_path
     assert math.isclose(other["loop"].per_step, statistics.median(run["seconds"] for run in loops["runs"]))
     assert other["loop"].per_step > 0
     assert math.isclose(other["planned"], other["simulated"] + other["loop"].per_step)  # 1F1B flushes
+    # every fit keeps its actions' rate against the layers' profile, with its family, count and pinning;
+    # the other model's first fit prices its actions with the lower median of the first model's unpinned
+    # fits on 2 micro-batches of a single-stage kind (the pinned one left out: another pinning)
+    assert first["prior"] is None and "what fits of other models measured" not in first["said"]
+    (rates,) = chosen["rates_kept"]  # as the other model's fit found them (the auto fit kept none: too short)
+    calibrations = [(run["scale"], run["fixed"], run["family"], run["pinned"]) for run in both["runs"]]
+    assert [(run["scale"], run["fixed"], run["family"], run["pinned"]) for run in rates["runs"]] == calibrations
+    assert all(run["microbatches"] == 2 and run["model"] == rates["runs"][0]["model"] for run in rates["runs"])
+    alike = [run for run in rates["runs"] if not run["pinned"]]
+    prior = other["prior"]
+    assert prior is not None and prior.scale == statistics.median_low(run["scale"] for run in alike)
+    assert prior.fixed == statistics.median_low(run["fixed"] for run in alike)
+    assert prior.per_step == other["loop"].per_step and "what fits of other models measured" in other["said"]
+    # a third model's search prices with the rates kept then (the other model's fit's the last), brought
+    # to the chain-timed profile it plans with
+    (then,) = other["rates_kept"]
+    alike = [run for run in then["runs"] if not run["pinned"]]
+    factor = searched["factor"]
+    assert searched["kept"] is None and searched["prior"] is not None and factor is not None
+    assert math.isclose(searched["prior"].scale, statistics.median_low(run["scale"] for run in alike) / factor)
+    assert math.isclose(searched["planned"], searched["simulated"] + searched["loop"].per_step)
 
 
 @settings(max_examples=60, deadline=None)

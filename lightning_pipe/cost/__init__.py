@@ -9,7 +9,8 @@ memory model of a stage under a schedule (:mod:`.memory`, a layer's backward fro
 :mod:`.backward_bytes`) and the network between devices (:mod:`.network`) complete what a partitioner
 weighs. The printed prediction also prices each stage's optimizer update (:mod:`.update_rate`), what
 earlier runs of the model measured beyond the profile (:mod:`.calibrated`), and, for a model's first
-fit, the training loop's own time earlier fits of any model measured (:mod:`.loop_time`).
+fit, the training loop's own time earlier fits of any model measured (:mod:`.loop_time`) and the rate
+of the actions fits of other models measured (:mod:`.machine_rate`).
 """
 
 from lightning_pipe.cost.memory import MemoryModel

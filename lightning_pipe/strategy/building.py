@@ -420,6 +420,7 @@ class PipelineBuilding:
                 links,
                 self.plan_options.reduce_overlap,
                 self.world_size,
+                self.microbatches,
             )
             try:
                 if not meta:  # a model on the meta device has no values to compare

@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_pipe.auto import Candidate, ranking_table, search
 from lightning_pipe.cost.calibrated import REPLICATING_FAMILIES, Calibration, calibration, separated
 from lightning_pipe.cost.loop_time import keep_loop_seconds, loop_seconds
+from lightning_pipe.cost.machine_rate import keep_rate
 from lightning_pipe.cost.profile_cache import forget_profile, profile_disagrees
 from lightning_pipe.planning import StagePlan
 from lightning_pipe.runtime.affinity import pin_threads, place_threads
@@ -201,16 +202,22 @@ class PipelineCalibration:
     def _keep_calibration(self) -> None:
         """At the end of a fit (every rank: a collective): what the running configuration's settled
         steps measured beyond the profile, kept for the next fit of this model on this machine
-        (:mod:`.step_prices`), and the training loop's own time per step, for the first fit of any
-        model (:mod:`~lightning_pipe.cost.loop_time`); none where fewer than :data:`KEPT_AFTER` steps
-        settled, or (the calibration) the stages were not profiled."""
+        (:mod:`.step_prices`), and the training loop's own time per step and the actions' rate, for the
+        first fit of any other model (:mod:`~lightning_pipe.cost.loop_time`,
+        :mod:`~lightning_pipe.cost.machine_rate`); none where fewer than :data:`KEPT_AFTER` steps
+        settled, or (the calibration and the rate) the stages were not profiled."""
         self._keep_loop_seconds()
         found = self._measured_calibration()
-        if found is None or self.step_prices.directory is None:
+        prices = self.step_prices
+        if found is None or prices.directory is None:
             return
         if self._searched is not None:  # schedule="auto" planned with the chain-timed profile: kept against the layers'
             found = self._searched[0].to_layers(found, self.microbatches)
-        self.step_prices.keep(self.options.family, self.microbatches, bool(self._pinned()), found)
+        family, pinned = self.options.family, bool(self._pinned())
+        prices.keep(family, self.microbatches, pinned, found)
+        if prices.model is not None:
+            processes, m = self.world_size, self.microbatches
+            keep_rate(prices.directory, self.root_device, processes, family, m, pinned, found, prices.model)
 
     def _keep_loop_seconds(self) -> None:
         """Every rank (a collective): the loop's own time per settled step, the smallest rank's (one

@@ -209,14 +209,26 @@ class PipelineChoosing:
         }
         self._searched = basis, arguments
         prices = self.step_prices
+        pinned = self._pinned()
         seconds: Callable[[Candidate], float] | None = None
-        if prices.kept is None:
-            ranked = search(costs, self.workers, contention=options.contention, **arguments)
-            if prices.beyond is not None:  # the loop's time, as earlier fits of other models measured it
-                seconds = prices.beyond.seconds
+        if prices.kept is None:  # other models' fits: each family priced at the rate of its kind, if kept
+            loop = prices.loop
+
+            @functools.cache
+            def prior(family: str, m: int) -> Calibration | None:
+                return basis.to_chain(prices.prior_for(family, m, pinned), m)
+
+            def first_priced(candidate: Candidate) -> float:
+                found = prior(candidate.family, candidate.microbatches) or loop
+                return candidate.step_seconds if found is None else found.seconds(candidate)
+
+            ranked = search(costs, self.workers, calibrations=prior, contention=options.contention, **arguments)
+            if loop is not None or prices.rates.entries:
+                seconds = first_priced
                 ranked.sort(key=seconds)
+                winner = ranked[0]
+                self.step_prices = dataclasses.replace(prices, prior=prior(winner.family, winner.microbatches))
         else:  # earlier runs' calibrations: each candidate priced with the one closest to its family and size
-            pinned = self._pinned()
 
             @functools.cache
             def closest(family: str, m: int) -> Calibration | None:

@@ -9,8 +9,10 @@ the layer profile. Two things a step costs are not in it:
   (Lightning's loop, the log relay), the profile's rate against the run's. A fit measures them over
   its settled steps and keeps them beside the profile (:mod:`lightning_pipe.cost.calibrated`); the
   next fit of the same model on the same machine predicts with them, and says so. A model's first fit
-  has none of its own: each of its steps is priced with the training loop's own time that earlier fits
-  of any model measured on the machine (:mod:`lightning_pipe.cost.loop_time`).
+  has none of its own: its actions are priced at the rate earlier fits of other models measured on the
+  machine with a schedule of the same kind (:mod:`lightning_pipe.cost.machine_rate`), and each of its
+  steps with the training loop's own time earlier fits of any model measured
+  (:mod:`lightning_pipe.cost.loop_time`).
 
 :class:`StepPrices` holds both for a fit (rank 0); :func:`measured_calibration` is what a fit keeps.
 """
@@ -35,6 +37,7 @@ from lightning_pipe.cost.calibrated import (
     separated,
 )
 from lightning_pipe.cost.loop_time import kept_loop_seconds
+from lightning_pipe.cost.machine_rate import MachineRates, kept_rates
 from lightning_pipe.cost.profile_cache import model_key, profile_key
 from lightning_pipe.cost.update_rate import UpdatePrices, update_rate
 from lightning_pipe.planning import StagePlan, predict
@@ -89,7 +92,10 @@ class StepPrices:
     (``fits``, read once at set-up: ``kept`` and :meth:`closest` price from them), and the training
     loop's own time per step that earlier fits on the machine kept (``loop``: a calibration of that
     alone, which prices a configuration with no calibration of the model kept;
-    :func:`~lightning_pipe.cost.loop_time.kept_loop_seconds`)."""
+    :func:`~lightning_pipe.cost.loop_time.kept_loop_seconds`), the rates of the actions earlier fits
+    of any model kept on the machine (``rates``, :mod:`~lightning_pipe.cost.machine_rate`), and what
+    prices this fit from them where nothing of the model is kept (``prior``: :meth:`prior_for` the
+    fit's family)."""
 
     update: UpdatePrices | None = None
     kept: Calibration | None = None
@@ -101,6 +107,8 @@ class StepPrices:
     model: str | None = None
     fits: KeptFits = field(default_factory=KeptFits)
     loop: Calibration | None = None
+    rates: MachineRates = field(default_factory=MachineRates)
+    prior: Calibration | None = None
 
     @classmethod
     def of(
@@ -115,17 +123,19 @@ class StepPrices:
         bandwidth: float | None = None,
         reduce_overlap: float = 1.0,
         processes: int = 1,
+        microbatches: int = 1,
     ) -> StepPrices:
         """The prices of ``layers`` trained with ``optimizer`` on ``device``, the calibration kept in
         ``directory`` (the profile cache; ``None``: nothing kept or read) closest to ``shape`` (the last
-        kept, for ``None``), the rows of the fit's batches, the links measured, and the loop's time kept
-        for fits on ``processes`` processes of the device's kind."""
+        kept, for ``None``), the rows of the fit's batches, the links measured, and the loop's time and
+        the rates kept for fits on ``processes`` processes of the device's kind: where nothing of the
+        model is kept, the :attr:`prior` of ``shape`` on ``microbatches`` micro-batches."""
         floating = [p.dtype for layer in layers for p in layer.parameters() if p.is_floating_point()]
         rate = update_rate(optimizer, device, floating[0]) if floating else None
         key, model = profile_key(layers, names, (), device, 0), model_key(layers, device)
         fits = KeptFits() if directory is None else kept_fits(directory, key, model)
         loop = None if directory is None else kept_loop_seconds(directory, device, processes)
-        return cls(
+        prices = cls(
             UpdatePrices.of(rate, layers),
             fits.closest(shape),
             directory,
@@ -136,26 +146,48 @@ class StepPrices:
             model,
             fits,
             None if loop is None else Calibration(1.0, 0.0, loop, LOOP_MEASURED_ON),
+            MachineRates() if directory is None else kept_rates(directory, device, processes),
         )
+        if prices.kept is not None or shape is None:
+            return prices
+        return replace(prices, prior=prices.prior_for(shape.family, microbatches, shape.pinned))
 
     def closest(self, family: str, microbatches: int, pinned: bool | None) -> Calibration | None:
         """The calibration kept closest to ``family`` on ``microbatches`` micro-batches, ``pinned`` or
         not, among what earlier fits kept (read once, when the fit set up: ``fits``)."""
         return self.fits.closest(run_shape(family, self.batch_rows, microbatches, pinned))
 
+    def prior_for(self, family: str, microbatches: int, pinned: bool | None) -> Calibration | None:
+        """What prices a fit of ``family`` on ``microbatches`` micro-batches (its threads ``pinned`` or
+        not; ``None``: not known yet) of this model, with no calibration of its own: the rate of the
+        actions and the time between them that fits of other models of the same kind of schedule
+        measured on the machine (:meth:`~lightning_pipe.cost.machine_rate.MachineRates.closest`), and
+        each step the loop's time; ``None`` where no such fit is kept."""
+        found = self.rates.closest(family, microbatches, pinned, self.model)
+        if found is None or self.loop is None:
+            return found
+        said = f"{found.measured_on}; the time beyond them: {self.loop.measured_on}"
+        return replace(found, per_step=self.loop.per_step, measured_on=said)
+
+    @property
+    def priced_with(self) -> Calibration | None:
+        """What prices the actions beyond the profile: the model's kept calibration, else the
+        :attr:`prior` of other models' fits (``None``: neither; the profile then, with the contention)."""
+        return self.kept if self.kept is not None else self.prior
+
     @property
     def beyond(self) -> Calibration | None:
-        """What prices a step beyond its simulated actions: the model's kept calibration, else the
-        loop's time earlier fits on the machine kept (``None``: neither)."""
-        return self.kept if self.kept is not None else self.loop
+        """What prices a step beyond its simulated actions: :attr:`priced_with`, else the loop's time
+        earlier fits on the machine kept (``None``: neither)."""
+        return self.priced_with or self.loop
 
     @property
     def scale(self) -> float:
-        return 1.0 if self.kept is None else self.kept.scale
+        return 1.0 if self.priced_with is None else self.priced_with.scale
 
     @property
     def fixed(self) -> float:
-        return 0.0 if self.kept is None else self.kept.fixed
+        return 0.0 if self.priced_with is None else self.priced_with.fixed
 
     def updates(self, stage_plan: StagePlan) -> list[float] | None:
         """Each stage's update seconds in ``stage_plan``."""
@@ -170,19 +202,21 @@ class StepPrices:
         recompute: bool | Sequence[bool],
     ) -> tuple[Simulation | None, float | None]:
         """The simulation of ``stage_plan`` run with ``options`` and its predicted step: the profile's
-        actions with the updates, and, with a kept calibration, its rate, fixed cost per action and
-        time beyond the actions (the contention is in the calibration then: it was measured running)."""
+        actions with the updates, and, with a calibration (:attr:`priced_with`), its rate, fixed cost
+        per action and time beyond the actions (the contention is in the calibration then: it was
+        measured running)."""
+        calibrated = self.priced_with
         simulation = predict(
             stage_plan,
             options,
             microbatches,
-            contention if self.kept is None else 1.0,
+            contention if calibrated is None else 1.0,
             recompute,
             self.fixed,
             self.updates(stage_plan),
             self.scale,
             self.bandwidth,
-            Calibration.reduce_overlap(self.kept, self.reduce_overlap),
+            Calibration.reduce_overlap(calibrated, self.reduce_overlap),
         )
         if simulation is None:
             return None, None
@@ -197,6 +231,11 @@ class StepPrices:
             if self.update is not None
             else "no update (the optimizer could not be timed)"
         )
+        if self.kept is None and self.prior is not None:
+            return (
+                f"Predicted with the layer profile, {update}, and what fits of other models measured: {self.prior}; "
+                "no run of this model kept its calibration yet"
+            )
         if self.kept is None and self.loop is not None:
             return (
                 f"Predicted with the layer profile, {update}, and each step {format_seconds(self.loop.per_step)} of "
