@@ -210,39 +210,28 @@ class PipelineChoosing:
         self._searched = basis, arguments
         prices = self.step_prices
         pinned = self._pinned()
+        own = prices.kept is not None  # this model's earlier fits; else, a first fit, other models'
+
+        @functools.cache
+        def calibration(family: str, m: int) -> Calibration | None:
+            """The closest the model's fits kept, else the rate other models' fits of its kind kept."""
+            found = (prices.closest(family, m, pinned) or prices.kept) if own else prices.prior_for(family, m, pinned)
+            return basis.to_chain(found, m)
+
+        def priced(candidate: Candidate) -> float:
+            found = calibration(candidate.family, candidate.microbatches) or prices.loop
+            return candidate.step_seconds if found is None else found.seconds(candidate)
+
+        # the contention prices only the candidates no calibration does (one measured running carries it)
+        ranked = search(costs, self.workers, calibrations=calibration, contention=options.contention, **arguments)
         seconds: Callable[[Candidate], float] | None = None
-        if prices.kept is None:  # other models' fits: each family priced at the rate of its kind, if kept
-            loop = prices.loop
-
-            @functools.cache
-            def prior(family: str, m: int) -> Calibration | None:
-                return basis.to_chain(prices.prior_for(family, m, pinned), m)
-
-            def first_priced(candidate: Candidate) -> float:
-                found = prior(candidate.family, candidate.microbatches) or loop
-                return candidate.step_seconds if found is None else found.seconds(candidate)
-
-            ranked = search(costs, self.workers, calibrations=prior, contention=options.contention, **arguments)
-            if loop is not None or prices.rates.entries:
-                seconds = first_priced
-                ranked.sort(key=seconds)
-                winner = ranked[0]
-                self.step_prices = dataclasses.replace(prices, prior=prior(winner.family, winner.microbatches))
-        else:  # earlier runs' calibrations: each candidate priced with the one closest to its family and size
-
-            @functools.cache
-            def closest(family: str, m: int) -> Calibration | None:
-                return basis.to_chain(prices.closest(family, m, pinned) or prices.kept, m)
-
-            def priced(candidate: Candidate) -> float:
-                found = closest(candidate.family, candidate.microbatches)
-                return candidate.step_seconds if found is None else found.seconds(candidate)
-
+        if own or prices.loop is not None or prices.rates.entries:
             seconds = priced
-            ranked = search(costs, self.workers, calibrations=closest, **arguments)
             ranked.sort(key=seconds)
-            winner = ranked[0]
-            self.step_prices = dataclasses.replace(prices, kept=closest(winner.family, winner.microbatches))
+            winner = calibration(ranked[0].family, ranked[0].microbatches)
+            self.step_prices = (
+                dataclasses.replace(prices, kept=winner) if own else dataclasses.replace(prices, prior=winner)
+            )
         self.candidates = ranked
         shown = ranking_table(ranked, SHOWN, seconds)
         rank_zero_info(
