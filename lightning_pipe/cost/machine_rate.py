@@ -6,8 +6,7 @@ the caches cold. A fit measures the rate of its actions against the profile and 
 fit of the same model (``Calibration.scale``, :mod:`lightning_pipe.cost.calibrated`); a model's first
 fit had none and came out short by it. On 2 CPU processes the first fits of torchvision's ResNet-18, a
 CIFAR ResNet-18 chain, a 6-block transformer and GPT-2 kept rates of 1.08-1.16x the profile and were
-predicted 10-13% short (``python bench/auto_plan.py --pairs 8``, 2026-11-30); the rates other models'
-fits had kept came within 4-9% of each one's own.
+predicted 10-13% short (``python bench/auto_plan.py --pairs 8``, 2026-11-30).
 
 So every fit also keeps its rate and its fixed cost per action beside the profiles, per device kind and
 number of processes, with the family and pinning it ran (:func:`keep_rate`), and a model with no
@@ -17,7 +16,9 @@ of the same pinning first; each figure their lower median, as
 :func:`~lightning_pipe.cost.calibrated.typical` takes a model's own). Kinds are
 not mixed: a worker holding several stages, or splitting each backward, runs more and smaller actions
 for the same work, and an MLP's rate under interleaved 1F1B was 3.0-3.8x its profile where 1F1B's was
-2.1-2.5x (:func:`~lightning_pipe.cost.calibrated.family_kind`).
+2.1-2.5x (:func:`~lightning_pipe.cost.calibrated.family_kind`). Priced so, the first fits of the chain,
+the transformer and GPT-2 came out at a median of -2% each over four runs of ``python
+bench/loop_time.py`` (-6% to -6.5% before), and +7%, +1% and -3% in the next run of ``bench/auto_plan.py``.
 """
 
 from __future__ import annotations
