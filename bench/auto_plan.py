@@ -48,8 +48,9 @@ Columns: ``samples/s`` (rows per step over the median step, the median over the 
 error: the step the strategy printed at set-up (the pick's: of the configuration it went on with,
 priced with its run's calibration where it switched; the profile simulated with each stage's update, the
 links and what the closest earlier fit of the model kept: the bench keeps its profiles and
-calibrations in a fresh directory, so the first fit of each model predicts from the profile alone,
-which is printed apart, and every row from what earlier fits measured) against the measured one; for
+calibrations in a fresh directory, so the first fit of each model predicts from its profile with the
+loop's time and the actions' rate the models before it kept (the first model's from the profile
+alone), which is printed apart, and every row from what earlier fits measured) against the measured one; for
 every configuration, also the step the pick's calibration predicts for it (the pick's in-run costs:
 ``calibrated error``, where the pick priced the same split). ``rounds apart``: the spread of the
 configuration's step over the rounds (largest - smallest, over the median): what the machine's own
@@ -282,7 +283,10 @@ def _fits(
                     else ""
                 ),
                 "settled": strategy.settled_step,
-                "priced_with": "" if strategy.step_prices.kept is None else strategy.step_prices.kept.measured_on,
+                "priced_with": ""
+                if strategy.step_prices.priced_with is None
+                else strategy.step_prices.priced_with.measured_on,
+                "rate": strategy.step_prices.scale,
                 "key": (strategy.schedule_options.family, strategy.microbatches, strategy.stage_plan.bounds),
                 "priced": {(c.family, c.microbatches, c.bounds): calibration.seconds(c) for c in priced},
             }
@@ -359,7 +363,11 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
                 "calibrated_error": _error(statistics.median(calibrated), step) if calibrated else None,
             }
         )
-    first_fit = {"configuration": configs[0][0], "error": _error(first["predicted"], first["step"])}
+    first_fit = {
+        "configuration": configs[0][0],
+        "error": _error(first["predicted"], first["step"]),
+        "rate": first["rate"],
+    }
     held_out = _held_out([name for name, _ in configs if name != PICK], rounds)
     return {
         "model": model,
@@ -414,8 +422,11 @@ def _held_out(names: list[str], rounds: list[dict[str, dict[str, Any]]]) -> dict
 def _print(result: dict[str, Any]) -> None:
     print(f"\n### {result['model']} ({result['rows']} rows per batch, {result['rounds']} round(s))\n")
     first = result["first_fit"]
+    rate = first["rate"]
+    priced = "as profiled" if rate == 1.0 else f"at {rate:.2f}x the profile, the rate other models' fits kept"
     print(
-        f"The first fit ({first['configuration']}, no calibration kept yet): set-up error {_percent(first['error'])}\n"
+        f"The first fit ({first['configuration']}, no calibration of the model kept yet, its actions priced {priced}): "
+        f"set-up error {_percent(first['error'])}\n"
     )
     table = result["table"]
     within = [row for row in table if row["error"] is not None and abs(row["error"]) <= 0.1]
