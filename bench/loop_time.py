@@ -12,12 +12,15 @@ actions at the rate the fits of other models before it kept (``rate priced``,
 :mod:`lightning_pipe.cost.machine_rate`; the first model has none), against the rate its own fit
 measured and kept (``rate kept``). One profile cache for a round, as a user's machine keeps one; each
 round starts a fresh one, and with ``--rounds`` above 1 the last table gives each model's first-fit
-error in every round and their median.
+error in every round and their median. ``--mlp-widths 1024 2048`` adds the zoo's MLP at those widths
+(``mlp:1024``): the same code, a longer step and larger weights, and so how the loop's time follows
+the model rather than the step's code.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import statistics
@@ -25,14 +28,30 @@ import tempfile
 from pathlib import Path
 
 import auto_plan
+import lightning as L
+import torch
 from torch.utils.data import DataLoader
-from trainer_runs import timed_trainer
+from trainer_runs import Classifier, timed_trainer
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.cost.loop_time import loop_seconds
 from lightning_pipe.cost.machine_rate import kept_rates
 from lightning_pipe.runtime import run_local
 from lightning_pipe.strategy.trials import WARM_UP
+from lightning_pipe.zoo.models import build_chain
+
+
+def _wide_mlp(width: int) -> L.LightningModule:
+    torch.manual_seed(0)
+    return Classifier(build_chain("mlp", num_classes=10, input_shape=(3, 32, 32), width=width))
+
+
+def _entry(model: str) -> auto_plan.Model:
+    """The zoo's ``model``, or for ``mlp:W`` the zoo's MLP ``W`` wide."""
+    name, _, width = model.partition(":")
+    if not width:
+        return auto_plan.MODELS[name]
+    return auto_plan.Model(functools.partial(_wide_mlp, int(width)), auto_plan.MODELS["mlp"].rows, auto_plan._images)
 
 
 def fit(rank: int, model: str, steps: int, cache: str) -> tuple[float, float, float | None, float | None, float | None]:
@@ -40,7 +59,7 @@ def fit(rank: int, model: str, steps: int, cache: str) -> tuple[float, float, fl
     of the actions it was priced with (other models' fits', ``None``: none kept) and the rate it kept."""
     os.environ["LOCAL_RANK"] = str(rank)
     auto_plan._quiet()
-    entry = auto_plan.MODELS[model]
+    entry = _entry(model)
     auto_plan._warm_up(entry, argparse.Namespace(warmup=4, steps=6))
     strategy = PipelineStrategy("gpipe", microbatches=2, start_method="popen", profile_cache=cache)
     trainer, timer = timed_trainer(strategy, "loop_time_")
@@ -59,7 +78,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(auto_plan.MODELS), default=list(auto_plan.MODELS))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=1, help="the models' fits again, each round a fresh cache")
+    parser.add_argument(
+        "--mlp-widths", type=int, nargs="*", default=[], help="then the MLP at these widths (the zoo's: 128)"
+    )
     args = parser.parse_args()
+    args.models += [f"mlp:{width}" for width in args.mlp_widths]
     errors: dict[str, list[float]] = {model: [] for model in args.models}
     for round_ in range(args.rounds):
         cache = tempfile.mkdtemp(prefix="loop_time_profiles_")

@@ -64,27 +64,59 @@ def test_linear_first_layer_without_grad_saves_its_input():
     assert layer.flops == 2 * (2 * 3 * 7 * 5)  # forward + weight gradient, no input gradient
 
 
-@pytest.mark.parametrize("later", [False, True], ids=["first-with-grad", "later-layer"])
-def test_linear_with_input_grad(later):
+@pytest.mark.parametrize("case", ["first-with-grad", "after-a-weight", "after-no-weight"])
+def test_linear_takes_an_input_gradient_where_the_model_does(case):
+    """A layer's input takes a gradient where the model computes one: a sample that asks for it, or an
+    earlier layer with weights; not after layers without weights on a sample that does not (an MLP's
+    Linear after its Flatten), as a pipeline's stage receives it."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Identity(), nn.Linear(7, 5)) if later else nn.Sequential(nn.Linear(7, 5))
-    sample = torch.randn(3, 7, requires_grad=not later)
-    layer = quick(model, sample).layers[-1]
+    before = {"first-with-grad": [], "after-a-weight": [nn.Linear(7, 7)], "after-no-weight": [nn.Flatten()]}[case]
+    sample = torch.randn(3, 7, requires_grad=case == "first-with-grad")
+    layer = quick(nn.Sequential(*before, nn.Linear(7, 5)), sample).layers[-1]
     assert layer.activation_bytes == 3 * 5 * 4
     assert layer.param_bytes == (7 * 5 + 5) * 4
     assert layer.saved_bytes == 3 * 7 * 4
-    assert layer.flops == 3 * (2 * 3 * 7 * 5)  # forward, input gradient, weight gradient
+    products = 2 if case == "after-no-weight" else 3  # forward, weight gradient (and input gradient)
+    assert layer.flops == products * (2 * 3 * 7 * 5)
 
 
 def test_conv2d_bytes_and_flops():
     torch.manual_seed(0)
-    costs = quick(nn.Sequential(nn.Identity(), nn.Conv2d(3, 4, 3, padding=1)), torch.randn(2, 3, 8, 8))
+    sample = torch.randn(2, 3, 8, 8, requires_grad=True)
+    costs = quick(nn.Sequential(nn.Identity(), nn.Conv2d(3, 4, 3, padding=1)), sample)
     conv = costs.layers[1]
     assert conv.activation_bytes == 2 * 4 * 8 * 8 * 4
     assert conv.param_bytes == (4 * 3 * 3 * 3 + 4) * 4
     assert conv.saved_bytes == 2 * 3 * 8 * 8 * 4
     forward = 2 * (2 * 4 * 8 * 8) * (3 * 3 * 3)  # FlopCounterMode ignores the bias
-    assert conv.flops == 3 * forward
+    assert conv.flops == 3 * forward  # forward, input gradient, weight gradient
+
+
+LAYERS = {
+    "linear": lambda: nn.Linear(6, 6),
+    "frozen": lambda: nn.Linear(6, 6).requires_grad_(False),
+    "relu": nn.ReLU,
+    "identity": nn.Identity,
+    "tanh": nn.Tanh,
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(sorted(LAYERS)), min_size=1, max_size=6), st.booleans())
+def test_the_layers_flops_sum_to_the_models(names: list[str], sample_grad: bool) -> None:
+    """Oracle: the whole model's forward and backward counted at once (backward from its output, as the
+    last stage's loss does) equals the sum of its layers' profiled FLOPs: no layer counts an input
+    gradient the model does not compute (frozen layers, layers on a sample without grad)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LAYERS[name]() for name in names))
+    sample = torch.randn(4, 6, requires_grad=sample_grad)
+    profiled = sum(layer.flops for layer in quick(model, sample).layers)
+    counter = torch.utils.flop_counter.FlopCounterMode(display=False)
+    with counter:
+        output = model(sample.detach().requires_grad_(sample_grad))
+        if output.requires_grad:
+            output.backward(torch.randn_like(output))
+    assert profiled == counter.get_total_flops()
 
 
 def test_relu_saves_its_output_only_when_grad_flows():
@@ -117,7 +149,8 @@ def test_batchnorm_saves_input_and_batch_statistics_not_model_state():
 
 def test_saved_tensors_are_deduplicated_by_storage():
     torch.manual_seed(0)
-    layer = quick(nn.Sequential(nn.Identity(), SquareHead()), torch.randn(2, 3, 8, 8)).layers[1]
+    sample = torch.randn(2, 3, 8, 8, requires_grad=True)
+    layer = quick(nn.Sequential(nn.Identity(), SquareHead()), sample).layers[1]
     assert layer.activation_bytes == 2 * 2 * 8 * 8 * 4
     # the slice is saved twice but kept once; it keeps the whole input storage alive
     assert layer.saved_bytes == 2 * 3 * 8 * 8 * 4
@@ -142,7 +175,7 @@ def test_element_sizes(dtype, size):
 )
 def test_linear_counts_match_formulas(batch, features_in, features_out, bias):
     model = nn.Sequential(nn.Identity(), nn.Linear(features_in, features_out, bias=bias))
-    layer = quick(model, torch.randn(batch, features_in)).layers[1]
+    layer = quick(model, torch.randn(batch, features_in, requires_grad=True)).layers[1]  # an input gradient
     assert layer.activation_bytes == batch * features_out * 4
     assert layer.param_bytes == (features_in * features_out + bias * features_out) * 4
     assert layer.saved_bytes == batch * features_in * 4

@@ -50,8 +50,15 @@ until its mmap threshold has risen, a run does so only in its first steps, so th
 measured as the steps will run.
 
 Every run feeds the layer a fresh ``clone()`` of its input, so in-place layers (``ReLU(inplace=True)``)
-work and never corrupt the input of later runs. Inputs of layers after the first require grad when
-floating point, as they would in a pipeline; the first layer's input keeps ``requires_grad`` as given.
+work and never corrupt the input of later runs. A layer's input takes a gradient where the previous
+layer's output did, as the model computes it and as a pipeline's stage receives it
+(:mod:`~lightning_pipe.runtime.forward_backward` sends which outputs require grad); the first layer's
+input keeps ``requires_grad`` as given. So the first layer with weights after layers without any (an
+MLP's ``Linear`` after its ``Flatten``) computes no input gradient, nor does a layer for a tensor made
+from constants (an attention mask), and the layers' FLOPs sum to the model's own
+(``tests/test_profiler.py``). A profile that gave every later input a gradient timed an MLP's first
+``Linear`` with an input gradient, a product as large as its weight gradient's, that its backward
+never computes.
 
 Profiling leaves the model as it found it: train/eval modes, device, buffers (BatchNorm running
 statistics), parameter ``.grad`` and the global random number generator state are restored.
@@ -138,16 +145,14 @@ def profile_layers(
     with _profiling_session(model, [layer for _, layer in named], target):
         first = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
         x, saved_outputs = first, frozenset()
-        for index, (label, layer) in enumerate(named):
-            cost, x, saved_outputs = _profile_layer(
-                label, layer, _layer_input(x, index), target, warmup, count_flops, rate, saved_outputs
-            )
+        for label, layer in named:
+            cost, x, saved_outputs = _profile_layer(label, layer, x, target, warmup, count_flops, rate, saved_outputs)
             costs.append(cost)
         times = [[(cost.forward_seconds, cost.backward_seconds)] for cost in costs]
         for _ in range(0 if target.type == "meta" else repeats - 1):  # the other passes: timing only
             x = first  # each run feeds a layer a copy of its input
             for index, (_, layer) in enumerate(named):
-                *timed, x = _timed_run(layer, _layer_input(x, index), target)
+                *timed, x = _timed_run(layer, x, target)
                 times[index].append(tuple(timed))
     if target.type != "meta":
         costs = [
@@ -322,10 +327,10 @@ def _layer_state(layer: nn.Module, device: torch.device) -> Iterator[None]:
             layer.get_parameter(name).grad = grad
 
 
-def _layer_input(x: Any, index: int) -> Any:
-    """What layer ``index`` is fed: the previous layer's output as a leaf that takes a gradient, as a
-    received input in a pipeline (the first layer's input keeps ``requires_grad`` as given)."""
-    return x if index == 0 else map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
+def _as_received(output: Any) -> Any:
+    """A layer's ``output`` as the next layer is fed it: detached, each tensor a leaf that takes a
+    gradient where the output did (as a pipeline's stage receives it)."""
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad and t.is_floating_point()), output)
 
 
 def _profile_layer(
@@ -375,7 +380,7 @@ def _profile_layer(
         shared_saved_bytes=min(saved, sum(nbytes for position, nbytes in saved_inputs.items() if position in before)),
         backward_bytes=transient,
     )
-    return cost, map_tensors(torch.Tensor.detach, output), saved_outputs
+    return cost, _as_received(output), saved_outputs
 
 
 def _total(*counters: FlopCounterMode | None) -> int:
@@ -416,8 +421,8 @@ def _free_gradients(layer: nn.Module) -> None:
 
 
 def _timed_run(layer: nn.Module, leaf: Any, device: torch.device) -> tuple[float, float, Any]:
-    """One forward and backward of the layer on a copy of ``leaf``: their seconds, and the detached
-    output."""
+    """One forward and backward of the layer on a copy of ``leaf``: their seconds, and the output as the
+    next layer is fed it (:func:`_as_received`)."""
     inputs = map_tensors(torch.Tensor.clone, leaf)
     synchronize(device)
     start = time.perf_counter()
@@ -427,7 +432,7 @@ def _timed_run(layer: nn.Module, leaf: Any, device: torch.device) -> tuple[float
     backward = _timed_backward(output, device)
     _clear_grads(leaf)
     _free_gradients(layer)
-    return forward, backward, map_tensors(torch.Tensor.detach, output)
+    return forward, backward, _as_received(output)
 
 
 def _backward_bytes(layer: nn.Module, leaf: Any) -> int:
