@@ -143,10 +143,12 @@ def _resnet18() -> L.LightningModule:
     return Classifier(resnet18(num_classes=10))
 
 
-def _chain(name: str) -> Callable[[], L.LightningModule]:
+def _chain(name: str, **options: int) -> Callable[[], L.LightningModule]:
+    """The zoo's chain ``name`` (``build_chain``'s ``options``: the MLP's ``width``, ``depth``)."""
+
     def build() -> L.LightningModule:
         torch.manual_seed(0)
-        return Classifier(build_chain(name, num_classes=10, input_shape=(3, 32, 32)))
+        return Classifier(build_chain(name, num_classes=10, input_shape=(3, 32, 32), **options))
 
     return build
 

@@ -20,7 +20,6 @@ the model rather than the step's code.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import os
 import statistics
@@ -28,22 +27,14 @@ import tempfile
 from pathlib import Path
 
 import auto_plan
-import lightning as L
-import torch
 from torch.utils.data import DataLoader
-from trainer_runs import Classifier, timed_trainer
+from trainer_runs import timed_trainer
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.cost.loop_time import loop_seconds
 from lightning_pipe.cost.machine_rate import kept_rates
 from lightning_pipe.runtime import run_local
 from lightning_pipe.strategy.trials import WARM_UP
-from lightning_pipe.zoo.models import build_chain
-
-
-def _wide_mlp(width: int) -> L.LightningModule:
-    torch.manual_seed(0)
-    return Classifier(build_chain("mlp", num_classes=10, input_shape=(3, 32, 32), width=width))
 
 
 def _entry(model: str) -> auto_plan.Model:
@@ -51,7 +42,7 @@ def _entry(model: str) -> auto_plan.Model:
     name, _, width = model.partition(":")
     if not width:
         return auto_plan.MODELS[name]
-    return auto_plan.Model(functools.partial(_wide_mlp, int(width)), auto_plan.MODELS["mlp"].rows, auto_plan._images)
+    return auto_plan.Model(auto_plan._chain("mlp", width=int(width)), auto_plan.MODELS["mlp"].rows, auto_plan._images)
 
 
 def fit(rank: int, model: str, steps: int, cache: str) -> tuple[float, float, float | None, float | None, float | None]:

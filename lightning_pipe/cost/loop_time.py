@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_pipe.util.files import kept_document, kept_runs, replace_json
+from lightning_pipe.util.files import keep_run, kept_document, kept_number, kept_runs
 
 __all__ = ["KEPT_LOOPS", "LOOP_PREFIX", "keep_loop_seconds", "kept_loop_seconds", "loop_path", "loop_seconds"]
 
@@ -63,21 +63,13 @@ def keep_loop_seconds(directory: Path, device: torch.device | str, processes: in
     atomically); the file, or ``None`` where it could not be written or ``seconds`` is no time."""
     if not (math.isfinite(seconds) and seconds >= 0):
         return None
-    path = loop_path(directory, device, processes)
-    runs = kept_runs(kept_document(path))[-(KEPT_LOOPS - 1) :]
-    runs.append({"seconds": seconds, "written": time.strftime("%Y-%m-%d %H:%M:%S")})
-    return path if replace_json(path, {"runs": runs}) else None
+    entry = {"seconds": seconds, "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return keep_run(loop_path(directory, device, processes), entry, KEPT_LOOPS)
 
 
 def kept_loop_seconds(directory: Path, device: torch.device | str, processes: int) -> float | None:
     """The median of the loop times kept for ``processes`` processes of ``device``'s kind in
     ``directory`` (:func:`keep_loop_seconds`); ``None`` where none is kept (or none readable)."""
-    found = [
-        seconds
-        for run in kept_runs(kept_document(loop_path(directory, device, processes)))
-        if isinstance(seconds := run.get("seconds"), int | float)
-        and not isinstance(seconds, bool)
-        and math.isfinite(seconds)
-        and seconds >= 0
-    ]
-    return float(statistics.median(found)) if found else None
+    runs = kept_runs(kept_document(loop_path(directory, device, processes)))
+    found = [seconds for run in runs if (seconds := kept_number(run, "seconds")) is not None]
+    return statistics.median(found) if found else None

@@ -52,7 +52,7 @@ measured as the steps will run.
 Every run feeds the layer a fresh ``clone()`` of its input, so in-place layers (``ReLU(inplace=True)``)
 work and never corrupt the input of later runs. A layer's input takes a gradient where the previous
 layer's output did, as the model computes it and as a pipeline's stage receives it
-(:mod:`~lightning_pipe.runtime.forward_backward` sends which outputs require grad); the first layer's
+(:func:`~lightning_pipe.runtime.forward_backward.as_received`: the runtime's own rule); the first layer's
 input keeps ``requires_grad`` as given. So the first layer with weights after layers without any (an
 MLP's ``Linear`` after its ``Flatten``) computes no input gradient, nor does a layer for a tensor made
 from constants (an attention mask), and the layers' FLOPs sum to the model's own
@@ -83,6 +83,7 @@ from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.cost.saved_bytes import saved_bytes, storage_key
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.allocator import settle_heap
+from lightning_pipe.runtime.forward_backward import as_received
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.util.nested import map_tensors, nbytes, tensors
 
@@ -327,12 +328,6 @@ def _layer_state(layer: nn.Module, device: torch.device) -> Iterator[None]:
             layer.get_parameter(name).grad = grad
 
 
-def _as_received(output: Any) -> Any:
-    """A layer's ``output`` as the next layer is fed it: detached, each tensor a leaf that takes a
-    gradient where the output did (as a pipeline's stage receives it)."""
-    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad and t.is_floating_point()), output)
-
-
 def _profile_layer(
     label: str,
     layer: nn.Module,
@@ -380,7 +375,7 @@ def _profile_layer(
         shared_saved_bytes=min(saved, sum(nbytes for position, nbytes in saved_inputs.items() if position in before)),
         backward_bytes=transient,
     )
-    return cost, _as_received(output), saved_outputs
+    return cost, as_received(output), saved_outputs
 
 
 def _total(*counters: FlopCounterMode | None) -> int:
@@ -422,7 +417,7 @@ def _free_gradients(layer: nn.Module) -> None:
 
 def _timed_run(layer: nn.Module, leaf: Any, device: torch.device) -> tuple[float, float, Any]:
     """One forward and backward of the layer on a copy of ``leaf``: their seconds, and the output as the
-    next layer is fed it (:func:`_as_received`)."""
+    next layer is fed it (:func:`~lightning_pipe.runtime.forward_backward.as_received`)."""
     inputs = map_tensors(torch.Tensor.clone, leaf)
     synchronize(device)
     start = time.perf_counter()
@@ -432,7 +427,7 @@ def _timed_run(layer: nn.Module, leaf: Any, device: torch.device) -> tuple[float
     backward = _timed_backward(output, device)
     _clear_grads(leaf)
     _free_gradients(layer)
-    return forward, backward, _as_received(output)
+    return forward, backward, as_received(output)
 
 
 def _backward_bytes(layer: nn.Module, leaf: Any) -> int:

@@ -42,7 +42,7 @@ from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.schedule.ir import Action, Kind
 from lightning_pipe.util.nested import flatten, map_tensors, tensors, unflatten
 
-__all__ = ["ForwardBackward", "InFlight"]
+__all__ = ["ForwardBackward", "InFlight", "as_received"]
 
 _T = TypeVar("_T")
 _IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
@@ -80,6 +80,13 @@ def _received_forward(message: tuple[Any, tuple[bool, ...] | None]) -> Any:
     return map_tensors(
         lambda t: t.detach().requires_grad_((found is None or next(found)) and t.is_floating_point()), outputs
     )
+
+
+def as_received(outputs: Any) -> Any:
+    """A stage's ``outputs`` (computed with autograd) as the next stage receives them: detached leaves
+    that take a gradient where the outputs did (:func:`_sent_forward`, :func:`_received_forward`). The
+    profiler feeds each layer the previous one's output so (:mod:`lightning_pipe.cost.profiler`)."""
+    return _received_forward(_sent_forward(outputs, differentiated=True))
 
 
 class ForwardBackward:

@@ -5,13 +5,24 @@ the next run (calibrations, the training loop's time): read leniently, replaced 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
 
 from lightning_pipe.errors import PlanningError
 
-__all__ = ["json_kind", "kept_document", "kept_runs", "parse_json", "read_json", "read_text", "replace_json"]
+__all__ = [
+    "json_kind",
+    "keep_run",
+    "kept_document",
+    "kept_number",
+    "kept_runs",
+    "parse_json",
+    "read_json",
+    "read_text",
+    "replace_json",
+]
 
 _KINDS = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
 
@@ -60,6 +71,23 @@ def kept_runs(document: dict[str, object]) -> list[dict[str, object]]:
     such list."""
     runs = document.get("runs")
     return [entry for entry in runs if isinstance(entry, dict)] if isinstance(runs, list) else []
+
+
+def kept_number(entry: dict[str, object], name: str) -> float | None:
+    """``entry[name]`` where it is a finite number >= 0 (a figure a run kept); ``None`` where it is
+    missing or not such a number (a file edited or damaged by hand)."""
+    value = entry.get(name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        return None
+    return float(value)
+
+
+def keep_run(path: Path, entry: dict[str, object], last: int) -> Path | None:
+    """``entry`` kept as the last of the ``last`` runs the kept file ``path`` holds (:func:`kept_runs`;
+    the oldest beyond them dropped, the file replaced atomically); the file, or ``None`` where it could
+    not be written."""
+    runs = [*kept_runs(kept_document(path))[-(last - 1) :], entry] if last > 1 else [entry]
+    return path if replace_json(path, {"runs": runs}) else None
 
 
 def replace_json(path: Path, document: object) -> bool:
