@@ -37,9 +37,14 @@ The space and its assumptions, all of them the simulator's or stated here:
   family's time is its steady step (steps overlap).
 - **Recomputation** (GPipe's re-materialisation, Huang et al. 2019, §2.3): a recomputing stage's
   backward runs its forward again first and keeps only its input per micro-batch in flight
-  (``MemoryModel.recompute``). ``recompute=None`` chooses per stage: a worker recomputes exactly the
-  stages it holds when they do not fit the limit without it. Recomputing only adds time, so among the
-  assignments that fit this one is the fastest (the tests check it against every assignment).
+  (``MemoryModel.recompute``). ``recompute=None`` chooses per stage: none recomputes when every
+  worker fits; else every assignment of recomputation to the stages of the workers over the limit
+  is priced (at most :data:`MAX_RECOMPUTED` of them, beyond which those workers recompute all their
+  stages), and those that fit are ranked with the rest. A worker's peak is not a sum over its stages
+  (their activations, gradients and transients peak at different times:
+  :class:`~lightning_pipe.worker_memory.WorkerMemory`), so recomputing fewer of its stages can fit
+  where it would not with its stages apart, and costs less time (the tests check the ranking against
+  every assignment).
 - **Splits**: every contiguous split into the family's stage count when there are at most
   ``max_splits`` (the ranking is then exact over the space, which the tests check by brute force);
   otherwise the ``partitioner``'s split and every split one cut away from it (a heuristic). ``ddp``
@@ -101,6 +106,8 @@ STEPS = PREDICTED_STEPS
 """Steps simulated per candidate, as many as the strategy's prediction
 (:data:`~lightning_pipe.planning.PREDICTED_STEPS`)."""
 DEFAULT_MAX_SPLITS = 200
+MAX_RECOMPUTED = 6
+"""The most stages whose recomputation ``recompute=None`` chooses one by one (2**6 assignments)."""
 """Most contiguous splits enumerated one by one; beyond, the partitioner's and its neighbours'."""
 
 
@@ -292,14 +299,22 @@ def microbatch_costs(costs: ChainCosts, parts: float, small: tuple[ChainCosts, f
 
 def _recomputing(
     held: WorkerMemory, needs: Sequence[float], limit: float | None, recompute: bool | None
-) -> tuple[bool, ...]:
-    """Which stages recompute: all, none, or (``None``) those of the workers whose ``needs`` without
-    it are over ``limit``."""
+) -> list[tuple[bool, ...]]:
+    """The assignments of recomputation to price: all stages or none as asked; with ``None``, none,
+    and every choice among the stages of the workers whose ``needs`` without it are over ``limit``
+    (where more than :data:`MAX_RECOMPUTED`, all of them)."""
     stages = len(held.saved)
     if recompute is not None:
-        return (recompute,) * stages
+        return [(recompute,) * stages]
     over = [w for w, need in enumerate(needs) if limit is not None and need > limit]
-    return tuple(any(s in held.owned[w] for w in over) for s in range(stages))
+    chosen = [s for s in range(stages) if any(s in held.owned[w] for w in over)]
+    if len(chosen) > MAX_RECOMPUTED:
+        return [tuple(s in chosen for s in range(stages))]
+    return [
+        tuple(s in subset for s in range(stages))
+        for size in range(len(chosen) + 1)
+        for subset in itertools.combinations(chosen, size)
+    ]
 
 
 def _mixed(plain: Plan, again: Plan, recompute: tuple[bool, ...]) -> Plan:
@@ -416,26 +431,24 @@ def search(
                 ]
                 plain, again = priced[0], priced[-1]
                 keeping = held.bytes_under(plain, (False,) * len(bounds))  # no stage recomputing
-                flags = _recomputing(held, keeping, memory_limit, recompute)
-                plan = replace(_mixed(plain, again, flags), memory_limit=memory_limit)
-                per_worker = held.bytes_under(plan, flags)
-                recomputing = held.bytes_under(again, (True,) * len(bounds))
-                least = [min(a, b) for a, b in zip(keeping, recomputing, strict=True)]
-                smallest = min(smallest, max(per_worker) if recompute is not None else max(least))
-                if memory_limit is not None and max(per_worker) > memory_limit:
-                    continue
-                stage_plan = StagePlan(bounds, plan, scaled, replicas, known)
                 updates = None if update is None else update.stages(bounds)
                 kept = None if calibrations is None else calibrations(family, m)
                 rate, fixed = (scale, action_seconds) if kept is None else (kept.scale, kept.fixed)
                 overlap = Calibration.reduce_overlap(kept, reduce_overlap)
                 running = contention if kept is None else 1.0  # a calibration was measured running
-                simulation = predict(
-                    stage_plan, options, m, running, flags, fixed, updates, rate, reduce_overlap=overlap
-                )
-                assert simulation is not None
-                found.append(
-                    Candidate(
+                fastest: Candidate | None = None  # of the assignments of recomputation that fit
+                for flags in _recomputing(held, keeping, memory_limit, recompute):
+                    plan = replace(_mixed(plain, again, flags), memory_limit=memory_limit)
+                    per_worker = held.bytes_under(plan, flags)
+                    smallest = min(smallest, max(per_worker))
+                    if memory_limit is not None and max(per_worker) > memory_limit:
+                        continue
+                    stage_plan = StagePlan(bounds, plan, scaled, replicas, known)
+                    simulation = predict(
+                        stage_plan, options, m, running, flags, fixed, updates, rate, reduce_overlap=overlap
+                    )
+                    assert simulation is not None
+                    candidate = Candidate(
                         schedule=options,
                         recompute=flags,
                         stage_plan=stage_plan,
@@ -445,7 +458,10 @@ def search(
                         memory_bytes=per_worker,
                         memory_limit=memory_limit,
                     )
-                )
+                    if fastest is None or _rank(candidate) < _rank(fastest):
+                        fastest = candidate
+                if fastest is not None:
+                    found.append(fastest)
     if not found:
         listed = ", ".join(family for family, _ in chosen)
         if math.isinf(smallest):
@@ -457,12 +473,18 @@ def search(
             f"(memory_limit={need})"
         )
     order = {family: index for index, (family, _) in enumerate(chosen)}
-    found.sort(key=lambda c: (c.step_seconds, c.peak_memory_bytes, order[c.family], c.microbatches, sum(c.recompute)))
+    found.sort(key=lambda c: (*_rank(c)[:2], order[c.family], c.microbatches, sum(c.recompute)))
     return [replace(c, why=_why(c, found)) for c in found]
 
 
 TIE = 0.005
 """Step times this close are a tie, which the ranking breaks by peak memory."""
+
+
+def _rank(candidate: Candidate) -> tuple[float, float, int]:
+    """How the ranking orders candidates of one family and micro-batch count: step time, then peak
+    memory, then the fewest stages recomputing."""
+    return candidate.step_seconds, candidate.peak_memory_bytes, sum(candidate.recompute)
 
 
 def _faster(best: Candidate, other: Candidate) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,8 +31,9 @@ from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.partition import PlanRequest, evaluate, partition
 from lightning_pipe.planning import StagePlan, in_flight_counts, memory_model, predict
-from lightning_pipe.schedule import COMPUTE, NON_FLUSHING_FAMILIES, StageCosts, simulate
+from lightning_pipe.schedule import NON_FLUSHING_FAMILIES
 from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.worker_memory import WorkerMemory
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WORKERS = 2
@@ -79,8 +81,9 @@ def _layouts(costs: ChainCosts, family: str, stages: int) -> list[tuple[list[lis
 def _brute_force(costs: ChainCosts, limit: float | None, space: dict[str, object]) -> tuple[float, float]:
     """The least predicted step time over every (family, m, split, recomputing stages) that fits
     ``limit``: each stage's weights and state by ``evaluate``, summed over the stages a worker computes,
-    with the activations the simulator's replay has alive on the worker at its peak (a recomputing
-    stage's as ``evaluate`` gives them), and the strategy's prediction; with ``recompute=None`` every
+    with the activations, gradients and transients its actions hold at its peak (``WorkerMemory``, a
+    recomputing stage's activations as ``evaluate`` gives them), and the strategy's prediction; with
+    ``recompute=None`` every
     assignment of recomputation to stages is tried. Also the least peak memory of any of them (fitting
     or not)."""
     best, least = math.inf, math.inf
@@ -100,7 +103,6 @@ def _brute_force(costs: ChainCosts, limit: float | None, space: dict[str, object
                 schedule = options.make(len(groups), m, **extra)(STEPS)
             except PlanningError:
                 continue
-            owned = [{a.stage for a in order if a.kind in COMPUTE} for order in schedule.orders]
             plain, again = (
                 evaluate(scaled, groups, replicas, partitioner="brute", devices=WORKERS, memory=model)
                 for model in models
@@ -109,12 +111,8 @@ def _brute_force(costs: ChainCosts, limit: float | None, space: dict[str, object
             patterns = itertools.product((False, True), repeat=count) if flag is None else [(flag,) * count]
             for pattern in patterns:
                 chosen = zip(plain.stages, again.stages, pattern, strict=True)
-                stage_bytes = [a.memory_bytes if r else p.memory_bytes - p.activation_bytes for p, a, r in chosen]
-                kept = [0.0 if r else scaled.saved_between(a, b) for (a, b), r in zip(bounds, pattern, strict=True)]
-                alive = simulate(
-                    schedule, StageCosts([1.0] * count, [1.0] * count, saved_bytes=kept)
-                ).peak_activation_bytes
-                peak = max(alive[w] + sum(stage_bytes[s] for s in mine) for w, mine in enumerate(owned))
+                mixed = replace(plain, stages=tuple(a if r else p for p, a, r in chosen))
+                peak = max(WorkerMemory.of(schedule, scaled, bounds).bytes_under(mixed, pattern))
                 least = min(least, peak)
                 if limit is not None and peak > limit:
                     continue

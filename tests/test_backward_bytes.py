@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_pipe.cost.backward_bytes import BackwardPeak
+from lightning_pipe.cost.backward_bytes import BackwardPeak, backward_peak, backward_roots
 from lightning_pipe.cost.memory import MemoryModel
 from lightning_pipe.cost.profile_file import profile_from_dict, profile_to_dict
 from lightning_pipe.cost.profiler import profile_layers
@@ -157,20 +157,53 @@ def test_every_partitioner_counts_the_largest_backward_of_each_stage() -> None:
     )
     memory = MemoryModel("1f1b", microbatches=4, extra_copies=2)
     plan = evaluate(costs, [[0, 1], [2, 3]], partitioner="hand", devices=2, memory=memory)
-    # (1 weight + 2 copies) x 20 bytes of parameters, 2 and 1 micro-batches in flight x 16 saved
-    assert [stage.memory_bytes for stage in plan.stages] == [60 + 32, 60 + 16 + 30]
+    # (1 weight + 2 copies) x 20 bytes of parameters, 2 and 1 micro-batches in flight x 16 saved (the
+    # last stage also holds the model's 8-byte output per micro-batch in flight)
+    assert [stage.memory_bytes for stage in plan.stages] == [60 + 32, 60 + 16 + 8 + 30]
     accumulating = MemoryModel("1f1b", microbatches=4, extra_copies=2, accumulation=True)
     assert accumulating.transient_bytes(10.0, 30.0) == 40.0
     plan = evaluate(costs, [[0, 1], [2, 3]], partitioner="hand", devices=2, memory=accumulating)
-    assert [stage.memory_bytes for stage in plan.stages] == [60 + 32 + 10, 60 + 16 + 40]
+    assert [stage.memory_bytes for stage in plan.stages] == [60 + 32 + 10, 60 + 16 + 8 + 40]
 
-    # no parameters, one micro-batch: the even split holds 16 and 16 + 30; 3 + 1 layers hold 24 and 8 + 30
+    # no parameters, one micro-batch: the even split holds 16 and 16 + 8 + 30; 3 + 1 layers 24 and 8 + 8 + 30
     light = ChainCosts.from_lists([1.0] * 4, [1.0] * 4, activation=[8.0] * 4, transient=[0.0, 0.0, 0.0, 30.0])
     one = MemoryModel("1f1b", microbatches=1, extra_copies=2)
     for name in ("pipedream", "memory", "exact", "noncontiguous"):
         if name != "memory":  # the memory partitioner needs a limit
             found = partition(PlanRequest(light, devices=2, memory=one, straight=True), name)
             assert [list(stage.layers) for stage in found.stages] == [[0, 1], [2, 3]], name
-        found = partition(PlanRequest(light, devices=2, memory=one, memory_limit=40.0, straight=True), name)
+        found = partition(PlanRequest(light, devices=2, memory=one, memory_limit=48.0, straight=True), name)
         assert [list(stage.layers) for stage in found.stages] == [[0, 1, 2], [3]], name
-        assert found.peak_memory_bytes == 38.0, name
+        assert found.peak_memory_bytes == 46.0, name
+
+
+class _ModelLoss(nn.Module):
+    """A last layer as ``transformers`` models given labels end: the loss beside the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 512, bias=False)
+        self.frozen = nn.Parameter(torch.zeros(4096), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(x)
+        return logits.log_softmax(-1)[:, 0].mean().neg(), logits
+
+
+def test_the_last_layer_differentiates_its_loss_alone_and_accumulates_its_largest_parameter() -> None:
+    """Of the model's last layer returning its loss beside its logits, the backward starts from the
+    loss, as the runtime's does: the logits take no random gradient of their own. A backward adding
+    into a gradient holds the largest parameter that takes one, not every parameter's bytes."""
+    layer = _ModelLoss()
+    x = torch.randn(8, 16, requires_grad=True)
+    loss, logits = layer(x)
+    assert backward_roots((loss, logits), last=True) == [loss]
+    assert backward_roots((loss, logits)) == [loss, logits]  # any other layer: every output taking one
+    costs = profile_layers([nn.Linear(16, 16), layer], torch.randn(8, 16), repeats=1, count_flops=False)
+    assert costs.layers[-1].largest_param_bytes == 512 * 16 * 4  # the frozen 4096 floats take no gradient
+    assert costs.layers[-1].accumulated_bytes == 512 * 16 * 4 < costs.layers[-1].param_bytes
+    assert costs.layers[0].largest_param_bytes == 16 * 16 * 4  # the weight, not weight and bias
+    every = backward_peak(layer, x.detach().requires_grad_(), list(layer.head.parameters()))
+    alone = backward_peak(layer, x.detach().requires_grad_(), list(layer.head.parameters()), last=True)
+    assert alone < every  # the logits' random gradient (8 x 512 floats) and its sum left out
+    assert profile_from_dict(profile_to_dict(costs)) == costs

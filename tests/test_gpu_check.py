@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     """The dry run's JSON holds the CUDA tests (each skipped on the CPU), a row per configuration of
     each model (every synchronous family on one device) with its samples/s, its ratio to plain
-    Lightning's and the plan's predictions; the Markdown has the three sections."""
+    Lightning's and the plan's predictions, the predicted peak memory within 10% of the allocated one;
+    the Markdown has the three sections."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)]
     command += ["--models", "resnet"]
@@ -47,14 +48,11 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         assert run["ratio"] > 0 and run["actions_per_step"] > 0
         assert run["stages"] == int(label.split("P=")[1])
         assert len(run["predicted_stage_bytes"]) == run["stages"]
-        # one worker holds every stage: its simulated peak of activations, which GPipe's is its stages' sum (every
-        # micro-batch of every stage alive), the others' at most about it
-        summed = sum(run["predicted_stage_bytes"])
-        if label.startswith("gpipe"):
-            assert run["predicted_bytes"] == pytest.approx(summed, rel=1e-9)
-        assert 0.5 * summed < run["predicted_bytes"] < 1.1 * summed
+        # one worker holds every stage: its peak as its actions hold them, at most the stages' own peaks summed
+        assert run["predicted_bytes"] <= sum(run["predicted_stage_bytes"]) * (1 + 1e-9)
         assert run["predicted_step_seconds"] > 0 and run["step_ratio"] > 0
-        assert run["measured_bytes"] is None  # no CUDA counter on the CPU
+        # on the CPU the peak is counted at the dispatcher (lightning_pipe/cost/allocated.py): the goal, 10%
+        assert run["measured_bytes"] > 0 and abs(run["memory_ratio"] - 1) <= 0.1, (label, run["memory_ratio"])
         assert run["setup_seconds"]["total"] > 0
     text = (tmp_path / "gpu_check.md").read_text()
     for heading in ("## 1. CUDA tests", "## 2. Throughput", "## 3. Predicted against measured"):

@@ -25,9 +25,10 @@ from lightning_pipe.planning import (
     memory_model,
     within_workers,
 )
-from lightning_pipe.schedule import COMPUTE, FAMILIES, StageCosts, simulate
-from lightning_pipe.schedule.in_flight import stage_in_flight, worker_peaks
+from lightning_pipe.schedule import COMPUTE, FAMILIES, NON_FLUSHING_FAMILIES, StageCosts, simulate
+from lightning_pipe.schedule.in_flight import Holding, stage_in_flight, weight_versions, worker_holdings, worker_peaks
 from lightning_pipe.schedule.options import ScheduleOptions
+from lightning_pipe.worker_memory import WorkerMemory
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXTRA = {"1f1b_star": {"period": 3.0}, "kperiodic": {"k": 2}}
@@ -155,21 +156,12 @@ def _planner(costs: ChainCosts, options: ScheduleOptions, stages: int, microbatc
 
 
 def _worker_needs(stage_plan: StagePlan, options: ScheduleOptions, microbatches: int) -> list[float]:
-    """Each worker's bytes by the replay: its stages' weights and state (the plan's, less their
-    activations), and the activations the replay has alive on it at its peak."""
+    """Each worker's bytes as its actions hold them (``WorkerMemory``, whose sweep the tests above
+    check against the replay and ``tests/test_allocated_runs.py`` against runs)."""
     assert stage_plan.plan is not None and stage_plan.costs is not None
-    count = len(stage_plan.bounds)
-    schedule = options.make(count, microbatches)(4)
-    saved = [stage_plan.costs.saved_between(a, b) for a, b in stage_plan.bounds]
-    alive = simulate(schedule, StageCosts([1.0] * count, [1.0] * count, saved_bytes=saved)).peak_activation_bytes
-    stages = stage_plan.plan.stages
-    return [
-        alive[w]
-        + sum(
-            stages[s].memory_bytes - stages[s].activation_bytes for s in {a.stage for a in order if a.kind in COMPUTE}
-        )
-        for w, order in enumerate(schedule.orders)
-    ]
+    schedule = options.make(len(stage_plan.bounds), microbatches)(4)
+    held = WorkerMemory.of(schedule, stage_plan.costs, stage_plan.bounds)
+    return list(held.bytes_under(stage_plan.plan, [False] * len(stage_plan.bounds)))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -201,30 +193,95 @@ def test_a_plan_keeps_the_limit_per_worker_or_is_refused(
 
 def test_an_interleaved_worker_over_the_limit_with_its_stages_together_is_planned_again() -> None:
     """Each stage of the per-stage plan fits the limit, but worker 0, holding two of them, does not
-    (54 bytes of 51): the stages are planned again within half of it each, and fit together."""
+    (50 bytes of 48): the stages are planned again within smaller shares of it, and fit together."""
     params = [2.0, 4.0, 2.0, 3.0, 2.0, 2.0, 2.0, 2.0]
     costs = ChainCosts.from_lists([1.0] * 8, [1.0] * 8, saved=[2.0, 4.0, 4.0, 0.0, 4.0, 0.0, 1.0, 2.0], params=params)
     options = ScheduleOptions("interleaved", 4).on_workers(2)
     plan_once = _planner(costs, options, 4, 4)
-    alone = plan_once(PlanOptions(memory_limit=51.0))
-    assert _worker_needs(alone, options, 4) == [54.0, 35.0]
-    kept = within_workers(plan_once, PlanOptions(memory_limit=51.0), options, 4)
-    assert max(_worker_needs(kept, options, 4)) <= 51.0
+    alone = plan_once(PlanOptions(memory_limit=48.0))
+    assert _worker_needs(alone, options, 4) == [50.0, 33.0]
+    kept = within_workers(plan_once, PlanOptions(memory_limit=48.0), options, 4)
+    assert _worker_needs(kept, options, 4) == [42.0, 36.0]
     with pytest.raises(PlanningError, match=r"computes 2 stages of interleaved and needs .* over memory_limit="):
         within_workers(plan_once, PlanOptions(memory_limit=30.0), options, 4)
 
 
 def test_a_worker_over_the_limit_is_planned_again_at_a_share_between_the_limit_and_its_half() -> None:
-    """At 103 bytes each stage fits alone, but worker 0 holds 126 with its two stages together; within
-    half of the limit each no split exists, and within three quarters one does whose workers need 93
-    and 101 bytes: the shares between the limit and its half find it (the half alone would refuse)."""
+    """At 103 bytes each stage fits alone, but worker 0 holds 116 with its two stages together; within
+    half of the limit each no split exists, and within a larger share one does whose workers need 85
+    and 94 bytes: the shares between the limit and its half find it (the half alone would refuse)."""
     params = [6.0, 6.0, 0.0, 4.0, 8.0, 7.0, 6.0, 4.0]
     costs = ChainCosts.from_lists([1.0] * 8, [1.0] * 8, saved=[7.0, 5.0, 9.0, 3.0, 8.0, 2.0, 4.0, 2.0], params=params)
     options = ScheduleOptions("interleaved", 4).on_workers(2)
     plan_once = _planner(costs, options, 4, 4)
-    assert _worker_needs(plan_once(PlanOptions(memory_limit=103.0)), options, 4) == [126.0, 74.0]
+    assert _worker_needs(plan_once(PlanOptions(memory_limit=103.0)), options, 4) == [116.0, 68.0]
     with pytest.raises(PlanningError, match="fits the memory limit"):
         plan_once(PlanOptions(memory_limit=103.0 / 2))
     kept = within_workers(plan_once, PlanOptions(memory_limit=103.0), options, 4)
     assert kept.bounds == ((0, 0), (1, 2), (3, 4), (5, 7))
-    assert _worker_needs(kept, options, 4) == [93.0, 101.0]
+    assert _worker_needs(kept, options, 4) == [85.0, 94.0]
+
+
+@SETTINGS
+@given(schedules(), st.data())
+def test_activations_alone_are_held_as_the_replay_has_them(
+    drawn: tuple[ScheduleOptions, int, int], data: st.DataObject
+) -> None:
+    """With no gradient and nothing held while a backward runs, a worker's holdings peak where its
+    activations do (``worker_peaks``, checked against the replay above); each figure added can only
+    raise the peak, by at most what it adds."""
+    options, stages, microbatches = drawn
+    schedule = options.make(stages, microbatches)(data.draw(st.integers(1, 4)))
+    sizes = st.lists(st.integers(0, 9).map(float), min_size=stages, max_size=stages)
+    saved, gradient, backward = data.draw(sizes), data.draw(sizes), data.draw(sizes)
+    alone = worker_holdings(schedule, [Holding(s) for s in saved])
+    assert alone == pytest.approx(worker_peaks(schedule, saved), rel=1e-12)
+    full = worker_holdings(schedule, [Holding(*fields, 0.0) for fields in zip(saved, gradient, backward, strict=True)])
+    for worker, order in enumerate(schedule.orders):
+        mine = {a.stage for a in order if a.kind in COMPUTE}
+        assert alone[worker] <= full[worker] <= alone[worker] + sum(gradient[s] + backward[s] for s in mine) + 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(2, 4),
+    st.integers(2, 8),
+    st.floats(1, 100),
+    st.floats(0, 100),
+    st.floats(0, 100),
+    st.floats(0, 100),
+)
+def test_gpipe_makes_its_gradient_after_its_activations_peak(
+    workers: int, microbatches: int, saved: float, gradient: float, backward: float, accumulating: float
+) -> None:
+    """Under GPipe a worker runs its m forwards, then its m backwards, then its update: its first
+    backward makes the gradient beside every micro-batch's activations, each later one adds to it
+    with one micro-batch fewer held: ``max(m·a + g + b, (m - 1)·a + g + b + c)``, not ``m·a + g + b + c``."""
+    schedule = ScheduleOptions("gpipe", microbatches).make(workers, microbatches)(2)
+    holding = Holding(saved, gradient, backward, accumulating)
+    expected = max(
+        microbatches * saved + gradient + backward, (microbatches - 1) * saved + gradient + backward + accumulating
+    )
+    assert worker_holdings(schedule, [holding] * workers) == pytest.approx([expected] * workers, rel=1e-12)
+
+
+@pytest.mark.parametrize("family", ["gpipe", "1f1b", "zb_h1", "interleaved", "2bw", "pipedream", "cdp"])
+@pytest.mark.parametrize(("workers", "microbatches"), [(2, 2), (3, 4), (4, 4), (4, 8)])
+def test_weight_versions_are_those_the_actions_use(family: str, workers: int, microbatches: int) -> None:
+    """A flushing family updates once every action of the step has run: one version. 2BW keeps two
+    (Narayanan et al. 2021 §3.1); PipeDream's stashing at most the closed form's one per micro-batch in
+    flight (Narayanan et al. 2019 §3.3), fewer where its schedule's actions use fewer; the last
+    stage of a non-flushing pipeline, whose backward follows its forward at once, one."""
+    found = _options(family, None, workers, microbatches)
+    assert found is not None
+    options, stages = found
+    versions = weight_versions(options.make(stages, microbatches)(4))
+    assert sorted(versions) == list(range(stages))
+    if family not in NON_FLUSHING_FAMILIES:
+        assert set(versions.values()) == {1}
+    elif family == "2bw":
+        assert set(versions.values()) == {2}
+    else:
+        closed = MemoryModel("pipedream", microbatches)
+        assert all(1 <= versions[s] <= closed.weight_versions(stages - s) for s in range(stages))
+        assert versions[stages - 1] == 1

@@ -56,7 +56,8 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
     """Every key and value of the JSON plan for a replicated, communicating, memory-modelled split.
     Guards against misspelt keys, the bandwidth reported as None (or inf when free), wrong stage sums
     (off-by-one ranges), multiplying by the replicas instead of dividing, a missed or extra cut, the
-    in-flight count ignoring replicas or the schedule, and output bytes of the last stage."""
+    in-flight count ignoring replicas or the schedule, and output bytes of the last stage (which
+    holds the model's 40-byte output per micro-batch in flight instead)."""
     assert _contiguous_example() == {
         "partitioner": "hand",
         "devices": 5,
@@ -68,7 +69,7 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
         "memory_limit_bytes": 1000.0,
         "bandwidth_bytes_per_second": 8.0,
         "bottleneck_seconds": 18.75,
-        "peak_memory_bytes": 804.0,
+        "peak_memory_bytes": 844.0,
         "cut_seconds": [5.0, 7.5],
         "stages": [
             {
@@ -84,6 +85,10 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
                 "saved_bytes": 3.0,
                 "param_bytes": 300.0,
                 "activation_bytes": 6.0,  # NCA 2 (4 workers downstream over 2 replicas) x 3 saved
+                "backward_bytes": 0.0,
+                "transient_bytes": 0.0,
+                "kept_bytes": 0.0,
+                "weight_bytes": 300.0,  # one version
             },
             {
                 "layers": [2, 2],
@@ -98,6 +103,10 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
                 "saved_bytes": 5.0,
                 "param_bytes": 300.0,
                 "activation_bytes": 10.0,  # NCA 2 x 5 saved
+                "backward_bytes": 0.0,
+                "transient_bytes": 0.0,
+                "kept_bytes": 0.0,
+                "weight_bytes": 300.0,
             },
             {
                 "layers": [3, 3],
@@ -105,13 +114,17 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
                 "compute_seconds": 8.0,
                 "sync_seconds": 0.0,
                 "stage_seconds": 8.0,
-                "memory_bytes": 804.0,
+                "memory_bytes": 844.0,
                 "forward_seconds": 4.0,
                 "backward_seconds": 4.0,
                 "output_bytes": 0.0,
-                "saved_bytes": 4.0,
+                "saved_bytes": 44.0,  # 4 saved + the model's output
                 "param_bytes": 400.0,
-                "activation_bytes": 4.0,  # NCA 1 x 4 saved
+                "activation_bytes": 44.0,  # NCA 1 x 44
+                "backward_bytes": 0.0,
+                "transient_bytes": 0.0,
+                "kept_bytes": 0.0,
+                "weight_bytes": 400.0,
             },
         ],
         "notes": ["by hand"],
@@ -142,9 +155,9 @@ def test_noncontiguous_plan_to_dict_by_hand() -> None:
     """Device 0 holds layers {0, 1, 3}, device 1 layer {2}: three runs (0-1 on 0, 2 on 1, 3 on 0),
     each a pipeline stage for memory. Weight stashing (pipedream), no extra copies, replicas default 1.
     seconds (2, 3, 4, 5); params (10, 20, 30, 40); saved (1, 2, 3, 4); boundary (5, 6, 7); 4 B/s.
-    - run {3} on device 0: k = 1: 1 version, 1 in flight: 40 + 4 = 44.
+    - run {3} on device 0: k = 1: 1 version, 1 in flight of 4 saved and the model's 8-byte output: 52.
     - run {2} on device 1: k = 2: 2*30 + 2*3 = 66.
-    - run {0, 1} on device 0: k = 3: 3*30 + 3*3 = 99; device 0 holds both runs: 44 + 99 = 143.
+    - run {0, 1} on device 0: k = 3: 3*30 + 3*3 = 99; device 0 holds both runs: 52 + 99 = 151.
     - the runs change owner after layers 1 and 2: cuts 2*6/4 = 3 and 2*7/4 = 3.5.
     - device 0 computes 2+3+5 = 10 (the bottleneck), forward 1+2+4, backward 3; its last layer is the
       chain's last, so it sends nothing; device 1 sends the 7 B after layer 2.
@@ -172,7 +185,7 @@ def test_noncontiguous_plan_to_dict_by_hand() -> None:
         "memory_limit_bytes": None,
         "bandwidth_bytes_per_second": 4.0,
         "bottleneck_seconds": 10.0,
-        "peak_memory_bytes": 143.0,
+        "peak_memory_bytes": 151.0,
         "cut_seconds": [3.0, 3.5],
         "stages": [
             {
@@ -181,13 +194,17 @@ def test_noncontiguous_plan_to_dict_by_hand() -> None:
                 "compute_seconds": 10.0,
                 "sync_seconds": 0.0,
                 "stage_seconds": 10.0,
-                "memory_bytes": 143.0,
+                "memory_bytes": 151.0,
                 "forward_seconds": 7.0,
                 "backward_seconds": 3.0,
                 "output_bytes": 0.0,
-                "saved_bytes": 7.0,
+                "saved_bytes": 15.0,
                 "param_bytes": 70.0,
-                "activation_bytes": 13.0,  # 1 x 4 (run {3}) + 3 x 3 (run {0, 1})
+                "activation_bytes": 21.0,  # 1 x (4 + 8) (run {3}) + 3 x 3 (run {0, 1})
+                "backward_bytes": 0.0,
+                "transient_bytes": 0.0,
+                "kept_bytes": 0.0,
+                "weight_bytes": 130.0,  # 1 x 40 (run {3}) + 3 x 30 (run {0, 1})
             },
             {
                 "layers": [2, 2],
@@ -202,6 +219,10 @@ def test_noncontiguous_plan_to_dict_by_hand() -> None:
                 "saved_bytes": 3.0,
                 "param_bytes": 30.0,
                 "activation_bytes": 6.0,  # 2 x 3
+                "backward_bytes": 0.0,
+                "transient_bytes": 0.0,
+                "kept_bytes": 0.0,
+                "weight_bytes": 60.0,  # 2 versions x 30
             },
         ],
         "notes": [],
@@ -212,13 +233,13 @@ def test_free_network_is_reported_as_no_bandwidth_and_defaults_apply() -> None:
     """Without network or memory model, evaluate uses a free network (no bandwidth, zero cuts) and
     1F1B with momentum (2 extra copies). Guards against the defaults being lost and the free network
     reported as an infinite bandwidth. Two layers of params 10, saved 1, on two straight stages:
-    stage 0 keeps 2 in flight: 3*10 + 2 = 32; stage 1: 3*10 + 1 = 31."""
+    stage 0 keeps 2 in flight: 3*10 + 2 = 32; stage 1: 3*10 + 1 + the model's 100-byte output = 131."""
     costs = ChainCosts.from_lists([1.0, 2.0], saved=[1, 1], params=[10, 10], activation=[100, 100])
     plan = evaluate(costs, [[0], [1]], partitioner="hand", devices=2)
     document = plan.to_dict()
     assert document["bandwidth_bytes_per_second"] is None
     assert document["cut_seconds"] == [0.0]
-    assert [stage.memory_bytes for stage in plan.stages] == [32.0, 31.0]
+    assert [stage.memory_bytes for stage in plan.stages] == [32.0, 131.0]
     assert [stage.replicas for stage in plan.stages] == [1, 1]
     assert plan.bottleneck_seconds == 2.0
 

@@ -7,7 +7,8 @@ rate of :mod:`.flop_rate`) into cost records (:mod:`.records`), which profile fi
 (:mod:`.profile_cache`, with the load of :mod:`.machine_load` they were measured under). The
 memory model of a stage under a schedule (:mod:`.memory`, a layer's backward from
 :mod:`.backward_bytes`) and the network between devices (:mod:`.network`) complete what a partitioner
-weighs. The printed prediction also prices each stage's optimizer update (:mod:`.update_rate`), what
+weighs; :mod:`.allocated` measures what a run allocates on any device, against which the memory
+model is checked. The printed prediction also prices each stage's optimizer update (:mod:`.update_rate`), what
 earlier runs of the model measured beyond the profile (:mod:`.calibrated`), and, for a model's first
 fit, the training loop's own time earlier fits of any model measured (:mod:`.loop_time`) and the rate
 of the actions fits of other models measured (:mod:`.machine_rate`).

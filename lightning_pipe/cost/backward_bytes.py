@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from lightning_pipe.cost.allocated import storages
 from lightning_pipe.util.nested import tensors
 
-__all__ = ["BackwardPeak", "backward_peak"]
+__all__ = ["BackwardPeak", "backward_peak", "backward_roots"]
 
 
 class BackwardPeak(TorchDispatchMode):
@@ -65,8 +65,8 @@ class BackwardPeak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         output = func(*args, **(kwargs or {}))
-        inputs = {id(storage) for storage in _storages((args, kwargs))}
-        for storage in _storages(output):
+        inputs = {id(storage) for storage in storages((args, kwargs))}
+        for storage in storages(output):
             if id(storage) not in inputs:
                 self._track(storage, allocated=True)
         return output
@@ -77,7 +77,7 @@ class BackwardPeak(TorchDispatchMode):
         bytes come back when it is freed. Only weakly: a watched storage is freed as it would be."""
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            for storage in _storages(tensor):
+            for storage in storages(tensor):
                 self._track(storage, allocated=False)
             return tensor
 
@@ -91,20 +91,32 @@ class BackwardPeak(TorchDispatchMode):
     def peak(self, left_out: Iterable[torch.Tensor] = ()) -> int:
         """The largest bytes allocated and not yet freed at any moment, less the storages of
         ``left_out`` (what the backward made that is counted elsewhere: the parameters' gradients)."""
-        skip = {self._alive.get(id(storage)) for storage in _storages(list(left_out))}
+        skip = {self._alive.get(id(storage)) for storage in storages(list(left_out))}
         running = itertools.accumulate((size for serial, size in self._events if serial not in skip), initial=0)
         return max(running)
 
 
-def backward_peak(layer: Callable[[Any], Any], inputs: Any, parameters: Sequence[torch.Tensor]) -> int:
+def backward_roots(output: Any, last: bool = False) -> list[torch.Tensor]:
+    """The tensors of a layer's ``output`` a backward starts from: those that take a gradient; of the
+    model's ``last`` layer returning a loss (a single number taking a gradient) beside other outputs,
+    the loss alone, as the runtime differentiates the loss it reads from the last stage's outputs (a
+    ``transformers`` model given labels: its logits take no gradient of their own)."""
+    roots = [t for t in tensors(output) if t.requires_grad]
+    losses = [t for t in roots if t.numel() == 1]
+    return losses if last and losses else roots
+
+
+def backward_peak(
+    layer: Callable[[Any], Any], inputs: Any, parameters: Sequence[torch.Tensor], last: bool = False
+) -> int:
     """``backward_bytes`` (module docstring) of ``layer`` run on ``inputs`` and its backward from
-    random gradients of its outputs that take one; the gradients the backward leaves in
-    ``parameters``' ``.grad`` are left out (they should hold none before). 0 if no output takes a
-    gradient."""
+    random gradients of its outputs that take one (:func:`backward_roots`; ``last``: the model's last
+    layer); the gradients the backward leaves in ``parameters``' ``.grad`` are left out (they should
+    hold none before). 0 if no output takes a gradient."""
     tracker = BackwardPeak()
     with tracker.saving():
         output = layer(inputs)
-    outputs = [t for t in tensors(output) if t.requires_grad]
+    outputs = backward_roots(output, last)
     if not outputs:
         return 0
     gradients = [torch.randn_like(t) for t in outputs]
@@ -114,16 +126,4 @@ def backward_peak(layer: Callable[[Any], Any], inputs: Any, parameters: Sequence
     finally:
         tracker.close()
     grads = [p.grad for p in parameters if p.grad is not None]
-    return tracker.peak(grads) + sum(storage.nbytes() for storage in _storages(gradients))
-
-
-def _storages(values: Any) -> list[torch.UntypedStorage]:
-    """The storages of the tensors among ``values`` (nested), those that have one (a sparse tensor has none)."""
-    found = []
-    for value in tree_leaves(values):
-        if isinstance(value, torch.Tensor):
-            try:
-                found.append(value.untyped_storage())
-            except (RuntimeError, NotImplementedError):
-                continue
-    return found
+    return tracker.peak(grads) + sum(storage.nbytes() for storage in storages(gradients))

@@ -28,10 +28,11 @@ at a time; between the halves it keeps the gradients the weight half resumes fro
 :meth:`MemoryModel.kept_coefficient`).
 
 With more than one micro-batch per step, each micro-batch's weight gradient is added into the one
-already there (autograd's ``grad += new``): for a moment a layer's new gradient exists beside it, one
-layer at a time. A stage holds that transient on top, the parameter bytes of its largest layer
-(:meth:`MemoryModel.accumulating_bytes`): on a 16 x Linear(4096, 4096) MLP 64 MiB per stage, a
-twelfth of a 4-layer stage's weights, gradients and momentum.
+already there (autograd's ``grad += new``): for a moment a parameter's new gradient exists beside it,
+one parameter at a time, added as soon as it is made. A stage holds that transient on top, the bytes
+of its largest parameter (:meth:`MemoryModel.accumulating_bytes`,
+:attr:`~lightning_pipe.cost.records.LayerCost.largest_param_bytes`): on a 16 x Linear(4096, 4096) MLP
+64 MiB per stage, a twelfth of a 4-layer stage's weights, gradients and momentum.
 
 While a layer runs its backward, the stage also holds the gradient of the layer's output, that of
 its input as it is made and what the backward computes in between, less the saved activations it
@@ -157,16 +158,17 @@ class MemoryModel:
         return self.accumulation and self.microbatches != 1
 
     def accumulating_bytes(self, largest_param_bytes: float) -> float:
-        """The gradient a stage adds into ``.grad`` at a time (module docstring): its largest layer's
-        parameter bytes (``largest_param_bytes``) when it :attr:`accumulates`."""
+        """The gradient a stage adds into ``.grad`` at a time (module docstring): its largest
+        parameter's bytes (``largest_param_bytes``) when it :attr:`accumulates`."""
         return largest_param_bytes if self.accumulates else 0.0
 
-    def transient_bytes(self, param_bytes: float, backward_bytes: float) -> float:
+    def transient_bytes(self, accumulated_bytes: float, backward_bytes: float) -> float:
         """What one layer of a stage holds for the moment of its backward on top of the stage's
         weights, gradients, state and activations (module docstring): its ``backward_bytes``, and
-        the new gradient it adds into ``.grad`` when the stage :attr:`accumulates` (``param_bytes``).
+        the new gradient it adds into ``.grad`` when the stage :attr:`accumulates`
+        (``accumulated_bytes``: :attr:`~lightning_pipe.cost.records.LayerCost.accumulated_bytes`).
         A stage holds the largest of its layers'."""
-        return backward_bytes + self.accumulating_bytes(param_bytes)
+        return backward_bytes + self.accumulating_bytes(accumulated_bytes)
 
     def coefficients(self, downstream: int, replicas: int = 1) -> tuple[float, float]:
         """``(α, β)`` with ``stage_bytes = α·param_bytes + β·saved_bytes`` (+ ``γ·kept_bytes``)."""

@@ -58,6 +58,7 @@ def profile_to_dict(costs: ChainCosts) -> dict[str, object]:
                 "kept_gradient_bytes": layer.kept_gradient_bytes,
                 "shared_saved_bytes": layer.shared_saved_bytes,
                 "backward_bytes": layer.backward_bytes,
+                "largest_param_bytes": layer.largest_param_bytes,
             }
             for layer in costs.layers
         ],
@@ -83,6 +84,7 @@ def _layer(entry: object, index: int, source: str) -> LayerCost:
             kept_gradient_bytes=entry.get("kept_gradient_bytes", 0.0),
             shared_saved_bytes=entry.get("shared_saved_bytes", 0.0),
             backward_bytes=entry.get("backward_bytes", 0.0),
+            largest_param_bytes=entry.get("largest_param_bytes"),
             **{key: entry[key] for key in _LAYER_FIELDS},
         )
     except PlanningError as error:

@@ -77,7 +77,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_pipe.cost.backward_bytes import backward_peak
+from lightning_pipe.cost.backward_bytes import backward_peak, backward_roots
 from lightning_pipe.cost.flop_rate import flop_rate, synchronize
 from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.cost.saved_bytes import saved_bytes, storage_key
@@ -147,13 +147,16 @@ def profile_layers(
         first = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
         x, saved_outputs = first, frozenset()
         for label, layer in named:
-            cost, x, saved_outputs = _profile_layer(label, layer, x, target, warmup, count_flops, rate, saved_outputs)
+            last = layer is named[-1][1]
+            cost, x, saved_outputs = _profile_layer(
+                label, layer, x, target, warmup, count_flops, rate, saved_outputs, last
+            )
             costs.append(cost)
         times = [[(cost.forward_seconds, cost.backward_seconds)] for cost in costs]
         for _ in range(0 if target.type == "meta" else repeats - 1):  # the other passes: timing only
             x = first  # each run feeds a layer a copy of its input
             for index, (_, layer) in enumerate(named):
-                *timed, x = _timed_run(layer, x, target)
+                *timed, x = _timed_run(layer, x, target, index == len(named) - 1)
                 times[index].append(tuple(timed))
     if target.type != "meta":
         costs = [
@@ -200,8 +203,8 @@ def chain_seconds(
     with _profiling_session(chain, list(layers), device):
         first = map_tensors(lambda t: t.detach().to(device).requires_grad_(t.requires_grad), sample)
         for _ in range(warmup):
-            _timed_run(chain, first, device)
-        runs = [_timed_run(chain, first, device)[:2] for _ in range(repeats)]
+            _timed_run(chain, first, device, last=True)
+        runs = [_timed_run(chain, first, device, last=True)[:2] for _ in range(repeats)]
     return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)
 
 
@@ -337,31 +340,34 @@ def _profile_layer(
     count_flops: bool,
     rate: float | None,
     before: frozenset[int] = frozenset(),
+    last: bool = False,
 ) -> tuple[LayerCost, Any, frozenset[int]]:
     """Cost of one layer on its input ``leaf`` (its time: the first timed run, after ``warmup``; on
     the meta device, its FLOPs at ``rate`` a second), the layer's detached output, and which of its
     output tensors (positions among :func:`tensors`) it saved. ``before``: those the previous layer
-    saved; the bytes of those this layer saves as its input are its ``shared_saved_bytes``."""
+    saved; the bytes of those this layer saves as its input are its ``shared_saved_bytes``. ``last``:
+    the model's last layer, whose backward starts from its loss where it returns one
+    (:func:`~lightning_pipe.cost.backward_bytes.backward_roots`)."""
     estimated = rate is not None  # the meta device: nothing to time, the FLOPs (forward and backward apart) give it
     forward = FlopCounterMode(display=False) if count_flops or estimated else None
     backward = FlopCounterMode(display=False) if count_flops or estimated else None
     with forward or nullcontext():
         saved, output, saved_inputs, saved_outputs = _forward_saving(label, layer, leaf)
     with backward or nullcontext():
-        kept = _split_backward(layer, leaf, output)
+        kept = _split_backward(layer, leaf, output, last)
     _clear_grads(leaf)
     first = warmup > 0 or estimated  # measured in the first warm-up run, or with nothing timed after it
-    transient = _backward_bytes(layer, leaf) if first else 0
+    transient = _backward_bytes(layer, leaf, last) if first else 0
     if rate is not None:
         assert forward is not None and backward is not None
         forward_seconds = forward.get_total_flops() / rate
         backward_seconds = backward.get_total_flops() / rate
     else:
         for _ in range(warmup - 1):
-            _timed_run(layer, leaf, device)
-        forward_seconds, backward_seconds, _ = _timed_run(layer, leaf, device)
+            _timed_run(layer, leaf, device, last)
+        forward_seconds, backward_seconds, _ = _timed_run(layer, leaf, device, last)
     if not first:  # no warm-up asked: after the timed run, which stays the layer's first
-        transient = _backward_bytes(layer, leaf)
+        transient = _backward_bytes(layer, leaf, last)
     _free_gradients(layer)
     cost = LayerCost(
         name=label,
@@ -374,6 +380,9 @@ def _profile_layer(
         kept_gradient_bytes=kept,
         shared_saved_bytes=min(saved, sum(nbytes for position, nbytes in saved_inputs.items() if position in before)),
         backward_bytes=transient,
+        largest_param_bytes=max(
+            (p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad), default=0
+        ),
     )
     return cost, as_received(output), saved_outputs
 
@@ -415,35 +424,36 @@ def _free_gradients(layer: nn.Module) -> None:
         param.grad = None
 
 
-def _timed_run(layer: nn.Module, leaf: Any, device: torch.device) -> tuple[float, float, Any]:
-    """One forward and backward of the layer on a copy of ``leaf``: their seconds, and the output as the
-    next layer is fed it (:func:`~lightning_pipe.runtime.forward_backward.as_received`)."""
+def _timed_run(layer: nn.Module, leaf: Any, device: torch.device, last: bool = False) -> tuple[float, float, Any]:
+    """One forward and backward of the layer on a copy of ``leaf`` (``last``: the model's last layer):
+    their seconds, and the output as the next layer is fed it
+    (:func:`~lightning_pipe.runtime.forward_backward.as_received`)."""
     inputs = map_tensors(torch.Tensor.clone, leaf)
     synchronize(device)
     start = time.perf_counter()
     output = layer(inputs)
     synchronize(device)
     forward = time.perf_counter() - start
-    backward = _timed_backward(output, device)
+    backward = _timed_backward(output, device, last)
     _clear_grads(leaf)
     _free_gradients(layer)
     return forward, backward, as_received(output)
 
 
-def _backward_bytes(layer: nn.Module, leaf: Any) -> int:
+def _backward_bytes(layer: nn.Module, leaf: Any, last: bool) -> int:
     """One forward and backward of the layer on a copy of ``leaf`` (random output gradients), and
     the bytes its backward holds at its peak beyond the saved activations and the parameters'
     gradients (:func:`~lightning_pipe.cost.backward_bytes.backward_peak`)."""
     parameters = [p for p in layer.parameters() if p.requires_grad]
-    transient = backward_peak(layer, map_tensors(torch.Tensor.clone, leaf), parameters)
+    transient = backward_peak(layer, map_tensors(torch.Tensor.clone, leaf), parameters, last)
     _clear_grads(leaf)
     _free_gradients(layer)
     return transient
 
 
-def _split_backward(layer: nn.Module, leaf: Any, output: Any) -> int:
+def _split_backward(layer: nn.Module, leaf: Any, output: Any, last: bool = False) -> int:
     """The layer's backward in two halves (random output gradients); the bytes kept between them."""
-    outputs = [t for t in tensors(output) if t.requires_grad]
+    outputs = backward_roots(output, last)
     if not outputs:
         return 0
     split = SplitBackward(
@@ -458,9 +468,10 @@ def _split_backward(layer: nn.Module, leaf: Any, output: Any) -> int:
     return kept
 
 
-def _timed_backward(output: Any, device: torch.device) -> float:
-    """Backward from the outputs that require grad, with random output gradients; its seconds (0 if none)."""
-    outputs = [t for t in tensors(output) if t.requires_grad]
+def _timed_backward(output: Any, device: torch.device, last: bool = False) -> float:
+    """Backward from the outputs that require grad (:func:`~lightning_pipe.cost.backward_bytes.backward_roots`),
+    with random output gradients; its seconds (0 if none)."""
+    outputs = backward_roots(output, last)
     if not outputs:
         return 0.0
     grads = [torch.randn_like(t) for t in outputs]

@@ -45,6 +45,11 @@ class LayerCost:
             between: :mod:`~lightning_pipe.cost.backward_bytes`); a stage holds its largest layer's
             on top of what it keeps (:meth:`~lightning_pipe.cost.memory.MemoryModel.transient_bytes`).
             0 when not measured.
+        largest_param_bytes: bytes of its largest parameter that takes a gradient: autograd adds each
+            parameter's new gradient into the one an earlier micro-batch made as soon as it is made
+            (``grad += new``), one parameter at a time, so a backward adding to a gradient holds at
+            most this much more (:meth:`~lightning_pipe.cost.memory.MemoryModel.transient_bytes`);
+            ``None`` when not measured (then all of ``param_bytes`` counts: :attr:`accumulated_bytes`).
     """
 
     name: str
@@ -57,6 +62,7 @@ class LayerCost:
     kept_gradient_bytes: float = 0.0
     shared_saved_bytes: float = 0.0
     backward_bytes: float = 0.0
+    largest_param_bytes: float | None = None
 
     def __post_init__(self) -> None:
         numbers = {
@@ -71,6 +77,8 @@ class LayerCost:
         }
         if self.flops is not None:
             numbers["flops"] = self.flops
+        if self.largest_param_bytes is not None:
+            numbers["largest_param_bytes"] = self.largest_param_bytes
         for key, value in numbers.items():
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise PlanningError(f"layer {self.name!r}: {key} must be a finite number >= 0, got {value!r}")
@@ -79,6 +87,12 @@ class LayerCost:
                 f"layer {self.name!r}: shared_saved_bytes ({self.shared_saved_bytes}) is part of saved_bytes "
                 f"({self.saved_bytes}) and cannot exceed it"
             )
+
+    @property
+    def accumulated_bytes(self) -> float:
+        """What a backward adding into an earlier micro-batch's gradient holds for a moment:
+        :attr:`largest_param_bytes`, or every parameter's bytes where it was not measured."""
+        return self.param_bytes if self.largest_param_bytes is None else self.largest_param_bytes
 
     @property
     def seconds(self) -> float:
@@ -255,6 +269,23 @@ class ChainCosts:
         return sum(self.layers[i].saved_bytes for i in range(first, last + 1)) - sum(
             self.layers[i].shared_saved_bytes for i in range(first + 1, last + 1)
         )
+
+    def held_between(self, first: int, last: int) -> float:
+        """What a stage of layers ``first .. last`` holds per micro-batch in flight: what they keep for
+        their backward (:meth:`saved_between`) and, where ``last`` is the model's last layer, the
+        model's output, which the runtime keeps as the roots of the micro-batch's backward until it
+        runs (a language model's logits, which its loss does not save: on one CPU process a
+        ``transformers`` GPT-2's last stage allocated two logits' worth per micro-batch, where its
+        layers save one)."""
+        output = self.layers[-1].activation_bytes if last == len(self.layers) - 1 else 0.0
+        return self.saved_between(first, last) + output
+
+    def held_column(self) -> list[float]:
+        """Each layer's ``saved_bytes``, the model's output added to the last layer's
+        (:meth:`held_between` over a span is ``saved_between`` over this column)."""
+        held = self.column("saved_bytes")
+        held[-1] += self.layers[-1].activation_bytes
+        return held
 
     def column(self, key: str) -> list[float]:
         """One per-layer quantity as a list: ``seconds``, ``param_bytes``, ``flops``, ..."""

@@ -101,6 +101,8 @@ class ChainProblem:
         backward_bytes: per-layer bytes a backward holds at its peak (``LayerCost.backward_bytes``):
             a stage holds its largest layer's :meth:`~lightning_pipe.cost.memory.MemoryModel.transient_bytes`;
             zeros when not given.
+        accumulated_bytes: per-layer bytes a backward adding into a gradient holds for a moment
+            (``LayerCost.accumulated_bytes``); ``param_bytes`` when not given.
         proxy: a per-layer quantity free of timing noise (FLOPs) that decides, with a tolerance, among
             the fastest plans of equal memory (:meth:`solve`); ``None``: no such choice.
         devices: workers available (at most this many are used).
@@ -125,6 +127,7 @@ class ChainProblem:
     proxy: np.ndarray | None = None
     shared_bytes: np.ndarray | None = None
     backward_bytes: np.ndarray | None = None
+    accumulated_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.memory.recompute:  # its memory falls with the first layer, which a run's input breaks
@@ -144,7 +147,8 @@ class ChainProblem:
         self._factor_table = np.zeros(0)
         self._row_of: dict[tuple[float, float, float], int] = {}
         backward = np.zeros(self.layers) if self.backward_bytes is None else self.backward_bytes
-        pairs = zip(self.param_bytes, backward, strict=True)
+        accumulated = self.param_bytes if self.accumulated_bytes is None else self.accumulated_bytes
+        pairs = zip(accumulated, backward, strict=True)
         self._transient = np.array([self.memory.transient_bytes(p, b) for p, b in pairs], dtype=np.float64)
         self._largest = _range_maxima(self._transient)
 

@@ -43,6 +43,15 @@ class Stage:
         param_bytes: one copy of the stage's parameters.
         activation_bytes: the activations part of ``memory_bytes`` (the micro-batches the memory model
             has in flight on the stage's own worker at its peak).
+        backward_bytes: what its largest layer's backward holds beyond the activations and the gradient
+            (:attr:`~lightning_pipe.cost.records.LayerCost.backward_bytes`), the most of its layers'.
+        transient_bytes: the part of ``memory_bytes`` held only while one of its backwards runs: the
+            most of its layers' ``backward_bytes`` with, where the memory model accumulates, the new
+            gradient the layer adds into the step's (:meth:`~lightning_pipe.cost.memory.MemoryModel.transient_bytes`).
+        kept_bytes: the part of ``memory_bytes`` a backward split in two keeps between its halves
+            (:meth:`~lightning_pipe.cost.memory.MemoryModel.kept_coefficient`), held while it runs.
+        weight_bytes: the part of ``memory_bytes`` its weight versions take
+            (:meth:`~lightning_pipe.cost.memory.MemoryModel.weight_versions` copies of ``param_bytes``).
     """
 
     layers: tuple[int, ...]
@@ -57,6 +66,10 @@ class Stage:
     saved_bytes: float = 0.0
     param_bytes: float = 0.0
     activation_bytes: float = 0.0
+    backward_bytes: float = 0.0
+    transient_bytes: float = 0.0
+    kept_bytes: float = 0.0
+    weight_bytes: float = 0.0
 
     @property
     def contiguous(self) -> bool:
@@ -122,6 +135,10 @@ class Plan:
                     "saved_bytes": stage.saved_bytes,
                     "param_bytes": stage.param_bytes,
                     "activation_bytes": stage.activation_bytes,
+                    "backward_bytes": stage.backward_bytes,
+                    "transient_bytes": stage.transient_bytes,
+                    "kept_bytes": stage.kept_bytes,
+                    "weight_bytes": stage.weight_bytes,
                 }
                 for stage in self.stages
             ],
@@ -178,17 +195,21 @@ def evaluate(
     runs = _runs(owner)
     memory_bytes = [0.0] * len(groups)
     activation_bytes = [0.0] * len(groups)
+    kept_bytes = [0.0] * len(groups)
+    weight_bytes = [0.0] * len(groups)
     downstream = 0
     for first, last, g in reversed(runs):
         downstream += replicas[g]
         params = sum(costs.layers[i].param_bytes for i in range(first, last + 1))
-        saved = costs.saved_between(first, last)  # a storage two neighbours save, once
+        saved = costs.held_between(first, last)  # a storage two neighbours save, once; the model's output
         kept = sum(costs.layers[i].kept_gradient_bytes for i in range(first, last + 1))
         entering = costs.boundary_bytes[first - 1] if first > 0 else 0.0  # what a recomputing run keeps
         memory_bytes[g] += memory.stage_bytes(
             params, saved, downstream, replicas[g], kept, first=first == 0, input_bytes=entering
         )
         activation_bytes[g] += memory.activation_bytes(saved, downstream, replicas[g], input_bytes=entering)
+        kept_bytes[g] += memory.kept_coefficient(downstream, first == 0) * kept
+        weight_bytes[g] += memory.weight_versions(downstream, replicas[g]) * params
 
     stages = []
     for g, group in enumerate(groups):
@@ -198,7 +219,7 @@ def evaluate(
         sync = network.allreduce_seconds(params, replicas[g])
         # one layer's backward at a time: once per worker, however many runs of layers it holds
         transient = max(
-            memory.transient_bytes(layer.param_bytes, layer.backward_bytes)
+            memory.transient_bytes(layer.accumulated_bytes, layer.backward_bytes)
             for layer in (costs.layers[i] for i in layers)
         )
         last = layers[-1]
@@ -213,9 +234,13 @@ def evaluate(
                 forward_seconds=sum(costs.layers[i].forward_seconds for i in layers),
                 backward_seconds=sum(costs.layers[i].backward_seconds for i in layers),
                 output_bytes=costs.boundary_bytes[last] if last < len(costs) - 1 else 0.0,
-                saved_bytes=sum(costs.saved_between(first, last) for first, last, run in runs if run == g),
+                saved_bytes=sum(costs.held_between(first, last) for first, last, run in runs if run == g),
                 param_bytes=params,
                 activation_bytes=activation_bytes[g],
+                backward_bytes=max(costs.layers[i].backward_bytes for i in layers),
+                transient_bytes=transient,
+                kept_bytes=kept_bytes[g],
+                weight_bytes=weight_bytes[g],
             )
         )
     cuts = tuple(network.cut_seconds(costs.boundary_bytes[last]) for _, last, _ in runs[:-1])

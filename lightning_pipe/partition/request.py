@@ -67,7 +67,7 @@ class PlanRequest:
             seconds=np.asarray(seconds if seconds is not None else costs.column("seconds"), dtype=np.float64),
             cut_seconds=np.asarray(cuts if with_cuts else [0.0] * (len(costs) - 1), dtype=np.float64),
             param_bytes=np.asarray(costs.column("param_bytes"), dtype=np.float64),
-            saved_bytes=np.asarray(costs.column("saved_bytes"), dtype=np.float64),
+            saved_bytes=np.asarray(costs.held_column(), dtype=np.float64),
             devices=self.devices,
             replicate=replicate,
             network=self.network,
@@ -77,6 +77,7 @@ class PlanRequest:
             kept_bytes=np.asarray(costs.column("kept_gradient_bytes"), dtype=np.float64),
             shared_bytes=np.asarray(costs.column("shared_saved_bytes"), dtype=np.float64),
             backward_bytes=np.asarray(costs.column("backward_bytes"), dtype=np.float64),
+            accumulated_bytes=np.asarray([layer.accumulated_bytes for layer in costs.layers], dtype=np.float64),
             proxy=(
                 np.asarray(costs.column("flops"), dtype=np.float64)
                 if all(layer.flops is not None for layer in costs.layers)

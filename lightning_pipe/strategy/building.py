@@ -26,6 +26,7 @@ from lightning_pipe.cost.profiler import given_names
 from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
 from lightning_pipe.partition.plan_file import load_plan
 from lightning_pipe.planning import (
+    PREDICTED_STEPS,
     SETUP_PHASES,
     PlanOptions,
     StagePlan,
@@ -63,6 +64,7 @@ from lightning_pipe.strategy.sharded import read_entries
 from lightning_pipe.strategy.step_prices import StepPrices, run_shape
 from lightning_pipe.util.nested import flatten, map_tensors, tensors, to_cpu, unflatten
 from lightning_pipe.util.units import format_bytes
+from lightning_pipe.worker_memory import WorkerMemory
 
 if TYPE_CHECKING:  # annotations only: the class differs under the standalone pytorch_lightning
     from lightning.pytorch import LightningModule
@@ -147,8 +149,7 @@ class PipelineBuilding:
             optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
         self._restore_optimizer_states()
         self._restore_carried()
-        recomputes = recompute if isinstance(recompute, bool) else any(recompute[s] for s in mine)
-        self._predict_memory(mine, announce=fresh, recomputes=recomputes)
+        self._predict_memory(make, announce=fresh, recompute=recompute)
         self._release(module, layers, mine)
         if self._parent_watch is not None:  # the pipeline is up: failures travel through the job's store now
             self._parent_watch.stop()
@@ -180,32 +181,30 @@ class PipelineBuilding:
         seconds["total"] = total
         rank_zero_info(setup_line(seconds))
 
-    def _predict_memory(self, mine: set[int], announce: bool, recomputes: bool = False) -> None:
+    def _predict_memory(
+        self, make: Callable[[int], Schedule], announce: bool, recompute: bool | list[bool] = False
+    ) -> None:
         """This rank's predicted memory (:attr:`predicted_memory`; ``None`` when the stages were given,
-        not planned): the plan's for its stages (weights, gradients, optimizer state, activations in
-        flight) and the shared-memory rings it maps (:attr:`ring_bytes`), resident in it from the
-        start (:func:`~lightning_pipe.runtime.shared_memory.open_links`). A rank computing several
-        stages (interleaved, the single-device forms) holds at its peak the activations the simulated
-        schedule has alive on its worker at once (:func:`~lightning_pipe.schedule.peak_memory.activation_peaks`),
-        not the sum of each stage's own peak, which comes at another time (on one device, a ``ddp``
-        program holds one micro-batch's activations; the stages' peaks summed were 3.7 times what an
-        H100 measured for a ResNet-50 on 2026-11-27); with ``recomputes`` (which the simulation does
-        not model) the stages' sum stays. With ``announce`` (a new plan), printed per rank on rank 0
-        (a collective over the pipeline); the framework's own memory (interpreter, torch) is apart."""
+        not planned): what its worker holds at its peak as it runs its actions in order
+        (:class:`~lightning_pipe.worker_memory.WorkerMemory`: the weights, optimizer state and
+        recomputing stages' activations of the stages it computes, and their other activations, their
+        gradients and what a backward holds for a moment as its actions hold them), and the
+        shared-memory rings it maps (:attr:`ring_bytes`), resident in it from the start
+        (:func:`~lightning_pipe.runtime.shared_memory.open_links`). Not the sum of each stage's own
+        peak, which come at other times: on one device, a ``ddp`` program holds one micro-batch's
+        activations (the stages' peaks summed were 3.7 times what an H100 measured for a ResNet-50 on
+        2026-11-27), and under GPipe a stage's gradient is made after its activations' peak. With
+        ``announce`` (a new plan), printed per rank on rank 0 (a collective over the pipeline); the
+        framework's own memory (interpreter, torch) is apart."""
         assert self.executor is not None and self.stage_plan is not None
-        plan = self.stage_plan.plan
+        plan, costs = self.stage_plan.plan, self.stage_plan.costs
         rings = self.ring_bytes = self.executor.transport.links.ring_bytes + self._relay_ring_bytes
-        if plan is None:  # every rank has the same plan: none of them gathers
+        if plan is None or costs is None:  # every rank has the same plan: none of them gathers
             self.predicted_memory = None
             return
-        # the simulation is rank 0's, of this plan (a switch of schedule="auto" makes a new one): every build
-        self._activation_peaks = self.broadcast(
-            None if self._prediction is None else list(self._prediction.peak_activation_bytes)
-        )
-        stages = sum(plan.stages[s].memory_bytes for s in mine)
-        peaks, worker = self._activation_peaks, self.topology.worker
-        if len(mine) > 1 and peaks is not None and worker < len(peaks) and not recomputes:
-            stages += peaks[worker] - sum(plan.stages[s].activation_bytes for s in mine)
+        flags = [recompute] * len(plan.stages) if isinstance(recompute, bool) else list(recompute)
+        held = WorkerMemory.of(make(PREDICTED_STEPS), costs, self.stage_plan.bounds)
+        stages = held.bytes_under(plan, flags)[self.topology.worker]
         self.predicted_memory = stages + rings
         if announce:
             shares = self._gather((stages, rings))

@@ -397,7 +397,6 @@ class PipelineStrategy(
         self._last_output: Any = torch.tensor(float("nan"))
         self._outputs_read = False
         self._prediction: Simulation | None = None
-        self._activation_peaks: list[float] | None = None  # per worker, in the simulated schedule (.building)
         self.predicted_memory: float | None = None  # this rank's: its stages' (the plan's) and its rings
         self.ring_bytes = 0  # this rank's shared-memory rings (resident from the start: part of predicted_memory)
         self._step_seconds: list[float] = []  # each training step's executor.step, in seconds
