@@ -7,8 +7,7 @@ batch to the end of the fit (``lightning_pipe/cost/allocated.py``, the CPU's
 ``torch.cuda.max_memory_allocated``). The prediction is the worker's peak as its actions hold its
 stages' weights, optimizer state, activations, gradients and transients
 (``lightning_pipe/worker_memory.py``), not each stage's own peak summed: those come at different times
-(the stage sums an H100 measured on 2026-11-27 were 3.7 times a ResNet-50's ``ddp`` peak, and 1.15-1.3
-times its other programs' on one CPU process before the worker's peak was counted from its actions)."""
+(the stage sums an H100 measured on 2026-11-27 were 3.7 times a ResNet-50's ``ddp`` peak)."""
 
 from __future__ import annotations
 

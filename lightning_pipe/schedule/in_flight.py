@@ -20,8 +20,8 @@ keeps no gradient between steps, :meth:`~lightning_pipe.runtime.weights.StageWei
 GPipe the activations of every micro-batch and the gradient are never held together; and while a
 backward runs it holds what its largest layer's backward computes, and the new gradient it makes
 before adding it into one made by an earlier micro-batch, one backward at a time on a worker however
-many stages it computes. On one CPU process a torchvision ResNet-50's single-device programs
-allocated 0.78-0.87x the stages' memory added up, each at its own peak.
+many stages it computes. On one CPU process every single-device program of a torchvision ResNet-50
+allocated 0.96-1.01x what this counts (``python bench/gpu_check.py --cpu-memory``, ``docs/measurements.md``).
 """
 
 from __future__ import annotations
