@@ -397,7 +397,7 @@ class PipelineStrategy(
         self._last_output: Any = torch.tensor(float("nan"))
         self._outputs_read = False
         self._prediction: Simulation | None = None
-        self.predicted_memory: float | None = None  # this rank's: its stages' (the plan's) and its rings
+        self.predicted_memory: float | None = None  # this rank's: its worker's peak (.building) and its rings
         self.ring_bytes = 0  # this rank's shared-memory rings (resident from the start: part of predicted_memory)
         self._step_seconds: list[float] = []  # each training step's executor.step, in seconds
         self._step_starts: list[float] = []  # when each training step began (time.perf_counter)
