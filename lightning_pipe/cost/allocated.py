@@ -64,7 +64,7 @@ class AllocatedPeak(TorchDispatchMode):
     def _follow(self, found: Any) -> None:
         for storage in found:
             key = id(storage)
-            if key in self._alive or storage.device != self.device:
+            if key in self._alive or not self._on_device(storage.device):
                 continue
             self._serial += 1
             self._alive[key] = self._serial
@@ -72,6 +72,10 @@ class AllocatedPeak(TorchDispatchMode):
             self.current += size
             self.peak = max(self.peak, self.current)
             weakref.finalize(storage, self._freed, key, self._serial, size)
+
+    def _on_device(self, device: torch.device) -> bool:
+        """Whether ``device`` is the one followed (``"cuda"`` stands for any index)."""
+        return device.type == self.device.type and self.device.index in (None, device.index)
 
     def _freed(self, key: int, serial: int, size: int) -> None:
         if self._alive.get(key) != serial:  # an id is reused once its object is gone
