@@ -9,7 +9,7 @@ to ``DIR/cuda_tests.log``);
 2 cores shared with other work; ``tests/test_gpu_check.py`` runs it with ``--models resnet``), so the
 script is known to work before a GPU is at hand; ``--cpu-memory`` runs them on the CPU with a ResNet-50 on
 16 images of 112x112 and a GPT-2 of 4 blocks 256 wide (a 8192-token vocabulary) on 8 rows of 128 tokens,
-for section 3's memory (about 3 minutes on 2 cores); ``--models`` picks the models of sections 2 and 3.
+for section 3's memory (105 s on 2 cores on 2026-12-01); ``--models`` picks the models of sections 2 and 3.
 Nothing is downloaded: the models are built from their configurations. Both write
 ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` (the tables printed) and print what they run first.
 

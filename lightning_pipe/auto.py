@@ -6,8 +6,9 @@ rule) × micro-batches × per-stage recomputation × stage replication and data-
 the pieces the strategy plans with: each stage's memory by :func:`~lightning_pipe.partition.evaluate`
 under the family's :func:`~lightning_pipe.planning.memory_model` (the activations its schedule
 keeps in flight), a worker's the weights of the stages it computes in the family's schedule and the
-activations its actions hold at their peak (:func:`~lightning_pipe.schedule.in_flight.worker_peaks`:
-an interleaved worker's two stages, or a replica's whole model, do not hold their peaks at once);
+activations, gradients and transients its actions hold at their peak
+(:class:`~lightning_pipe.worker_memory.WorkerMemory`: an interleaved worker's two stages, or a
+replica's whole model, do not hold their peaks at once);
 its time by :func:`~lightning_pipe.planning.predict`, the
 strategy's own prediction. Candidates over the limit are dropped; the rest are ranked by predicted
 seconds per mini-batch, and :func:`ranking_table` prints the best and why the winner won.

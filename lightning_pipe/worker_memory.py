@@ -13,7 +13,7 @@ device, so it is checked here, per worker.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.partition.plan import Plan, Stage
@@ -33,8 +33,8 @@ class WorkerMemory:
     schedule: Schedule
     owned: list[set[int]]
     saved: tuple[float, ...]
-    versions: dict[int, int] = field(default_factory=dict)
-    entering: tuple[float, ...] = ()
+    versions: dict[int, int]
+    entering: tuple[float, ...]
 
     @classmethod
     def of(cls, schedule: Schedule, costs: ChainCosts, bounds: Sequence[tuple[int, int]]) -> WorkerMemory:
@@ -59,7 +59,6 @@ class WorkerMemory:
         a recomputing stage keeps its input per micro-batch in flight and makes one micro-batch's
         activations again while its backward runs (GPipe's re-materialisation, Huang et al. 2019 §2.3)."""
         gradient = plan.memory.extra_copies >= 1  # the plan's copies count a gradient
-        entering = self.entering or (0.0,) * len(self.saved)
         return [
             Holding(
                 saved=into if again else saved,
@@ -67,7 +66,7 @@ class WorkerMemory:
                 backward=stage.backward_bytes + stage.kept_bytes + (saved if again else 0.0),
                 accumulating=stage.transient_bytes - stage.backward_bytes,
             )
-            for stage, saved, into, again in zip(plan.stages, self.saved, entering, recompute, strict=True)
+            for stage, saved, into, again in zip(plan.stages, self.saved, self.entering, recompute, strict=True)
         ]
 
     def steady(self, index: int, stage: Stage, holding: Holding) -> float:

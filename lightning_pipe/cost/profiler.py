@@ -146,8 +146,8 @@ def profile_layers(
     with _profiling_session(model, [layer for _, layer in named], target):
         first = map_tensors(lambda t: t.detach().to(target).requires_grad_(t.requires_grad), sample)
         x, saved_outputs = first, frozenset()
-        for label, layer in named:
-            last = layer is named[-1][1]
+        for index, (label, layer) in enumerate(named):
+            last = index == len(named) - 1
             cost, x, saved_outputs = _profile_layer(
                 label, layer, x, target, warmup, count_flops, rate, saved_outputs, last
             )

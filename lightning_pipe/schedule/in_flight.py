@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from lightning_pipe.schedule.ir import Kind, Schedule
 
-__all__ = ["Holding", "stage_in_flight", "weight_versions", "worker_holdings", "worker_peaks"]
+__all__ = ["Holding", "stage_in_flight", "weight_versions", "worker_holdings"]
 
 _FREES = (Kind.B, Kind.W)
 _BACKWARDS = (Kind.B, Kind.I, Kind.W)
@@ -52,38 +52,19 @@ class Holding:
     accumulating: float = 0.0
 
 
-def _sweep(schedule: Schedule, saved: Sequence[float]) -> tuple[list[int], list[float]]:
-    """Per stage, the most micro-batches one worker holds at once; per worker, the most bytes
-    (``saved[s]`` per micro-batch of stage ``s``)."""
+def stage_in_flight(schedule: Schedule) -> list[int]:
+    """Each stage's NCA: the most micro-batches whose activations one worker keeps for it at once."""
     stages = [0] * schedule.stages
-    peaks = [0.0] * schedule.workers
-    for worker, order in enumerate(schedule.orders):
+    for order in schedule.orders:
         last = {(a.stage, a.microbatch, a.step): i for i, a in enumerate(order) if a.kind in _FREES}
         live = [0] * schedule.stages
-        held = 0.0
         for i, action in enumerate(order):
             if action.kind is Kind.F:
                 live[action.stage] += 1
-                held += saved[action.stage]
                 stages[action.stage] = max(stages[action.stage], live[action.stage])
-                peaks[worker] = max(peaks[worker], held)
             elif action.kind in _FREES and last.get((action.stage, action.microbatch, action.step)) == i:
                 live[action.stage] -= 1
-                held -= saved[action.stage]
-    return stages, peaks
-
-
-def stage_in_flight(schedule: Schedule) -> list[int]:
-    """Each stage's NCA: the most micro-batches whose activations one worker keeps for it at once."""
-    return _sweep(schedule, [0.0] * schedule.stages)[0]
-
-
-def worker_peaks(schedule: Schedule, saved: Sequence[float]) -> list[float]:
-    """Each worker's most activation bytes at once, with ``saved[s]`` bytes per micro-batch of stage
-    ``s``: at most the sum of its stages' own peaks, which need not come together."""
-    if len(saved) != schedule.stages:
-        raise ValueError(f"saved lists {len(saved)} stages, the schedule has {schedule.stages}")
-    return _sweep(schedule, saved)[1]
+    return stages
 
 
 def worker_holdings(schedule: Schedule, holdings: Sequence[Holding]) -> list[float]:
@@ -132,8 +113,7 @@ def weight_versions(schedule: Schedule) -> dict[int, int]:
     for worker, order in enumerate(schedule.orders):
         computed = {a.stage for a in order if a.kind in (Kind.F, *_BACKWARDS)}
         for stage in computed:
-            owners = schedule.owners[stage] if stage < len(schedule.owners) else ()
-            if tuple(owners) != (worker,) or (schedule.relays and schedule.relays[stage]):
+            if schedule.owners[stage] != (worker,) or (schedule.relays and schedule.relays[stage]):
                 continue
             made, used = {0: 0}, {}
             for i, action in enumerate(order):
