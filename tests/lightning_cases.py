@@ -32,6 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import PipelineStrategy
+from lightning_pipe.cost.allocated import AllocatedPeak
 
 ROWS, FEATURES, CLASSES = 10, 6, 3
 
@@ -446,3 +447,25 @@ def one_step_late(package: Any) -> type:
             self.previous = self.current
 
     return OneStepLate
+
+
+class AllocatedFrom(L.Callback):
+    """The bytes of tensors alive at a fit's peak from batch ``first`` on (``peak``), counted at the
+    dispatcher (:class:`~lightning_pipe.cost.allocated.AllocatedPeak`, the CPU's
+    ``torch.cuda.max_memory_allocated``)."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.meter = AllocatedPeak("cpu")
+        self.peak = 0
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.meter.__enter__()
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, index: int) -> None:
+        if index == self.first:
+            self.meter.reset()
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.peak = self.meter.peak
+        self.meter.__exit__(None, None, None)

@@ -234,7 +234,9 @@ def test_gradients_and_transients_raise_a_workers_peak_by_at_most_what_they_add(
     sizes = st.lists(st.integers(0, 9).map(float), min_size=stages, max_size=stages)
     saved, gradient, backward = data.draw(sizes), data.draw(sizes), data.draw(sizes)
     alone = worker_holdings(schedule, [Holding(s) for s in saved])
-    full = worker_holdings(schedule, [Holding(*fields, 0.0) for fields in zip(saved, gradient, backward, strict=True)])
+    full = worker_holdings(
+        schedule, [Holding(s, g, b, 0.0, b) for s, g, b in zip(saved, gradient, backward, strict=True)]
+    )
     for worker, order in enumerate(schedule.orders):
         mine = {a.stage for a in order if a.kind in COMPUTE}
         assert alone[worker] <= full[worker] <= alone[worker] + sum(gradient[s] + backward[s] for s in mine) + 1e-9
@@ -248,17 +250,19 @@ def test_gradients_and_transients_raise_a_workers_peak_by_at_most_what_they_add(
     st.floats(0, 100),
     st.floats(0, 100),
     st.floats(0, 100),
+    st.floats(0, 100),
 )
 def test_gpipe_makes_its_gradient_after_its_activations_peak(
-    workers: int, microbatches: int, saved: float, gradient: float, backward: float, accumulating: float
+    workers: int, microbatches: int, saved: float, gradient: float, backward: float, accumulating: float, first: float
 ) -> None:
     """Under GPipe a worker runs its m forwards, then its m backwards, then its update: its first
-    backward makes the gradient beside every micro-batch's activations, each later one adds to it
-    with one micro-batch fewer held: ``max(m·a + g + b, (m - 1)·a + g + b + c)``, not ``m·a + g + b + c``."""
+    backward makes the gradient beside every micro-batch's activations, holding ``f`` besides, each
+    later one adds to it with one micro-batch fewer held:
+    ``max(m·a + g + f, (m - 1)·a + g + b + c)``, not ``m·a + g + b + c``."""
     schedule = ScheduleOptions("gpipe", microbatches).make(workers, microbatches)(2)
-    holding = Holding(saved, gradient, backward, accumulating)
+    holding = Holding(saved, gradient, backward, accumulating, first)
     expected = max(
-        microbatches * saved + gradient + backward, (microbatches - 1) * saved + gradient + backward + accumulating
+        microbatches * saved + gradient + first, (microbatches - 1) * saved + gradient + backward + accumulating
     )
     assert worker_holdings(schedule, [holding] * workers) == pytest.approx([expected] * workers, rel=1e-12)
 

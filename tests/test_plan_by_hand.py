@@ -89,6 +89,7 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
                 "transient_bytes": 0.0,
                 "kept_bytes": 0.0,
                 "weight_bytes": 300.0,  # one version
+                "first_backward_bytes": 0.0,
             },
             {
                 "layers": [2, 2],
@@ -107,6 +108,7 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
                 "transient_bytes": 0.0,
                 "kept_bytes": 0.0,
                 "weight_bytes": 300.0,
+                "first_backward_bytes": 0.0,
             },
             {
                 "layers": [3, 3],
@@ -125,6 +127,7 @@ def test_contiguous_plan_to_dict_by_hand() -> None:
                 "transient_bytes": 0.0,
                 "kept_bytes": 0.0,
                 "weight_bytes": 400.0,
+                "first_backward_bytes": 0.0,
             },
         ],
         "notes": ["by hand"],
@@ -205,6 +208,7 @@ def test_noncontiguous_plan_to_dict_by_hand() -> None:
                 "transient_bytes": 0.0,
                 "kept_bytes": 0.0,
                 "weight_bytes": 130.0,  # 1 x 40 (run {3}) + 3 x 30 (run {0, 1})
+                "first_backward_bytes": 0.0,
             },
             {
                 "layers": [2, 2],
@@ -223,6 +227,7 @@ def test_noncontiguous_plan_to_dict_by_hand() -> None:
                 "transient_bytes": 0.0,
                 "kept_bytes": 0.0,
                 "weight_bytes": 60.0,  # 2 versions x 30
+                "first_backward_bytes": 0.0,
             },
         ],
         "notes": [],

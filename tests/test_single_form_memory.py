@@ -21,10 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchvision.models.resnet import BasicBlock, ResNet
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.cost.allocated import AllocatedPeak
 from lightning_pipe.runtime import run_local
 from lightning_pipe.strategy.parent_watch import LAUNCHER_PID
-from tests.lightning_cases import trainer
+from tests.lightning_cases import AllocatedFrom, trainer
 
 STAGES = MICROBATCHES = 4
 ROWS, WARMUP, STEPS = 8, 1, 2
@@ -57,31 +56,12 @@ class _Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
-class _Peak(L.Callback):
-    """The bytes of tensors alive at the fit's peak from batch :data:`WARMUP` on."""
-
-    def __init__(self) -> None:
-        self.meter = AllocatedPeak("cpu")
-        self.peak = 0
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.meter.__enter__()
-
-    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, index: int) -> None:
-        if index == WARMUP:
-            self.meter.reset()
-
-    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.peak = self.meter.peak
-        self.meter.__exit__(None, None, None)
-
-
 def _fit(rank: int, root: str, options: dict[str, Any]) -> dict[str, Any]:
     """Worker of :func:`run_local` (a process of its own: a fit leaves the process group and its
     environment behind): the prediction and the measured peak of one fit on one device."""
     torch.manual_seed(0)
     strategy = PipelineStrategy(**{"stages": STAGES, "microbatches": MICROBATCHES, **options}, form="single")
-    peak = _Peak()
+    peak = AllocatedFrom(WARMUP)
     run = trainer(root, strategy, 1, max_steps=WARMUP + STEPS, callbacks=[peak])
     count = ROWS * (WARMUP + STEPS)
     data = TensorDataset(torch.randn(count, 3, 32, 32), torch.randint(0, 10, (count,)))

@@ -15,7 +15,10 @@ owns without sharing it with one of the operator's inputs is a new allocation (s
 storage autograd saved in the forward (seen by :class:`torch.autograd.graph.saved_tensors_hooks`)
 and freed during the backward gives its bytes back. The peak of the running sum, the new gradients
 of the parameters left out (the plan counts them among the parameter copies), plus the output
-gradients the backward was given, is the layer's ``backward_bytes``. What a kernel allocates inside
+gradients the backward was given, is the layer's ``backward_bytes``. The peak with those gradients
+counted as they are made, less all of them, is its ``first_backward_bytes``: what a step's first
+backward holds beyond the gradients it leaves, where the sum peaked before they were made (the
+logits' gradients of a language model's loss come and go before its LM head's gradient). What a kernel allocates inside
 itself and frees before it returns (a library's workspace) is not seen.
 """
 
@@ -108,17 +111,18 @@ def backward_roots(output: Any, last: bool = False) -> list[torch.Tensor]:
 
 def backward_peak(
     layer: Callable[[Any], Any], inputs: Any, parameters: Sequence[torch.Tensor], last: bool = False
-) -> int:
-    """``backward_bytes`` (module docstring) of ``layer`` run on ``inputs`` and its backward from
-    random gradients of its outputs that take one (:func:`backward_roots`; ``last``: the model's last
-    layer); the gradients the backward leaves in ``parameters``' ``.grad`` are left out (they should
-    hold none before). 0 if no output takes a gradient."""
+) -> tuple[int, int]:
+    """``backward_bytes`` and ``first_backward_bytes`` (module docstring) of ``layer`` run on
+    ``inputs`` and its backward from random gradients of its outputs that take one
+    (:func:`backward_roots`; ``last``: the model's last layer); the gradients the backward leaves in
+    ``parameters``' ``.grad`` are left out (they should hold none before). 0 if no output takes a
+    gradient."""
     tracker = BackwardPeak()
     with tracker.saving():
         output = layer(inputs)
     outputs = backward_roots(output, last)
     if not outputs:
-        return 0
+        return 0, 0
     gradients = [torch.randn_like(t) for t in outputs]
     try:
         with tracker:
@@ -126,4 +130,6 @@ def backward_peak(
     finally:
         tracker.close()
     grads = [p.grad for p in parameters if p.grad is not None]
-    return tracker.peak(grads) + sum(storage.nbytes() for storage in storages(gradients))
+    given = sum(storage.nbytes() for storage in storages(gradients))
+    made = sum(storage.nbytes() for storage in storages(grads))
+    return tracker.peak(grads) + given, max(tracker.peak() - made, 0) + given

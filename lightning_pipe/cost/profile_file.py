@@ -14,6 +14,7 @@ The JSON format (``"format": "lightning_pipe.profile"``, ``"version": 1``)::
         ...
       ],
       "boundary_bytes": [25690112, ...],
+      "shared": [{"layers": [0, 13], "param_bytes": 8388608}],
       "notes": ["..."],
       "meta": {"batch_size": 8, "device": "cpu", "warmup": 1, "repeats": 5, "torch": "2.14.1"}
     }
@@ -23,8 +24,10 @@ Times are seconds and sizes bytes, for one micro-batch of ``meta.batch_size``. `
 ``shared_saved_bytes`` (the input a layer saves that the layer before saved too) and
 ``backward_bytes`` (what the layer's backward holds at its peak beyond its saved activations and
 its parameters' gradients) are 0 when absent, as in profiles written before they were measured;
-``boundary_bytes`` (bytes crossing the cut after each layer, ``L - 1`` entries), ``notes`` and
-``meta`` are optional.
+``largest_param_bytes`` and ``first_backward_bytes`` (what a step's first backward holds beyond the
+gradients it leaves) are ``null`` when not measured; ``boundary_bytes`` (bytes crossing the cut
+after each layer, ``L - 1`` entries), ``shared`` (the parameters several layers use, counted in each
+one's ``param_bytes``: tied weights), ``notes`` and ``meta`` are optional.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import json
 from pathlib import Path
 
 from lightning_pipe.cost.pipedream_graph import parse_pipedream_graph
-from lightning_pipe.cost.records import ChainCosts, LayerCost
+from lightning_pipe.cost.records import ChainCosts, LayerCost, SharedParameters
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.util.files import json_kind, parse_json, read_text
 
@@ -59,10 +62,12 @@ def profile_to_dict(costs: ChainCosts) -> dict[str, object]:
                 "shared_saved_bytes": layer.shared_saved_bytes,
                 "backward_bytes": layer.backward_bytes,
                 "largest_param_bytes": layer.largest_param_bytes,
+                "first_backward_bytes": layer.first_backward_bytes,
             }
             for layer in costs.layers
         ],
         "boundary_bytes": list(costs.boundary_bytes),
+        "shared": [{"layers": list(group.layers), "param_bytes": group.param_bytes} for group in costs.shared],
         "notes": list(costs.notes),
         "meta": dict(costs.meta),
     }
@@ -85,10 +90,20 @@ def _layer(entry: object, index: int, source: str) -> LayerCost:
             shared_saved_bytes=entry.get("shared_saved_bytes", 0.0),
             backward_bytes=entry.get("backward_bytes", 0.0),
             largest_param_bytes=entry.get("largest_param_bytes"),
+            first_backward_bytes=entry.get("first_backward_bytes"),
             **{key: entry[key] for key in _LAYER_FIELDS},
         )
     except PlanningError as error:
         raise PlanningError(f"{source}: layers[{index}]: {error}") from None
+
+
+def _shared(entry: object, index: int, source: str) -> SharedParameters:
+    if not isinstance(entry, dict) or not isinstance(entry.get("layers"), list):
+        raise PlanningError(f'{source}: shared[{index}] must be an object with "layers" and "param_bytes": {entry!r}')
+    try:
+        return SharedParameters(tuple(entry["layers"]), entry.get("param_bytes", 0.0))
+    except (PlanningError, TypeError) as error:
+        raise PlanningError(f"{source}: shared[{index}]: {error}") from None
 
 
 def profile_from_dict(document: object, source: str = "profile") -> ChainCosts:
@@ -105,7 +120,8 @@ def profile_from_dict(document: object, source: str = "profile") -> ChainCosts:
     layers = document.get("layers")
     if not isinstance(layers, list):
         raise PlanningError(f'{source}: "layers" must be a list of layer objects, got {json_kind(layers)}')
-    for key, kind, empty in (("boundary_bytes", list, []), ("notes", list, []), ("meta", dict, {}), ("name", str, "")):
+    optional = (("boundary_bytes", list, []), ("shared", list, []), ("notes", list, []), ("meta", dict, {}))
+    for key, kind, empty in (*optional, ("name", str, "")):
         if not isinstance(document.get(key, empty), kind):
             raise PlanningError(
                 f'{source}: "{key}" must be a JSON {json_kind(empty)}, got {json_kind(document[key])} {document[key]!r}'
@@ -114,6 +130,7 @@ def profile_from_dict(document: object, source: str = "profile") -> ChainCosts:
         return ChainCosts(
             layers=tuple(_layer(entry, i, source) for i, entry in enumerate(layers)),
             boundary_bytes=tuple(document.get("boundary_bytes", ())),
+            shared=tuple(_shared(entry, i, source) for i, entry in enumerate(document.get("shared", []))),
             name=document.get("name", ""),
             notes=tuple(map(str, document.get("notes", ()))),
             meta=document.get("meta", {}),

@@ -79,7 +79,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pipe.cost.backward_bytes import backward_peak, backward_roots
 from lightning_pipe.cost.flop_rate import flop_rate, synchronize
-from lightning_pipe.cost.records import ChainCosts, LayerCost
+from lightning_pipe.cost.records import ChainCosts, LayerCost, SharedParameters
 from lightning_pipe.cost.saved_bytes import saved_bytes, storage_key
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.allocator import settle_heap
@@ -87,7 +87,7 @@ from lightning_pipe.runtime.forward_backward import as_received
 from lightning_pipe.runtime.split_backward import SplitBackward
 from lightning_pipe.util.nested import map_tensors, nbytes, tensors
 
-__all__ = ["chain_seconds", "given_names", "profile_layers"]
+__all__ = ["chain_seconds", "given_names", "profile_layers", "shared_parameters"]
 
 
 def profile_layers(
@@ -175,7 +175,23 @@ def profile_layers(
         "torch": torch.__version__,
         **meta,
     }
-    return ChainCosts(layers=tuple(costs), name=name or _default_name(model), meta=meta)
+    shared = shared_parameters([layer for _, layer in named])
+    return ChainCosts(layers=tuple(costs), name=name or _default_name(model), meta=meta, shared=shared)
+
+
+def shared_parameters(layers: Sequence[nn.Module]) -> tuple[SharedParameters, ...]:
+    """The parameters several of ``layers`` use (tied weights), grouped by the layers using them."""
+    users: dict[int, list[int]] = {}
+    sizes: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for param in layer.parameters():
+            users.setdefault(id(param), []).append(index)
+            sizes[id(param)] = param.numel() * param.element_size()
+    groups: dict[tuple[int, ...], int] = {}
+    for key, indices in users.items():
+        if len(indices) > 1:
+            groups[tuple(indices)] = groups.get(tuple(indices), 0) + sizes[key]
+    return tuple(SharedParameters(layers, size) for layers, size in sorted(groups.items()))
 
 
 def given_names(costs: ChainCosts) -> list[str] | None:
@@ -357,7 +373,7 @@ def _profile_layer(
         kept = _split_backward(layer, leaf, output, last)
     _clear_grads(leaf)
     first = warmup > 0 or estimated  # measured in the first warm-up run, or with nothing timed after it
-    transient = _backward_bytes(layer, leaf, last) if first else 0
+    transient, first_transient = _backward_bytes(layer, leaf, last) if first else (0, 0)
     if rate is not None:
         assert forward is not None and backward is not None
         forward_seconds = forward.get_total_flops() / rate
@@ -367,7 +383,7 @@ def _profile_layer(
             _timed_run(layer, leaf, device, last)
         forward_seconds, backward_seconds, _ = _timed_run(layer, leaf, device, last)
     if not first:  # no warm-up asked: after the timed run, which stays the layer's first
-        transient = _backward_bytes(layer, leaf, last)
+        transient, first_transient = _backward_bytes(layer, leaf, last)
     _free_gradients(layer)
     cost = LayerCost(
         name=label,
@@ -380,6 +396,7 @@ def _profile_layer(
         kept_gradient_bytes=kept,
         shared_saved_bytes=min(saved, sum(nbytes for position, nbytes in saved_inputs.items() if position in before)),
         backward_bytes=transient,
+        first_backward_bytes=first_transient,
         largest_param_bytes=max(
             (p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad), default=0
         ),
@@ -440,10 +457,11 @@ def _timed_run(layer: nn.Module, leaf: Any, device: torch.device, last: bool = F
     return forward, backward, as_received(output)
 
 
-def _backward_bytes(layer: nn.Module, leaf: Any, last: bool) -> int:
+def _backward_bytes(layer: nn.Module, leaf: Any, last: bool) -> tuple[int, int]:
     """One forward and backward of the layer on a copy of ``leaf`` (random output gradients), and
     the bytes its backward holds at its peak beyond the saved activations and the parameters'
-    gradients (:func:`~lightning_pipe.cost.backward_bytes.backward_peak`)."""
+    gradients, and a step's first backward beyond the gradients it leaves
+    (:func:`~lightning_pipe.cost.backward_bytes.backward_peak`)."""
     parameters = [p for p in layer.parameters() if p.requires_grad]
     transient = backward_peak(layer, map_tensors(torch.Tensor.clone, leaf), parameters, last)
     _clear_grads(leaf)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from lightning_pipe.errors import PlanningError
 
-__all__ = ["ChainCosts", "LayerCost"]
+__all__ = ["ChainCosts", "LayerCost", "SharedParameters"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,12 @@ class LayerCost:
             (``grad += new``), one parameter at a time, so a backward adding to a gradient holds at
             most this much more (:meth:`~lightning_pipe.cost.memory.MemoryModel.transient_bytes`);
             ``None`` when not measured (then all of ``param_bytes`` counts: :attr:`accumulated_bytes`).
+        first_backward_bytes: what a step's first backward of the layer holds at its peak beyond its
+            saved activations and the whole of the gradients it leaves: its peak with those gradients
+            counted as they are made, less all of them. The running sum can peak before the weights'
+            gradients exist (a language model's loss: the logits' gradients, then the LM head's),
+            so this is at most :attr:`backward_bytes`; ``None`` when not measured (then
+            :attr:`first_bytes` is :attr:`backward_bytes`).
     """
 
     name: str
@@ -63,6 +69,7 @@ class LayerCost:
     shared_saved_bytes: float = 0.0
     backward_bytes: float = 0.0
     largest_param_bytes: float | None = None
+    first_backward_bytes: float | None = None
 
     def __post_init__(self) -> None:
         numbers = {
@@ -79,6 +86,8 @@ class LayerCost:
             numbers["flops"] = self.flops
         if self.largest_param_bytes is not None:
             numbers["largest_param_bytes"] = self.largest_param_bytes
+        if self.first_backward_bytes is not None:
+            numbers["first_backward_bytes"] = self.first_backward_bytes
         for key, value in numbers.items():
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise PlanningError(f"layer {self.name!r}: {key} must be a finite number >= 0, got {value!r}")
@@ -90,14 +99,46 @@ class LayerCost:
 
     @property
     def accumulated_bytes(self) -> float:
-        """What a backward adding into an earlier micro-batch's gradient holds for a moment:
-        :attr:`largest_param_bytes`, or every parameter's bytes where it was not measured."""
-        return self.param_bytes if self.largest_param_bytes is None else self.largest_param_bytes
+        """What a backward adding into an earlier micro-batch's gradient holds for a moment beyond
+        :attr:`backward_bytes`: :attr:`largest_param_bytes` (every parameter's bytes where it was not
+        measured), and no more than its peak with the new gradients counted as they are made allows
+        (:attr:`first_bytes` and the gradients), which also bounds a backward freeing each new
+        gradient once added."""
+        largest = self.param_bytes if self.largest_param_bytes is None else self.largest_param_bytes
+        return max(min(largest, self.first_bytes + self.param_bytes - self.backward_bytes), 0.0)
+
+    @property
+    def first_bytes(self) -> float:
+        """What a step's first backward holds beyond the gradients it leaves: :attr:`first_backward_bytes`,
+        or :attr:`backward_bytes` where it was not measured."""
+        return self.backward_bytes if self.first_backward_bytes is None else self.first_backward_bytes
 
     @property
     def seconds(self) -> float:
         """Forward plus backward time, the layer's share of a stage's time per micro-batch."""
         return self.forward_seconds + self.backward_seconds
+
+
+@dataclass(frozen=True)
+class SharedParameters:
+    """Parameters several layers use (tied weights: a GPT's token embedding and its LM head), counted
+    in each of those layers' ``param_bytes``. Stages on different workers each keep a copy; stages on
+    one worker hold them once (:mod:`~lightning_pipe.runtime.ties`).
+
+    Attributes:
+        layers: the layers using them, in order (two or more).
+        param_bytes: their bytes.
+    """
+
+    layers: tuple[int, ...]
+    param_bytes: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if len(self.layers) < 2 or list(self.layers) != sorted(set(self.layers)) or self.layers[0] < 0:
+            raise PlanningError(f"shared parameters need two or more distinct layers in order, got {self.layers}")
+        if not math.isfinite(self.param_bytes) or self.param_bytes < 0:
+            raise PlanningError(f"shared parameter bytes must be a finite number >= 0, got {self.param_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -113,6 +154,7 @@ class ChainCosts:
         name: what was profiled.
         notes: remarks about how the costs were obtained (e.g. a DAG linearised into a chain).
         meta: free-form provenance (batch size, device, source file ...).
+        shared: the parameters several layers use, each group once.
     """
 
     layers: tuple[LayerCost, ...]
@@ -120,6 +162,7 @@ class ChainCosts:
     name: str = ""
     notes: tuple[str, ...] = ()
     meta: dict[str, object] = field(default_factory=dict, compare=False)
+    shared: tuple[SharedParameters, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -132,6 +175,10 @@ class ChainCosts:
             object.__setattr__(self, "boundary_bytes", tuple(layer.activation_bytes for layer in self.layers[:-1]))
         object.__setattr__(self, "boundary_bytes", tuple(self.boundary_bytes))
         object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "shared", tuple(self.shared))
+        for group in self.shared:
+            if group.layers[-1] >= len(self.layers):
+                raise PlanningError(f"shared parameters name layer {group.layers[-1]} of {len(self.layers)}")
         if len(self.boundary_bytes) != len(self.layers) - 1:
             raise PlanningError(
                 f"boundary_bytes has {len(self.boundary_bytes)} entries, expected "
@@ -229,6 +276,7 @@ class ChainCosts:
                 shared_saved_bytes=layer.shared_saved_bytes * factor,
                 kept_gradient_bytes=layer.kept_gradient_bytes * factor,
                 backward_bytes=layer.backward_bytes * factor,
+                first_backward_bytes=None if layer.first_backward_bytes is None else layer.first_bytes * factor,
                 flops=None if layer.flops is None else layer.flops * factor,
             )
             for layer in self.layers

@@ -52,6 +52,11 @@ class Stage:
             (:meth:`~lightning_pipe.cost.memory.MemoryModel.kept_coefficient`), held while it runs.
         weight_bytes: the part of ``memory_bytes`` its weight versions take
             (:meth:`~lightning_pipe.cost.memory.MemoryModel.weight_versions` copies of ``param_bytes``).
+        first_backward_bytes: what a step's first backward of the stage holds beyond the activations
+            and the whole gradient it leaves: at its layer ``l``'s peak
+            (:attr:`~lightning_pipe.cost.records.LayerCost.first_bytes`) the gradients of the layers
+            before ``l`` are not made yet, so the most over its layers of ``first_l − Σ_{j<l} param_j``
+            (at least 0; at most ``backward_bytes``).
     """
 
     layers: tuple[int, ...]
@@ -70,6 +75,7 @@ class Stage:
     transient_bytes: float = 0.0
     kept_bytes: float = 0.0
     weight_bytes: float = 0.0
+    first_backward_bytes: float = 0.0
 
     @property
     def contiguous(self) -> bool:
@@ -139,6 +145,7 @@ class Plan:
                     "transient_bytes": stage.transient_bytes,
                     "kept_bytes": stage.kept_bytes,
                     "weight_bytes": stage.weight_bytes,
+                    "first_backward_bytes": stage.first_backward_bytes,
                 }
                 for stage in self.stages
             ],
@@ -155,6 +162,17 @@ def _runs(owner: Sequence[int]) -> list[tuple[int, int, int]]:
             runs.append((start, i - 1, owner[start]))
             start = i
     return runs
+
+
+def _first_backward(costs: ChainCosts, layers: Sequence[int]) -> float:
+    """A stage's ``first_backward_bytes`` (:class:`Stage`): the backward runs its layers last to first,
+    so while layer ``l``'s runs the gradients of the layers before it are still to be made."""
+    before, most = 0.0, 0.0
+    for index in layers:
+        layer = costs.layers[index]
+        most = max(most, layer.first_bytes - before)
+        before += layer.param_bytes
+    return most
 
 
 def evaluate(
@@ -241,6 +259,7 @@ def evaluate(
                 transient_bytes=transient,
                 kept_bytes=kept_bytes[g],
                 weight_bytes=weight_bytes[g],
+                first_backward_bytes=_first_backward(costs, layers),
             )
         )
     cuts = tuple(network.cut_seconds(costs.boundary_bytes[last]) for _, last, _ in runs[:-1])

@@ -50,7 +50,7 @@ from lightning_pipe.runtime.shared_memory import open_links
 from lightning_pipe.runtime.shared_memory_sizes import link_sizes, shared_memory_capacity
 from lightning_pipe.runtime.stage_relays import Relays
 from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
-from lightning_pipe.runtime.ties import find_ties, tie_groups
+from lightning_pipe.runtime.ties import find_ties, tie_groups, updated_elsewhere_here
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.transport import Transport, post_ahead
 from lightning_pipe.runtime.updates import Updates
@@ -181,15 +181,16 @@ class PipelineExecutor:
         groups = replica_groups(self.schedule, self.pipelines, self.global_rank)
         snapshots = not self.schedule.flush
         self.lending = Lending.of(self.schedule, self.rank)
+        ties = find_ties(modules)
+        owned = [s for s in mine if s not in self.lending.lenders]
+        shared = updated_elsewhere_here(ties, owned)
         self.weights = {
-            s: StageWeights(modules[s].to(self.device), optimizer, snapshots, groups.get(s))
-            for s in mine
-            if s not in self.lending.lenders
+            s: StageWeights(modules[s].to(self.device), optimizer, snapshots, groups.get(s), shared.get(s, ()))
+            for s in owned
         }
         self._replicated_stages = {s for s, w in self.weights.items() if w.group is not None}
         # stages computed here with another worker's weights (FSDP, FSLPP): no optimizer, lent every call
         self.borrowed = {s: StageWeights(modules[s].to(self.device), None, False) for s in self.lending.lenders}
-        ties = find_ties(modules)
         self.ties = tie_groups(ties, self.schedule, self.pipelines, self.global_rank, self.lending, self.weights)
         self.norms = {s: DeferredNorms(weights.module) for s, weights in self.weights.items()}
         flags = [recompute] * self.schedule.stages if isinstance(recompute, bool) else list(recompute)

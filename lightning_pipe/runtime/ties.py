@@ -16,11 +16,16 @@ parameter follows the update rule of the unsplit model.
   under PipeDream's stashing or CDP-v2 the stages use different versions for one micro-batch, and so
   do the parts of the sum.
 - A stage with replicas contributes ``1/r`` of its replicas' sum from each replica.
+- A worker holding several sharing stages (every stage on one device, ``form="single"``) holds the
+  parameter once: the first of those stages updates it, the others compute through views of it of
+  their own (:func:`updated_elsewhere_here`), so each stage's part of the gradient stays apart until
+  the sum, and the parameter takes one update from it, as in the unsplit model. Only flushing
+  schedules can do so: a non-flushing one updates each stage at its own time (refused, :func:`tie_groups`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +37,7 @@ from lightning_pipe.runtime.borrowing import Lending
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.schedule.ir import Action, Schedule
 
-__all__ = ["Tie", "find_ties", "sum_ties", "tie_groups"]
+__all__ = ["Tie", "find_ties", "sum_ties", "tie_groups", "updated_elsewhere_here"]
 
 
 @dataclass
@@ -95,6 +100,16 @@ def find_ties(modules: Mapping[int, nn.Module]) -> list[Tie]:
             tie.names.append(name)
             tie.parameters.append(param)
     return [ties[key] for key in sorted(ties)]
+
+
+def updated_elsewhere_here(ties: list[Tie], stages: Collection[int]) -> dict[int, set[int]]:
+    """Stage -> the shared parameters (by ``id``) another of ``stages`` (this worker's) updates: of
+    each tie, every local sharing stage but the first."""
+    shared: dict[int, set[int]] = {}
+    for tie in ties:
+        for stage in [s for s in tie.stages if s in stages][1:]:
+            shared.setdefault(stage, set()).update(id(p) for p in tie.parameters)
+    return shared
 
 
 def tie_groups(

@@ -70,10 +70,11 @@ class WeightCopy(dict[str, torch.Tensor]):
     views: list[torch.Tensor]  # detached views of the leaves, in parameter order: what the live parameters point to
 
     @classmethod
-    def of(cls, module: nn.Module, storages: dict[str, torch.Tensor]) -> WeightCopy:
+    def of(cls, module: nn.Module, storages: dict[str, torch.Tensor], replica: bool = True) -> WeightCopy:
         """A copy whose leaves are views of ``storages`` (name -> tensor) with their own version
         counters, so in-place changes of the tensors in ``storages`` never fail a backward that saved
-        a leaf (the caller makes sure none is in flight then)."""
+        a leaf (the caller makes sure none is in flight then); without ``replica`` the forward goes
+        through :func:`torch.func.functional_call` on ``module`` itself (its training mode)."""
         leaves = cls()
         for name, param in module.named_parameters():
             source = storages[name]
@@ -81,6 +82,8 @@ class WeightCopy(dict[str, torch.Tensor]):
             view.set_(source.untyped_storage(), source.storage_offset(), source.shape, source.stride())
             leaves[name] = nn.Parameter(view, requires_grad=param.requires_grad)
         leaves.views = [leaf.detach() for leaf in leaves.values()]
+        if not replica:
+            return leaves
         # the replica shares the module's buffers; only the parameters are replaced (deepcopy's memo
         # maps the originals to the replacements)
         memo: dict[int, Any] = {id(p): leaves[name] for name, p in module.named_parameters()}
@@ -100,6 +103,10 @@ class StageWeights:
         optimizer: builds the stage's optimizer from its parameters; ``None`` for a stage updated elsewhere.
         snapshots: keep versions as snapshots (non-flushing schedules).
         group: process group of the stage's replicas (``None``: not replicated).
+        shared: the parameters (by ``id``) this stage shares with a stage of this worker that updates
+            them (a tied weight, :mod:`~lightning_pipe.runtime.ties`): left out of this stage's
+            optimizer, and computed with through leaves of this stage's own (views of the same
+            storage), so that each stage's part of their gradient stays its own.
     """
 
     def __init__(
@@ -108,6 +115,7 @@ class StageWeights:
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None,
         snapshots: bool,
         group: dist.ProcessGroup | None = None,
+        shared: Collection[int] = (),
     ) -> None:
         self.module = module
         self.names = [name for name, _ in module.named_parameters()]
@@ -117,7 +125,9 @@ class StageWeights:
         self._in_order = list(range(len(self.params)))
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         # none for a stage without weights, or one computed here but updated by its owner (borrowed)
-        self.optimizer = optimizer(self.params) if self.params and optimizer is not None else None
+        self.shared = frozenset(shared)
+        stepped = [p for p in self.params if id(p) not in self.shared]
+        self.optimizer = optimizer(stepped) if stepped and optimizer is not None else None
         self.snapshots = snapshots
         self.group = group
         self.version = 0
@@ -129,13 +139,18 @@ class StageWeights:
         self._lent: tuple[int, dict[str, torch.Tensor], list[torch.Tensor]] | None = None
         self._bound: WeightCopy | None = None  # the copy sharing the live parameters' storage
         self._spare: WeightCopy | None = None  # a copy no version uses, whose storage the next move takes
+        self._own_leaves: WeightCopy | None = None  # the live weights' views a stage with shared ones computes on
 
     def leaves(self, version: int) -> dict[str, torch.Tensor]:
         """The tensors to compute with for ``version`` (the current version or a kept copy)."""
         if not self.snapshots:
             if version != self.version:
                 raise RuntimeError(f"version {version} asked while the stage is at version {self.version}")
-            return self._live
+            if not self.shared:
+                return self._live
+            if self._own_leaves is None:
+                self._own_leaves = WeightCopy.of(self.module, self._live, replica=False)
+            return self._own_leaves
         if version not in self.versions:
             if version != self.version:
                 raise RuntimeError(
@@ -173,7 +188,7 @@ class StageWeights:
         weights, with replicas made anew so they follow changes of the module's training mode)."""
         self._reclaim()
         self.versions.clear()
-        self._bound = self._spare = None
+        self._bound = self._spare = self._own_leaves = None
 
     def _move_live(self, grads: list[torch.Tensor | None] | None = None, order: Collection[int] = ()) -> None:
         """Give the live parameters a storage of their own (the spare copy's, or a new one) so the
@@ -336,7 +351,7 @@ class StageWeights:
                 self._move_live()
             if steps:
                 for param, grad in zip(self.params, buffer, strict=True):
-                    param.grad = grad
+                    param.grad = None if id(param) in self.shared else grad
                 self.optimizer.step()
                 for param in self.params:
                     param.grad = None

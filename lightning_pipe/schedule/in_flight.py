@@ -42,14 +42,17 @@ _GRADIENTS = (Kind.B, Kind.W)  # the actions that make a stage's weights' gradie
 class Holding:
     """What a stage holds on the worker computing it beyond its weights and optimizer state: ``saved``
     bytes per micro-batch in flight, its weights' ``gradient`` from the first backward of a step until
-    its update, and while one of its backwards runs, ``backward`` bytes (its largest layer's
-    :attr:`~lightning_pipe.cost.records.LayerCost.backward_bytes`) and, where the step's gradient is
-    made already, ``accumulating`` bytes more (the new gradient before it is added)."""
+    its update; while the backward making the step's gradient runs, ``first`` bytes beside the whole
+    gradient (:attr:`~lightning_pipe.partition.plan.Stage.first_backward_bytes`); while another of
+    its backwards runs, ``backward`` bytes (its largest layer's
+    :attr:`~lightning_pipe.cost.records.LayerCost.backward_bytes`) and, where it adds to the step's
+    gradient, ``accumulating`` bytes more (the new gradient before it is added)."""
 
     saved: float
     gradient: float = 0.0
     backward: float = 0.0
     accumulating: float = 0.0
+    first: float = 0.0
 
 
 def stage_in_flight(schedule: Schedule) -> list[int]:
@@ -70,7 +73,8 @@ def stage_in_flight(schedule: Schedule) -> list[int]:
 def worker_holdings(schedule: Schedule, holdings: Sequence[Holding]) -> list[float]:
     """Each worker's most bytes at once of what its stages hold (``holdings[s]`` for stage ``s``,
     :class:`Holding`) as it runs its actions in order: a forward adds its micro-batch's activations, a
-    backward holds its transient bytes while it runs and makes its stage's gradient (or adds to it),
+    backward holds its transient bytes while it runs and makes its stage's gradient, the whole of it
+    counted from then on (or adds to it),
     the last backward half of a micro-batch frees its activations, an update frees the gradient."""
     if len(holdings) != schedule.stages:
         raise ValueError(f"holdings lists {len(holdings)} stages, the schedule has {schedule.stages}")
@@ -91,6 +95,7 @@ def worker_holdings(schedule: Schedule, holdings: Sequence[Holding]) -> list[flo
                 elif action.kind in _GRADIENTS:
                     made.add(action.stage)
                     gradients += stage.gradient
+                    transient = stage.first
                 peak = max(peak, held + gradients + transient)
                 if action.kind in _FREES and last.get((action.stage, action.microbatch, action.step)) == i:
                     held -= stage.saved

@@ -3,7 +3,8 @@
 Printed with the plan on rank 0 (and returned as lines for tests):
 
 - **shared parameters**: a parameter used by layers of several stages (tied weights) is kept by each
-  of them and its gradients are summed over them before every update
+  worker holding one of them (once, however many of its stages use it) and its gradients are summed
+  over them before every update
   (:mod:`~lightning_pipe.runtime.ties`);
 - **batch norm**: each layer normalises a micro-batch with the micro-batch's statistics (the
   gradients differ from plain Lightning's, which uses the batch's), while the running statistics move
@@ -42,9 +43,10 @@ def differences(
         names = [" = ".join(_names(module, p)) for p in tie.parameters]
         when = "at the end of each step" if flush else "at each stage's update"
         lines.append(
-            f"Shared parameters {_shown(names)} are used on stages {', '.join(map(str, tie.stages))}: each keeps a "
-            f"copy, and their gradients are summed over those stages {when} before every update (the copies stay "
-            "equal; a checkpoint holds the parameter under its names, as plain Lightning's)"
+            f"Shared parameters {_shown(names)} are used on stages {', '.join(map(str, tie.stages))}: each device "
+            f"holding one of them keeps a copy, and their gradients are summed over those stages {when} before "
+            "every update (the copies stay equal; a checkpoint holds the parameter under its names, as plain "
+            "Lightning's)"
         )
     norms = [name for name, m in module.named_modules() if isinstance(m, _BatchNorm) and m.training]
     if norms and microbatch_rows < batch_rows:
