@@ -20,10 +20,14 @@ _MODEL_STATE = "_lightning_pipe_model_state"  # the attribute mark_model_state s
 
 
 class Saved:
-    """What a block saved: :attr:`storages` (storage key -> bytes); calling it gives their sum."""
+    """What a block saved: :attr:`storages` (storage key -> bytes); calling it gives their sum.
+    On the meta device it also holds the tensors whose identities are the keys, so that no tensor
+    made later in the block takes a freed one's identity (two storages counted as one: the saved
+    bytes of a ResNet's blocks varied by a tensor from run to run)."""
 
     def __init__(self) -> None:
         self.storages: dict[int, int] = {}
+        self.keys: list[torch.Tensor] = []
 
     def __call__(self) -> int:
         return sum(self.storages.values())
@@ -40,6 +44,8 @@ def saved_bytes(excluded: Iterable[torch.Tensor] = ()) -> Iterator[Saved]:
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
         if key not in skip and not is_model_state(tensor):
+            if tensor.is_meta and key not in storages:
+                saved.keys.append(tensor if tensor._base is None else tensor._base)
             storages[key] = tensor.untyped_storage().nbytes()
         # kept without its autograd history: a saved output kept as itself would hold its own grad_fn,
         # a cycle through autograd's C++ graph that no garbage collection frees once a backward retained
