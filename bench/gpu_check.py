@@ -23,9 +23,9 @@ Nothing is downloaded: the models are built from their configurations. Both writ
    ``form="single"``) with 2 and 4 stages, and every synchronous family in its single-device form
    (``form="single"``: every worker's program in one, ``lightning_pipe/schedule/one_device.py``) with 4
    stages and 4 micro-batches (``lpp`` and ``fslpp`` with one group, ``1f1b_star`` with a period of 3,
-   ``kperiodic`` with k = 1; CDP refuses the GPT-2's tied embeddings with two of its stages on one
-   worker, and its rows say so). Models: a torchvision
-   ResNet-50 on 64 images of 224x224 per step (SGD with momentum) and a GPT-2-small-shaped
+   ``kperiodic`` with k = 1; CDP's single form runs the GPT-2's tied embedding and head with a copy
+   per stage, their updates of a step after both stages' backwards). Models: a torchvision ResNet-50
+   on 64 images of 224x224 per step (SGD with momentum) and a GPT-2-small-shaped
    ``transformers`` ``GPT2LMHeadModel`` (12 blocks, 768 wide, 12 heads, a 50257-token vocabulary) on 8
    rows of 512 tokens per step (AdamW), dropout off; a model is profiled once per micro-batch size
    (the profiles kept in ``DIR/profiles``). Each training runs 3 batches, then 10 timed ones (the dry

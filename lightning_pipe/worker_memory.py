@@ -8,8 +8,9 @@ at once, which peak lower than the stages' own peaks added (they come at other t
 gradient and what its backward holds for a moment peak at their own times too, one backward at a time
 on a worker (:func:`~lightning_pipe.schedule.in_flight.worker_holdings`). Parameters several of a
 worker's stages use (tied weights, :class:`~lightning_pipe.cost.records.SharedParameters`) are held
-there once, with one optimizer state; each stage keeps its own part of their gradient
-(:mod:`~lightning_pipe.runtime.ties`). The memory limit is per device, so it is checked here, per worker.
+there once under a flushing schedule, with one optimizer state, each stage keeping its own part of
+their gradient; a non-flushing one keeps a copy per stage (:mod:`~lightning_pipe.runtime.ties`). The
+memory limit is per device, so it is checked here, per worker.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class WorkerMemory:
         entering = tuple(costs.boundary_bytes[first - 1] if first > 0 else 0.0 for first, _ in bounds)
         stage_of = {layer: s for s, (first, last) in enumerate(bounds) for layer in range(first, last + 1)}
         shared = [0.0] * len(owned)
-        for group in costs.shared:
+        for group in costs.shared if schedule.flush else ():  # non-flushing: each stage its own copy
             users = {stage_of[layer] for layer in group.layers}
             for worker, mine in enumerate(owned):
                 shared[worker] += max(len(users & mine) - 1, 0) * group.param_bytes

@@ -22,7 +22,6 @@ bytes, so ``saved_bytes`` is taken to be the output size, as PipeDream's own mem
 
 from __future__ import annotations
 
-import heapq
 import operator
 import re
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from lightning_pipe.cost.records import ChainCosts, LayerCost
 from lightning_pipe.errors import PlanningError
+from lightning_pipe.util.ordering import smallest_first
 
 __all__ = ["LayerDag", "load_pipedream_dag", "parse_pipedream_dag", "parse_pipedream_graph"]
 
@@ -124,18 +124,10 @@ class LayerDag:
         for src, dst in self.edges:
             consumers[src].append(dst)
             waiting[dst] += 1
-        ready = [node for node, count in enumerate(waiting) if count == 0]
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            node = heapq.heappop(ready)
-            order.append(node)
-            for nxt in consumers[node]:
-                waiting[nxt] -= 1
-                if waiting[nxt] == 0:
-                    heapq.heappush(ready, nxt)
+        order = smallest_first(consumers, waiting)
         if len(order) != len(self.layers):
-            stuck = [self.layers[node].name for node, count in enumerate(waiting) if count > 0]
+            placed = set(order)
+            stuck = [layer.name for node, layer in enumerate(self.layers) if node not in placed]
             raise PlanningError(
                 f"{self.name or 'the graph'} has a cycle through {', '.join(stuck[:5])}: a layer graph must be "
                 "acyclic (every edge from a producer to a later consumer)"

@@ -50,7 +50,7 @@ from lightning_pipe.runtime.shared_memory import open_links
 from lightning_pipe.runtime.shared_memory_sizes import link_sizes, shared_memory_capacity
 from lightning_pipe.runtime.stage_relays import Relays
 from lightning_pipe.runtime.step_output import LossSums, StepOutput, share
-from lightning_pipe.runtime.ties import find_ties, tie_groups, updated_elsewhere_here
+from lightning_pipe.runtime.ties import find_ties, tie_groups, tied_maker, updated_elsewhere_here
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.transport import Transport, post_ahead
 from lightning_pipe.runtime.updates import Updates
@@ -121,6 +121,9 @@ class PipelineExecutor:
         message_bytes: the bytes of one micro-batch's activation leaving each stage but the last
             (and of its gradient coming back), as a plan knows them: they size the rings.
 
+    :attr:`make` gives the schedule of any number of steps as the executor runs it (with the updates
+    of stages sharing a parameter on one worker after all their backwards of the step:
+    :func:`~lightning_pipe.runtime.ties.tied_maker`).
     :attr:`timeline` holds the actions run (a :class:`~lightning_pipe.runtime.timeline.Timeline`,
     read as :class:`~lightning_pipe.schedule.simulation.Interval` objects): each one's start and end
     (seconds since the executor was made) and the seconds it waited for messages; the rest is its own
@@ -157,6 +160,9 @@ class PipelineExecutor:
         make = schedule if callable(schedule) and not isinstance(schedule, Schedule) else repeated(schedule)
         if not dist.is_initialized():
             raise PlanningError("initialise torch.distributed first (torchrun, Lightning or init_process_group)")
+        modules = dict(stages) if isinstance(stages, Mapping) else dict(enumerate(stages))
+        ties = find_ties(modules)
+        self.make = make = tied_maker(make, ties)
         self.schedule = make(1)
         validate(self.schedule)
         check_borrowing(self.schedule)
@@ -171,7 +177,6 @@ class PipelineExecutor:
         generated = make(span)
         split_stages = {a.stage for _, _, a in self.schedule.actions() if a.kind is Kind.I}
         placement = Placement(generated, self.program.base, self.program.period, split_stages)
-        modules = dict(stages) if isinstance(stages, Mapping) else dict(enumerate(stages))
         mine = sorted({a.stage for a in self.schedule.orders[self.rank] if a.kind in COMPUTE})
         missing = [s for s in mine if s not in modules]
         if missing:
@@ -181,7 +186,6 @@ class PipelineExecutor:
         groups = replica_groups(self.schedule, self.pipelines, self.global_rank)
         snapshots = not self.schedule.flush
         self.lending = Lending.of(self.schedule, self.rank)
-        ties = find_ties(modules)
         owned = [s for s in mine if s not in self.lending.lenders]
         shared = updated_elsewhere_here(ties, owned)
         self.weights = {

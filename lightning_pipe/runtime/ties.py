@@ -16,16 +16,21 @@ parameter follows the update rule of the unsplit model.
   under PipeDream's stashing or CDP-v2 the stages use different versions for one micro-batch, and so
   do the parts of the sum.
 - A stage with replicas contributes ``1/r`` of its replicas' sum from each replica.
-- A worker holding several sharing stages (every stage on one device, ``form="single"``) holds the
-  parameter once: the first of those stages updates it, the others compute through views of it of
-  their own (:func:`updated_elsewhere_here`), so each stage's part of the gradient stays apart until
-  the sum, and the parameter takes one update from it, as in the unsplit model. Only flushing
-  schedules can do so: a non-flushing one updates each stage at its own time (refused, :func:`tie_groups`).
+- A worker holding several sharing stages (every stage on one device, ``form="single"``) sums their
+  parts at the first of their updates of a step (:func:`sum_ties`). Under a flushing schedule it holds
+  the parameter once: the first of those stages updates it, the others compute through views of it
+  of their own (:func:`updated_elsewhere_here`), so each stage's part of the gradient stays apart until
+  the sum, and the parameter takes one update from it, as in the unsplit model. Under a non-flushing
+  one each stage keeps its own copy and versions, as on workers of their own; its program runs every
+  sharing stage's update of a step after all their backwards of the step
+  (:func:`~lightning_pipe.schedule.tied_updates.with_tied_updates`: on workers of their own the
+  collective waits for them). A non-flushing pipeline of several workers with two sharing stages on
+  one worker is refused (:func:`tie_groups`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,8 +41,9 @@ from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.borrowing import Lending
 from lightning_pipe.runtime.weights import StageWeights
 from lightning_pipe.schedule.ir import Action, Schedule
+from lightning_pipe.schedule.tied_updates import with_tied_updates
 
-__all__ = ["Tie", "find_ties", "sum_ties", "tie_groups", "updated_elsewhere_here"]
+__all__ = ["Tie", "find_ties", "sum_ties", "tie_groups", "tied_maker", "updated_elsewhere_here"]
 
 
 @dataclass
@@ -58,6 +64,7 @@ class Tie:
     parameters: list[nn.Parameter]
     positions: dict[int, list[int]] = field(default_factory=dict)
     group: dist.ProcessGroup | None = None
+    pending: dict[int, int] = field(default_factory=dict)  # step -> local updates still to come after its sum
 
     def sum(self, parts: Mapping[int, tuple[list[torch.Tensor | None], float]]) -> None:
         """Replace each local stage's gradients of the tied parameters by their sum over the sharing
@@ -112,6 +119,17 @@ def updated_elsewhere_here(ties: list[Tie], stages: Collection[int]) -> dict[int
     return shared
 
 
+def tied_maker(make: Callable[[int], Schedule], ties: list[Tie]) -> Callable[[int], Schedule]:
+    """``make`` (steps -> schedule), its programs reordered so that every sharing stage's update of a
+    step follows all their backwards of the step where one worker runs a non-flushing schedule
+    (:func:`~lightning_pipe.schedule.tied_updates.with_tied_updates`); ``make`` itself otherwise."""
+    first = make(1)
+    groups = [tie.stages for tie in ties]
+    if first.flush or first.workers != 1 or not groups:
+        return make
+    return lambda steps: with_tied_updates(make(steps), groups)
+
+
 def tie_groups(
     ties: list[Tie],
     schedule: Schedule,
@@ -138,15 +156,15 @@ def tie_groups(
             if s in weights:
                 positions = weights[s]._position
                 tie.positions[s] = [positions[id(p)] for p in tie.parameters]
-    if not schedule.flush:
+    if not schedule.flush and schedule.workers > 1:
         for worker, orders in enumerate(schedule.orders):
             held = {a.stage for a in orders} & {s for tie in ties for s in tie.stages}
             if len(held) > 1:
                 raise PlanningError(
                     f"worker {worker} holds stages {sorted(held)} whose parameters are shared with other stages; "
                     f"a non-flushing schedule ({schedule.family}) sums shared gradients at each stage's own "
-                    "update, which needs one sharing stage per worker: use one stage per worker, or a flushing "
-                    "schedule"
+                    "update, which needs one sharing stage per worker: use one stage per worker, every stage on one "
+                    "device (form='single'), or a flushing schedule"
                 )
     return ties
 
@@ -155,12 +173,21 @@ def sum_ties(
     ties: list[Tie], actions: Sequence[Action], weights: Mapping[int, StageWeights], owners: Sequence[Sequence[int]]
 ) -> None:
     """Sum the tied parameters' gradients of the updates ``actions`` over the stages sharing them,
-    tie after tie in one order on every worker (a stage with ``owners`` counting ``1/r`` from each of its ``r``)."""
+    tie after tie in one order on every worker (a stage with ``owners`` counting ``1/r`` from each of
+    its ``r``). A worker holding several sharing stages sums all their parts of a step at the first
+    of their updates of it, once: the later ones find their gradients summed."""
     for tie in ties:
-        parts = {
-            a.stage: (weights[a.stage].summed_gradients(a.step), 1.0 / len(owners[a.stage]))
-            for a in actions
-            if a.stage in tie.positions
-        }
-        if parts:
+        steps = sorted({a.step for a in actions if a.stage in tie.positions})
+        for step in steps:
+            arrived = sum(1 for a in actions if a.stage in tie.positions and a.step == step)
+            if step in tie.pending:
+                tie.pending[step] -= arrived
+                if tie.pending[step] <= 0:
+                    del tie.pending[step]
+                continue
+            parts = {
+                stage: (weights[stage].summed_gradients(step), 1.0 / len(owners[stage])) for stage in tie.positions
+            }
             tie.sum(parts)
+            if len(parts) > arrived:
+                tie.pending[step] = len(parts) - arrived

@@ -103,10 +103,13 @@ class StageWeights:
         optimizer: builds the stage's optimizer from its parameters; ``None`` for a stage updated elsewhere.
         snapshots: keep versions as snapshots (non-flushing schedules).
         group: process group of the stage's replicas (``None``: not replicated).
-        shared: the parameters (by ``id``) this stage shares with a stage of this worker that updates
-            them (a tied weight, :mod:`~lightning_pipe.runtime.ties`): left out of this stage's
-            optimizer, and computed with through leaves of this stage's own (views of the same
-            storage), so that each stage's part of their gradient stays its own.
+        shared: the parameters (by ``id``) this stage shares with an earlier stage of this worker (a
+            tied weight, :mod:`~lightning_pipe.runtime.ties`). With ``snapshots`` the stage keeps a
+            copy of them with its own versions and optimizer state (taking over any state the
+            optimizer gives them), as a stage on a worker of its own does. Otherwise the earlier
+            stage updates them: they are left out of this stage's optimizer, and this stage computes
+            through leaves of its own (views of the same storage), so that each stage's part of their
+            gradient stays its own.
     """
 
     def __init__(
@@ -119,15 +122,20 @@ class StageWeights:
     ) -> None:
         self.module = module
         self.names = [name for name, _ in module.named_parameters()]
-        self.params = [p for _, p in module.named_parameters()]
+        originals = [p for _, p in module.named_parameters()]
+        self.shared = frozenset(shared)
+        copies = {id(p): _copy(p) for p in originals if snapshots and id(p) in self.shared}
+        self.params = [copies.get(id(p), p) for p in originals]
         self._live = dict(zip(self.names, self.params, strict=True))
-        self._position = {id(p): i for i, p in enumerate(self.params)}  # a parameter's index, without hashing tensors
+        # a parameter's index, without hashing tensors (a copied one's also by the module's own)
+        self._position = {id(p): i for ps in (originals, self.params) for i, p in enumerate(ps)}
         self._in_order = list(range(len(self.params)))
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         # none for a stage without weights, or one computed here but updated by its owner (borrowed)
-        self.shared = frozenset(shared)
-        stepped = [p for p in self.params if id(p) not in self.shared]
+        stepped = [p for p in originals if snapshots or id(p) not in self.shared]
         self.optimizer = optimizer(stepped) if stepped and optimizer is not None else None
+        if self.optimizer is not None and copies:
+            _take_over_state(self.optimizer, copies)
         self.snapshots = snapshots
         self.group = group
         self.version = 0
@@ -466,6 +474,21 @@ class StageWeights:
         }
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _copy(param: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+
+
+def _take_over_state(optimizer: torch.optim.Optimizer, copies: dict[int, nn.Parameter]) -> None:
+    """Make ``optimizer`` step the ``copies`` (original's ``id`` -> copy) instead of the originals,
+    with whatever state it holds for them."""
+    for group in optimizer.param_groups:
+        originals = group["params"]
+        group["params"] = [copies.get(id(p), p) for p in originals]
+        for original in originals:
+            if id(original) in copies and original in optimizer.state:
+                optimizer.state[copies[id(original)]] = optimizer.state.pop(original)
 
 
 def _buckets(grads: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]:

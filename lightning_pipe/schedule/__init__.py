@@ -10,7 +10,8 @@ validates it (:func:`build_schedule` also returns the validated dependency graph
 - **the families**: :mod:`.pipeline` (GPipe, 1F1B, interleaved and looped), :mod:`.zero_bubble`,
   :mod:`.early` (backwards that send their input gradient first), :mod:`.asynchronous` (PipeDream,
   2BW), :mod:`.beaumont` (1F1B* and k-periodic), :mod:`.cyclic` (CDP), :mod:`.master` (Rahimi's
-  ``w(s, b, d)``, made into orders by :mod:`.greedy`), :mod:`.one_device` (every stage on one device);
+  ``w(s, b, d)``, made into orders by :mod:`.greedy`), :mod:`.one_device` (every stage on one device),
+  :mod:`.tied_updates` (a one-worker program whose stages sharing a parameter update together);
 - **prediction**: :mod:`.stage_costs` (what each action costs), :mod:`.simulate` and
   :mod:`.simulation` (the replay and what it predicts), :mod:`.traffic` and :mod:`.backlog` (its
   messages), :mod:`.in_flight` and :mod:`.peak_memory` (its memory), :mod:`.draw` (the pictures).

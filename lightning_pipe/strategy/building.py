@@ -149,7 +149,7 @@ class PipelineBuilding:
             optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
         self._restore_optimizer_states()
         self._restore_carried()
-        self._predict_memory(make, announce=fresh, recompute=recompute)
+        self._predict_memory(self.executor.make, announce=fresh, recompute=recompute)
         self._release(module, layers, mine)
         if self._parent_watch is not None:  # the pipeline is up: failures travel through the job's store now
             self._parent_watch.stop()

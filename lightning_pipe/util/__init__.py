@@ -1,2 +1,3 @@
 """Helpers every layer uses: nested containers of tensors (:mod:`.nested`), byte and time units
-(:mod:`.units`), and the files a user names (:mod:`.files`)."""
+(:mod:`.units`), the files a user names (:mod:`.files`), and a graph's nodes in order
+(:mod:`.ordering`)."""
