@@ -3,7 +3,7 @@ one process and Lightning's DDP, side by side in one run, and against what the p
 
 Run: ``python bench/memory.py [--model mlp|resnet18|gpt2] [--width 4096] [--depth 16] [--optimizer sgd|adam]
 [--pipe 2 4] [--ddp 2] [--batch 16] [--steps 3] [--microbatches M] [--shared-memory-bytes B]
-[--kinds plain ddp pipe pipe-meta] [--mmap-threshold BYTES] [--release-memory]`` (the default, a
+[--kinds plain ddp pipe pipe-meta] [--mmap-threshold BYTES] [--release-memory] [--counted]`` (the default, a
 1.07 GB MLP, about 6 minutes on 2 cores and 24 GB).
 
 ``--model mlp`` is ``depth`` Linear(width, width)+ReLU blocks and a 10-class head in one
@@ -43,6 +43,11 @@ peak of the bytes glibc has handed out and not had back (``mallinfo2``, less its
 (``rings MB``); ``other MB``, the rise less both (the heap glibc keeps, code pages of the kernels
 loaded, threads' stacks; the peaks need not coincide).
 
+``--counted`` also counts, in the pipeline's runs, the bytes of tensors alive at the dispatcher from
+the second batch on (:class:`~lightning_pipe.cost.allocated.AllocatedPeak`, the shared-memory rings'
+tensors among them: what ``torch.cuda.max_memory_allocated`` counts on a GPU, without glibc's free
+space), against the strategy's whole prediction (``counted/plan``); the counting slows the steps.
+
 On CPU the peak is glibc's: a freed block below its (self-raising, up to 32 MiB) mmap threshold stays in
 the process's heap, and the heap's free space adds to the resident memory of activation-heavy runs.
 ``--release-memory`` runs the pipeline with ``release_memory=True`` (blocks of 4 MiB or more go back
@@ -74,6 +79,7 @@ from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime import run_local
 from lightning_pipe.runtime.allocator import mallinfo
 from lightning_pipe.zoo.classifier import ImageClassifier
+from tests.lightning_cases import AllocatedFrom
 
 MB = 2**20
 _OPTIMIZER_COPIES = {"sgd": 1, "adam": 2}
@@ -181,6 +187,7 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
         )
     else:
         strategy = kind if kind == "ddp" else "auto"
+    counted = AllocatedFrom(1) if options.counted and kind.startswith("pipe") else None
     trainer = L.Trainer(
         accelerator="cpu",
         devices=processes,
@@ -191,6 +198,7 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=root,
+        callbacks=[counted] if counted is not None else [],
     )
     with trainer.init_module(empty_init=kind == "pipe-meta"):
         if options.model == "resnet18":
@@ -226,6 +234,7 @@ def _worker(rank: int, kind: str, options: argparse.Namespace, root: str) -> dic
         "rings": getattr(trainer.strategy, "ring_bytes", 0),
         "allocated": peaks.allocated,
         "shared": peaks.shared,
+        "counted": None if counted is None else counted.peak,
     }
 
 
@@ -235,7 +244,10 @@ def _parts(r: dict[str, Any]) -> str:
     stages = r["predicted"] - r["rings"] if r["predicted"] else None
     ratio = f"{r['allocated'] / stages:.2f}" if stages and r["allocated"] is not None else "-"
     other = "-" if r["allocated"] is None else f"{(r['peak'] - r['base'] - r['allocated'] - r['shared']) / MB:.0f}"
-    return f" {allocated:>9} {ratio:>13} {r['shared'] / MB:7.0f} {r['rings'] / MB:9.0f} {other:>9}"
+    parts = f" {allocated:>9} {ratio:>13} {r['shared'] / MB:7.0f} {r['rings'] / MB:9.0f} {other:>9}"
+    if r["counted"] is None:
+        return parts
+    return parts + f" {r['counted'] / MB:10.0f} {r['counted'] / r['predicted']:12.2f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mmap-threshold", type=int, default=None, help="glibc's MALLOC_MMAP_THRESHOLD_")
     parser.add_argument(
         "--release-memory", action="store_true", help="the pipeline's release_memory=True (its runs only)"
+    )
+    parser.add_argument(
+        "--counted", action="store_true", help="also the tensors alive at the dispatcher (the pipeline's runs)"
     )
     options = parser.parse_args(argv)
     if options.model == "gpt2":  # its LightningModule trains with AdamW (two states per parameter)
@@ -277,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     header = (
         "run         rank  base MB  holds MB  peak MB  steady MB  expected MB  peak/exp  steady/exp  plan MB  rise/plan"
         "  alloc MB  alloc/stages  shm MB  rings MB  other MB"
-    )
+    ) + ("  counted MB  counted/plan" if options.counted else "")
     print(header)
     print("-" * len(header))
     for kind, processes in runs:
