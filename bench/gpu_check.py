@@ -73,8 +73,8 @@ from trainer_runs import Classifier, StepTimes, quiet_trainer
 from transformer_throughput import _no_dropout, _quiet
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.cost.allocated import AllocatedPeak
 from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES
+from tests.lightning_cases import AllocatedFrom
 from tests.user_modules import HuggingFaceGPT2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,55 +152,40 @@ def _model(name: str, sizes: Sizes) -> tuple[L.LightningModule, TensorDataset, i
 
 
 class _Measure(StepTimes):
-    """The step clock, the device's peak memory from the first timed batch (on the CPU counted at
-    the dispatcher: :class:`~lightning_pipe.cost.allocated.AllocatedPeak`) and the executor's actions,
-    read before the strategy closes it."""
+    """The step clock, the GPU's peak memory from the first timed batch and the executor's actions,
+    read before the strategy closes it (on the CPU the peak is counted at the dispatcher:
+    :class:`~tests.lightning_cases.AllocatedFrom`)."""
 
     def __init__(self, warmup: int) -> None:
         super().__init__()
         self.warmup = warmup
         self.peak: int | None = None
         self.actions: int | None = None
-        self.meter: AllocatedPeak | None = None
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if module.device.type == "cpu":
-            self.meter = AllocatedPeak(module.device)
-            self.meter.__enter__()
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, index: int) -> None:
         if index == self.warmup and module.device.type == "cuda":
             torch.cuda.synchronize(module.device)
             torch.cuda.reset_peak_memory_stats(module.device)
-        elif index == self.warmup and self.meter is not None:
-            self.meter.reset()
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if module.device.type == "cuda":
             torch.cuda.synchronize(module.device)
             self.peak = torch.cuda.max_memory_allocated(module.device)
-        elif self.meter is not None:
-            self.peak = self.meter.peak
-            self.meter.__exit__(None, None, None)
-            self.meter = None
         executor = getattr(trainer.strategy, "executor", None)
         if executor is not None:
             self.actions = len(executor.timeline)
-
-    def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
-        if self.meter is not None:  # a failed training leaves no mode behind for the next one
-            self.meter.__exit__(None, None, None)
-            self.meter = None
 
 
 def _train(name: str, sizes: Sizes, strategy: Any, precision: str, root: Path) -> dict[str, Any]:
     """One training of model ``name``; its times, memory and, for a pipeline, the plan's predictions."""
     module, data, rows = _model(name, sizes)
     measure = _Measure(sizes.warmup)
+    on_cpu = sizes.cpu or not torch.cuda.is_available()
+    counted = AllocatedFrom(sizes.warmup) if on_cpu else None
     trainer = quiet_trainer(
         root,
-        [measure],
-        accelerator="cpu" if sizes.cpu or not torch.cuda.is_available() else "gpu",
+        [measure] if counted is None else [measure, counted],
+        accelerator="cpu" if on_cpu else "gpu",
         devices=1,
         strategy=strategy,
         precision=precision,
@@ -210,7 +195,7 @@ def _train(name: str, sizes: Sizes, strategy: Any, precision: str, root: Path) -
     timed = measure.ends[sizes.warmup :]
     seconds = statistics.median(b - a for a, b in itertools.pairwise(timed))
     result: dict[str, Any] = {"rows": rows, "step_seconds": seconds, "samples_per_second": rows / seconds}
-    result["measured_bytes"] = measure.peak
+    result["measured_bytes"] = measure.peak if counted is None else counted.peak
     if isinstance(strategy, PipelineStrategy):
         plan = strategy.stage_plan.plan if strategy.stage_plan is not None else None
         result["stages"] = strategy.stages

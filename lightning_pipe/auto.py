@@ -107,9 +107,9 @@ STEPS = PREDICTED_STEPS
 """Steps simulated per candidate, as many as the strategy's prediction
 (:data:`~lightning_pipe.planning.PREDICTED_STEPS`)."""
 DEFAULT_MAX_SPLITS = 200
+"""Most contiguous splits enumerated one by one; beyond, the partitioner's and its neighbours'."""
 MAX_RECOMPUTED = 6
 """The most stages whose recomputation ``recompute=None`` chooses one by one (2**6 assignments)."""
-"""Most contiguous splits enumerated one by one; beyond, the partitioner's and its neighbours'."""
 
 
 @dataclass(frozen=True)

@@ -452,15 +452,17 @@ def one_step_late(package: Any) -> type:
 class AllocatedFrom(L.Callback):
     """The bytes of tensors alive at a fit's peak from batch ``first`` on (``peak``), counted at the
     dispatcher (:class:`~lightning_pipe.cost.allocated.AllocatedPeak`, the CPU's
-    ``torch.cuda.max_memory_allocated``)."""
+    ``torch.cuda.max_memory_allocated``); a failed fit leaves no mode behind."""
 
     def __init__(self, first: int) -> None:
         self.first = first
         self.meter = AllocatedPeak("cpu")
         self.peak = 0
+        self._counting = False
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.meter.__enter__()
+        self._counting = True
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, index: int) -> None:
         if index == self.first:
@@ -468,4 +470,12 @@ class AllocatedFrom(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.peak = self.meter.peak
-        self.meter.__exit__(None, None, None)
+        self._stop()
+
+    def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._counting:
+            self.meter.__exit__(None, None, None)
+            self._counting = False

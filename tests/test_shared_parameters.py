@@ -4,7 +4,8 @@ and what a step's first backward holds beyond the gradient it leaves (``first_ba
 - The profiler finds a parameter used by two layers and records it once (``ChainCosts.shared``);
   a profile file keeps it.
 - A worker holding several of the sharing stages (every stage on one device) holds the parameter
-  and its optimizer state once (``WorkerMemory``); on workers of their own, each stage keeps a copy.
+  and its optimizer state once under a flushing schedule (``WorkerMemory``); on workers of their
+  own, or under a non-flushing schedule, each stage keeps a copy.
   Oracle: the same costs without ``shared`` and the bytes counted by hand.
 - A stage's first backward holds, at layer ``l``, ``first_l`` beside the gradients of the layers after
   ``l``, the gradients of those before it still to come: ``max_l(first_l − Σ_{j<l} param_j)``, by hand
@@ -97,6 +98,19 @@ def test_a_worker_holds_a_tied_weight_once(family: str, optimizer: str) -> None:
     spread = ScheduleOptions("1f1b", 4).make(4, 4)(2)
     assert WorkerMemory.of(spread, tied, bounds).bytes_under(plan, [False] * 4) == WorkerMemory.of(
         spread, untied, bounds
+    ).bytes_under(plan, [False] * 4)
+
+
+def test_a_non_flushing_worker_keeps_a_copy_per_sharing_stage() -> None:
+    """CDP's single form keeps a copy of the tied weight per sharing stage, each with its versions and
+    optimizer state (``runtime/weights.py``): nothing is counted once."""
+    bounds = ((0, 0), (1, 1), (2, 2), (3, 3))
+    tied, untied = _costs(100.0), replace(_costs(100.0), shared=())
+    plan = evaluate(tied, [[0], [1], [2], [3]], partitioner="hand", devices=4, memory=MemoryModel("1f1b", 4))
+    single = ScheduleOptions("cdp", 4, form="single").on_workers(1).make(4, 4)(2)
+    assert single.workers == 1 and not single.flush
+    assert WorkerMemory.of(single, tied, bounds).bytes_under(plan, [False] * 4) == WorkerMemory.of(
+        single, untied, bounds
     ).bytes_under(plan, [False] * 4)
 
 

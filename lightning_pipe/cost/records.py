@@ -123,7 +123,7 @@ class LayerCost:
 class SharedParameters:
     """Parameters several layers use (tied weights: a GPT's token embedding and its LM head), counted
     in each of those layers' ``param_bytes``. Stages on different workers each keep a copy; stages on
-    one worker hold them once (:mod:`~lightning_pipe.runtime.ties`).
+    one worker hold them once under a flushing schedule (:mod:`~lightning_pipe.runtime.ties`).
 
     Attributes:
         layers: the layers using them, in order (two or more).

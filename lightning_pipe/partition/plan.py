@@ -166,7 +166,7 @@ def _runs(owner: Sequence[int]) -> list[tuple[int, int, int]]:
 
 def _first_backward(costs: ChainCosts, layers: Sequence[int]) -> float:
     """A stage's ``first_backward_bytes`` (:class:`Stage`): the backward runs its layers last to first,
-    so while layer ``l``'s runs the gradients of the layers before it are still to be made."""
+    so while layer ``l``'s backward runs the gradients of the layers before it are still to be made."""
     before, most = 0.0, 0.0
     for index in layers:
         layer = costs.layers[index]

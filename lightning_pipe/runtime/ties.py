@@ -122,12 +122,16 @@ def updated_elsewhere_here(ties: list[Tie], stages: Collection[int]) -> dict[int
 def tied_maker(make: Callable[[int], Schedule], ties: list[Tie]) -> Callable[[int], Schedule]:
     """``make`` (steps -> schedule), its programs reordered so that every sharing stage's update of a
     step follows all their backwards of the step where one worker runs a non-flushing schedule
-    (:func:`~lightning_pipe.schedule.tied_updates.with_tied_updates`); ``make`` itself otherwise."""
-    first = make(1)
+    (:func:`~lightning_pipe.schedule.tied_updates.with_tied_updates`); ``make`` itself without ties."""
     groups = [tie.stages for tie in ties]
-    if first.flush or first.workers != 1 or not groups:
+    if not groups:
         return make
-    return lambda steps: with_tied_updates(make(steps), groups)
+
+    def tied(steps: int) -> Schedule:
+        schedule = make(steps)
+        return schedule if schedule.flush or schedule.workers != 1 else with_tied_updates(schedule, groups)
+
+    return tied
 
 
 def tie_groups(

@@ -74,8 +74,8 @@ def worker_holdings(schedule: Schedule, holdings: Sequence[Holding]) -> list[flo
     """Each worker's most bytes at once of what its stages hold (``holdings[s]`` for stage ``s``,
     :class:`Holding`) as it runs its actions in order: a forward adds its micro-batch's activations, a
     backward holds its transient bytes while it runs and makes its stage's gradient, the whole of it
-    counted from then on (or adds to it),
-    the last backward half of a micro-batch frees its activations, an update frees the gradient."""
+    counted from then on (or adds to it), the last backward half of a micro-batch frees its
+    activations, an update frees the gradient."""
     if len(holdings) != schedule.stages:
         raise ValueError(f"holdings lists {len(holdings)} stages, the schedule has {schedule.stages}")
     peaks = []

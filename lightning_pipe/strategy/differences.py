@@ -3,8 +3,8 @@
 Printed with the plan on rank 0 (and returned as lines for tests):
 
 - **shared parameters**: a parameter used by layers of several stages (tied weights) is kept by each
-  worker holding one of them (once, however many of its stages use it) and its gradients are summed
-  over them before every update
+  device holding one of them (under a flushing schedule once, however many of its stages use it) and
+  its gradients are summed over them before every update
   (:mod:`~lightning_pipe.runtime.ties`);
 - **batch norm**: each layer normalises a micro-batch with the micro-batch's statistics (the
   gradients differ from plain Lightning's, which uses the batch's), while the running statistics move
