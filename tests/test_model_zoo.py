@@ -13,7 +13,8 @@ norm (SGD on a mean loss), to plain Lightning's whole-batch run to 1e-5. 2BW end
 single-process reference of its rule, plain Lightning fed the same micro-batches whose gradients
 are taken one step late (``tests/lightning_cases.py``'s ``one_step_late``), to 1e-6, and it is not
 synchronous training. The step reads the model's own output class (``out.loss``,
-``out["logits"]``). ``gradient_checkpointing_enable()`` becomes the stages' recomputation.
+``out["logits"]``), and so do ``validation_step`` and ``predict_step``, whose logs and predictions
+equal plain Lightning's. ``gradient_checkpointing_enable()`` becomes the stages' recomputation.
 """
 
 from __future__ import annotations
@@ -264,3 +265,57 @@ def test_activation_checkpointing_becomes_stage_recomputation(tmp_path: Path) ->
         assert got["recomputed"] == {rank: True}
         assert got["losses"] == pytest.approx(expected["losses"], abs=1e-6)
         assert_states_close(got["final"], expected["final"], 1e-6)
+
+
+class EvaluatedModule(ZooModule):
+    """What a user adds for evaluation: ``validation_step`` and ``predict_step`` read the model's own
+    output class, as the training step does."""
+
+    def _output(self, batch: Any) -> Any:
+        if self.name == "bert":
+            ids, mask, types, labels = batch
+            return self(ids, attention_mask=mask, token_type_ids=types, labels=labels)
+        (ids,) = batch
+        return self(ids, labels=ids)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        out = self._output(batch)
+        self.log("val_loss", out.loss)
+        self.log("val_top", out.logits.max(-1).values.mean())
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._output(batch).logits.argmax(-1)
+
+
+def _evaluate(root: str, strategy: Any, devices: int, names: tuple[str, ...]) -> dict[str, Any]:
+    results = {}
+    for name in names:
+        run = trainer(f"{root}/{name}", strategy() if callable(strategy) else strategy, devices)
+        data = DataLoader(_data(name), batch_size=ROWS)
+        module = EvaluatedModule(name)
+        results[name] = (run.validate(module, data, verbose=False), run.predict(module, data))
+    return results
+
+
+def _evaluating_worker(rank: int, root: str, names: tuple[str, ...]) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    return _evaluate(root, lambda: PipelineStrategy("1f1b", microbatches=MICROBATCHES), 2, names)
+
+
+@pytest.mark.timeout(300)
+def test_evaluation_steps_read_the_models_output_class(tmp_path: Path) -> None:
+    """``validation_step`` and ``predict_step`` read ``out.loss`` and ``out.logits`` of a
+    ``transformers`` output through the pipeline, on every rank, and log and predict what plain
+    Lightning does to 1e-6 (the loss computed inside ``forward`` makes the last stage run each batch
+    whole, so nothing is combined)."""
+    names = ("gpt2", "bert")
+    per_rank = run_local(_evaluating_worker, 2, str(tmp_path), names, timeout=280)
+    expected = _one_thread(_evaluate, str(tmp_path / "plain"), "auto", 1, names)
+    for got in per_rank:
+        for name in names:
+            (metrics,), predictions = got[name]
+            (plain,), plain_predictions = expected[name]
+            assert metrics.keys() == plain.keys() == {"val_loss", "val_top"}
+            assert metrics == pytest.approx(plain, abs=1e-6), name
+            assert len(predictions) == len(plain_predictions) == BATCHES
+            assert all(torch.equal(a, b) for a, b in zip(predictions, plain_predictions, strict=True)), name

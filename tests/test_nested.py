@@ -1,8 +1,10 @@
 """Nested tensor structures survive flatten/unflatten and pickling of their skeleton; the shortcuts for a
-bare tensor and the split of a mini-batch into micro-batches agree with the general path."""
+bare tensor and the split of a mini-batch into micro-batches agree with the general path; micro-batches'
+outputs joined back (``concatenate``) are the batch's, in their own types."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import pickle
 import weakref
@@ -15,9 +17,17 @@ from hypothesis import strategies as st
 
 from lightning_pipe.errors import PipelineRuntimeError
 from lightning_pipe.runtime.batches import split_batch
-from lightning_pipe.util.nested import flatten, map_tensors, nbytes, tensors, unflatten
+from lightning_pipe.util.nested import concatenate, flatten, map_tensors, nbytes, tensors, unflatten
 
 Pair = namedtuple("Pair", ["features", "skip"])
+
+
+@dataclasses.dataclass
+class Output:
+    """A model's output class, as ``transformers``' ``ModelOutput`` (a dataclass that is also a dict)."""
+
+    logits: object
+    hidden: object = None
 
 
 def test_round_trip_keeps_structure_and_constants() -> None:
@@ -123,3 +133,45 @@ def test_flatten_keeps_no_tensor_alive_once_its_results_are_dropped() -> None:
         assert all(ref() is None for ref in refs)
     finally:
         gc.enable()
+
+
+def _outputs(rows: int) -> st.SearchStrategy:
+    """A model's outputs for ``rows`` samples: a tensor, or tuples, named tuples, dicts and dataclasses
+    holding tensors of those rows (the first field at least) and constants."""
+    leaf = st.builds(lambda width: torch.randn(rows, width), st.integers(1, 3))
+    constant = st.sampled_from([None, 7, "x"])
+    return st.recursive(
+        leaf,
+        lambda children: st.one_of(
+            st.tuples(children, st.one_of(children, constant)),
+            st.builds(Pair, children, st.one_of(children, constant)),
+            st.builds(Output, children, st.one_of(children, constant)),
+            st.dictionaries(st.sampled_from(["a", "b"]), children, min_size=1, max_size=2),
+        ),
+        max_leaves=5,
+    )
+
+
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(output=st.integers(2, 9).flatmap(_outputs), parts=st.integers(1, 4))
+def test_micro_batches_outputs_join_into_the_batchs(output: object, parts: int) -> None:
+    """What the last stage's micro-batches computed, joined for the step that reads the whole batch's
+    output (validation, prediction), is the batch's output: its tensors' rows in order, its constants
+    once, its containers of their own types (a ``transformers`` output keeps its ``.loss``)."""
+    rows = tensors(output)[0].shape[0]
+    if rows < parts:
+        return
+    joined = concatenate(split_batch(output, parts))
+    assert _same(joined, output)
+    assert type(joined) is type(output)
+
+
+def test_joining_keeps_scalars_per_part_and_chains_lists() -> None:
+    """One part is the batch's as it is; a 0-d tensor per part (a micro-batch's mean) becomes one value
+    per part, lists (a prediction per sample) are chained, and constants that differ are listed."""
+    one = Output(torch.ones(2, 3), hidden=torch.tensor(1.5))
+    assert concatenate([one]) is one
+    two = concatenate([one, Output(torch.zeros(1, 3), hidden=torch.tensor(2.5))])
+    assert torch.equal(two.hidden, torch.tensor([1.5, 2.5])) and two.logits.shape == (3, 3)
+    assert concatenate([["cat", "dog"], ["owl"]]) == ["cat", "dog", "owl"]
+    assert concatenate([{"n": 2, "x": torch.ones(1)}, {"n": 1, "x": torch.ones(1)}])["n"] == [2, 1]

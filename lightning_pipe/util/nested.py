@@ -77,17 +77,45 @@ def nbytes(obj: Any) -> int:
 
 
 def concatenate(parts: list[Any]) -> Any:
-    """Micro-batches' predictions joined back into the batch's (tensors along dim 0, lists chained)."""
+    """Micro-batches' predictions joined back into the batch's: tensors along dim 0 (0-dim ones
+    stacked), lists chained, tuples, dicts and dataclasses joined field by field into their own type
+    (a ``transformers`` ``ModelOutput`` stays one, its ``.loss`` readable), a value every part holds
+    the same kept once (else the parts' values in a list); one part is the batch's as it is."""
     first = parts[0]
+    if len(parts) == 1:
+        return first
     if isinstance(first, torch.Tensor):
         return torch.cat(parts) if first.dim() else torch.stack(parts)
-    if isinstance(first, dict):
-        return {key: concatenate([part[key] for part in parts]) for key in first}
-    if isinstance(first, tuple):
-        return tuple(concatenate(list(items)) for items in zip(*parts, strict=True))
     if isinstance(first, list):
         return [item for part in parts for item in part]
-    return parts
+    if isinstance(first, tuple | dict) or (dataclasses.is_dataclass(first) and not isinstance(first, type)):
+        skeleton, _ = flatten(first, leaf=())
+        return _joined(skeleton, parts)
+    return first if all(_equal(part, first) for part in parts[1:]) else parts
+
+
+def _joined(skeleton: Any, parts: list[Any]) -> Any:
+    """The parts of a tuple, dict or dataclass (``skeleton``: the first's, from :func:`flatten`) joined
+    field by field, rebuilt as :func:`unflatten` rebuilds its type."""
+    kind, cls, children = skeleton
+    if kind == "sequence":
+        items = [concatenate(list(column)) for column in zip(*parts, strict=True)]
+        return cls(*items) if hasattr(cls, "_fields") else cls(items)
+    fields = {key: concatenate([_field(part, key) for part in parts]) for key, _ in children}
+    return cls(**fields) if dataclasses.is_dataclass(cls) else cls(fields)
+
+
+def _field(part: Any, key: str) -> Any:
+    return part[key] if isinstance(part, dict) else getattr(part, key)
+
+
+def _equal(one: Any, other: Any) -> bool:
+    """Whether two values that are not containers of tensors are the same (``False`` where ``==``
+    does not answer with one truth value, as between arrays)."""
+    try:
+        return one is other or bool(one == other)
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def to_cpu(obj: Any) -> Any:
