@@ -48,6 +48,16 @@ ROWS, MICROBATCHES, BATCHES, VOCAB, LENGTH = 8, 2, 2, 64, 8
 LANGUAGE = ("gpt2", "llama", "bert", "t5")
 VISION = ("vit", "efficientnet", "unet")
 BATCH_NORM = ("efficientnet", "unet")
+DECODERS = ("gpt2", "gpt2_checkpointed", "llama", "qwen2")  # called with labels=ids
+ROTARY_DECODER = {  # Llama's and Qwen2's sizes: rotary embeddings, grouped-query attention
+    "num_hidden_layers": 4,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 32,
+}
 
 
 def _network(name: str) -> nn.Module:
@@ -63,16 +73,9 @@ def _network(name: str) -> nn.Module:
         config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
         return t.GPT2LMHeadModel(config)  # use_cache=True, the default
     if name == "llama":
-        config = t.LlamaConfig(
-            num_hidden_layers=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-            max_position_embeddings=32,
-        )
-        return t.LlamaForCausalLM(config)
+        return t.LlamaForCausalLM(t.LlamaConfig(**ROTARY_DECODER))
+    if name == "qwen2":
+        return t.Qwen2ForCausalLM(t.Qwen2Config(**ROTARY_DECODER))
     if name == "bert":
         config = t.BertConfig(
             num_hidden_layers=4,
@@ -126,7 +129,7 @@ class ZooModule(L.LightningModule):
         return self.model(*args, **kwargs)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.name in ("gpt2", "gpt2_checkpointed", "llama"):
+        if self.name in DECODERS:
             (ids,) = batch
             out = self(ids, labels=ids)
             loss = out.loss
@@ -162,7 +165,7 @@ def _data(name: str) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     rows = BATCHES * ROWS
     ids = torch.randint(1, VOCAB, (rows, LENGTH), generator=g)
-    if name in ("gpt2", "gpt2_checkpointed", "llama"):
+    if name in DECODERS:
         return TensorDataset(ids)
     if name == "bert":
         mask = torch.ones(rows, LENGTH, dtype=torch.long)
@@ -319,3 +322,52 @@ def test_evaluation_steps_read_the_models_output_class(tmp_path: Path) -> None:
             assert metrics == pytest.approx(plain, abs=1e-6), name
             assert len(predictions) == len(plain_predictions) == BATCHES
             assert all(torch.equal(a, b) for a, b in zip(predictions, plain_predictions, strict=True)), name
+
+
+PROMPT = torch.tensor([[5, 9, 3], [7, 1, 2]])
+
+
+def _generated(module: ZooModule) -> torch.Tensor | str:
+    """The trained decoder's greedy continuation of :data:`PROMPT`, as ``transformers`` documents
+    ``generate`` (or the error it raises)."""
+    try:
+        return module.model.generate(PROMPT, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    except RuntimeError as error:
+        return str(error)
+
+
+def _generating_worker(rank: int, root: str) -> dict[bool, tuple[torch.Tensor | str, list[str]]]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    results = {}
+    for gather in (True, False):
+        module = ZooModule("qwen2")
+        strategy = PipelineStrategy("1f1b", microbatches=MICROBATCHES, gather_after_fit=gather)
+        trainer(f"{root}/{gather}", strategy, 2).fit(module, DataLoader(_data("qwen2"), batch_size=ROWS))
+        results[gather] = (_generated(module), [name for name, t in module.named_buffers() if t.is_meta])
+    return results
+
+
+def _plain_generated(root: str) -> torch.Tensor | str:
+    module = ZooModule("qwen2")
+    run = trainer(root, "auto", 1, accumulate_grad_batches=MICROBATCHES)
+    run.fit(module, DataLoader(_data("qwen2"), batch_size=ROWS // MICROBATCHES))
+    return _generated(module)
+
+
+@pytest.mark.timeout(300)
+def test_a_decoder_gathered_after_fit_generates(tmp_path: Path) -> None:
+    """After ``fit`` with ``gather_after_fit=True`` every rank's Qwen2 decoder generates what plain
+    Lightning's does: its rotary embedding's ``inv_freq``, a buffer the state dict leaves out, is
+    gathered too. Without it, ``model.generate`` on a rank holding only its stages says how to get
+    the whole model."""
+    per_rank = run_local(_generating_worker, 2, str(tmp_path), timeout=280)
+    expected = _one_thread(_plain_generated, str(tmp_path / "plain"))
+    assert isinstance(expected, torch.Tensor) and expected.shape == (2, 7)
+    for rank, got in enumerate(per_rank):
+        gathered, still_meta = got[True]
+        assert still_meta == [], rank
+        assert isinstance(gathered, torch.Tensor), (rank, gathered)
+        assert torch.equal(gathered, expected), rank
+    for got in per_rank:
+        kept, _ = got[False]
+        assert isinstance(kept, str) and "gather_after_fit=True" in kept, kept

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Subset
 from lightning_pipe import PipelineRuntimeError, PipelineStrategy, PlanningError
 from lightning_pipe.runtime import LocalRunError, run_local
 from lightning_pipe.strategy.arguments import check_port
-from lightning_pipe.strategy.contract import Call, Entry, pipeline_model
+from lightning_pipe.strategy.contract import ELSEWHERE_NOTE, Call, Entry, pipeline_model
 from lightning_pipe.strategy.logs import _number, _reduction
 from tests.lightning_cases import ROWS, Chain, dataset, loader, trainer
 
@@ -105,6 +105,33 @@ def test_step_contract_breaches_are_runtime_errors() -> None:
 
 def _skip() -> None:
     """A step that never calls forward."""
+
+
+def test_a_step_failing_on_other_ranks_stages_says_why() -> None:
+    """A step that runs the model other than through forward (``model.generate``, a submodule called
+    directly) on a rank holding only its stages meets PyTorch's meta-device errors: they reach the
+    caller as themselves, noted with why and what works, on the first stage (the step run to take
+    forward's arguments) and on the last (the step run on the pipeline's output); on a module
+    holding every tensor, unnoted."""
+    module = Chain()
+
+    def generate() -> None:
+        module.net[0](torch.randn(2, 6))  # computes, bypassing forward
+
+    def on_last_stage() -> None:
+        with Entry(module).inject(None):
+            generate()
+
+    with pytest.raises(PipelineRuntimeError, match="never called forward") as whole:
+        Entry(module).capture(generate)
+    assert ELSEWHERE_NOTE not in getattr(whole.value, "__notes__", [])
+    module.net[0].to("meta")
+    for run in (lambda: Entry(module).capture(generate), on_last_stage):
+        with pytest.raises(RuntimeError) as raised:  # NotImplementedError: a RuntimeError
+            run()
+        assert not isinstance(raised.value, PipelineRuntimeError)
+        assert ELSEWHERE_NOTE in getattr(raised.value, "__notes__", []), raised.value
+    assert "forward" not in vars(module)  # the stand-in is gone after the error
 
 
 CONSTRUCTOR_REFUSALS = [

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 
 from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
+from lightning_pipe.strategy.after_fit import unsaved_buffers
 from lightning_pipe.strategy.atomic import remove, sweep, write_file
 from lightning_pipe.strategy.checkpoint_files import check_same_model, load_checkpoint
 from lightning_pipe.strategy.ownership import group_names, parameter_names
@@ -48,6 +49,18 @@ class CheckpointHooks:
             return {}
         merged = {name: value for part in parts for name, value in part.items()}
         return {name: merged[name] for name in self.lightning_module.state_dict(keep_vars=True)}
+
+    def full_tensors(self) -> dict[str, Any]:
+        """:meth:`full_state_dict` with the buffers the state dict leaves out
+        (:func:`~lightning_pipe.strategy.after_fit.unsaved_buffers`), each from a rank holding its
+        value: what the module computes with, whole (a collective; ``{}`` on the other ranks)."""
+        full = self.full_state_dict()
+        held = {name: b for name, b in unsaved_buffers(self.lightning_module).items() if not b.is_meta}
+        parts = self._gather_to_zero(to_cpu(held))
+        for part in parts or []:
+            for name, value in part.items():
+                full.setdefault(name, value)
+        return full
 
     def _written_state(self) -> dict[str, Any]:
         """The state-dict entries this rank writes, after the steps in flight are finished."""

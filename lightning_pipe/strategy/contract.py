@@ -31,11 +31,21 @@ from lightning_pipe.capture.compiled import uncompiled
 from lightning_pipe.capture.layer_order import branches, searched_order
 from lightning_pipe.cost.records import ChainCosts
 from lightning_pipe.errors import PipelineRuntimeError, PlanningError
+from lightning_pipe.runtime.failure import add_note
 from lightning_pipe.util.nested import flatten, tensors
 
-__all__ = ["HOOK", "Call", "Entry", "PipelineModel", "modules_run_whole", "pipeline_model"]
+__all__ = ["ELSEWHERE_NOTE", "HOOK", "Call", "Entry", "PipelineModel", "modules_run_whole", "pipeline_model"]
 
 HOOK = "configure_pipeline"
+
+ELSEWHERE_NOTE = (
+    "(lightning_pipe) this rank holds only its own stages; the other ranks' weights are on the meta device "
+    "here. The step's own code may run the model only through forward (`self(x)`): a submodule called "
+    "directly or `model.generate(...)` cannot run in a pipeline. To generate, gather the whole model after "
+    "fit (PipelineStrategy(gather_after_fit=True), or `lightning-pipe consolidate` on a checkpoint) and run "
+    "it on one device."
+)
+"""The note an error the step raises carries where the module holds other ranks' stages on the meta device."""
 
 
 @dataclass
@@ -70,11 +80,18 @@ class Entry:
 
     @contextmanager
     def _standing_in(self, forward: Callable[..., Any]) -> Iterator[None]:
+        """``forward`` in place of the module's while the step runs; an error the step raises itself
+        reaches the caller as itself, with a note where the module holds other ranks' stages on the
+        meta device (:data:`ELSEWHERE_NOTE`)."""
         had_own = "forward" in vars(self.module)
         previous = vars(self.module).get("forward")
         self.module.forward = forward
         try:
             yield
+        except Exception as error:
+            if not isinstance(error, PipelineRuntimeError) and any(p.is_meta for p in self.module.parameters()):
+                add_note(error, ELSEWHERE_NOTE)
+            raise
         finally:
             if had_own:
                 self.module.forward = previous

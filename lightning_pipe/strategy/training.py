@@ -195,7 +195,7 @@ class TrainingHooks:
         if self._writers is None:  # nothing was released: every rank holds the whole model
             return
         if self.gather_after_fit:
-            self._full_after_fit = self.broadcast(self.full_state_dict())  # put in place at teardown
+            self._full_after_fit = self.broadcast(self.full_tensors())  # put in place at teardown
         else:
             rank_zero_info(f"After fit, {HOW_TO_GET_IT}")
 
