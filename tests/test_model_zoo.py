@@ -371,3 +371,44 @@ def test_a_decoder_gathered_after_fit_generates(tmp_path: Path) -> None:
     for got in per_rank:
         kept, _ = got[False]
         assert isinstance(kept, str) and "gather_after_fit=True" in kept, kept
+
+
+def _fit_again(root: str, strategy: Any, devices: int, reference: int) -> dict[str, Any]:
+    """Qwen2 fitted, then fitted again by a new Trainer (a fresh optimizer, from the trained weights),
+    then resumed by a third from the checkpoint the first wrote (its weights and optimizer, one epoch
+    more): the final state after each."""
+    module = ZooModule("qwen2")
+    data = DataLoader(_data("qwen2"), batch_size=ROWS // reference)
+    finals = {}
+    for name, options, resume in (
+        ("first", {}, None),
+        ("again", {}, None),
+        ("resumed", {"max_epochs": 2}, f"{root}/first.ckpt"),
+    ):
+        strategy_now = strategy() if callable(strategy) else strategy
+        run = trainer(f"{root}/{name}", strategy_now, devices, accumulate_grad_batches=reference, **options)
+        run.fit(module, data, ckpt_path=resume)
+        if name == "first":
+            run.save_checkpoint(f"{root}/first.ckpt")
+        finals[name] = final_state(run, module)
+    return finals
+
+
+def _fitting_again_worker(rank: int, root: str) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    return _fit_again(root, lambda: PipelineStrategy("1f1b", microbatches=MICROBATCHES), 2, 1)
+
+
+@pytest.mark.timeout(300)
+def test_a_module_fitted_again_by_a_new_trainer(tmp_path: Path) -> None:
+    """After ``fit`` each rank holds only its stages; a new Trainer fitting the same module again gathers
+    them back (the rotary embedding's ``inv_freq``, in no state dict, included) and splits it anew,
+    and one resuming from a checkpoint takes the checkpoint's values over those the module held: each
+    ends as plain Lightning's same three fits fed the same micro-batches, to 1e-6."""
+    per_rank = run_local(_fitting_again_worker, 2, str(tmp_path), timeout=280)
+    expected = _one_thread(_fit_again, str(tmp_path / "plain"), "auto", 1, MICROBATCHES)
+    for got in per_rank:
+        for name in ("first", "again", "resumed"):
+            assert got[name].keys() == expected[name].keys(), name
+            assert_states_close(got[name], expected[name], 1e-6)
+    assert _largest_gap(expected["again"], expected["resumed"]) > 1e-4  # the resumed run is not the refit

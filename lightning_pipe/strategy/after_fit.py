@@ -10,6 +10,10 @@ values, would meet PyTorch's errors about meta tensors, which say nothing of why
   explanation, and so do its direct children (a ``transformers`` model's ``generate`` calls the model
   held by the LightningModule, not the LightningModule: :func:`guard`; the strategy lifts the guard
   when it sets up again);
+- a later ``fit`` of the same module under a new strategy (a new ``Trainer``) gathers the other ranks'
+  tensors back into it before capturing and splitting it anew (``whole_again`` in
+  :mod:`.checkpointing`; each rank held the whole model when the first fit set up), and a checkpoint
+  it resumes from keeps its values;
 - ``PipelineStrategy(gather_after_fit=True)`` gathers the full model into the module on every rank
   (:func:`fill`), as DDP leaves it: every rank then runs the user's code after ``fit`` with the whole
   model, at the cost of holding it, which a model that needed a pipeline to fit may not afford. The
@@ -85,9 +89,13 @@ def guard(module: nn.Module) -> None:
         setattr(target, _GUARD, target.register_forward_pre_hook(refuse))
 
 
-def lift_guard(module: nn.Module) -> None:
-    """Remove :func:`guard`'s hooks, if any (the strategy runs the module itself again)."""
+def lift_guard(module: nn.Module) -> bool:
+    """Remove :func:`guard`'s hooks, if any (the strategy runs the module itself again); whether
+    there were (the module holds only the stages an earlier fit left this rank)."""
+    lifted = False
     for target in (module, *module.children()):
         handle = target.__dict__.pop(_GUARD, None)
         if handle is not None:
             handle.remove()
+            lifted = True
+    return lifted

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe.errors import CheckpointError, PipelineRuntimeError, PlanningError
-from lightning_pipe.strategy.after_fit import unsaved_buffers
+from lightning_pipe.strategy.after_fit import fill, named_tensors, unsaved_buffers
 from lightning_pipe.strategy.atomic import remove, sweep, write_file
 from lightning_pipe.strategy.checkpoint_files import check_same_model, load_checkpoint
 from lightning_pipe.strategy.ownership import group_names, parameter_names
@@ -61,6 +62,25 @@ class CheckpointHooks:
             for name, value in part.items():
                 full.setdefault(name, value)
         return full
+
+    def whole_again(self) -> None:
+        """Give the module every rank's tensors back (a collective), where an earlier fit left each
+        rank holding only its stages (:func:`~lightning_pipe.strategy.after_fit.guard`): this fit
+        captures and splits it anew, and a capture runs the whole model. Each rank held the whole
+        model when the earlier fit set up, so this takes no more memory than that did. A checkpoint
+        restored meanwhile (before set-up, into the tensors this rank held) keeps its values."""
+        module = self.lightning_module
+        mine = {name: t for name, t in named_tensors(module).items() if not t.is_meta}
+        merged: dict[str, Any] = {}
+        for part in self._gather_to_zero(to_cpu(mine)) or []:
+            for name, value in part.items():
+                merged.setdefault(name, value)
+        fill([module], module, self.broadcast(merged))
+        self._load_deferred()
+        rank_zero_info(
+            f"{type(module).__name__} held only each rank's stages since an earlier fit: the other ranks' tensors "
+            "were gathered back into it before it is split anew"
+        )
 
     def _written_state(self) -> dict[str, Any]:
         """The state-dict entries this rank writes, after the steps in flight are finished."""

@@ -506,10 +506,13 @@ class PipelineStrategy(
 
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        lift_guard(self.lightning_module)
+        released = lift_guard(self.lightning_module)
         if self.data_parallel == 1:  # every rank logs the same values: there is nothing to synchronise
             warnings.filterwarnings("ignore", message=_SYNC_DIST_ADVICE, category=PossibleUserWarning)
         self.accelerator.setup(trainer)
+        # a module this strategy split keeps its split (and a fit, validate or test after it gathers nothing)
+        if self._chain_of is not self.lightning_module and self.reduce_boolean_decision(released, all=False):
+            self.whole_again()  # any rank released tensors: the gather is a collective
         self._refuse_unsupported(trainer)
         module = self.lightning_module
         whole = self._whole_compiled
