@@ -92,6 +92,7 @@ class CheckpointHooks:
         """Load the entries this rank holds (every entry before the stages are placed; those of a
         model on the meta device once its stages are materialised); with ``strict`` the checkpoint
         must name every entry of the module and no other, with the module's shapes."""
+        self._reopen_for_restore()
         module = self.lightning_module
         held = module.state_dict(keep_vars=True)
         state: Mapping[str, Any] = checkpoint["state_dict"]
@@ -105,6 +106,15 @@ class CheckpointHooks:
             raise CheckpointError(f"{source} does not fit {type(module).__name__}: {error}") from error
         later = [name for name in present if held[name].is_meta]
         self._deferred = (state, later) if later and self.executor is None else None
+
+    def _reopen_for_restore(self) -> None:
+        """A checkpoint restored after the pipeline ran (Lightning's learning-rate finder and batch-size
+        scaler restore the one they saved before their trial steps): the pipeline is drained and
+        closed, and the next batch builds it again on the same split from the restored values (its
+        weight versions, gradients and optimizer states the checkpoint's)."""
+        if self.executor is not None:
+            self.drain()
+            self._close_executor()
 
     def _load_deferred(self) -> None:
         """The resumed checkpoint's entries for the tensors this rank has just materialised."""
@@ -192,8 +202,7 @@ class CheckpointHooks:
         """The user's optimizer takes the hyper-parameters; each parameter's state (found by name)
         waits for the stage optimizers, and the plan and carried state for the first batch."""
         (state,) = checkpoint["optimizer_states"]
-        if self.executor is not None:
-            raise PipelineRuntimeError("a checkpoint can only be restored before the pipeline's first batch")
+        self._reopen_for_restore()
         template = self.optimizers[0]
         groups = state["param_groups"]
         saved_sizes = [len(group["params"]) for group in groups]

@@ -54,8 +54,8 @@ class Collectives:
     def on_exception(self, exception: BaseException) -> None:
         """Stop the other ranks within seconds: record the failure and close this rank's pipeline and
         process groups, so every rank waiting on it fails with this error instead of hanging."""
-        if not hasattr(self, "_failures") or self.world_size == 1:
-            return  # no other rank to stop
+        if not self._connected or self.world_size == 1:
+            return  # no other rank to stop: failed alike on every rank before they connected, or alone
         if not raised_elsewhere(exception):
             self._failures.fail(exception)
         if self.executor is not None:

@@ -66,6 +66,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -383,6 +384,7 @@ class PipelineStrategy(
         self._entry: Entry | None = None
         self._chain: PipelineModel | None = None
         self._chain_of: LightningModule | None = None  # the module the chain was captured from
+        self._connected = False  # this fit's process groups are open
         self._writers: dict[str, int] | None = None  # the rank giving each state-dict entry, once released
         self._template_names: list[str | None] = []  # the user's optimizer's parameters, by name
         self._saved: PipelineState | None = None  # the plan and carried state of a checkpoint being resumed
@@ -466,6 +468,9 @@ class PipelineStrategy(
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
         self._topology = self._shape()
+        self._connected = False  # until this fit's groups are open (.collectives: on_exception)
+        if self.lightning_module is not None:  # refused on every rank alike before the ranks connect: no
+            self._refuse_unsupported(self.lightning_module.trainer)  # group to close, none to open again
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         atexit.unregister(close_process_groups)  # registered once per process, however many fits
@@ -484,6 +489,7 @@ class PipelineStrategy(
         self._copies = positions[self.topology.worker]
         open_strategy_groups([self._objects, *own, *positions])
         self._failures = FailureBoard(dist.distributed_c10d._get_default_store(), self.global_rank)
+        self._connected = True
 
     def _set_up_heap(self) -> None:
         """CPU training (glibc), every process: with ``release_memory`` (by default: within a
@@ -513,7 +519,6 @@ class PipelineStrategy(
         # a module this strategy split keeps its split (and a fit, validate or test after it gathers nothing)
         if self._chain_of is not self.lightning_module and self.reduce_boolean_decision(released, all=False):
             self.whole_again()  # any rank released tensors: the gather is a collective
-        self._refuse_unsupported(trainer)
         module = self.lightning_module
         whole = self._whole_compiled
         self._compiled = [(type(module).__name__, whole[1])] if whole is not None and whole[0] is module else []
@@ -555,6 +560,13 @@ class PipelineStrategy(
                 f"{accumulate}x larger with microbatches={accumulate * self.microbatches} (the same gradient per "
                 f"update), or a flushing schedule ({SUGGESTED_FLUSHING})"
             )
+        if self.num_nodes * self.num_processes > 1 and any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
+            raise PlanningError(
+                "Lightning's batch size finder (Tuner.scale_batch_size, BatchSizeFinder) runs on one process only: "
+                "each process names its own temporary checkpoint, and Lightning refuses it under DDP too; choose the "
+                "batch size from the memory the plan predicts per device (printed at set-up; `lightning-pipe plan`), "
+                "or find it with plain Lightning on one device"
+            )
         if is_overridden("configure_gradient_clipping", module, LightningModule):
             raise PlanningError(
                 "configure_gradient_clipping is overridden: the pipeline clips inside each stage's update; set "
@@ -587,6 +599,19 @@ class PipelineStrategy(
         assert self.model is not None
         _move_held(self.model, self.root_device)
 
+    def _close_executor(self) -> None:
+        """Close the pipeline, if open: the user's optimizer keeps the stages' optimizer states and this
+        rank their carried state; the next batch builds it again on the same split."""
+        if self.executor is None:
+            return
+        drained = not self.executor.in_flight  # not after a failure mid-step
+        self._carried = self._carried_state() if drained else None
+        for stage_optimizer in self.executor.stage_optimizers:
+            for optimizer in self.optimizers:
+                optimizer.state.update(stage_optimizer.state)
+        self.executor.close()
+        self.executor = None
+
     def teardown(self) -> None:
         """Close the pipeline; the user's optimizer keeps the stages' optimizer states and this rank
         their carried state (a checkpoint written after ``fit`` has them). The module moves to the CPU
@@ -598,14 +623,7 @@ class PipelineStrategy(
         if self._log_relay is not None:
             self._log_relay.close()
             self._log_relay = None
-        if self.executor is not None:
-            drained = not self.executor.in_flight  # not after a failure mid-step
-            self._carried = self._carried_state() if drained else None
-            for stage_optimizer in self.executor.stage_optimizers:
-                for optimizer in self.optimizers:
-                    optimizer.state.update(stage_optimizer.state)
-            self.executor.close()
-            self.executor = None
+        self._close_executor()
         self._restore_placement()  # the process goes on on every core it had
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
