@@ -66,12 +66,10 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.compile import to_uncompiled
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
@@ -95,8 +93,7 @@ from lightning_pipe.planning import (
 from lightning_pipe.runtime import PipelineExecutor
 from lightning_pipe.runtime.allocator import release_freed_memory, settle_heap
 from lightning_pipe.runtime.failure import FailureBoard
-from lightning_pipe.runtime.loss_scaling import refuse_without_flush
-from lightning_pipe.schedule import FAMILIES, NON_FLUSHING_FAMILIES, SUGGESTED_FLUSHING
+from lightning_pipe.schedule import FAMILIES
 from lightning_pipe.schedule.simulation import Simulation
 from lightning_pipe.strategy.after_fit import fill, guard, lift_guard
 from lightning_pipe.strategy.arguments import (
@@ -126,6 +123,7 @@ from lightning_pipe.strategy.parent_watch import LAUNCHER_PID, ParentWatch
 from lightning_pipe.strategy.pipeline_state import PipelineState
 from lightning_pipe.strategy.profile_basis import ProfileBasis
 from lightning_pipe.strategy.random_states import RandomStates
+from lightning_pipe.strategy.refusals import flushing_only, refuse_unsupported
 from lightning_pipe.strategy.signals import Signals
 from lightning_pipe.strategy.step_prices import StepPrices
 from lightning_pipe.strategy.topology import Topology, TopologyHooks
@@ -541,46 +539,13 @@ class PipelineStrategy(
         self.setup_precision_plugin()
 
     def _refuse_unsupported(self, trainer: Trainer) -> None:
-        module = self.lightning_module
-        if not module.automatic_optimization:
-            raise PlanningError(
-                "manual optimization (automatic_optimization = False) is not supported: the pipeline runs forward, "
-                "backward and the update of every stage itself"
-            )
-        accumulate, family = trainer.accumulate_grad_batches, self.schedule_options.family
-        precision = str(trainer.precision)
-        if self._auto is not None and (accumulate != 1 or precision == "16-mixed"):
-            reason = f"accumulate_grad_batches={accumulate}" if accumulate != 1 else "precision='16-mixed'"
+        """What ``trainer``'s settings ask that the pipeline cannot run (:mod:`.refusals`);
+        ``schedule="auto"`` keeps to the flushing families where they need one."""
+        reason = flushing_only(trainer)
+        if self._auto is not None and reason is not None:
             self._auto = self._auto.flushing_only(reason)
-        if accumulate != 1 and family in NON_FLUSHING_FAMILIES:
-            raise PlanningError(
-                f"accumulate_grad_batches={accumulate} with a non-flushing schedule ({family!r}): "
-                "its steps overlap from batch to batch and its update rule applies each step's gradient to weights "
-                "of the steps before, so no batch can end without an update; use batches "
-                f"{accumulate}x larger with microbatches={accumulate * self.microbatches} (the same gradient per "
-                f"update), or a flushing schedule ({SUGGESTED_FLUSHING})"
-            )
-        if self.num_nodes * self.num_processes > 1 and any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
-            raise PlanningError(
-                "Lightning's batch size finder (Tuner.scale_batch_size, BatchSizeFinder) runs on one process only: "
-                "each process names its own temporary checkpoint, and Lightning refuses it under DDP too; choose the "
-                "batch size from the memory the plan predicts per device (printed at set-up; `lightning-pipe plan`), "
-                "or find it with plain Lightning on one device"
-            )
-        if is_overridden("configure_gradient_clipping", module, LightningModule):
-            raise PlanningError(
-                "configure_gradient_clipping is overridden: the pipeline clips inside each stage's update; set "
-                "Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm'|'value') instead"
-            )
-        if precision not in ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed"):
-            raise PlanningError(
-                f"precision={precision!r} is not supported by the pipeline: use '32-true', 'bf16-mixed', "
-                "'bf16-true' or '16-mixed'"
-            )
-        if precision == "16-mixed":
-            refuse_without_flush(
-                family, family not in NON_FLUSHING_FAMILIES, "precision='16-mixed'", "precision='bf16-mixed'"
-            )
+        processes = self.num_nodes * self.num_processes
+        refuse_unsupported(self.lightning_module, trainer, self.schedule_options.family, self.microbatches, processes)
 
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Any:

@@ -1,0 +1,73 @@
+"""What the pipeline cannot run with in the Trainer's settings, refused when a fit (or validate, test,
+predict) sets up: on every rank alike and before the ranks connect, so no process group is left to
+close (closing the default group on every rank let the next fit's rendezvous in the same processes
+meet a closing one and hang: ``tests/test_tuner.py``).
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_pipe.errors import PlanningError
+from lightning_pipe.runtime.loss_scaling import refuse_without_flush
+from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, SUGGESTED_FLUSHING
+
+__all__ = ["PRECISIONS", "flushing_only", "refuse_unsupported"]
+
+PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed")
+"""The Trainer's ``precision`` values the pipeline runs."""
+
+
+def flushing_only(trainer: Trainer) -> str | None:
+    """Why ``schedule="auto"`` may choose among the flushing families only under ``trainer``'s
+    settings (``None``: it may choose any)."""
+    if trainer.accumulate_grad_batches != 1:
+        return f"accumulate_grad_batches={trainer.accumulate_grad_batches}"
+    if str(trainer.precision) == "16-mixed":
+        return "precision='16-mixed'"
+    return None
+
+
+def refuse_unsupported(
+    module: LightningModule, trainer: Trainer, family: str, microbatches: int, processes: int
+) -> None:
+    """Raise :class:`~lightning_pipe.errors.PlanningError`, saying what would work, where ``module``
+    and ``trainer`` ask for what a pipeline of the schedule ``family`` on ``microbatches`` micro-batches
+    and ``processes`` processes cannot run."""
+    if not module.automatic_optimization:
+        raise PlanningError(
+            "manual optimization (automatic_optimization = False) is not supported: the pipeline runs forward, "
+            "backward and the update of every stage itself"
+        )
+    accumulate, precision = trainer.accumulate_grad_batches, str(trainer.precision)
+    if accumulate != 1 and family in NON_FLUSHING_FAMILIES:
+        raise PlanningError(
+            f"accumulate_grad_batches={accumulate} with a non-flushing schedule ({family!r}): "
+            "its steps overlap from batch to batch and its update rule applies each step's gradient to weights "
+            "of the steps before, so no batch can end without an update; use batches "
+            f"{accumulate}x larger with microbatches={accumulate * microbatches} (the same gradient per "
+            f"update), or a flushing schedule ({SUGGESTED_FLUSHING})"
+        )
+    if processes > 1 and any(isinstance(callback, BatchSizeFinder) for callback in trainer.callbacks):
+        raise PlanningError(
+            "Lightning's batch size finder (Tuner.scale_batch_size, BatchSizeFinder) runs on one process only: "
+            "each process names its own temporary checkpoint, and Lightning refuses it under DDP too; choose the "
+            "batch size from the memory the plan predicts per device (printed at set-up; `lightning-pipe plan`), "
+            "or find it with plain Lightning on one device"
+        )
+    if is_overridden("configure_gradient_clipping", module, LightningModule):
+        raise PlanningError(
+            "configure_gradient_clipping is overridden: the pipeline clips inside each stage's update; set "
+            "Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm'|'value') instead"
+        )
+    if precision not in PRECISIONS:
+        raise PlanningError(
+            f"precision={precision!r} is not supported by the pipeline: use '32-true', 'bf16-mixed', "
+            "'bf16-true' or '16-mixed'"
+        )
+    if precision == "16-mixed":
+        refuse_without_flush(
+            family, family not in NON_FLUSHING_FAMILIES, "precision='16-mixed'", "precision='bf16-mixed'"
+        )
