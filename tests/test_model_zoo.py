@@ -1,10 +1,10 @@
 """The models people pipeline, built from their config classes and called as their documentation
 shows, run unchanged on 2 processes: Hugging Face ``transformers`` decoders (GPT-2 with its default
 generation cache, a Llama-style decoder: rotary embeddings, grouped-query attention, RMSNorm, the
-causal mask built in ``forward``), an encoder (BERT with ``attention_mask``, ``token_type_ids`` and
-``labels=``, its loss object made in ``forward``), an encoder-decoder (T5: two stacks,
-cross-attention, embeddings shared with the head), a ``timm`` ViT, torchvision's EfficientNet-B0 and
-a ``segmentation-models-pytorch`` U-Net.
+causal mask built in ``forward``; Mixtral, a mixture of experts routing each token to 2 of 4), an
+encoder (BERT with ``attention_mask``, ``token_type_ids`` and ``labels=``, its loss object made in
+``forward``), an encoder-decoder (T5: two stacks, cross-attention, embeddings shared with the
+head), a ``timm`` ViT, torchvision's EfficientNet-B0 and a ``segmentation-models-pytorch`` U-Net.
 
 1F1B and GPipe end equal to plain Lightning fed the same micro-batches (``accumulate_grad_batches``,
 batch norm's running statistics moved once per step by the whole batch's rows, as the pipeline
@@ -45,10 +45,10 @@ timm = pytest.importorskip("timm")
 smp = pytest.importorskip("segmentation_models_pytorch")
 
 ROWS, MICROBATCHES, BATCHES, VOCAB, LENGTH = 8, 2, 2, 64, 8
-LANGUAGE = ("gpt2", "llama", "bert", "t5")
+LANGUAGE = ("gpt2", "llama", "mixtral", "bert", "t5")
 VISION = ("vit", "efficientnet", "unet")
 BATCH_NORM = ("efficientnet", "unet")
-DECODERS = ("gpt2", "gpt2_checkpointed", "llama", "qwen2")  # called with labels=ids
+DECODERS = ("gpt2", "gpt2_checkpointed", "llama", "mixtral", "qwen2")  # called with labels=ids
 ROTARY_DECODER = {  # Llama's and Qwen2's sizes: rotary embeddings, grouped-query attention
     "num_hidden_layers": 4,
     "hidden_size": 32,
@@ -76,6 +76,8 @@ def _network(name: str) -> nn.Module:
         return t.LlamaForCausalLM(t.LlamaConfig(**ROTARY_DECODER))
     if name == "qwen2":
         return t.Qwen2ForCausalLM(t.Qwen2Config(**ROTARY_DECODER))
+    if name == "mixtral":  # a mixture of experts: each token routed to 2 of 4 experts
+        return t.MixtralForCausalLM(t.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **ROTARY_DECODER))
     if name == "bert":
         config = t.BertConfig(
             num_hidden_layers=4,
