@@ -112,11 +112,12 @@ class PipelineCalibration:
         if self.trials is not None and self.trials.measured[-1].seconds is None:
             self._judge_trial(self.trials)
             return
-        if executor.next_step < CALIBRATE_AFTER:
+        timed = len(self._step_starts)  # this fit's steps: a resumed run's executor counts on from its checkpoint's
+        if timed < CALIBRATE_AFTER:
             return
         trial = self._pin_trial
         if trial is not None and trial.pinned is None:
-            self._try_pinning(trial, executor.next_step)
+            self._try_pinning(trial, timed)
             return
         if self._calibrated:
             return
@@ -124,7 +125,8 @@ class PipelineCalibration:
         since = trial.start + 1 if trial is not None and trial.pinned and trial.start is not None else WARM_UP
         self._meet()
         # the actions alone (for the kept profile's check), and with the executor's own time until the next
-        compute, in_run = executor.measured_costs_both(since_step=since)
+        first = executor.next_step - timed  # the executor's count at this fit's first step
+        compute, in_run = executor.measured_costs_both(since_step=first + since)
         tried: list[Trial] = []
         if self.global_rank == 0:
             self._check_kept_profile(compute)
@@ -401,7 +403,7 @@ class PipelineCalibration:
         with ``calibration`` (what its own steps measured, when it ran before), else the run's
         (``planned_step_seconds``)."""
         assert self.executor is not None and self._chain is not None
-        full = self.broadcast(self.full_state_dict())  # drains first
+        full = self.broadcast(self.full_tensors())  # drains first; buffers no state dict holds too
         state = self.broadcast(self.optimizer_state(self.optimizers[0], whole=True))  # whatever the checkpoints are
         self.executor.close()
         self.executor = None

@@ -276,11 +276,15 @@ class PipelineChoosing:
         rank_zero_info(f"Measured among the ranks: {', '.join(said)}")
 
     def _run_chosen(self, chosen: Chosen) -> None:
-        """Every rank: the winner's options become the strategy's (the topology follows them)."""
+        """Every rank: the winner's options become the strategy's, on the pipeline copies of
+        :attr:`workers` workers the search priced it on (a family's own shape for the strategy's
+        ``stages`` would be another: on 4 ranks with ``stages=2``, Rahimi's ``ddp`` one copy of 4,
+        interleaved 1F1B 4 copies of 1)."""
+        copies = self.data_parallel
         self.schedule_options = chosen.schedule
         flags = chosen.recompute
         self.recompute = flags[0] if len(set(flags)) == 1 else list(flags)
-        self._topology = self._shape()
+        self._topology = self._shape(data_parallel=copies)
 
 
 def _first_part(sample: Any, parts: int) -> Any:

@@ -101,13 +101,15 @@ class TopologyHooks:
             return self._topology
         return self._shape()
 
-    def _shape(self) -> Topology:
+    def _shape(self, data_parallel: int | None = None) -> Topology:
+        """The topology of the strategy's options; ``data_parallel``: with that many pipeline copies,
+        whatever the options give (``schedule="auto"``'s pick keeps the copies its search priced on)."""
         return Topology.of(
             self.schedule_options,
             self.world_size,
             self.global_rank,
             self._stages_option,
-            self._data_parallel_option,
+            self._data_parallel_option if data_parallel is None else data_parallel,
             self.plan_options.balance,
         )
 
