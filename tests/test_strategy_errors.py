@@ -112,7 +112,7 @@ def test_a_step_failing_on_other_ranks_stages_says_why() -> None:
     directly) on a rank holding only its stages meets PyTorch's meta-device errors: they reach the
     caller as themselves, noted with why and what works, on the first stage (the step run to take
     forward's arguments) and on the last (the step run on the pipeline's output); on a module
-    holding every tensor, unnoted."""
+    holding every tensor, or built on the meta device, unnoted."""
     module = Chain()
 
     def generate() -> None:
@@ -132,6 +132,10 @@ def test_a_step_failing_on_other_ranks_stages_says_why() -> None:
         assert not isinstance(raised.value, PipelineRuntimeError)
         assert ELSEWHERE_NOTE in getattr(raised.value, "__notes__", []), raised.value
     assert "forward" not in vars(module)  # the stand-in is gone after the error
+    module.to("meta")  # built on the meta device, nothing released: no other rank's stages to speak of
+    with pytest.raises(RuntimeError) as raised:
+        Entry(module).capture(generate)
+    assert ELSEWHERE_NOTE not in getattr(raised.value, "__notes__", [])
 
 
 CONSTRUCTOR_REFUSALS = [

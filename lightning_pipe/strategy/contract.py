@@ -89,7 +89,8 @@ class Entry:
         try:
             yield
         except Exception as error:
-            if not isinstance(error, PipelineRuntimeError) and any(p.is_meta for p in self.module.parameters()):
+            on_meta = {p.is_meta for p in self.module.parameters()}
+            if not isinstance(error, PipelineRuntimeError) and on_meta == {True, False}:  # released, not built on meta
                 add_note(error, ELSEWHERE_NOTE)
             raise
         finally:
