@@ -26,8 +26,6 @@ from lightning_pipe.strategy.trials import Trial
 from tests.lightning_cases import assert_states_close, final_state, trainer
 from tests.test_model_zoo import ROWS, VOCAB, ZooModule
 
-pytest.importorskip("transformers")
-
 SWITCH_TO = ("ddp", "interleaved")
 STEPS = 40
 

@@ -20,6 +20,7 @@ equal plain Lightning's. ``gradient_checkpointing_enable()`` becomes the stages'
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -292,10 +293,10 @@ class EvaluatedModule(ZooModule):
         return self._output(batch).logits.argmax(-1)
 
 
-def _evaluate(root: str, strategy: Any, devices: int, names: tuple[str, ...]) -> dict[str, Any]:
+def _evaluate(root: str, strategy: Callable[[], Any], devices: int, names: tuple[str, ...]) -> dict[str, Any]:
     results = {}
     for name in names:
-        run = trainer(f"{root}/{name}", strategy() if callable(strategy) else strategy, devices)
+        run = trainer(f"{root}/{name}", strategy(), devices)
         data = DataLoader(_data(name), batch_size=ROWS)
         module = EvaluatedModule(name)
         results[name] = (run.validate(module, data, verbose=False), run.predict(module, data))
@@ -315,7 +316,7 @@ def test_evaluation_steps_read_the_models_output_class(tmp_path: Path) -> None:
     whole, so nothing is combined)."""
     names = ("gpt2", "bert")
     per_rank = run_local(_evaluating_worker, 2, str(tmp_path), names, timeout=280)
-    expected = _one_thread(_evaluate, str(tmp_path / "plain"), "auto", 1, names)
+    expected = _one_thread(_evaluate, str(tmp_path / "plain"), lambda: "auto", 1, names)
     for got in per_rank:
         for name in names:
             (metrics,), predictions = got[name]
@@ -375,7 +376,7 @@ def test_a_decoder_gathered_after_fit_generates(tmp_path: Path) -> None:
         assert isinstance(kept, str) and "gather_after_fit=True" in kept, kept
 
 
-def _fit_again(root: str, strategy: Any, devices: int, reference: int) -> dict[str, Any]:
+def _fit_again(root: str, strategy: Callable[[], Any], devices: int, reference: int) -> dict[str, Any]:
     """Qwen2 fitted, then fitted again by a new Trainer (a fresh optimizer, from the trained weights),
     then resumed by a third from the checkpoint the first wrote (its weights and optimizer, one epoch
     more): the final state after each."""
@@ -387,8 +388,7 @@ def _fit_again(root: str, strategy: Any, devices: int, reference: int) -> dict[s
         ("again", {}, None),
         ("resumed", {"max_epochs": 2}, f"{root}/first.ckpt"),
     ):
-        strategy_now = strategy() if callable(strategy) else strategy
-        run = trainer(f"{root}/{name}", strategy_now, devices, accumulate_grad_batches=reference, **options)
+        run = trainer(f"{root}/{name}", strategy(), devices, accumulate_grad_batches=reference, **options)
         run.fit(module, data, ckpt_path=resume)
         if name == "first":
             run.save_checkpoint(f"{root}/first.ckpt")
@@ -408,7 +408,7 @@ def test_a_module_fitted_again_by_a_new_trainer(tmp_path: Path) -> None:
     and one resuming from a checkpoint takes the checkpoint's values over those the module held: each
     ends as plain Lightning's same three fits fed the same micro-batches, to 1e-6."""
     per_rank = run_local(_fitting_again_worker, 2, str(tmp_path), timeout=280)
-    expected = _one_thread(_fit_again, str(tmp_path / "plain"), "auto", 1, MICROBATCHES)
+    expected = _one_thread(_fit_again, str(tmp_path / "plain"), lambda: "auto", 1, MICROBATCHES)
     for got in per_rank:
         for name in ("first", "again", "resumed"):
             assert got[name].keys() == expected[name].keys(), name

@@ -11,6 +11,7 @@ one run in three)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +44,16 @@ class Tuned(Chain):
         return DataLoader(dataset(2, seed=7), batch_size=self.batch_size)
 
 
-def _tuned(root: str, strategy: Any, devices: int) -> dict[str, Any]:
+def _tuned(root: str, strategy: Callable[[], Any], devices: int) -> dict[str, Any]:
     """The learning rate finder's trials and pick, the module's state after it (restored to the one
     before), and the state after the fit that follows; what the batch size scaler gives (its error)."""
     module = Tuned()
-    run = trainer(f"{root}/lr", strategy() if callable(strategy) else strategy, devices, default_root_dir=f"{root}/lr")
+    run = trainer(f"{root}/lr", strategy(), devices, default_root_dir=f"{root}/lr")
     found = Tuner(run).lr_find(module, num_training=20, min_lr=1e-3, max_lr=1.0, early_stop_threshold=None)
     result: dict[str, Any] = {"tried": found.results, "lr": module.lr, "after_lr_find": final_state(run, module)}
     run.fit(module)
     result["fitted"] = final_state(run, module)
-    run = trainer(
-        f"{root}/size", strategy() if callable(strategy) else strategy, devices, default_root_dir=f"{root}/size"
-    )
+    run = trainer(f"{root}/size", strategy(), devices, default_root_dir=f"{root}/size")
     try:
         result["batch_size"] = Tuner(run).scale_batch_size(Tuned(), init_val=ROWS, max_trials=2, steps_per_trial=2)
     except PlanningError as error:
@@ -78,7 +77,7 @@ def test_the_tuner_finds_what_plain_lightning_finds(tmp_path: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        expected = _tuned(str(tmp_path / "plain"), "auto", 1)
+        expected = _tuned(str(tmp_path / "plain"), lambda: "auto", 1)
     finally:
         torch.set_num_threads(threads)
     initial = Tuned().state_dict()

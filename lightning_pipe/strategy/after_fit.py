@@ -50,7 +50,10 @@ def unsaved_buffers(module: nn.Module) -> dict[str, Tensor]:
 def named_tensors(module: nn.Module) -> dict[str, Tensor]:
     """Every tensor ``module`` computes with, by name: its state dict's entries and
     :func:`unsaved_buffers`."""
-    return {**module.state_dict(keep_vars=True), **unsaved_buffers(module)}
+    named = dict(module.state_dict(keep_vars=True))
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        named.setdefault(name, buffer)
+    return named
 
 
 def fill(

@@ -45,23 +45,26 @@ class CheckpointHooks:
         """The whole module's state on global rank 0 (on the CPU), gathered by name from the ranks
         holding each entry (a collective: drains first); ``{}`` on the other ranks, which hold only
         their stages."""
-        parts = self._gather_to_zero(to_cpu(self._written_state()))
-        if parts is None:
-            return {}
-        merged = {name: value for part in parts for name, value in part.items()}
-        return {name: merged[name] for name in self.lightning_module.state_dict(keep_vars=True)}
+        return self._gathered_whole(unsaved=False)
 
     def full_tensors(self) -> dict[str, Any]:
         """:meth:`full_state_dict` with the buffers the state dict leaves out
         (:func:`~lightning_pipe.strategy.after_fit.unsaved_buffers`), each from a rank holding its
         value: what the module computes with, whole (a collective; ``{}`` on the other ranks)."""
-        full = self.full_state_dict()
-        held = {name: b for name, b in unsaved_buffers(self.lightning_module).items() if not b.is_meta}
-        parts = self._gather_to_zero(to_cpu(held))
-        for part in parts or []:
-            for name, value in part.items():
-                full.setdefault(name, value)
-        return full
+        return self._gathered_whole(unsaved=True)
+
+    def _gathered_whole(self, unsaved: bool) -> dict[str, Any]:
+        """Every state-dict entry from the rank that writes it, in the state dict's order, and with
+        ``unsaved`` the buffers the state dict leaves out from the ranks holding them: one gather to
+        global rank 0 (``{}`` on the other ranks)."""
+        module = self.lightning_module
+        part = self._written_state()
+        if unsaved:
+            part |= {name: b for name, b in unsaved_buffers(module).items() if not b.is_meta}
+        merged = self._merged_on_zero(part)
+        if merged is None:
+            return {}
+        return {**{name: merged[name] for name in module.state_dict(keep_vars=True)}, **merged}
 
     def whole_again(self) -> None:
         """Give the module every rank's tensors back (a collective), where an earlier fit left each
@@ -70,17 +73,25 @@ class CheckpointHooks:
         model when the earlier fit set up, so this takes no more memory than that did. A checkpoint
         restored meanwhile (before set-up, into the tensors this rank held) keeps its values."""
         module = self.lightning_module
-        mine = {name: t for name, t in named_tensors(module).items() if not t.is_meta}
-        merged: dict[str, Any] = {}
-        for part in self._gather_to_zero(to_cpu(mine)) or []:
-            for name, value in part.items():
-                merged.setdefault(name, value)
-        fill([module], module, self.broadcast(merged))
+        merged = self._merged_on_zero({name: t for name, t in named_tensors(module).items() if not t.is_meta})
+        fill([module], module, self.broadcast(merged or {}))
         self._load_deferred()
         rank_zero_info(
             f"{type(module).__name__} held only each rank's stages since an earlier fit: the other ranks' tensors "
             "were gathered back into it before it is split anew"
         )
+
+    def _merged_on_zero(self, part: dict[str, Any]) -> dict[str, Any] | None:
+        """Every rank's ``part`` (tensors by name, copied to the CPU) merged on global rank 0, an
+        entry several ranks hold taken from the lowest of them (``None`` on the other ranks)."""
+        parts = self._gather_to_zero(to_cpu(part))
+        if parts is None:
+            return None
+        merged: dict[str, Any] = {}
+        for each in parts:
+            for name, value in each.items():
+                merged.setdefault(name, value)
+        return merged
 
     def _written_state(self) -> dict[str, Any]:
         """The state-dict entries this rank writes, after the steps in flight are finished."""
