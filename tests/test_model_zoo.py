@@ -110,6 +110,8 @@ def _network(name: str) -> nn.Module:
         return timm.create_model(
             "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, depth=4, num_classes=3
         )
+    if name == "features":  # a backbone's feature maps, as timm documents features_only
+        return timm.create_model("resnet18", pretrained=False, features_only=True, out_indices=(2, 3, 4))
     if name == "efficientnet":
         import torchvision
 
@@ -278,6 +280,8 @@ class EvaluatedModule(ZooModule):
     output class, as the training step does."""
 
     def _output(self, batch: Any) -> Any:
+        if self.name == "features":
+            return self(batch[0])
         if self.name == "bert":
             ids, mask, types, labels = batch
             return self(ids, attention_mask=mask, token_type_ids=types, labels=labels)
@@ -286,11 +290,18 @@ class EvaluatedModule(ZooModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         out = self._output(batch)
+        if self.name == "features":  # a list of maps, one per level, each with the batch's rows
+            self.log("val_levels", float(len(out)))
+            self.log("val_top", sum(level.amax((1, 2, 3)).mean() for level in out))
+            return
         self.log("val_loss", out.loss)
         self.log("val_top", out.logits.max(-1).values.mean())
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._output(batch).logits.argmax(-1)
+        out = self._output(batch)
+        if self.name == "features":
+            return torch.cat([level.mean((2, 3)) for level in out], 1)
+        return out.logits.argmax(-1)
 
 
 def _evaluate(root: str, strategy: Callable[[], Any], devices: int, names: tuple[str, ...]) -> dict[str, Any]:
@@ -313,18 +324,24 @@ def test_evaluation_steps_read_the_models_output_class(tmp_path: Path) -> None:
     """``validation_step`` and ``predict_step`` read ``out.loss`` and ``out.logits`` of a
     ``transformers`` output through the pipeline, on every rank, and log and predict what plain
     Lightning does to 1e-6 (the loss computed inside ``forward`` makes the last stage run each batch
-    whole, so nothing is combined)."""
-    names = ("gpt2", "bert")
+    whole, so nothing is combined); a ``timm`` backbone's list of feature maps comes back one map per
+    level, each with the batch's rows, from the micro-batches' lists."""
+    names = ("gpt2", "bert", "features")
     per_rank = run_local(_evaluating_worker, 2, str(tmp_path), names, timeout=280)
     expected = _one_thread(_evaluate, str(tmp_path / "plain"), lambda: "auto", 1, names)
     for got in per_rank:
         for name in names:
             (metrics,), predictions = got[name]
             (plain,), plain_predictions = expected[name]
-            assert metrics.keys() == plain.keys() == {"val_loss", "val_top"}
+            assert (
+                metrics.keys()
+                == plain.keys()
+                == ({"val_levels", "val_top"} if name == "features" else {"val_loss", "val_top"})
+            )
             assert metrics == pytest.approx(plain, abs=1e-6), name
             assert len(predictions) == len(plain_predictions) == BATCHES
-            assert all(torch.equal(a, b) for a, b in zip(predictions, plain_predictions, strict=True)), name
+            for a, b in zip(predictions, plain_predictions, strict=True):
+                assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-6), name
 
 
 PROMPT = torch.tensor([[5, 9, 3], [7, 1, 2]])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import pickle
 import weakref
 from collections import namedtuple
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe.errors import PipelineRuntimeError
-from lightning_pipe.runtime.batches import split_batch
+from lightning_pipe.runtime.batches import part_rows, split_batch
 from lightning_pipe.util.nested import concatenate, flatten, map_tensors, nbytes, tensors, unflatten
 
 Pair = namedtuple("Pair", ["features", "skip"])
@@ -137,7 +138,8 @@ def test_flatten_keeps_no_tensor_alive_once_its_results_are_dropped() -> None:
 
 def _outputs(rows: int) -> st.SearchStrategy:
     """A model's outputs for ``rows`` samples: a tensor, or tuples, named tuples, dicts and dataclasses
-    holding tensors of those rows (the first field at least) and constants."""
+    holding tensors of those rows (the first field at least) and constants, or lists of such tensors
+    (a backbone's feature maps, one per level)."""
     leaf = st.builds(lambda width: torch.randn(rows, width), st.integers(1, 3))
     constant = st.sampled_from([None, 7, "x"])
     return st.recursive(
@@ -147,6 +149,7 @@ def _outputs(rows: int) -> st.SearchStrategy:
             st.builds(Pair, children, st.one_of(children, constant)),
             st.builds(Output, children, st.one_of(children, constant)),
             st.dictionaries(st.sampled_from(["a", "b"]), children, min_size=1, max_size=2),
+            st.lists(leaf, min_size=1, max_size=3),
         ),
         max_leaves=5,
     )
@@ -161,17 +164,39 @@ def test_micro_batches_outputs_join_into_the_batchs(output: object, parts: int) 
     rows = tensors(output)[0].shape[0]
     if rows < parts:
         return
-    joined = concatenate(split_batch(output, parts))
+    joined = concatenate(split_batch(output, parts), part_rows(rows, parts))
     assert _same(joined, output)
     assert type(joined) is type(output)
 
 
+_PREDICTION = st.one_of(  # one sample's: a label, or a detector's boxes (as many as it found) and score
+    st.sampled_from(["cat", "dog"]),
+    st.builds(lambda boxes: {"boxes": torch.randn(boxes, 4), "score": torch.rand(())}, st.integers(0, 4)),
+)
+
+
+@settings(deadline=None, max_examples=60)
+@given(predictions=st.lists(_PREDICTION, min_size=1, max_size=9), parts=st.integers(1, 4))
+def test_predictions_per_sample_are_chained(predictions: list[object], parts: int) -> None:
+    """A list with one prediction per sample, made per micro-batch, joins into the batch's list in
+    order, whatever its items hold."""
+    if len(predictions) < parts:
+        return
+    rows = part_rows(len(predictions), parts)
+    cuts = [sum(rows[:i]) for i in range(parts + 1)]
+    joined = concatenate([predictions[a:b] for a, b in itertools.pairwise(cuts)], rows)
+    assert _same(joined, predictions)
+
+
 def test_joining_keeps_scalars_per_part_and_chains_lists() -> None:
     """One part is the batch's as it is; a 0-d tensor per part (a micro-batch's mean) becomes one value
-    per part, lists (a prediction per sample) are chained, and constants that differ are listed."""
+    per part, lists (a prediction per sample) are chained, lists of maps with the parts' rows are
+    joined map by map, and constants that differ are listed."""
     one = Output(torch.ones(2, 3), hidden=torch.tensor(1.5))
-    assert concatenate([one]) is one
-    two = concatenate([one, Output(torch.zeros(1, 3), hidden=torch.tensor(2.5))])
+    assert concatenate([one], [2]) is one
+    two = concatenate([one, Output(torch.zeros(1, 3), hidden=torch.tensor(2.5))], [2, 1])
     assert torch.equal(two.hidden, torch.tensor([1.5, 2.5])) and two.logits.shape == (3, 3)
-    assert concatenate([["cat", "dog"], ["owl"]]) == ["cat", "dog", "owl"]
-    assert concatenate([{"n": 2, "x": torch.ones(1)}, {"n": 1, "x": torch.ones(1)}])["n"] == [2, 1]
+    assert concatenate([["cat", "dog"], ["owl"]], [2, 1]) == ["cat", "dog", "owl"]
+    levels = concatenate([[torch.ones(2, 8), torch.ones(2, 4)], [torch.zeros(2, 8), torch.zeros(2, 4)]], [2, 2])
+    assert [level.shape for level in levels] == [(4, 8), (4, 4)]
+    assert concatenate([{"n": 2, "x": torch.ones(1)}, {"n": 1, "x": torch.ones(1)}], [1, 1])["n"] == [2, 1]

@@ -17,7 +17,7 @@ from lightning_pipe.errors import PipelineRuntimeError
 from lightning_pipe.runtime.activation_memory import ActivationMemory
 from lightning_pipe.util.nested import flatten, map_tensors, tensors, unflatten
 
-__all__ = ["MiniBatches", "rows_of", "split_batch"]
+__all__ = ["MiniBatches", "part_rows", "rows_of", "split_batch"]
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
@@ -32,6 +32,13 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     if skeleton is None:
         return list(chunks[0])
     return [unflatten(skeleton, [c[i] for c in chunks]) for i in range(parts)]
+
+
+def part_rows(rows: int, parts: int) -> list[int]:
+    """The samples of each of :func:`split_batch`'s ``parts`` micro-batches of ``rows`` samples (the
+    first ``rows % parts`` one more, as :func:`torch.tensor_split` cuts)."""
+    size, extra = divmod(rows, parts)
+    return [size + (i < extra) for i in range(parts)]
 
 
 NO_BATCH_DIMENSION = "a mini-batch must hold a tensor with a batch dimension to split into micro-batches"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from lightning_pipe.runtime.batches import rows_of
+from lightning_pipe.runtime.batches import part_rows, rows_of
 from lightning_pipe.strategy.effects import replay
 from lightning_pipe.strategy.logs import Record, recording
 from lightning_pipe.strategy.random_states import RandomStates, replayed
@@ -50,7 +50,11 @@ class EvaluationHooks:
             return None, None
         record = Record(rows_of(args[0]))
         rerun = replayed(random) if random is not None else contextlib.nullcontext()
-        with rerun, self._entry.inject(concatenate(outputs)), recording(module, record):
+        with (
+            rerun,
+            self._entry.inject(concatenate(outputs, part_rows(rows_of(args[0]), parts))),
+            recording(module, record),
+        ):
             result = step_code(*args)
         return record, result
 

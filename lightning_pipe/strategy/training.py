@@ -251,7 +251,7 @@ def _reads_argument(function: Callable[..., Any], name: str) -> bool:
 def _step_output(loss: float, records: list[Record]) -> Any:
     """What a step returns to Lightning (``outputs`` of ``on_train_batch_end``): the batch's loss, and
     the other keys of the dict ``training_step`` returned, its micro-batches' values joined."""
-    extras = [record.extras for record in records if record.extras is not None]
-    if not extras:
+    kept = [record for record in records if record.extras is not None]
+    if not kept:
         return torch.tensor(loss)
-    return {"loss": torch.tensor(loss), **concatenate(extras)}
+    return {"loss": torch.tensor(loss), **concatenate([r.extras for r in kept], [r.rows for r in kept])}

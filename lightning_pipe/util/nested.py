@@ -76,32 +76,51 @@ def nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors(obj))
 
 
-def concatenate(parts: list[Any]) -> Any:
-    """Micro-batches' predictions joined back into the batch's: tensors along dim 0 (0-dim ones
-    stacked), lists chained, tuples, dicts and dataclasses joined field by field into their own type
-    (a ``transformers`` ``ModelOutput`` stays one, its ``.loss`` readable), a value every part holds
-    the same kept once (else the parts' values in a list); one part is the batch's as it is."""
+def concatenate(parts: list[Any], rows: list[int]) -> Any:
+    """Micro-batches' predictions joined back into the batch's (``rows``: each part's samples): tensors
+    along dim 0 (0-dim ones stacked), a list of one prediction per sample chained (:func:`_per_sample`),
+    other lists, tuples, dicts and dataclasses joined element by element into their own type (a list of
+    feature maps stays one map per level; a ``transformers`` ``ModelOutput`` stays one, its ``.loss``
+    readable), a value every part holds the same kept once (else the parts' values in a list); one
+    part is the batch's as it is."""
     first = parts[0]
     if len(parts) == 1:
         return first
     if isinstance(first, torch.Tensor):
         return torch.cat(parts) if first.dim() else torch.stack(parts)
-    if isinstance(first, list):
+    if isinstance(first, list) and _per_sample(parts, rows):
         return [item for part in parts for item in part]
-    if isinstance(first, tuple | dict) or (dataclasses.is_dataclass(first) and not isinstance(first, type)):
+    if isinstance(first, tuple | list | dict) or (dataclasses.is_dataclass(first) and not isinstance(first, type)):
         skeleton, _ = flatten(first, leaf=())
-        return _joined(skeleton, parts)
+        return _joined(skeleton, parts, rows)
     return first if all(_equal(part, first) for part in parts[1:]) else parts
 
 
-def _joined(skeleton: Any, parts: list[Any]) -> Any:
-    """The parts of a tuple, dict or dataclass (``skeleton``: the first's, from :func:`flatten`) joined
-    field by field, rebuilt as :func:`unflatten` rebuilds its type."""
+def _per_sample(parts: list[list[Any]], rows: list[int]) -> bool:
+    """Whether the parts' lists hold one prediction per sample (a detector's dict of boxes per image:
+    chained) rather than one structure per micro-batch (a backbone's feature maps, each with the
+    micro-batch's rows, as :func:`~lightning_pipe.runtime.batches.split_batch` splits them: joined
+    element by element): their lengths differ, or each is its part's rows long and its items are not
+    all tensors with those rows."""
+    if len({len(part) for part in parts}) > 1:
+        return True
+    return all(
+        len(part) == n and not all(_has_rows(item, n) for item in part) for part, n in zip(parts, rows, strict=True)
+    )
+
+
+def _has_rows(item: Any, rows: int) -> bool:
+    return isinstance(item, torch.Tensor) and item.dim() > 0 and item.shape[0] == rows
+
+
+def _joined(skeleton: Any, parts: list[Any], rows: list[int]) -> Any:
+    """The parts of a list, tuple, dict or dataclass (``skeleton``: the first's, from :func:`flatten`)
+    joined element by element, rebuilt as :func:`unflatten` rebuilds its type."""
     kind, cls, children = skeleton
     if kind == "sequence":
-        items = [concatenate(list(column)) for column in zip(*parts, strict=True)]
+        items = [concatenate(list(column), rows) for column in zip(*parts, strict=True)]
         return cls(*items) if hasattr(cls, "_fields") else cls(items)
-    fields = {key: concatenate([_field(part, key) for part in parts]) for key, _ in children}
+    fields = {key: concatenate([_field(part, key) for part in parts], rows) for key, _ in children}
     return cls(**fields) if dataclasses.is_dataclass(cls) else cls(fields)
 
 
