@@ -18,6 +18,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
@@ -269,6 +270,11 @@ class _OwnClipping(Chain):
         pass
 
 
+class _ReadsGradients(Chain):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
 class _LogsAList(Chain):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -318,6 +324,13 @@ ONE_PROCESS = {
     ),
     "optimizers": (_TwoOptimizers, {}, {}, r"multiple optimizers is only supported with manual optimization"),
     "clipping": (_OwnClipping, {}, {}, r"configure_gradient_clipping is overridden.*gradient_clip_val"),
+    "gradients_delayed": (
+        _ReadsGradients,
+        {"schedule": "2bw"},
+        {},
+        r"LightningModule.on_before_optimizer_step reads each step's gradients before its update, but a "
+        r"non-flushing schedule \('2bw'\) .*use a flushing schedule \(gpipe, 1f1b",
+    ),
     "precision": (Chain, {}, {"precision": "64-true"}, r"precision='64-true' is not supported.*bf16-mixed"),
     "float16_delayed": (
         Chain,
@@ -346,7 +359,16 @@ ONE_PROCESS = {
 }
 _RAISED = {  # each refusal's type: set-up (planning) or raised by a running step
     **dict.fromkeys(
-        ["manual", "accumulate_delayed", "clipping", "precision", "float16_delayed", "split", "last_batch"],
+        [
+            "manual",
+            "accumulate_delayed",
+            "clipping",
+            "gradients_delayed",
+            "precision",
+            "float16_delayed",
+            "split",
+            "last_batch",
+        ],
         "PlanningError",
     ),
     **dict.fromkeys(["accumulate_scheduled_delayed", "log", "none", "skips"], "PipelineRuntimeError"),

@@ -348,6 +348,10 @@ class PipelineExecutor:
                 f"schedule: {self.schedule.family} applies each step's gradient while later steps are in flight, so "
                 "no call can end without its updates; accumulate over micro-batches instead (more per step)"
             )
+        if self.updates.deferred:
+            raise PipelineRuntimeError(
+                "the last call's updates are held: call release_updates() first, on every worker"
+            )
         self.compute.accumulation = accumulation
         call = self.calls
         self.garbage.call()
@@ -362,6 +366,15 @@ class PipelineExecutor:
         self.calls += 1
         self._calls_cache = {key: actions for key, actions in self._calls_cache.items() if key[1] >= self.calls}
         return share(output, self.world, self.group) if share_losses else output
+
+    def release_updates(self) -> None:
+        """Apply the updates the last call held back (``updates.hold``: a flushing schedule's, after
+        Lightning's gradient hooks); every worker calls it, after every call that updates."""
+        try:
+            self.updates.apply_deferred(self._versions_kept)
+        except Exception as error:
+            self.stop(error)
+            raise
 
     def _actions(self, worker: int, call: int) -> list[Action]:
         """Worker ``worker``'s actions of call ``call`` since the last drain, in absolute steps (kept
@@ -547,8 +560,8 @@ class PipelineExecutor:
                     stage, step = summing[position]
                     self.weights[stage].start_sum(step)
                 self._record(action, start, waited)
-            if self.updates.deferring and update:
-                self.updates.apply_deferred(self._versions_kept)
+            if self.updates.deferring and update:  # held: applied by release_updates, after Lightning's hooks
+                self.updates.prepare() if self.updates.hold else self.updates.apply_deferred(self._versions_kept)
         except Exception as error:
             self.stop(error)
             raise

@@ -12,6 +12,10 @@
   every gradient is scaled by the unsplit model's clipping factor, and a step whose sum is not finite
   (an overflow) is skipped on every stage (Micikevicius et al. 2018, §3.2:
   :mod:`~lightning_pipe.runtime.loss_scaling`).
+- *Holding* (flushing schedules, :attr:`Updates.hold`): the deferred updates wait past the end of the
+  call, until :meth:`Updates.apply_deferred` is called, so that Lightning's ``on_after_backward`` and
+  ``on_before_optimizer_step`` run in between and see the step's gradients
+  (:meth:`Updates.gradients_shown`), as plain Lightning calls them before the optimizer steps.
 - A call that only accumulates (gradient accumulation over steps, flushing schedules) *carries* each
   stage's gradient into the next step at its ``UPDATE`` instead (:meth:`Updates.carry`): ties,
   replicas, clipping and the loss scale wait for the update that applies the sum, which they treat as
@@ -20,8 +24,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -49,8 +54,8 @@ class Updates:
         clip_grad_norm, clip_grad_value, before_update, loss_scale: as the executor's.
 
     Attributes:
-        deferring: the updates wait for the end of the call (:meth:`apply_deferred`).
-        deferred: the updates held back in the running call.
+        hold: a flushing schedule's updates wait past the end of the call for :meth:`apply_deferred`.
+        deferred: the updates held back in the running call (or, holding, in the last one).
     """
 
     def __init__(
@@ -77,10 +82,17 @@ class Updates:
         self.device, self.group = device, group
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
         self.before_update, self.loss_scale = before_update, loss_scale
-        self.deferring = schedule.flush and (
-            clip_grad_norm is not None or loss_scale is not None or any(t.group is not None for t in ties)
-        )
+        self.flush = schedule.flush
+        self._needs_all = clip_grad_norm is not None or loss_scale is not None or any(t.group is not None for t in ties)
+        self.hold = False
         self.deferred: list[Action] = []
+        self._prepared = False  # the deferred gradients' ties summed and loss scale undone
+
+    @property
+    def deferring(self) -> bool:
+        """Whether a call's updates wait for the end of the call, when every stage's gradient of the
+        step exists (:meth:`apply_deferred`)."""
+        return self.flush and (self._needs_all or self.hold)
 
     def apply(self, action: Action, versions_kept: Callable[[int], set[int]]) -> None:
         """A stage's update at its ``UPDATE`` action, clipped by its own norm. ``versions_kept(stage)``:
@@ -129,32 +141,70 @@ class Updates:
         return [[grads[i] for i in indices] for indices in tied] + [rest]
 
     def apply_deferred(self, versions_kept: Callable[[int], set[int]]) -> None:
-        """The updates of a flushing call under global-norm clipping or loss scaling: every worker
-        unscales its stages' gradients, sums their squared norms (a stage's replicas each count
-        ``1/r`` of it) in one all-reduce over all workers, scales its gradients by the unsplit
-        model's clipping factor, then updates, or skips every update if the sum is not finite (an
-        overflow, under loss scaling). Every worker takes part at the end of every call, with or
-        without updates. ``versions_kept``: as :meth:`apply`'s."""
-        grads = [self.weights[a.stage].summed_gradients(a.step) for a in self.deferred]
-        sum_ties(self.ties, self.deferred, self.weights, self.owners)
-        if self.loss_scale is not None:
-            for stage_grads in grads:
-                scale(stage_grads, self.loss_scale.inverse)
-        total = torch.zeros((), dtype=torch.float64)
-        for action, stage_grads in zip(self.deferred, grads, strict=True):
-            total += self._own_squared_norm(action.stage, stage_grads).cpu() / len(self.owners[action.stage])
-        total = total.to(self.device)
-        dist.all_reduce(total, group=self.group)
-        overflowed = self.loss_scale is not None and not math.isfinite(float(total))
-        if self.clip_grad_norm is not None and not overflowed:
-            coefficient = norm_coefficient(float(total) ** 0.5, self.clip_grad_norm)
-            for stage_grads in grads:
-                scale(stage_grads, coefficient)
+        """The updates held back to the end of a flushing call (or, holding, to this call): every
+        worker sums its tied gradients and unscales its stages' gradients; under global-norm clipping
+        or loss scaling it sums their squared norms (a stage's replicas each count ``1/r`` of it) in
+        one all-reduce over all workers, scales its gradients by the unsplit model's clipping factor,
+        then updates, or skips every update if the sum is not finite (an overflow, under loss
+        scaling). Every worker takes part at the end of every call, with or without updates.
+        ``versions_kept``: as :meth:`apply`'s."""
+        grads = self.prepare()
+        overflowed = False
+        if self.clip_grad_norm is not None or self.loss_scale is not None:
+            total = torch.zeros((), dtype=torch.float64)
+            for action, stage_grads in zip(self.deferred, grads, strict=True):
+                total += self._own_squared_norm(action.stage, stage_grads).cpu() / len(self.owners[action.stage])
+            total = total.to(self.device)
+            dist.all_reduce(total, group=self.group)
+            overflowed = self.loss_scale is not None and not math.isfinite(float(total))
+            if self.clip_grad_norm is not None and not overflowed:
+                coefficient = norm_coefficient(float(total) ** 0.5, self.clip_grad_norm)
+                for stage_grads in grads:
+                    scale(stage_grads, coefficient)
         for action in self.deferred:
             self._update(action, None, versions_kept, skip=overflowed)
         if self.loss_scale is not None and self.deferred:
             self.loss_scale.update(overflowed)
         self.deferred.clear()
+        self._prepared = False
+
+    def prepare(self) -> list[list[torch.Tensor | None]]:
+        """The deferred updates' gradients, their tied parts summed and the loss scale undone (once per
+        step: ties sum over workers, so every worker prepares at the same point). Taken back from the
+        parameters they were lent to: held past the call, they must not be there when Lightning's
+        closure calls ``optimizer.zero_grad()``."""
+        grads = [self.weights[a.stage].summed_gradients(a.step) for a in self.deferred]
+        if not self._prepared:
+            sum_ties(self.ties, self.deferred, self.weights, self.owners)
+            if self.loss_scale is not None:
+                for stage_grads in grads:
+                    scale(stage_grads, self.loss_scale.inverse)
+            self._prepared = True
+        return grads
+
+    @contextlib.contextmanager
+    def gradients_shown(self) -> Iterator[None]:
+        """The held step's gradients (summed over micro-batches, replicas and ties, unscaled) as the
+        ``.grad`` of this worker's live parameters for the duration (Lightning's gradient hooks run
+        inside); what the hooks change in them, in place or by assigning ``.grad`` (``None``: zero),
+        is what the update applies. Every worker enters it at the same point of the step."""
+        shown: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for action, grads in zip(self.deferred, self.prepare(), strict=True):
+            weights = self.weights[action.stage]
+            for param, grad in zip(weights.params, grads, strict=True):
+                if grad is not None and id(param) not in weights.shared:
+                    param.grad = grad
+                    shown.append((param, grad))
+        try:
+            yield
+        finally:
+            for param, grad in shown:
+                changed = param.grad
+                if changed is None:
+                    grad.zero_()
+                elif changed is not grad:
+                    grad.copy_(changed)
+                param.grad = None
 
     def _own_squared_norm(self, stage: int, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """``Σ ‖g‖²`` of a stage's gradients, a tied parameter counting ``1/h`` on each of its ``h``

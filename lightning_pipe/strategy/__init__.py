@@ -11,8 +11,9 @@ builds on (planning at set-up is :mod:`lightning_pipe.planning`). Its modules, b
 - **the prediction and the choice**: :mod:`.step_prices` and :mod:`.profile_basis` (what the printed
   prediction prices beyond the profile), :mod:`.choosing` (``schedule="auto"``'s first choice),
   :mod:`.calibrating` and :mod:`.trials` (what the first steps measure, and the switch);
-- **training**: :mod:`.training` (the step), :mod:`.logs` and :mod:`.log_relay` (``self.log`` from
-  the last stage), :mod:`.effects`, :mod:`.random_states`, :mod:`.collectives`,
+- **training**: :mod:`.training` (the step), :mod:`.gradient_hooks` (the hooks that read the
+  gradients before the update), :mod:`.logs` and :mod:`.log_relay` (``self.log`` from the last stage),
+  :mod:`.effects`, :mod:`.random_states`, :mod:`.collectives`,
   :mod:`.stop_iteration`, :mod:`.signals` (preemption), :mod:`.parent_watch`;
 - **evaluation and after fit**: :mod:`.evaluation`, :mod:`.after_fit`, :mod:`.fit_report`;
 - **checkpoints**: :mod:`.checkpointing`, :mod:`.sharded`, :mod:`.saving`, :mod:`.atomic`,

@@ -60,6 +60,7 @@ from lightning_pipe.strategy.optimizers import stage_optimizers
 from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
 from lightning_pipe.strategy.random_states import replayed
 from lightning_pipe.strategy.recomputation import checkpointed_blocks, recomputation_note, recomputed_stages
+from lightning_pipe.strategy.refusals import gradient_hooks
 from lightning_pipe.strategy.sharded import read_entries
 from lightning_pipe.strategy.step_prices import StepPrices, run_shape
 from lightning_pipe.util.nested import flatten, map_tensors, tensors, to_cpu, unflatten
@@ -145,6 +146,8 @@ class PipelineBuilding:
             loss_scale=self._loss_scale(),
             pipelines=self.pipelines,
         )
+        # the user's code reads each step's gradients before its update: the updates wait for it (.gradient_hooks)
+        self.executor.updates.hold = self.executor.schedule.flush and bool(gradient_hooks(module, trainer))
         if optimizer is not None:
             optimizer.state.clear()  # any restored state is the stages' now: the template only carries hyper-parameters
         self._restore_optimizer_states()

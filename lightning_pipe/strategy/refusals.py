@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.loss_scaling import refuse_without_flush
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, SUGGESTED_FLUSHING
+from lightning_pipe.strategy.gradient_hooks import gradient_hooks
 
 __all__ = ["PRECISIONS", "flushing_only", "refuse_unsupported"]
 
@@ -23,6 +24,9 @@ PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed")
 def flushing_only(trainer: Trainer) -> str | None:
     """Why ``schedule="auto"`` may choose among the flushing families only under ``trainer``'s
     settings (``None``: it may choose any)."""
+    hooks = gradient_hooks(trainer.lightning_module, trainer)
+    if hooks:
+        return ", ".join(hooks)
     if trainer.accumulate_grad_batches != 1:
         return f"accumulate_grad_batches={trainer.accumulate_grad_batches}"
     if str(trainer.precision) == "16-mixed":
@@ -49,6 +53,14 @@ def refuse_unsupported(
             "of the steps before, so no batch can end without an update; use batches "
             f"{accumulate}x larger with microbatches={accumulate * microbatches} (the same gradient per "
             f"update), or a flushing schedule ({SUGGESTED_FLUSHING})"
+        )
+    hooks = gradient_hooks(module, trainer)
+    if hooks and family in NON_FLUSHING_FAMILIES:
+        raise PlanningError(
+            f"{', '.join(hooks)} reads each step's gradients before its update, but a non-flushing schedule "
+            f"({family!r}) updates each stage inside the pipeline while later steps run, so no moment holds one "
+            f"step's gradients: use a flushing schedule ({SUGGESTED_FLUSHING}), under which these hooks see the "
+            "gradients of the rank's stages, or remove the hook"
         )
     if processes > 1 and any(isinstance(callback, BatchSizeFinder) for callback in trainer.callbacks):
         raise PlanningError(

@@ -113,6 +113,7 @@ from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Entry, PipelineModel
 from lightning_pipe.strategy.effects import metric_modules
 from lightning_pipe.strategy.evaluation import EvaluationHooks
+from lightning_pipe.strategy.gradient_hooks import GradientHooks
 from lightning_pipe.strategy.launchers import ProcessLauncher, ScriptLauncher
 from lightning_pipe.strategy.log_relay import RING_BYTES, LogRelay, open_log_relay
 from lightning_pipe.strategy.logs import Record
@@ -160,6 +161,7 @@ class PipelineStrategy(
     PipelineChoosing,
     PipelineCalibration,
     TrainingHooks,
+    GradientHooks,
     EvaluationHooks,
     CheckpointHooks,
     Collectives,

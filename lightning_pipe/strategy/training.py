@@ -161,15 +161,19 @@ class TrainingHooks:
         self._signals.act()
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """The backward already ran in the pipeline step; only the hooks around it run here."""
+        """The backward already ran in the pipeline step; only the hooks around it run here,
+        ``on_after_backward`` with the step's gradients where it holds its updates (:mod:`.gradient_hooks`)."""
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        return self.precision_plugin.post_backward(closure_loss, module)
+        with self._gradients_shown():
+            return self.precision_plugin.post_backward(closure_loss, module)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Run the closure (the pipeline step, updates included). The user's optimizer steps with no
-        gradient, which changes nothing and tells its LR schedulers that the step happened."""
+        """Run the closure (the pipeline step, updates included, or held for ``on_before_optimizer_step``:
+        :mod:`.gradient_hooks`). The user's optimizer then steps with no gradient, which changes
+        nothing and tells its LR schedulers that the step happened."""
         result = closure()
+        self._before_optimizer_step(optimizer)
         optimizer.step()
         return result
 
