@@ -16,7 +16,13 @@ import pytest
 import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    EMAWeightAveraging,
+    GradientAccumulationScheduler,
+    ModelPruning,
+    StochasticWeightAveraging,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
@@ -27,7 +33,7 @@ from lightning_pipe.runtime import LocalRunError, run_local
 from lightning_pipe.strategy.arguments import check_port
 from lightning_pipe.strategy.contract import ELSEWHERE_NOTE, Call, Entry, pipeline_model
 from lightning_pipe.strategy.logs import _number, _reduction
-from tests.lightning_cases import ROWS, Chain, dataset, loader, trainer
+from tests.lightning_cases import ROWS, Chain, dataset, final_state, loader, trainer
 
 
 class _HeadOutside(Chain):
@@ -435,6 +441,73 @@ def test_planning_refusals_on_every_rank(tmp_path: Path, options: dict, model: t
     assert set(raised.value.errors) == {0, 1}
     for message in raised.value.errors.values():
         assert re.search(pattern, message), message
+
+
+WHOLE_MODEL = {  # Lightning's callbacks that act on every parameter during a fit: what is said, and what works
+    "swa": (
+        lambda: StochasticWeightAveraging(swa_lrs=0.05),
+        r"the StochasticWeightAveraging callback keeps an average of every parameter .* holds only the parameters "
+        r"of its stages: average the weights of checkpoints",
+    ),
+    "ema": (EMAWeightAveraging, r"the EMAWeightAveraging callback keeps an average of every parameter"),
+    "finetuning": (
+        lambda: BackboneFinetuning(unfreeze_backbone_at_epoch=1),
+        r"the BackboneFinetuning callback freezes and unfreezes parameters .*: fit with the parameters to freeze set "
+        r"requires_grad_\(False\) before fit, then fit the same module again with a new Trainer",
+    ),
+    "pruning": (
+        lambda: ModelPruning("l1_unstructured", amount=0.5),
+        r"the ModelPruning callback prunes .*: prune the model after the fit \(gather_after_fit=True",
+    ),
+}
+
+
+class _Backbone(Chain):
+    """Trains only the parameters that take a gradient (as Lightning's fine-tuning examples build
+    the optimizer)."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def _frozen_then_unfrozen(root: str, strategy: Any, devices: int) -> dict[str, torch.Tensor]:
+    """What the fine-tuning refusal says works: a fit with the first block frozen, then a fit of the
+    same module, unfrozen, by a new Trainer."""
+    module = _Backbone()
+    module.net[:2].requires_grad_(False)
+    trainer(f"{root}/frozen", strategy(), devices).fit(module, loader(3))
+    module.net[:2].requires_grad_(True)
+    run = trainer(f"{root}/unfrozen", strategy(), devices)
+    run.fit(module, loader(3))
+    return final_state(run, module)
+
+
+def _whole_model_worker(rank: int, root: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    messages = {}
+    for name, (callback, _) in WHOLE_MODEL.items():  # one after the other in the same processes
+        try:
+            trainer(f"{root}/{name}", PipelineStrategy(), 2, callbacks=[callback()]).fit(Chain(), loader(3))
+            messages[name] = "trained"
+        except PlanningError as error:
+            messages[name] = str(error)
+    return messages, _frozen_then_unfrozen(f"{root}/remedy", PipelineStrategy, 2)
+
+
+@pytest.mark.timeout(200)
+def test_callbacks_acting_on_every_parameter_are_refused(tmp_path: Path) -> None:
+    """Weight averaging, fine-tuning and pruning callbacks are refused on every rank before the ranks
+    connect (each rank holds only its stages' parameters, which they read whole), saying what works;
+    the fits after a refusal run in the same processes, and the fine-tuning remedy (frozen, then
+    unfrozen by a new Trainer) ends as plain Lightning's two fits."""
+    per_rank = run_local(_whole_model_worker, 2, str(tmp_path), timeout=180)
+    expected = _frozen_then_unfrozen(str(tmp_path / "plain"), lambda: "auto", 1)
+    for messages, remedy in per_rank:
+        for name, (_, pattern) in WHOLE_MODEL.items():
+            assert re.search(pattern, messages[name]), (name, messages[name])
+        for key, value in expected.items():
+            assert torch.allclose(remedy[key], value, rtol=0, atol=1e-6), key
+        assert not torch.equal(remedy["net.0.weight"], Chain().net[0].weight.detach()), "the unfrozen block trained"
 
 
 class _FailsAt(Chain):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_pipe.errors import PlanningError
@@ -15,10 +16,47 @@ from lightning_pipe.runtime.loss_scaling import refuse_without_flush
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, SUGGESTED_FLUSHING
 from lightning_pipe.strategy.gradient_hooks import gradient_hooks
 
-__all__ = ["PRECISIONS", "flushing_only", "refuse_unsupported"]
+__all__ = ["PRECISIONS", "WHOLE_MODEL_CALLBACKS", "flushing_only", "refuse_unsupported", "whole_model_callback"]
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed")
 """The Trainer's ``precision`` values the pipeline runs."""
+
+
+_AVERAGE = (
+    "keeps an average of every parameter of the module, updated from the module's",
+    "average the weights of checkpoints saved along the run instead (each holds the whole model)",
+)
+WHOLE_MODEL_CALLBACKS = {
+    "StochasticWeightAveraging": _AVERAGE,
+    "WeightAveraging": _AVERAGE,
+    "BaseFinetuning": (
+        "freezes and unfreezes parameters during the fit and adds them to the optimizer, comparing them with the "
+        "optimizer's",
+        "fit with the parameters to freeze set requires_grad_(False) before fit, then fit the same module again "
+        "with a new Trainer once they are unfrozen",
+    ),
+    "ModelPruning": (
+        "prunes the layers' parameters during the fit, replacing them with masked copies",
+        "prune the model after the fit (gather_after_fit=True gives every rank the whole model)",
+    ),
+}
+"""Lightning's callbacks that act on every parameter of the module on every process during a fit, by
+the Lightning class they derive from: what they do, and what works instead."""
+
+_LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning")
+
+
+def whole_model_callback(trainer: Trainer) -> tuple[str, str] | None:
+    """The first of ``trainer``'s callbacks that acts on every parameter during a fit
+    (:data:`WHOLE_MODEL_CALLBACKS`, from either Lightning package): its class's name and the Lightning
+    class it derives from."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        return None
+    for callback in trainer.callbacks:
+        for base in type(callback).__mro__:
+            if base.__name__ in WHOLE_MODEL_CALLBACKS and base.__module__.split(".")[0] in _LIGHTNING_PACKAGES:
+                return type(callback).__name__, base.__name__
+    return None
 
 
 def flushing_only(trainer: Trainer) -> str | None:
@@ -61,6 +99,14 @@ def refuse_unsupported(
             f"({family!r}) updates each stage inside the pipeline while later steps run, so no moment holds one "
             f"step's gradients: use a flushing schedule ({SUGGESTED_FLUSHING}), under which these hooks see the "
             "gradients of the rank's stages, or remove the hook"
+        )
+    whole = whole_model_callback(trainer)
+    if whole is not None and processes > 1:
+        name, base = whole
+        does, instead = WHOLE_MODEL_CALLBACKS[base]
+        raise PlanningError(
+            f"the {name} callback {does}, but each rank of a pipeline holds only the parameters of its stages: "
+            f"{instead}"
         )
     if processes > 1 and any(isinstance(callback, BatchSizeFinder) for callback in trainer.callbacks):
         raise PlanningError(
