@@ -30,8 +30,9 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_pipe import PipelineRuntimeError, PipelineStrategy, PlanningError
 from lightning_pipe.runtime import LocalRunError, run_local
+from lightning_pipe.runtime.batches import split_batch
 from lightning_pipe.strategy.arguments import check_port
-from lightning_pipe.strategy.contract import ELSEWHERE_NOTE, Call, Entry, pipeline_model
+from lightning_pipe.strategy.contract import ELSEWHERE_NOTE, ROWS_MIXED, Call, Entry, pipeline_model
 from lightning_pipe.strategy.logs import _number, _reduction
 from tests.lightning_cases import ROWS, Chain, dataset, final_state, loader, trainer
 
@@ -98,6 +99,11 @@ def test_step_contract_breaches_are_runtime_errors() -> None:
     captured = pipeline_model(module, Call((x,)), stages=2)
     with pytest.raises(PipelineRuntimeError, match=r"^forward was called with other non-tensor arguments"):
         captured.inputs(Call((x,), {"scale": 2}))
+    halves = split_batch(captured.inputs(Call((x,))), 2)  # what the pipeline runs, micro-batch by micro-batch
+    captured.check_rows(halves[1], Call((x[2:],)))  # the micro-batch's rows: a view of the same memory
+    captured.check_rows(halves[1], Call((x[2:].clone(),)))  # or equal values
+    with pytest.raises(PipelineRuntimeError, match=re.escape(ROWS_MIXED)):
+        captured.check_rows(halves[1], Call((torch.cat([x[1:2], x[3:]]),)))
     with pytest.raises(PipelineRuntimeError, match=r"^self.log\('bad', list\)"):
         _number("bad", [1.0])
     with pytest.raises(PipelineRuntimeError, match=r"^self.log\('bad', reduce_fx='median'\)"):
@@ -508,6 +514,53 @@ def test_callbacks_acting_on_every_parameter_are_refused(tmp_path: Path) -> None
         for key, value in expected.items():
             assert torch.allclose(remedy[key], value, rtol=0, atol=1e-6), key
         assert not torch.equal(remedy["net.0.weight"], Chain().net[0].weight.detach()), "the unfrozen block trained"
+
+
+class _TwoViews(Chain):
+    """A contrastive step: the batch and a shifted view of it through one call of ``forward``, the
+    views joined with ``torch.cat`` (rows of one micro-batch's views then land in different
+    micro-batches) or, as the refusal says, each sample's views next to each other."""
+
+    def __init__(self, stacked: bool) -> None:
+        super().__init__()
+        self.stacked = stacked
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.stacked:
+            z1, z2 = self(torch.stack([x, x + 0.1], 1).flatten(0, 1)).unflatten(0, (-1, 2)).unbind(1)
+        else:
+            z1, z2 = self(torch.cat([x, x + 0.1])).chunk(2)
+        loss = nn.functional.cross_entropy(z1, y) + (z1 - z2).pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+
+def _views_worker(rank: int, root: str, stacked: bool) -> str | dict[str, torch.Tensor]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    module = _TwoViews(stacked)
+    run = trainer(root, PipelineStrategy(microbatches=2), 2)
+    try:
+        run.fit(module, loader(3))
+    except PipelineRuntimeError as error:
+        return str(error)
+    return final_state(run, module)
+
+
+@pytest.mark.timeout(150)
+def test_a_step_mixing_rows_across_micro_batches_is_refused(tmp_path: Path) -> None:
+    """Two views joined with ``torch.cat`` before ``forward`` trained wrong without a word (each
+    micro-batch's rerun of the step took other rows than the pipeline ran); it is refused, saying
+    what works, and what it says works ends as plain Lightning."""
+    first, last = run_local(_views_worker, 2, str(tmp_path / "joined"), False, timeout=60)
+    assert isinstance(first, str) and isinstance(last, str) and ROWS_MIXED in last, (first, last)
+    per_rank = run_local(_views_worker, 2, str(tmp_path / "stacked"), True, timeout=60)
+    module = _TwoViews(stacked=True)
+    trainer(tmp_path / "plain", "auto", 1).fit(module, loader(3))
+    for final in per_rank:
+        assert isinstance(final, dict), final
+        for name, value in module.state_dict().items():
+            assert torch.allclose(final[name], value, rtol=0, atol=1e-6), name
 
 
 class _FailsAt(Chain):

@@ -9,6 +9,7 @@ and the tensors of the stages a rank does not run released.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -543,8 +544,9 @@ class PipelineBuilding:
         step, mb = self.executor.loss_key
         record = Record(rows_of(batch))
         module = self.lightning_module
-        extra, random = self._step_args[step]
-        with replayed(random), self._entry.inject(output), recording(module, record):
+        extra, random, rows = self._step_args[step]
+        check = None if rows is None else functools.partial(self._chain.check_rows, rows[mb])
+        with replayed(random), self._entry.inject(output, check), recording(module, record):
             result = module.training_step(batch, *extra)
         loss = result.get("loss") if isinstance(result, dict) else result
         if not isinstance(loss, Tensor):

@@ -59,9 +59,29 @@ class Call:
         """Whether ``other`` holds the same values (the same tensors, or equal ones)."""
         skeleton, found = flatten((self.args, self.kwargs))
         other_skeleton, other_found = flatten((other.args, other.kwargs))
-        return skeleton == other_skeleton and all(
-            a is b or (a.shape == b.shape and torch.equal(a, b)) for a, b in zip(found, other_found, strict=True)
-        )
+        return skeleton == other_skeleton and same_values(found, other_found)
+
+
+def same_values(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> bool:
+    """Whether two sequences of tensors hold equal values, pairwise (views of the same memory are
+    equal without reading it)."""
+    return len(tensors) == len(others) and all(
+        a.shape == b.shape
+        and (a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()) or torch.equal(a, b))
+        for a, b in zip(tensors, others, strict=True)
+    )
+
+
+ROWS_MIXED = (
+    "training_step gave forward an input for a micro-batch that is not that micro-batch's rows of what it gives "
+    "forward for the whole batch: under a pipeline the step runs once per micro-batch on the last stage, on the "
+    "micro-batch's rows, so its code before forward must treat each row of the batch alone. Rows joined or "
+    "reordered across the batch (two views joined with torch.cat, a batch sorted by length) are not: keep a "
+    "sample's views next to each other (`z = self(torch.stack([x1, x2], 1).flatten(0, 1))`, then "
+    "`z1, z2 = z.unflatten(0, (-1, 2)).unbind(1)`), and reorder or mix rows in on_after_batch_transfer or the "
+    "DataLoader's collate_fn"
+)
+"""Said when a micro-batch's rerun of the step gives ``forward`` other values than the pipeline ran."""
 
 
 class _Captured(BaseException):
@@ -118,20 +138,24 @@ class Entry:
             f"be pipelined), or define {HOOK}(self) returning the layers to chain"
         )
 
-    def inject(self, output: Any) -> Any:
+    def inject(self, output: Any, check: Callable[[Call], None] | None = None) -> Any:
         """A context in which ``forward`` returns ``output`` instead of computing it. The step may call
         it again with the same arguments (e.g. once for the loss, once for a metric) and gets the same
-        output; other arguments are refused (their output is not what the pipeline computed)."""
+        output; other arguments are refused (their output is not what the pipeline computed), and
+        ``check(call)`` may refuse the first (:meth:`PipelineModel.check_rows`)."""
         seen: list[Call] = []
 
         def forward(*inputs: Any, **kwargs: Any) -> Any:
             call = Call(inputs, kwargs)
             if not seen:
+                if check is not None:
+                    check(call)
                 seen.append(call)
             elif not seen[0].same(call):
                 raise PipelineRuntimeError(
                     "the step called forward with two different inputs: a pipeline runs each micro-batch through "
-                    "the layers once per step"
+                    "the layers once per step; pass the inputs as one batch and split the output (two views of a "
+                    "batch x1, x2: `z1, z2 = self(torch.cat([x1, x2])).chunk(2)`)"
                 )
             return output
 
@@ -165,6 +189,13 @@ class PipelineModel:
                 "tensors"
             )
         return tuple(found)
+
+    def check_rows(self, expected: Any, call: Call) -> None:
+        """Refuse, saying why (:data:`ROWS_MIXED`), a micro-batch's ``call`` of ``forward`` whose first
+        layer's input (:meth:`inputs`) is not ``expected``: the micro-batch's rows of the batch's, which
+        the pipeline ran."""
+        if not same_values(tensors(self.inputs(call)), tensors(expected)):
+            raise PipelineRuntimeError(ROWS_MIXED)
 
     @property
     def run_whole(self) -> dict[str, str]:

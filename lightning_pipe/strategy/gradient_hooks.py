@@ -29,7 +29,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -38,13 +37,14 @@ from lightning_pipe.strategy.effects import metric_modules
 from lightning_pipe.strategy.logs import Record, combine, logged_metrics, recording
 
 if TYPE_CHECKING:  # annotations only: the class differs under the standalone pytorch_lightning
-    from lightning.pytorch import Trainer
+    from lightning.pytorch import LightningModule, Trainer
 
 __all__ = ["GRADIENT_HOOKS", "GradientHooks", "gradient_hooks", "merged"]
 
 GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 """Lightning's hooks that read a step's gradients before the optimizer applies them."""
 
+_PACKAGES = ("lightning", "pytorch_lightning")
 _NORM_TOTAL = re.compile(r"grad_(.+)_norm_total$")  # lightning.pytorch.utilities.grad_norm's total
 
 
@@ -54,11 +54,21 @@ def gradient_hooks(module: LightningModule, trainer: Trainer) -> list[str]:
     ``"GradNorm.on_before_optimizer_step"``); none outside a fit."""
     if trainer.state.fn != TrainerFn.FITTING:
         return []
-    found = [f"LightningModule.{hook}" for hook in GRADIENT_HOOKS if is_overridden(hook, module, LightningModule)]
+    found = [f"LightningModule.{hook}" for hook in GRADIENT_HOOKS if _overrides(module, "LightningModule", hook)]
     for callback in trainer.callbacks:
         name = type(callback).__name__
-        found += [f"{name}.{hook}" for hook in GRADIENT_HOOKS if is_overridden(hook, callback, Callback)]
+        found += [f"{name}.{hook}" for hook in GRADIENT_HOOKS if _overrides(callback, "Callback", hook)]
     return found
+
+
+def _overrides(instance: object, base: str, hook: str) -> bool:
+    """Whether ``instance`` overrides ``hook`` of its Lightning class ``base`` (``LightningModule``,
+    ``Callback``) from whichever package it derives from: ``lightning`` and ``pytorch_lightning``
+    hold the same code with other docstrings, so the hook of the other package's class differs."""
+    parent = next(
+        cls for cls in type(instance).__mro__ if cls.__name__ == base and cls.__module__.split(".")[0] in _PACKAGES
+    )
+    return is_overridden(hook, instance, parent)
 
 
 def merged(records: list[Record]) -> list[tuple[str, float, dict[str, Any]]]:

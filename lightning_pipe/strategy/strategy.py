@@ -393,7 +393,8 @@ class PipelineStrategy(
         self._carried: dict[str, Any] | None = None  # this rank's carried state when the executor closed
         self.differences: list[str] = []  # how the run differs from plain Lightning (rank 0, after planning)
         self._hyper: HyperParameters | None = None
-        self._step_args: dict[int, tuple[tuple[Any, ...], RandomStates]] = {}  # step -> its other arguments, streams
+        # step -> its other arguments, random streams and (on the last stage) forward's input per micro-batch
+        self._step_args: dict[int, tuple[tuple[Any, ...], RandomStates, list[Any] | None]] = {}
         self._records: dict[tuple[int, int], Record] = {}
         self._pending: dict[int, dict[int, tuple[Record, float]]] = {}
         self._last_output: Any = torch.tensor(float("nan"))

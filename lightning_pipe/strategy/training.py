@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_pipe.runtime.batches import split_batch
 from lightning_pipe.strategy.after_fit import HOW_TO_GET_IT
 from lightning_pipe.strategy.batches import check_batches
 from lightning_pipe.strategy.effects import metric_modules, replay
@@ -66,7 +67,11 @@ class TrainingHooks:
             step = executor.next_step
             assert self._hyper is not None
             self._hyper.record(step)
-            self._step_args[step] = (args[1:], random)
+            # the last stage reruns the step per micro-batch: forward must then get these rows (.contract),
+            # exactly where the code before forward draws no random numbers (a draw per micro-batch differs)
+            checked = self._last and not random.kept
+            rows = split_batch(self._chain.inputs(call), executor.schedule.microbatches) if checked else None
+            self._step_args[step] = (args[1:], random, rows)
             self._chain.follow_mode(module.training)
             inputs = self._chain.inputs(call) if self._first else None
             # a rank with no last stage has nothing to add after the step: its part leaves now, so
