@@ -121,8 +121,10 @@ class GradientHooks:
     def _before_optimizer_step(self, optimizer: Any) -> None:
         """After the closure of a step that holds its updates: ``on_before_optimizer_step`` (callbacks
         first, as Lightning calls it) with the gradients in place, then the updates, then what the
-        hooks logged on every rank."""
-        if not self._holding():
+        hooks logged on every rank. Decided by the schedule's ``hold`` alone, the same on every rank
+        (Lightning steps the optimizer only after a batch that updates): the logs' gather is a
+        collective."""
+        if self.executor is None or not self.executor.updates.hold:
             return
         trainer = self.lightning_module.trainer
         with self._gradients_shown():
