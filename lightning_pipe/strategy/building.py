@@ -55,13 +55,13 @@ from lightning_pipe.strategy.compiling import StageCompilation
 from lightning_pipe.strategy.contract import Call, PipelineModel, pipeline_model
 from lightning_pipe.strategy.differences import differences
 from lightning_pipe.strategy.effects import watch_attributes
+from lightning_pipe.strategy.gradient_hooks import gradient_hooks
 from lightning_pipe.strategy.logs import Record, recording
 from lightning_pipe.strategy.materialise import MATERIALISED, materialise, on_meta
 from lightning_pipe.strategy.optimizers import stage_optimizers
 from lightning_pipe.strategy.ownership import Ownership, release, tensor_ids
 from lightning_pipe.strategy.random_states import replayed
 from lightning_pipe.strategy.recomputation import checkpointed_blocks, recomputation_note, recomputed_stages
-from lightning_pipe.strategy.refusals import gradient_hooks
 from lightning_pipe.strategy.sharded import read_entries
 from lightning_pipe.strategy.step_prices import StepPrices, run_shape
 from lightning_pipe.util.nested import flatten, map_tensors, tensors, to_cpu, unflatten

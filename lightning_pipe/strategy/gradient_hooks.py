@@ -39,7 +39,7 @@ from lightning_pipe.strategy.logs import Record, combine, logged_metrics, record
 if TYPE_CHECKING:  # annotations only: the class differs under the standalone pytorch_lightning
     from lightning.pytorch import LightningModule, Trainer
 
-__all__ = ["GRADIENT_HOOKS", "GradientHooks", "gradient_hooks", "merged"]
+__all__ = ["GRADIENT_HOOKS", "GradientHooks", "gradient_hooks", "lightning_class", "merged"]
 
 GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 """Lightning's hooks that read a step's gradients before the optimizer applies them."""
@@ -65,10 +65,17 @@ def _overrides(instance: object, base: str, hook: str) -> bool:
     """Whether ``instance`` overrides ``hook`` of its Lightning class ``base`` (``LightningModule``,
     ``Callback``) from whichever package it derives from: ``lightning`` and ``pytorch_lightning``
     hold the same code with other docstrings, so the hook of the other package's class differs."""
-    parent = next(
-        cls for cls in type(instance).__mro__ if cls.__name__ == base and cls.__module__.split(".")[0] in _PACKAGES
+    parent = lightning_class(instance, base)
+    return parent is not None and is_overridden(hook, instance, parent)
+
+
+def lightning_class(instance: object, name: str) -> type | None:
+    """The class named ``name`` of either Lightning package (``lightning``, ``pytorch_lightning``)
+    that ``instance`` derives from, if any."""
+    return next(
+        (cls for cls in type(instance).__mro__ if cls.__name__ == name and cls.__module__.split(".")[0] in _PACKAGES),
+        None,
     )
-    return is_overridden(hook, instance, parent)
 
 
 def merged(records: list[Record]) -> list[tuple[str, float, dict[str, Any]]]:

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_pipe.errors import PlanningError
 from lightning_pipe.runtime.loss_scaling import refuse_without_flush
 from lightning_pipe.schedule import NON_FLUSHING_FAMILIES, SUGGESTED_FLUSHING
-from lightning_pipe.strategy.gradient_hooks import gradient_hooks
+from lightning_pipe.strategy.gradient_hooks import gradient_hooks, lightning_class
 
 __all__ = ["PRECISIONS", "WHOLE_MODEL_CALLBACKS", "flushing_only", "refuse_unsupported", "whole_model_callback"]
 
@@ -43,8 +43,6 @@ WHOLE_MODEL_CALLBACKS = {
 """Lightning's callbacks that act on every parameter of the module on every process during a fit, by
 the Lightning class they derive from: what they do, and what works instead."""
 
-_LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning")
-
 
 def whole_model_callback(trainer: Trainer) -> tuple[str, str] | None:
     """The first of ``trainer``'s callbacks that acts on every parameter during a fit
@@ -53,9 +51,9 @@ def whole_model_callback(trainer: Trainer) -> tuple[str, str] | None:
     if trainer.state.fn != TrainerFn.FITTING:
         return None
     for callback in trainer.callbacks:
-        for base in type(callback).__mro__:
-            if base.__name__ in WHOLE_MODEL_CALLBACKS and base.__module__.split(".")[0] in _LIGHTNING_PACKAGES:
-                return type(callback).__name__, base.__name__
+        for base in WHOLE_MODEL_CALLBACKS:
+            if lightning_class(callback, base) is not None:
+                return type(callback).__name__, base
     return None
 
 
