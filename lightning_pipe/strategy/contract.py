@@ -154,8 +154,9 @@ class Entry:
             elif not seen[0].same(call):
                 raise PipelineRuntimeError(
                     "the step called forward with two different inputs: a pipeline runs each micro-batch through "
-                    "the layers once per step; pass the inputs as one batch and split the output (two views of a "
-                    "batch x1, x2: `z1, z2 = self(torch.cat([x1, x2])).chunk(2)`)"
+                    "the layers once per step; pass the inputs in one call, each sample's next to each other (two "
+                    "views x1, x2: `z = self(torch.stack([x1, x2], 1).flatten(0, 1))`, then "
+                    "`z1, z2 = z.unflatten(0, (-1, 2)).unbind(1)`)"
                 )
             return output
 
