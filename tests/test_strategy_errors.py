@@ -601,3 +601,33 @@ def test_a_failing_rank_stops_every_rank(tmp_path: Path, failing: int, schedule:
     other = errors[1 - failing]  # the failed rank's own error, with its type and message
     assert other.startswith("ValueError: planted failure"), other
     assert f"raised on rank {failing}; rank {1 - failing} stopped because of it" in other, other
+
+
+def _fail_then_fit_worker(rank: int, root: str) -> tuple[list[str], list[dict[str, torch.Tensor]]]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    errors, finals = [], []
+    for attempt, (failing, schedule) in enumerate([(0, "1f1b"), (1, "2bw"), (1, "1f1b")]):
+        with pytest.raises(ValueError) as raised:
+            trainer(f"{root}/failed{attempt}", PipelineStrategy(schedule), 2).fit(_FailsAt(failing), loader(6))
+        errors.append(str(raised.value))
+        module = Chain()
+        run = trainer(f"{root}/fit{attempt}", PipelineStrategy("1f1b"), 2)
+        run.fit(module, loader(3))
+        finals.append(final_state(run, module))
+    return errors, finals
+
+
+@pytest.mark.timeout(200)
+def test_a_fit_after_a_failed_one_in_the_same_processes_connects_again(tmp_path: Path) -> None:
+    """A failure closes the default process group on every rank (so that the others stop); the next
+    fit in the same processes — a sweep that catches the error and goes on — opens it again and trains
+    as plain Lightning, failure after failure (it hung in its rendezvous, or was refused the connection,
+    until each reconnection took a namespace of its own in the first store: .connection)."""
+    per_rank = run_local(_fail_then_fit_worker, 2, str(tmp_path), timeout=180)
+    module = Chain()
+    trainer(tmp_path / "plain", "auto", 1).fit(module, loader(3))
+    for errors, finals in per_rank:
+        assert [error.startswith("planted failure") for error in errors] == [True] * 3, errors
+        for final in finals:
+            for name, value in module.state_dict().items():
+                assert torch.allclose(final[name], value, rtol=0, atol=1e-6), name

@@ -4,9 +4,8 @@ restored values). Oracle: plain Lightning on one process, the same module and da
 rates tried, the same losses recorded, the same pick, the trial steps undone, and the fit that follows
 ends with the same parameters (1F1B's micro-batches' mean gradient is the batch's: SGD on a mean
 loss). ``Tuner.scale_batch_size`` runs on one process only, as under DDP: refused, saying so, before
-the ranks connect, so the same processes go on to the next fit at once (refused after they connected,
-every rank closed the default group, and the next fit's rendezvous could meet a closing one and hang:
-one run in three)."""
+the ranks connect, so the same processes go on to the next fit at once (a failure after they connected
+closes the default group on every rank, which the next fit opens again: .connection)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 builds on (planning at set-up is :mod:`lightning_pipe.planning`). Its modules, by what they do:
 
 - **set-up**: :mod:`.arguments` (checked when the strategy is made), :mod:`.launchers` (the processes),
-  :mod:`.topology` (where each pipeline sits among the ranks), :mod:`.refusals` (the Trainer's settings it
-  cannot run), :mod:`.contract` (the model contract),
+  :mod:`.topology` (where each pipeline sits among the ranks), :mod:`.connection` (the default
+  process group, opened again after a failed fit), :mod:`.refusals` (the Trainer's settings it cannot
+  run), :mod:`.contract` (the model contract),
   :mod:`.building` (the pipeline, built on the first batch), with :mod:`.materialise` (a model built on
   the meta device), :mod:`.ownership` (each rank holds only its stages), :mod:`.optimizers`,
   :mod:`.compiling`, :mod:`.recomputation`, :mod:`.batches` (batches that cannot be cut) and

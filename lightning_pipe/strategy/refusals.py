@@ -1,7 +1,6 @@
 """What the pipeline cannot run with in the Trainer's settings, refused when a fit (or validate, test,
-predict) sets up: on every rank alike and before the ranks connect, so no process group is left to
-close (closing the default group on every rank let the next fit's rendezvous in the same processes
-meet a closing one and hang: ``tests/test_tuner.py``).
+predict) sets up: on every rank alike and before the ranks connect, so no process group is opened only
+to be closed, and the same processes go on to their next fit at once (``tests/test_tuner.py``).
 """
 
 from __future__ import annotations

@@ -61,7 +61,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -110,6 +109,7 @@ from lightning_pipe.strategy.checkpointing import CheckpointHooks
 from lightning_pipe.strategy.choosing import AUTO, AutoOptions, PipelineChoosing
 from lightning_pipe.strategy.collectives import Collectives, close_process_groups, open_strategy_groups
 from lightning_pipe.strategy.compiling import StageCompilation
+from lightning_pipe.strategy.connection import connect
 from lightning_pipe.strategy.contract import Entry, PipelineModel
 from lightning_pipe.strategy.effects import metric_modules
 from lightning_pipe.strategy.evaluation import EvaluationHooks
@@ -473,7 +473,7 @@ class PipelineStrategy(
         if self.lightning_module is not None:  # refused on every rank alike before the ranks connect: no
             self._refuse_unsupported(self.lightning_module.trainer)  # group to close, none to open again
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        connect(self.cluster_environment, backend, self._timeout)  # again after a failed fit (.connection)
         atexit.unregister(close_process_groups)  # registered once per process, however many fits
         atexit.register(close_process_groups)
         self._place_threads()  # pin_cpus (.calibrating)
