@@ -15,6 +15,9 @@ are taken one step late (``tests/lightning_cases.py``'s ``one_step_late``), to 1
 synchronous training. The step reads the model's own output class (``out.loss``,
 ``out["logits"]``), and so do ``validation_step`` and ``predict_step``, whose logs and predictions
 equal plain Lightning's. ``gradient_checkpointing_enable()`` becomes the stages' recomputation.
+Batches as ``transformers``' collators make them (a ``BatchEncoding`` padded to each batch's longest
+text) change their sequence length from step to step and train as plain Lightning, on a dozen
+decoders built from their configs (:data:`DECODER_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -431,3 +434,139 @@ def test_a_module_fitted_again_by_a_new_trainer(tmp_path: Path) -> None:
             assert got[name].keys() == expected[name].keys(), name
             assert_states_close(got[name], expected[name], 1e-6)
     assert _largest_gap(expected["again"], expected["resumed"]) > 1e-4  # the resumed run is not the refit
+
+
+def _padded_batches(rows: int = 22, batch: int = 8) -> list[dict[str, torch.Tensor]]:
+    """Texts of 1 to 12 words, tokenized and padded to each batch's longest as ``transformers``'
+    documentation shows (``DataCollatorForLanguageModeling(tokenizer, mlm=False)``: the padding
+    masked, its labels -100), with a tokenizer built here (no download); the last batch is short."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    backend = Tokenizer(WordLevel(words, unk_token="[UNK]"))
+    backend.pre_tokenizer = Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
+    g = torch.Generator().manual_seed(3)
+    texts = [
+        " ".join(
+            f"w{int(i)}" for i in torch.randint(2, VOCAB, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g)
+        )
+        for _ in range(rows)
+    ]
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    return list(DataLoader([tokenizer(text) for text in texts], batch_size=batch, collate_fn=collator))
+
+
+_EXPERTS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2}
+DECODER_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "gemma2": {"head_dim": 8},
+    "gemma3_text": {"head_dim": 8},
+    "phi3": {"pad_token_id": 0},
+    "qwen3": {"head_dim": 8},
+    "qwen3_moe": {"head_dim": 8, "moe_intermediate_size": 16, **_EXPERTS},
+    "deepseek_v3": {
+        "num_key_value_heads": 4,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 4,
+        "v_head_dim": 8,
+        "moe_intermediate_size": 16,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        **_EXPERTS,
+    },
+    "olmo2": {},
+    "falcon": {},
+    "gpt_neox": {},
+    "opt": {"dropout": 0.0, "ffn_dim": 64},
+}
+"""Decoders by ``model_type``, each with what its config class needs beside the shared sizes
+(:data:`ROTARY_DECODER`: 4 blocks, 32 wide) and no dropout (each process draws its own masks)."""
+
+
+class PaddedDecoder(L.LightningModule):
+    """A decoder (``model_type``) fine-tuned on padded batches: ``forward`` takes the collator's batch
+    as ``transformers``' documentation calls the model (``model(**batch)``)."""
+
+    def __init__(self, model_type: str = "llama") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(model_type, **{**ROTARY_DECODER, **DECODER_CONFIGS[model_type]})
+        self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    def forward(self, **batch: torch.Tensor) -> Any:
+        return self.model(**batch)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class WholeBatchDecoder(PaddedDecoder):
+    """:class:`PaddedDecoder` whose ``forward`` takes the collator's ``BatchEncoding`` itself."""
+
+    def forward(self, batch: Any) -> Any:  # type: ignore[override]
+        return self.model(**batch)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self(batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+
+def _padded_worker(rank: int, root: str, runs: list[tuple[str, str]]) -> list[dict[str, torch.Tensor]]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    finals = []
+    for model_type, schedule in runs:
+        module = WholeBatchDecoder(model_type) if schedule == "gpipe" else PaddedDecoder(model_type)
+        strategy = PipelineStrategy(schedule, microbatches=MICROBATCHES)
+        run = trainer(f"{root}/{model_type}_{schedule}", strategy, 2, max_epochs=2)
+        run.fit(module, DataLoader(_padded_batches(), batch_size=None))
+        finals.append(final_state(run, module))
+    return finals
+
+
+def padded_reference(model_type: str, root: str | Path, threads: int = 1) -> dict[str, torch.Tensor]:
+    """Plain Lightning on one process (on ``threads`` threads; a pipeline's processes compute on one)
+    fed the micro-batches a pipeline cuts the padded batches into."""
+    pieces = [
+        {key: value.tensor_split(MICROBATCHES)[i] for key, value in batch.items()}
+        for batch in _padded_batches()
+        for i in range(MICROBATCHES)
+    ]
+    module = PaddedDecoder(model_type)
+    run = trainer(root, "auto", 1, max_epochs=2, accumulate_grad_batches=MICROBATCHES)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run.fit(module, DataLoader(pieces, batch_size=None))
+    finally:
+        torch.set_num_threads(before)
+    return {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+
+@pytest.mark.timeout(300)
+def test_batches_padded_to_their_longest_text_train_as_plain_lightning(tmp_path: Path) -> None:
+    """Batches whose sequence length changes from step to step (padded to each batch's longest text,
+    the last batch short, a ``BatchEncoding``) run through the graph captured on the first: 1F1B on
+    every decoder of :data:`DECODER_CONFIGS` and GPipe on Llama (``forward`` taking the
+    ``BatchEncoding`` itself: :class:`WholeBatchDecoder`) end as plain Lightning fed the same
+    micro-batches to 1e-6 (each micro-batch's loss is the mean over its own tokens, as under gradient
+    accumulation)."""
+    assert len({batch["input_ids"].shape for batch in _padded_batches()}) == 3
+    runs = [(model_type, "1f1b") for model_type in DECODER_CONFIGS] + [("llama", "gpipe")]
+    per_rank = run_local(_padded_worker, 2, str(tmp_path), runs, timeout=280)
+    expected = {model_type: padded_reference(model_type, tmp_path / model_type) for model_type in DECODER_CONFIGS}
+    for finals in per_rank:
+        for (model_type, _), final in zip(runs, finals, strict=True):
+            assert_states_close(final, expected[model_type], 1e-6)

@@ -9,7 +9,7 @@ import gc
 import itertools
 import pickle
 import weakref
-from collections import namedtuple
+from collections import UserDict, namedtuple
 
 import pytest
 import torch
@@ -31,6 +31,10 @@ class Output:
     hidden: object = None
 
 
+class Encoding(UserDict):
+    """A mapping that is not a dict, as a ``transformers`` tokenizer's or collator's ``BatchEncoding``."""
+
+
 def test_round_trip_keeps_structure_and_constants() -> None:
     obj = {"pair": Pair(torch.ones(2, 3), torch.zeros(2)), "list": [torch.arange(4), 7, None], "name": "x"}
     skeleton, found = flatten(obj)
@@ -44,8 +48,8 @@ def test_round_trip_keeps_structure_and_constants() -> None:
 
 
 def _nested(rows: int) -> st.SearchStrategy:
-    """Batches of ``rows`` samples: a bare tensor, or tuples, named tuples, lists and dicts holding
-    tensors (the first one of them at least) and constants."""
+    """Batches of ``rows`` samples: a bare tensor, or tuples, named tuples, lists, dicts and other
+    mappings holding tensors (the first one of them at least) and constants."""
     leaf = st.builds(lambda width: torch.randn(rows, width), st.integers(1, 3))
     constant = st.sampled_from([None, 7, "x"])
     return st.recursive(
@@ -55,6 +59,7 @@ def _nested(rows: int) -> st.SearchStrategy:
             st.tuples(children, st.one_of(children, constant)),
             st.builds(Pair, children, st.one_of(children, constant)),
             st.dictionaries(st.sampled_from(["a", "b"]), children, min_size=1, max_size=2),
+            st.dictionaries(st.sampled_from(["a", "b"]), children, min_size=1, max_size=2).map(Encoding),
         ),
         max_leaves=5,
     )
@@ -149,6 +154,7 @@ def _outputs(rows: int) -> st.SearchStrategy:
             st.builds(Pair, children, st.one_of(children, constant)),
             st.builds(Output, children, st.one_of(children, constant)),
             st.dictionaries(st.sampled_from(["a", "b"]), children, min_size=1, max_size=2),
+            st.dictionaries(st.sampled_from(["a", "b"]), children, min_size=1, max_size=2).map(Encoding),
             st.lists(leaf, min_size=1, max_size=3),
         ),
         max_leaves=5,

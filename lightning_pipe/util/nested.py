@@ -1,5 +1,6 @@
-"""Nested structures of tensors: tuples (named ones included), lists, dicts and dataclasses (a
-``transformers`` ``ModelOutput`` is both) with tensors inside.
+"""Nested structures of tensors: tuples (named ones included), lists, mappings (dicts, and the
+``UserDict`` a ``transformers`` tokenizer or collator returns, ``BatchEncoding``) and dataclasses (a
+``transformers`` ``ModelOutput`` is both a dict and a dataclass) with tensors inside.
 
 What a layer or a pipeline stage takes and returns. :func:`flatten` separates a picklable skeleton from
 the tensors (how the runtime sends a message), :func:`unflatten` puts them back, and
@@ -9,7 +10,7 @@ the tensors (how the runtime sends a message), :func:`unflatten` puts them back,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ def _walk(item: Any, found: list[Any], leaf: type | tuple[type, ...]) -> Any:
         return ("tensor", len(found) - 1)
     if isinstance(item, tuple | list):
         return ("sequence", type(item), [_walk(x, found, leaf) for x in item])
-    if isinstance(item, dict):
+    if isinstance(item, Mapping):
         return ("dict", type(item), [(key, _walk(value, found, leaf)) for key, value in item.items()])
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
         fields = [f.name for f in dataclasses.fields(item) if f.init]
@@ -51,8 +52,8 @@ def unflatten(skeleton: Any, values: list[torch.Tensor]) -> Any:
         return cls(*items) if hasattr(cls, "_fields") else cls(items)
     if kind == "dict":
         _, cls, children = skeleton
-        items = ((key, unflatten(child, values)) for key, child in children)
-        return cls(**dict(items)) if dataclasses.is_dataclass(cls) else cls(items)
+        items = {key: unflatten(child, values) for key, child in children}
+        return cls(**items) if dataclasses.is_dataclass(cls) else cls(items)
     return skeleton[1]
 
 
@@ -79,7 +80,7 @@ def nbytes(obj: Any) -> int:
 def concatenate(parts: list[Any], rows: list[int]) -> Any:
     """Micro-batches' predictions joined back into the batch's (``rows``: each part's samples): tensors
     along dim 0 (0-dim ones stacked), a list of one prediction per sample chained (:func:`_per_sample`),
-    other lists, tuples, dicts and dataclasses joined element by element into their own type (a list of
+    other lists, tuples, mappings and dataclasses joined element by element into their own type (a list of
     feature maps stays one map per level; a ``transformers`` ``ModelOutput`` stays one, its ``.loss``
     readable), a value every part holds the same kept once (else the parts' values in a list); one
     part is the batch's as it is."""
@@ -90,7 +91,7 @@ def concatenate(parts: list[Any], rows: list[int]) -> Any:
         return torch.cat(parts) if first.dim() else torch.stack(parts)
     if isinstance(first, list) and _per_sample(parts, rows):
         return [item for part in parts for item in part]
-    if isinstance(first, tuple | list | dict) or (dataclasses.is_dataclass(first) and not isinstance(first, type)):
+    if isinstance(first, tuple | list | Mapping) or (dataclasses.is_dataclass(first) and not isinstance(first, type)):
         skeleton, _ = flatten(first, leaf=())
         return _joined(skeleton, parts, rows)
     return first if all(_equal(part, first) for part in parts[1:]) else parts
@@ -125,7 +126,7 @@ def _joined(skeleton: Any, parts: list[Any], rows: list[int]) -> Any:
 
 
 def _field(part: Any, key: str) -> Any:
-    return part[key] if isinstance(part, dict) else getattr(part, key)
+    return part[key] if isinstance(part, Mapping) else getattr(part, key)
 
 
 def _equal(one: Any, other: Any) -> bool:
