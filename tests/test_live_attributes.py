@@ -1,7 +1,8 @@
 """Module attributes that user code changes during training (a gate's scale set in ``training_step``
 or in a hook) are read by the pipeline's layers when they run, as plain Lightning's ``forward``
 reads them; one the captured graph holds as a constant (a flag ``forward`` takes a decision on) is
-refused the step it changes, on every rank, naming it — never silently ignored.
+refused the step it changes, on every rank, naming it — never silently ignored. One ``forward``
+sets itself before reading it is ``forward``'s own, not a change.
 
 The oracle: once the gate's scale is 0, the logits are all 0 and the loss is ln 4 at every step,
 whatever the weights (a delayed-weight schedule included); before that, 1F1B equals plain Lightning
@@ -120,6 +121,43 @@ def test_a_changed_float_is_read_when_the_layers_run_and_a_decided_flag_is_caugh
     (changed,) = captured.graph.changed_attributes()
     assert (changed.path, changed.name, changed.value) == ("gate", "shift", True)
     assert "if self.shift" in changed.line
+
+
+class Windowed(nn.Module):
+    """Sets its shift from the input's width in ``forward``, then decides on it, as ``transformers``'
+    Swin sets its windows' shift from the input's resolution."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.window = window
+        self.shift = window // 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] <= self.window:
+            self.shift = 0
+        y = self.linear(x)
+        if self.shift > 0:
+            y = y.roll(self.shift, -1)
+        return y
+
+
+def test_an_attribute_forward_sets_itself_is_not_taken_for_a_change() -> None:
+    """What ``forward`` reads of an attribute it set itself is its own value, set again on every call:
+    the capture leaves the module as it was (the shift back at 4), and that is no change the graph
+    misses. One ``forward`` only reads (the other window's shift) is still held and checked."""
+    module = nn.Sequential(Windowed(8), nn.ReLU(), Windowed(4), nn.ReLU())
+    x = torch.randn(4, 8)
+    captured = capture(module, (x,), {}, stages=2)
+    assert (module[0].shift, module[2].shift) == (4, 2)  # the capture changed nothing
+    assert captured.graph.changed_attributes() == []
+    value: Any = (x,)
+    for layer in captured.layers:
+        value = layer(value)
+    assert torch.equal(value, module(x))
+    module[2].shift = 0
+    (changed,) = captured.graph.changed_attributes()
+    assert (changed.path, changed.name, changed.value) == ("2", "shift", 2)
 
 
 @pytest.mark.timeout(300)

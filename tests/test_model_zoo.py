@@ -4,7 +4,8 @@ generation cache, a Llama-style decoder: rotary embeddings, grouped-query attent
 causal mask built in ``forward``; Mixtral, a mixture of experts routing each token to 2 of 4), an
 encoder (BERT with ``attention_mask``, ``token_type_ids`` and ``labels=``, its loss object made in
 ``forward``), an encoder-decoder (T5: two stacks, cross-attention, embeddings shared with the
-head), a ``timm`` ViT, torchvision's EfficientNet-B0 and a ``segmentation-models-pytorch`` U-Net.
+head), a ``timm`` ViT, ``transformers``' Swin (which sets its windows' shift in ``forward``),
+torchvision's EfficientNet-B0 and a ``segmentation-models-pytorch`` U-Net.
 
 1F1B and GPipe end equal to plain Lightning fed the same micro-batches (``accumulate_grad_batches``,
 batch norm's running statistics moved once per step by the whole batch's rows, as the pipeline
@@ -50,7 +51,7 @@ smp = pytest.importorskip("segmentation_models_pytorch")
 
 ROWS, MICROBATCHES, BATCHES, VOCAB, LENGTH = 8, 2, 2, 64, 8
 LANGUAGE = ("gpt2", "llama", "mixtral", "bert", "t5")
-VISION = ("vit", "efficientnet", "unet")
+VISION = ("vit", "swin", "efficientnet", "unet")
 BATCH_NORM = ("efficientnet", "unet")
 DECODERS = ("gpt2", "gpt2_checkpointed", "llama", "mixtral", "qwen2")  # called with labels=ids
 ROTARY_DECODER = {  # Llama's and Qwen2's sizes: rotary embeddings, grouped-query attention
@@ -113,6 +114,20 @@ def _network(name: str) -> nn.Module:
         return timm.create_model(
             "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, depth=4, num_classes=3
         )
+    if name == "swin":  # sets its windows' shift in forward, from the input's size
+        config = t.SwinConfig(
+            image_size=16,
+            patch_size=2,
+            embed_dim=16,
+            depths=[2, 2],
+            num_heads=[2, 4],
+            window_size=4,
+            num_labels=3,
+            drop_path_rate=0.0,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return t.SwinForImageClassification(config)
     if name == "features":  # a backbone's feature maps, as timm documents features_only
         return timm.create_model("resnet18", pretrained=False, features_only=True, out_indices=(2, 3, 4))
     if name == "efficientnet":
@@ -149,6 +164,9 @@ class ZooModule(L.LightningModule):
         elif self.name == "t5":
             ids, labels = batch
             loss = self(input_ids=ids, labels=labels).loss
+        elif self.name == "swin":
+            images, labels = batch
+            loss = self(pixel_values=images, labels=labels).loss
         elif self.name == "unet":
             images, masks = batch
             loss = nn.functional.cross_entropy(self(images), masks)

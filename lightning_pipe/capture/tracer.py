@@ -227,6 +227,7 @@ class ShadowTracer(fx.Tracer):
         self.live: dict[str, LiveAttributes] = {}  # get_attr target -> the module whose floats a node reads
         self.decided: dict[tuple[str, str], Decided] = {}  # attributes whose values the graph holds
         self.read_live: dict[tuple[str, str], nn.Module] = {}  # floats the layers read when they run
+        self.written: set[tuple[int, str]] = set()  # (id(module), name) the traced code assigned
         self._paths: dict[int, str] = {}
         self._parameters: dict[int, str] = {}  # id(parameter) -> its name in the traced module
         self._real = False  # a node runs on real values: the patched nn.Module hands over its own results
@@ -278,6 +279,8 @@ class ShadowTracer(fx.Tracer):
         :attr:`decided`, so that a later change is caught (:func:`changed_attributes`)."""
         path = self._paths.get(id(module))
         if path is None or self._real:  # a node's module reads it when it runs, every time
+            return value
+        if (id(module), name) in self.written:  # forward's own value, which it sets on every call
             return value
         if type(value) is not float:
             self._hold(module, path, name, value)
@@ -427,6 +430,13 @@ class ShadowTracer(fx.Tracer):
             self._hold(module, *key, vars(module).get(key[1]))
         return shadow.value
 
+    def attribute_written(self, module: nn.Module, name: str) -> None:
+        """``module.name = ...`` in traced code (transformers' Swin sets its window's shift from the
+        input's size): what ``forward`` reads of it afterwards is what ``forward`` itself set, on every
+        call, so a change made outside ``forward`` is not one the graph misses."""
+        if not self._real:
+            self.written.add((id(module), name))
+
     def _hold(self, module: nn.Module, path: str, name: str, value: Any) -> None:
         """Record ``module.name`` (at ``path``) as held by the graph with ``value``, where first held."""
         if (path, name) not in self.decided:
@@ -462,8 +472,9 @@ _WATCHERS: set[type] = set()  # the watching subclasses
 
 
 def _watching_class(cls: type) -> type:
-    """A subclass of ``cls`` whose instances report reads of their own Python scalars to the active
-    tracer (:meth:`ShadowTracer.attribute_read`); its name is ``cls``'s."""
+    """A subclass of ``cls`` whose instances report reads of their own Python scalars, and assignments
+    to their attributes, to the active tracer (:meth:`ShadowTracer.attribute_read`,
+    :meth:`ShadowTracer.attribute_written`); its name is ``cls``'s."""
     watching = _WATCHING.get(cls)
     if watching is None:
         base_get = cls.__getattribute__
@@ -474,7 +485,14 @@ def _watching_class(cls: type) -> type:
                 return _ACTIVE[-1].attribute_read(self, name, value)
             return value
 
-        namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__}
+        base_set = cls.__setattr__
+
+        def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+            if _ACTIVE:
+                _ACTIVE[-1].attribute_written(self, name)
+            base_set(self, name, value)
+
+        namespace = {"__getattribute__": __getattribute__, "__setattr__": __setattr__, "__module__": cls.__module__}
         namespace["__qualname__"] = cls.__qualname__
         watching = _WATCHING[cls] = type(cls.__name__, (cls,), namespace)
         _WATCHERS.add(watching)
